@@ -1,0 +1,97 @@
+"""The `qllm` command.
+
+    qllm run                                   # run every stale stage of dvc.yaml
+    qllm run --until pretrain                  # only up to (and including) pretrain
+    qllm run --set pretrain.train.lr=0.001 --set evaluate.max_new_tokens=8
+    qllm run --params params/tiny.yaml --summary-json summary.json
+
+`qllm run` validates params before anything starts, runs the Prefect flow `qllm-pipeline`
+locally (Prefect's ephemeral API; set PREFECT_API_URL to use a server), and prints one line per
+stage: `NAME ran|cached SECONDS`. The exit code is non-zero when a stage fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+from pipelines import config, dag
+from pipelines.errors import QllmError
+
+
+def _warm_imports() -> None:
+    """Import what every run needs while Prefect's temporary server starts (runs in parallel)."""
+    import dvc.repo  # noqa: F401
+    import mlflow  # noqa: F401
+
+
+def _print_summary(summary: dict) -> None:
+    width = max(len(s["name"]) for s in summary["stages"])
+    for stage in summary["stages"]:
+        seconds = "-" if stage["seconds"] is None else f"{stage['seconds']:.2f}"
+        print(f"{stage['name']:<{width}}  {stage['status']:<6}  {seconds}")
+    if summary.get("model_version") is not None:
+        print(f"registered model version {summary['model_version']}")
+    print(f"mlflow run {summary['mlflow_run_id']}  ({summary['seconds']:.1f}s)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    root = Path(args.project_dir).resolve()
+    # Fail fast on bad params or an unknown stage: before Prefect, MLflow or any stage starts.
+    config.load(root, args.params, args.set)
+    stage_names = list(dag.stages(root))
+    for name in [args.until, *args.force]:
+        if name is not None and name not in stage_names:
+            raise QllmError(f"unknown stage {name!r}; stages are: {', '.join(stage_names)}")
+
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "qllm")
+    threading.Thread(target=_warm_imports, daemon=True).start()
+    from flows.pipeline import pipeline
+
+    state = pipeline(
+        overrides=args.set, params_files=args.params, until=args.until, force=args.force, project_dir=str(root), return_state=True
+    )
+    if not state.is_completed():
+        try:
+            state.result()
+        except QllmError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - the traceback is already in the Prefect log above
+            print(f"error: pipeline failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    summary = state.result()
+    _print_summary(summary)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qllm", description="QLLM pipeline: Prefect runs it, DVC versions it, MLflow tracks it.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the pipeline (stages whose inputs are unchanged are cache hits)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one param, e.g. dpo.beta=0.2 (repeatable)")
+    run.add_argument("--params", action="append", default=[], metavar="FILE", help="YAML merged over params.yaml (repeatable), e.g. params/tiny.yaml")
+    run.add_argument("--until", metavar="STAGE", help="run only up to and including STAGE")
+    run.add_argument("--force", action="append", default=[], metavar="STAGE", help="rerun STAGE even if it is up to date (repeatable)")
+    run.add_argument("--summary-json", metavar="FILE", help="write the run summary (stages, statuses, seconds, run id) as JSON")
+    run.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except QllmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The pipeline flow: every `dvc.yaml` stage as a Prefect task, in DAG order.
+
+    qllm run [--set KEY=VALUE ...] [--params FILE ...] [--until STAGE]
+
+The task graph is read from `dvc.yaml` (the one definition of the DAG); each task waits for the
+stages it depends on, so independent branches run concurrently. Params (with overrides) are
+validated before any stage starts. One MLflow parent run spans the flow run; every stage that runs
+logs a child run under it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from pipelines import config, dag, runner, tracking, workspace
+from tasks.stages import stage_task
+
+
+@flow(name="qllm-pipeline", log_prints=True, validate_parameters=True)
+def pipeline(
+    overrides: list[str] | None = None,
+    params_files: list[str] | None = None,
+    until: str | None = None,
+    force: list[str] | None = None,
+    project_dir: str = ".",
+) -> dict:
+    """Run the pipeline up to `until` (default: every stage) and return its summary.
+
+    Args:
+        overrides: `section.key=value` params overrides (never written to params.yaml).
+        params_files: YAML files merged over params.yaml, in order (e.g. params/tiny.yaml).
+        until: last stage to run (with everything it depends on).
+        force: stages to rerun even if DVC finds them up to date.
+        project_dir: the project root (holds dvc.yaml, params.yaml, mlflow.db).
+    """
+    logger = get_run_logger()
+    root = Path(project_dir).resolve()
+    _, data = config.load(root, params_files or [], overrides or [])
+    ws = workspace.prepare(root, data)
+    if ws != root:
+        logger.info("overrides given: running in workspace %s (params.yaml untouched)", ws.relative_to(root))
+    started = time.perf_counter()
+    with workspace.locked(ws), tracking.run("pipeline", root, tags=_run_tags(ws, root, overrides, params_files, until)) as parent:
+        parent.log_params({"overrides": " ".join(overrides or []), "params_files": " ".join(params_files or []), "until": until or ""})
+        futures = {}
+        try:
+            for name in dag.order(ws, until):
+                waits = [futures[up] for up in dag.upstream(ws, name) if up in futures]
+                futures[name] = stage_task(name).submit(str(ws), name, parent.run_id, name in (force or []), wait_for=waits)
+            states = {name: future.wait() or future.state for name, future in futures.items()}
+        finally:
+            runner.close(ws)
+        stages = [_stage_summary(name, state) for name, state in states.items()]
+        summary = {
+            "stages": stages,
+            "mlflow_run_id": parent.run_id,
+            "model_version": _registered_version(ws) if "register" in futures else None,
+            "workspace": str(ws),
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+        parent.set_tags({f"qllm.stage.{s['name']}": s["status"] for s in stages})
+        parent.log_metrics({f"stage_seconds/{s['name']}": s["seconds"] for s in stages if s["seconds"] is not None})
+        failed = [s for s in stages if s["status"] not in ("ran", "cached")]
+        if failed:
+            # Re-raise the first failure so the flow run (and the MLflow parent run) fail with it.
+            states[failed[0]["name"]].result()
+    return summary
+
+
+def _run_tags(ws: Path, root: Path, overrides, params_files, until) -> dict[str, str]:
+    tags = {"qllm.kind": "pipeline", "qllm.workspace": str(ws.relative_to(root)) if ws != root else "."}
+    if flow_run.id:
+        tags["qllm.prefect_flow_run_id"] = flow_run.id
+    return tags
+
+
+def _stage_summary(name: str, state) -> dict:
+    if state.is_completed():
+        outcome = state.result()
+        return {"name": name, "status": outcome["status"], "reason": outcome["reason"], "seconds": outcome["seconds"], "outs": outcome["outs"]}
+    return {"name": name, "status": "failed" if state.is_failed() else "not run", "reason": state.message or state.name, "seconds": None, "outs": {}}
+
+
+def _registered_version(ws: Path) -> str | None:
+    record = ws / "data" / "register" / "registered.json"
+    if not record.exists():
+        return None
+    import json
+
+    return json.loads(record.read_text())["version"]

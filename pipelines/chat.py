@@ -1,0 +1,48 @@
+"""Chat format shared by the tokenizer, SFT, DPO and evaluation: ChatML special tokens and template.
+
+The template marks assistant turns with `{% generation %}` so
+`tokenizer.apply_chat_template(..., return_assistant_tokens_mask=True)` gives the completion-only
+loss mask directly (the closing `<|im_end|>` is trained, so the model learns to stop).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+EOS = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]
+ROLES = ("system", "user", "assistant")
+
+# HF renders templates with trim_blocks: the newline after a block tag is dropped, hence {{ '\n' }}.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}{{ '\n' }}"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>{{ '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def parse_messages(value: str | list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages from the JSON string stored in Parquet (or an already-parsed list)."""
+    return json.loads(value) if isinstance(value, str) else list(value)
+
+
+def split_last_answer(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], str]:
+    """(prompt messages, reference answer) for a conversation ending with an assistant turn."""
+    if not messages or messages[-1]["role"] != "assistant":
+        raise ValueError("conversation does not end with an assistant turn")
+    return messages[:-1], messages[-1]["content"]
+
+
+def normalize_answer(text: str) -> str:
+    """Exact-match normalisation: first line, trimmed, case-folded, without trailing punctuation."""
+    first = text.strip().split("\n", 1)[0] if text.strip() else ""
+    return first.strip().rstrip(".!?,;:").strip().casefold()

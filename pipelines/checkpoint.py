@@ -1,0 +1,160 @@
+"""Resumable training checkpoints: safetensors weights + tensor-only training state, checksummed.
+
+Layout (one directory per checkpoint, written to a temporary name and renamed when complete)::
+
+    <dir>/step-00000200/model.safetensors   weights (shared/tied tensors stored once)
+                        state.pt            optimizer, scheduler, scaler, RNG, data position,
+                                            loop state: loaded with torch.load(weights_only=True)
+                        manifest.json       step + SHA-256 of both files, written last
+    <dir>/best.json                         which step holds the best validation loss
+
+Only the newest `keep_last` checkpoints and the best one are kept. A checkpoint whose manifest is
+missing or whose checksums do not match (a crash mid-write, a truncated file) is skipped with a
+warning and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("qllm.checkpoint")
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.pt"
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states as tensors/ints (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, py_state, gauss = random.getstate()
+    state = {
+        "python": [version, list(py_state), gauss],
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "cached": cached},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"], numpy["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+
+
+class CheckpointManager:
+    """Save, rotate and find the newest valid checkpoint in one directory."""
+
+    def __init__(self, directory: Path | str, keep_last: int = 2):
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+
+    def list(self) -> list[Checkpoint]:
+        """Completed checkpoint directories, oldest first (validity is checked on load)."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.glob("step-*"):
+            suffix = path.name.removeprefix("step-")
+            if path.is_dir() and suffix.isdigit():
+                found.append(Checkpoint(int(suffix), path))
+        return sorted(found, key=lambda c: c.step)
+
+    @property
+    def best_step(self) -> int | None:
+        try:
+            return json.loads((self.directory / "best.json").read_text())["step"]
+        except (FileNotFoundError, ValueError, KeyError):
+            return None
+
+    def save(self, step: int, model: torch.nn.Module, state: dict[str, Any], best: bool = False) -> Path:
+        """Write `step-<step>` atomically, mark it best if asked, prune old ones."""
+        from safetensors.torch import save_model
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"step-{step:08d}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=self.directory))
+        try:
+            save_model(model, str(tmp / MODEL_FILE))
+            torch.save(state, tmp / STATE_FILE)
+            manifest = {"step": step, "files": {name: _sha256(tmp / name) for name in (MODEL_FILE, STATE_FILE)}}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if best:
+            best_file = self.directory / "best.json"
+            best_file.with_suffix(".tmp").write_text(json.dumps({"step": step}))
+            os.replace(best_file.with_suffix(".tmp"), best_file)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        keep = {c.step for c in self.list()[-self.keep_last :]}
+        if self.best_step is not None:
+            keep.add(self.best_step)
+        for checkpoint in self.list():
+            if checkpoint.step not in keep:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
+        for stale in self.directory.glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    @staticmethod
+    def verify(path: Path) -> bool:
+        """True if the manifest exists and both files match their recorded checksums."""
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+            return all(_sha256(path / name) == digest for name, digest in manifest["files"].items())
+        except (OSError, ValueError, KeyError):
+            return False
+
+    def load(self, path: Path, model: torch.nn.Module) -> dict[str, Any]:
+        """Load weights into `model` and return the training state (no pickle: weights_only)."""
+        from safetensors.torch import load_model
+
+        load_model(model, str(path / MODEL_FILE))
+        return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+
+    def latest_valid(self, step: int | None = None) -> Checkpoint | None:
+        """Newest checkpoint (or the one at `step`) that passes `verify`; warns about bad ones."""
+        candidates = [c for c in reversed(self.list()) if step is None or c.step == step]
+        for checkpoint in candidates:
+            if self.verify(checkpoint.path):
+                return checkpoint
+            log.warning("checkpoint %s is incomplete or corrupt (checksum mismatch); trying the previous one", checkpoint.path)
+        return None

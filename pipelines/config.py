@@ -1,0 +1,444 @@
+"""Typed, validated pipeline parameters: `params.yaml` plus overlays and `--set` overrides.
+
+One section per stage (the same name as the stage module, the `dvc.yaml` stage and the Prefect
+task). Each section is a frozen pydantic model; unknown keys and wrong types are errors that name
+the file, the dotted key and, where it can be found, the line::
+
+    params.yaml:57: pretrain.train.lr: Input should be greater than 0 (got -0.001)
+
+The shipped `params.yaml` spells out every key, so DVC sees every value a stage depends on (a
+test enforces it); the defaults here exist for users' own, shorter params files.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipelines.errors import QllmError
+
+PARAMS_FILE = "params.yaml"
+
+
+class ParamsError(QllmError, ValueError):
+    """A params file or override is invalid; the message names the file, key and expectation."""
+
+
+class Section(BaseModel):
+    """Base of every params section: frozen, no unknown keys, no bool-for-number mix-ups."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and annotation in (int, float):
+            raise ValueError(f"expected a number, got a boolean ({value})")
+        return value
+
+
+# --------------------------------------------------------------------------------------- stages
+
+
+class GenerateParams(Section):
+    """The built-in synthetic world: entities with attributes plus small-number arithmetic."""
+
+    enabled: bool = True
+    """Write the sample data set to `data/sample/` (set false when you only use your own data)."""
+    seed: int = 0
+    """Seed of the world and of every rendering choice; same seed, same bytes."""
+    n_entities: int = Field(120, ge=4, le=10_000)
+    """Number of invented people; each has a city, a favourite colour, a pet and a job."""
+    bios_per_entity: int = Field(16, ge=1)
+    """Pretraining documents per entity, each a different paraphrase and sentence order."""
+    heldout_entity_fraction: float = Field(0.2, gt=0, lt=1)
+    """Share of entities whose questions are never trained on (held-out evaluation)."""
+    max_operand: int = Field(20, ge=2)
+    """Arithmetic facts are `a + b` with `0 <= a, b < max_operand`."""
+    arithmetic_heldout_fraction: float = Field(0.2, gt=0, lt=1)
+    """Share of arithmetic questions held out of SFT/DPO (their facts stay in pretraining)."""
+    qa_in_pretrain: bool = True
+    """Also write plain `Question: … Answer: …` lines (training entities and arithmetic) into pretraining text."""
+    multi_turn_fraction: float = Field(0.2, ge=0, le=1)
+    """Share of SFT conversations with two question/answer turns."""
+    system_prompt: str = "Answer with one word or number."
+    """System message of every chat; empty for none."""
+
+
+SourceKind = Literal["text", "chat", "preference"]
+SourceFormat = Literal["jsonl", "json", "parquet", "csv", "text", "hf"]
+
+
+class SourceParams(Section):
+    """One input data set. `format` is inferred from the extension when omitted."""
+
+    path: str
+    """File, directory, or (with `format: hf`) a `datasets` path or hub name."""
+    kind: SourceKind
+    """What the records are: `text` (pretraining), `chat` (SFT) or `preference` (DPO)."""
+    format: SourceFormat | None = None
+    """jsonl, json, parquet, csv, text (a .txt/.md file or a directory of them) or hf."""
+    split: Literal["auto", "train", "validation", "test"] = "auto"
+    """Which split the records go to; `auto` splits them deterministically by content hash."""
+    name: str | None = None
+    """Name used in metrics and MLflow (default: the file name)."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Rename source columns to the expected ones, e.g. `{text: body}`."""
+    hf_split: str = "train"
+    """Split to read when `format: hf`."""
+
+
+class IngestParams(Section):
+    sources: list[SourceParams] = Field(min_length=1)
+    """The data sets to read; add one entry per data set."""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> IngestParams:
+        names = [s.name or Path(s.path).name for s in self.sources]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"two sources are named {', '.join(map(repr, duplicates))}; give each a distinct `name:`")
+        return self
+
+
+class PrepareDataParams(Section):
+    normalize: Literal["NFKC", "NFC", "none"] = "NFKC"
+    """Unicode normalisation form applied to every string (whitespace is always collapsed)."""
+    min_chars: int = Field(1, ge=0)
+    """Drop records shorter than this after normalisation (chat: all message contents summed;
+    preference: prompt + chosen + rejected)."""
+    max_chars: int = Field(20_000, ge=1)
+    """Drop records longer than this (measured as for `min_chars`)."""
+    dedup: bool = True
+    """Drop exact duplicates (SHA-256 of the normalised content: text; all messages; prompt+chosen+rejected)."""
+    near_dedup: bool = True
+    """Drop near duplicates of `text` records (MinHash over word 3-grams with LSH banding)."""
+    near_dedup_threshold: float = Field(0.9, gt=0, le=1)
+    """Estimated Jaccard similarity of word 3-grams at or above which a text counts as a near duplicate.
+    0.9 catches copies with a word changed near either end of a 50-word text; ~0.8 also catches
+    one changed word in the middle."""
+    validation_fraction: float = Field(0.05, ge=0, lt=1)
+    """Share of `split: auto` records sent to validation (by content hash, so stable)."""
+    seed: int = 0
+    """Salt of the split hash: a different seed gives a different (still stable) split."""
+
+    @model_validator(mode="after")
+    def _range(self) -> PrepareDataParams:
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars ({self.min_chars}) must not exceed max_chars ({self.max_chars})")
+        return self
+
+
+class TrainTokenizerParams(Section):
+    vocab_size: int = Field(2048, ge=300)
+    """Target vocabulary size including the 256 byte symbols and the special tokens."""
+    min_frequency: int = Field(2, ge=1)
+    """Minimum pair frequency for a BPE merge."""
+
+
+class TokenizeParams(Section):
+    seq_len: int = Field(256, ge=8)
+    """Length of the packed training sequences (documents joined with EOS)."""
+    batch_size: int = Field(1000, ge=1)
+    """Documents per batched tokenizer call."""
+
+
+class ModelParams(Section):
+    """Llama architecture built from config (`LlamaConfig`); vocab size comes from the tokenizer."""
+
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(512, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(4, ge=1)
+    """Grouped-query attention when smaller than `num_heads`."""
+    rope_theta: float = Field(10_000.0, gt=0)
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelParams:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class TrainParams(Section):
+    """The shared training loop's settings (every training stage has its own copy)."""
+
+    seed: int = 0
+    max_steps: int = Field(1000, ge=1)
+    """Optimizer steps (each of `micro_batch_size * grad_accum_steps` sequences)."""
+    micro_batch_size: int = Field(16, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a share of `lr` (cosine/linear schedules)."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    """Applied to matrices only; biases, norms and embeddings are not decayed."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Gradient clipping threshold; 0 disables clipping."""
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Autocast dtype; bf16 uses AMX on recent CPUs, fp16 (CUDA only) adds a grad scaler."""
+    eval_every: int = Field(100, ge=0)
+    """Validate every N steps (0: only at the end)."""
+    eval_batches: int = Field(20, ge=0)
+    """Validation micro-batches per evaluation (0: the whole validation set)."""
+    log_every: int = Field(10, ge=1)
+    """Log training metrics to MLflow every N steps."""
+    checkpoint_every: int = Field(200, ge=0)
+    """Save a resumable checkpoint every N steps (0: never)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many recent checkpoints to keep (the best one is kept in addition)."""
+    early_stopping_patience: int = Field(0, ge=0)
+    """Stop after this many evaluations without a better validation loss (0: off)."""
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainParams:
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps})")
+        return self
+
+
+class PretrainParams(Section):
+    model: ModelParams = ModelParams()
+    train: TrainParams = TrainParams()
+
+
+class EvaluateParams(Section):
+    max_new_tokens: int = Field(16, ge=1)
+    """Greedy decoding length for exact-match answers."""
+    batch_size: int = Field(32, ge=1)
+    """Questions decoded together (left-padded)."""
+    max_questions: int = Field(0, ge=0)
+    """Evaluate at most this many held-out questions (0: all)."""
+    eval_batches: int = Field(0, ge=0)
+    """Validation batches for loss/perplexity (0: the whole validation set)."""
+
+
+class RegisterParams(Section):
+    model_name: str = Field("qllm", min_length=1)
+    """Registered model name in the MLflow model registry."""
+    alias: str = Field("champion", min_length=1)
+    """Alias given to the newly registered version."""
+
+
+# `register` (the stage) shadows the ABC `register` classmethod pydantic models inherit; instance
+# attribute lookup returns the field, which is all we use, so the warning is noise.
+warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows', category=UserWarning)
+
+
+class Params(Section):
+    """The whole `params.yaml`: one section per stage."""
+
+    generate: GenerateParams = GenerateParams()
+    ingest: IngestParams
+    prepare_data: PrepareDataParams = PrepareDataParams()
+    train_tokenizer: TrainTokenizerParams = TrainTokenizerParams()
+    tokenize: TokenizeParams = TokenizeParams()
+    pretrain: PretrainParams = PretrainParams()
+    evaluate: EvaluateParams = EvaluateParams()
+    register: RegisterParams = RegisterParams()
+
+
+# ----------------------------------------------------------------------------- loading & merging
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that name the file and line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: file not found") from None
+    except UnicodeDecodeError as exc:
+        raise ParamsError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ParamsError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """Return `base` with `overlay` merged in: mappings merge key by key, anything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse one `--set section.key=value` (the value is YAML: `0.2`, `true`, `[4, 8]`)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ParamsError(f"--set {text!r}: expected KEY=VALUE with a dotted key, e.g. dpo.beta=0.2")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `--set` overrides; each key must already exist (a typo is an error, not a new key)."""
+    out = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for depth, part in enumerate(path[:-1]):
+            nxt = node.get(part) if isinstance(node, dict) else None
+            if nxt is None:
+                nxt = node[part] = {} if isinstance(node, dict) else None
+            if not isinstance(nxt, dict):
+                raise ParamsError(f"--set {text!r}: {'.'.join(path[: depth + 1])} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """Map dotted key paths of a YAML document to their 1-based line numbers."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                path = (*prefix, str(key_node.value))
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                path = (*prefix, str(index))
+                lines[path] = item.start_mark.line + 1
+                walk(item, path)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
+    """The params model class found at a validation-error location (list indices skipped)."""
+    model: type[BaseModel] | None = Params
+    for part in loc:
+        if model is None or part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return model
+
+
+def _format_errors(exc: ValidationError, data: dict[str, Any], source: str, lines: dict[tuple[str, ...], int]) -> str:
+    messages = []
+    for error in exc.errors():
+        loc = tuple(str(part) for part in error["loc"])
+        key = ".".join(loc) or "<top level>"
+        line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
+        where = f"{source}:{line}" if line else source
+        if error["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            hint = f" (expected one of: {', '.join(sorted(parent.model_fields))})" if parent else ""
+            messages.append(f"{where}: {key}: unknown key{hint}")
+        elif error["type"] == "missing":
+            messages.append(f"{where}: {key}: required key is missing")
+        else:
+            got = error.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            msg = error["msg"].removeprefix("Value error, ")
+            messages.append(f"{where}: {key}: {msg}{shown}")
+    return "\n".join(messages)
+
+
+def validate(data: dict[str, Any], source: str = PARAMS_FILE, text: str | None = None) -> Params:
+    """Validate a params mapping, raising `ParamsError` that names every bad key."""
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        lines = _key_lines(text) if text else {}
+        raise ParamsError(_format_errors(exc, data, source, lines)) from None
+
+
+def load(root: Path | str = ".", overlays: list[Path | str] = (), overrides: list[str] = ()) -> tuple[Params, dict[str, Any]]:
+    """Load `<root>/params.yaml`, merge `--params` overlays and `--set` overrides, validate.
+
+    Returns the typed params and the plain merged mapping (what a run workspace writes out).
+    """
+    base_path = Path(root) / PARAMS_FILE
+    data = read_yaml(base_path)
+    validate(data, str(base_path), base_path.read_text(encoding="utf-8"))
+    for overlay in overlays:
+        overlay_path = Path(overlay)
+        layer = read_yaml(overlay_path)
+        data = deep_merge(data, layer)
+        validate(data, str(overlay_path), overlay_path.read_text(encoding="utf-8"))
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+        try:
+            return Params.model_validate(data), data
+        except ValidationError as exc:
+            raise ParamsError(_format_errors(exc, data, "--set", {})) from None
+    return validate(data), data
+
+
+def load_section(name: str, root: Path | str = ".") -> Any:
+    """Load and validate `<root>/params.yaml` and return one stage's section."""
+    params, _ = load(root)
+    return getattr(params, name)
+
+
+def to_plain(model: BaseModel) -> dict[str, Any]:
+    """A JSON-safe dict of a params model."""
+    return model.model_dump(mode="json")
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested params to dotted keys (`pretrain.train.lr`) for MLflow."""
+    if isinstance(data, BaseModel):
+        data = to_plain(data)
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    if isinstance(data, list) and data and all(isinstance(item, dict) for item in data):
+        out = {}
+        for index, item in enumerate(data):
+            out.update(flatten(item, f"{prefix}{index}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def digest(data: Any) -> str:
+    """Stable SHA-256 of JSON-able data (used to name run workspaces and checkpoint dirs)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()

@@ -1,0 +1,170 @@
+"""The stage graph, read from `dvc.yaml` (the one place it is defined), and DVC-compatible hashes.
+
+Everything else derives from here: the Prefect flow's tasks and their order, `--until`, run
+workspaces. No Prefect import (flows and tasks build on this module, not the other way round).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pipelines.errors import QllmError
+
+DVC_FILE = "dvc.yaml"
+
+
+class DagError(QllmError, ValueError):
+    """`dvc.yaml` is malformed or a stage name is unknown."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One `dvc.yaml` stage: what it runs, reads and writes."""
+
+    name: str
+    cmd: str
+    deps: tuple[str, ...]
+    params: tuple[str, ...]
+    outs: tuple[str, ...]
+    metrics: tuple[str, ...]
+    plots: tuple[str, ...]
+
+    @property
+    def module(self) -> str:
+        """The `pipelines` module the stage runs (`python -m pipelines.<name>`)."""
+        prefix = "python -m "
+        if not self.cmd.startswith(prefix):
+            raise DagError(f"{DVC_FILE}: stage {self.name}: cmd must be 'python -m pipelines.<stage>', got {self.cmd!r}")
+        return self.cmd[len(prefix) :].split()[0]
+
+    @property
+    def all_outs(self) -> tuple[str, ...]:
+        return self.outs + self.metrics + self.plots
+
+
+def _paths(entries: Iterable, stage: str, field: str) -> tuple[str, ...]:
+    paths = []
+    for entry in entries or ():
+        if isinstance(entry, str):
+            paths.append(entry)
+        elif isinstance(entry, dict) and len(entry) == 1:
+            paths.append(next(iter(entry)))
+        else:
+            raise DagError(f"{DVC_FILE}: stage {stage}: unexpected {field} entry {entry!r}")
+    return tuple(paths)
+
+
+def _params(entries: Iterable, stage: str) -> tuple[str, ...]:
+    keys: list[str] = []
+    for entry in entries or ():
+        if isinstance(entry, str):
+            keys.append(entry)
+        elif isinstance(entry, dict):
+            for file, file_keys in entry.items():
+                if file != "params.yaml":
+                    raise DagError(f"{DVC_FILE}: stage {stage}: params must come from params.yaml, not {file}")
+                keys.extend(file_keys or ())
+        else:
+            raise DagError(f"{DVC_FILE}: stage {stage}: unexpected params entry {entry!r}")
+    return tuple(keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: Path, mtime_ns: int) -> dict[str, Stage]:
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    stages = data.get("stages")
+    if not isinstance(stages, dict) or not stages:
+        raise DagError(f"{path}: expected a non-empty 'stages' mapping")
+    out = {}
+    for name, body in stages.items():
+        if not isinstance(body, dict) or "cmd" not in body:
+            raise DagError(f"{path}: stage {name}: expected a mapping with 'cmd'")
+        out[name] = Stage(
+            name=name,
+            cmd=body["cmd"],
+            deps=_paths(body.get("deps"), name, "deps"),
+            params=_params(body.get("params"), name),
+            outs=_paths(body.get("outs"), name, "outs"),
+            metrics=_paths(body.get("metrics"), name, "metrics"),
+            plots=_paths(body.get("plots"), name, "plots"),
+        )
+    return out
+
+
+def stages(root: Path | str = ".") -> dict[str, Stage]:
+    """All stages of `<root>/dvc.yaml`, in file order."""
+    path = (Path(root) / DVC_FILE).resolve()
+    if not path.exists():
+        raise DagError(f"{path}: not found (run from the project root)")
+    return _load(path, path.stat().st_mtime_ns)
+
+
+def _covers(out: str, dep: str) -> bool:
+    return dep == out or dep.startswith(out.rstrip("/") + "/")
+
+
+def upstream(root: Path | str, name: str) -> list[str]:
+    """Stages whose outputs `name` depends on (direct parents)."""
+    graph = stages(root)
+    stage = graph[name]
+    return [
+        other.name
+        for other in graph.values()
+        if other.name != name and any(_covers(out, dep) for out in other.all_outs for dep in stage.deps)
+    ]
+
+
+def order(root: Path | str = ".", until: str | None = None) -> list[str]:
+    """Stages in a topological order (file order among independent ones), optionally only the
+    ancestors of `until` and `until` itself."""
+    graph = stages(root)
+    if until is not None and until not in graph:
+        raise DagError(f"unknown stage {until!r}; stages are: {', '.join(graph)}")
+    parents = {name: upstream(root, name) for name in graph}
+    wanted = set(graph)
+    if until is not None:
+        wanted, todo = set(), [until]
+        while todo:
+            name = todo.pop()
+            if name not in wanted:
+                wanted.add(name)
+                todo.extend(parents[name])
+    done: list[str] = []
+    while len(done) < len(wanted):
+        ready = [n for n in graph if n in wanted and n not in done and all(p in done for p in parents[n] if p in wanted)]
+        if not ready:
+            raise DagError(f"{DVC_FILE}: the stages {sorted(wanted - set(done))} form a cycle")
+        done.append(ready[0])
+    return done
+
+
+def source_paths(root: Path | str = ".") -> list[str]:
+    """Dependencies that no stage produces: code and raw data, the inputs of the whole DAG."""
+    graph = stages(root)
+    produced = [out for stage in graph.values() for out in stage.all_outs]
+    paths = {dep for stage in graph.values() for dep in stage.deps if not any(_covers(out, dep) for out in produced)}
+    return sorted(paths)
+
+
+def dvc_md5(path: Path | str) -> str:
+    """The md5 DVC records for a file or directory (`<md5>.dir` for directories)."""
+    from dvc_data.hashfile.hash import file_md5
+    from dvc_objects.fs.local import LocalFileSystem
+
+    fs = LocalFileSystem()
+    path = str(path)
+    if not Path(path).is_dir():
+        return file_md5(path, fs)
+    import tempfile
+
+    from dvc_data.hashfile.build import build
+    from dvc_data.hashfile.db import HashFileDB
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _, _, obj = build(HashFileDB(fs, tmp), path, fs, "md5", dry_run=True)
+    return obj.hash_info.value

@@ -1,0 +1,63 @@
+"""Generate the built-in synthetic sample data set.
+
+    python -m pipelines.generate          # what dvc.yaml runs; writes data/sample/
+
+Writes `pretrain.txt`, `chat_{train,heldout}.jsonl`, `preference_{train,heldout}.jsonl` and
+`world.json` (see `pipelines/sample_world.py`). With `generate.enabled: false` it writes only a
+README, so the stage stays in the graph while `ingest` reads your own data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelines import sample_world, stage
+from pipelines.config import GenerateParams
+from pipelines.errors import QllmError
+from pipelines.outputs import atomic_dir
+
+NAME = "generate"
+OUT = "data/sample"
+
+DISABLED_README = """\
+# Sample data disabled
+
+`generate.enabled` is false in params.yaml, so the built-in synthetic sample was not written.
+Point `ingest.sources` at your own data (see data/sources/README.md).
+"""
+
+
+def run(out: Path, params: GenerateParams) -> dict[str, int]:
+    """Replace `out` with the sample files (or only a README when the sample is disabled).
+
+    Args:
+        out: output directory; replaced atomically, never left half-written.
+        params: the `generate` params section.
+
+    Returns:
+        The sample counts (`sample_world.COUNT_KEYS`; all zero when disabled).
+    """
+    with atomic_dir(out) as tmp:
+        if not params.enabled:
+            (tmp / "README.md").write_text(DISABLED_README, encoding="utf-8")
+            counts = dict.fromkeys(sample_world.COUNT_KEYS, 0)
+        else:
+            try:
+                counts = sample_world.write_sample(tmp, params)
+            except sample_world.WorldError as exc:
+                raise QllmError(f"params.yaml: generate: {exc}") from None
+    return counts
+
+
+def _body(ctx: stage.StageContext) -> dict:
+    counts = run(ctx.path(OUT), ctx.params)
+    ctx.log.info("wrote %s: %s", OUT, ", ".join(f"{key}={value}" for key, value in counts.items()))
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""Read every data source of `ingest.sources` into one Parquet file per record kind.
+
+    python -m pipelines.ingest      # what dvc.yaml runs
+
+Writes `data/ingested/text.parquet`, `chat.parquet` and `preference.parquet` (always all three;
+a kind without sources is an empty file with the kind's columns), in source order. The record
+kinds and accepted input layouts are described in `pipelines/readers.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pipelines import stage
+from pipelines.config import IngestParams, SourceParams
+from pipelines.outputs import atomic_dir
+from pipelines.readers import COLUMNS, empty_frame, read_source, source_name
+
+NAME = "ingest"
+OUT_DIR = "data/ingested"
+# Only these directories are `ingest` deps in dvc.yaml; DVC does not see a change anywhere else.
+TRACKED_DIRS = ("data/sources", "data/sample")
+
+
+def untracked_sources(sources: list[SourceParams], root: Path) -> list[SourceParams]:
+    """The sources whose path lies outside `data/sources/` and `data/sample/` (hub names included)."""
+    tracked = [(Path(root) / folder).resolve() for folder in TRACKED_DIRS]
+    out = []
+    for source in sources:
+        path = Path(source.path)
+        resolved = (path if path.is_absolute() else Path(root) / path).resolve()
+        if not any(resolved.is_relative_to(folder) for folder in tracked):
+            out.append(source)
+    return out
+
+
+def run(root: Path, out_dir: Path, params: IngestParams) -> dict[str, Any]:
+    """Read every source and write one Parquet file per kind.
+
+    Args:
+        root: project root; relative source paths are resolved against it.
+        out_dir: directory to (atomically) replace with `text.parquet`, `chat.parquet`,
+            `preference.parquet`.
+        params: the `ingest` params section.
+
+    Returns:
+        Metrics: `{"records": {kind: n}, "sources": {name: {"kind": kind, "records": n}}}`.
+    """
+    frames: dict[str, list[pd.DataFrame]] = {kind: [] for kind in COLUMNS}
+    per_source = {}
+    for source in params.sources:
+        frame = read_source(source, root)
+        frames[source.kind].append(frame)
+        per_source[source_name(source)] = {"kind": source.kind, "records": len(frame)}
+    with atomic_dir(out_dir) as tmp:
+        for kind, parts in frames.items():
+            merged = pd.concat(parts, ignore_index=True) if parts else empty_frame(kind)
+            merged.to_parquet(tmp / f"{kind}.parquet", index=False)
+    return {
+        "records": {kind: sum(len(part) for part in parts) for kind, parts in frames.items()},
+        "sources": per_source,
+    }
+
+
+def _body(ctx: stage.StageContext) -> dict[str, Any]:
+    for source in untracked_sources(ctx.params.sources, ctx.root):
+        ctx.log.warning(
+            "source %s: %s is not a dependency in dvc.yaml: DVC will not notice when it changes; "
+            "move it under data/sources/",
+            source_name(source),
+            source.path,
+        )
+    metrics = run(ctx.root, ctx.path(OUT_DIR), ctx.params)
+    for source in ctx.params.sources:
+        info = metrics["sources"][source_name(source)]
+        ctx.log.info(
+            "source %s: %d %s records from %s", source_name(source), info["records"], info["kind"], source.path
+        )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

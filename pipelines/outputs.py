@@ -1,0 +1,74 @@
+"""Atomic stage outputs: write into a temporary sibling, rename into place only when complete.
+
+A stage killed half-way leaves at most a `.tmp-*` sibling (ignored by DVC and cleaned by the next
+run), never a directory or file that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+TMP_PREFIX = ".tmp-"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def clean_stale_temps(parent: Path, name: str) -> None:
+    """Remove temporaries a killed run left next to `parent/name`."""
+    if parent.is_dir():
+        for stale in parent.glob(f"{TMP_PREFIX}{name}-*"):
+            _remove(stale)
+
+
+@contextmanager
+def atomic_dir(path: Path | str) -> Iterator[Path]:
+    """Yield an empty temporary directory that replaces `path` when the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(path.parent, path.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _remove(path)
+    os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_file(path: Path | str) -> Iterator[Path]:
+    """Yield a temporary file path that replaces `path` when the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def write_json(path: Path | str, data: Any) -> None:
+    """Atomically write pretty, key-sorted JSON (stable bytes for DVC)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+
+
+def read_json(path: Path | str) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,90 @@
+"""Pretrain a small Llama-architecture model from scratch on the packed token sequences.
+
+    python -m pipelines.pretrain       # what dvc.yaml runs; writes data/models/pretrain/
+
+The model is built from `pretrain.model` (`LlamaConfig` + `LlamaForCausalLM`, vocabulary from the
+tokenizer) and trained by the shared loop in `pipelines.training`. Checkpoints go to
+`.qllm/checkpoints/pretrain/<fingerprint>/`, outside the stage output, so a killed run resumes
+and a changed stage starts afresh. The output is a `save_pretrained` directory.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipelines import packed, stage, training
+from pipelines.checkpoint import CheckpointManager
+from pipelines.config import PretrainParams
+from pipelines.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
+from pipelines.outputs import atomic_dir, read_json
+
+NAME = "pretrain"
+TOKENIZED = "data/tokenized"
+TOKENIZER = "data/tokenizer"
+OUT = "data/models/pretrain"
+
+
+def validation_fn(rows: np.ndarray, batch_size: int, max_batches: int, precision: str):
+    """Mean loss and perplexity over the first `max_batches` validation batches (0: all)."""
+    batches = packed.fixed_batches(rows, batch_size, max_batches)
+
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        loss = training.mean_loss(model, training.causal_lm_loss, batches, next(model.parameters()).device, precision)
+        return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
+
+    return evaluate
+
+
+def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams, checkpoint_dir: Path | None, tracker=None) -> dict:
+    tokenizer = load_tokenizer(tokenizer_dir)
+    meta = read_json(tokenized / "meta.json")
+    train_rows, val_rows = packed.load(tokenized, "train"), packed.load(tokenized, "validation")
+    cfg = params.train
+    model = build_llama(params.model, tokenizer, max_positions=meta["seq_len"], seed=cfg.seed).to(device())
+    counts = parameter_counts(model)
+    if tracker is not None:
+        tracker.log_params({"model.parameters": counts["total_parameters"], "model.vocab_size": len(tokenizer)})
+    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
+    checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
+    result = training.train(
+        model,
+        training.causal_lm_loss,
+        batches,
+        cfg,
+        val_fn=validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision),
+        tracker=tracker,
+        checkpoints=checkpoints,
+        desc=NAME,
+    )
+    with atomic_dir(out) as tmp:
+        save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"])
+    tokens_per_second = result["tokens"] / max(result["train_seconds"], 1e-9)
+    return {
+        **result,
+        **counts,
+        "tokens_per_second": round(tokens_per_second),
+        "vocab_size": len(tokenizer),
+        "epochs": round(result["tokens"] / max(1, train_rows.size), 3),
+    }
+
+
+def _body(ctx: stage.StageContext) -> dict:
+    metrics = run(ctx.path(TOKENIZED), ctx.path(TOKENIZER), ctx.path(OUT), ctx.params, ctx.checkpoint_dir, ctx.tracker)
+    ctx.log.info(
+        "pretrained %d parameters for %d steps: val/loss %.4f (perplexity %.2f, vocabulary %d), %d tokens/s",
+        metrics["total_parameters"], metrics["steps"], metrics["val/loss"], metrics["val/perplexity"],
+        metrics["vocab_size"], metrics["tokens_per_second"],
+    )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,484 @@
+"""A deterministic synthetic world: invented people with four attributes, plus small-number sums.
+
+The data is shaped so that a tiny model can show held-out gains after SFT: every fact, held-out or
+not, is stated in the pretraining text (paraphrased bios, arithmetic sentences), while questions
+about held-out people and sums never appear in training chats or preferences. Answering them means
+extracting knowledge learnt in pretraining in the chat format learnt on the other facts.
+
+    from pipelines.config import GenerateParams
+    from pipelines.sample_world import write_sample
+    write_sample(Path("data/sample"), GenerateParams(seed=1))   # usually run by pipelines.generate
+
+Pure standard library; every random choice comes from RNGs seeded by `params.seed`, so the same
+params give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipelines.config import GenerateParams
+
+ATTRIBUTES = ("city", "color", "pet", "job")
+ARITH = "arith"
+
+POOLS = {
+    # Cities use consonant clusters and English-like endings, unlike the syllable-built people.
+    "city": (
+        "Pelora", "Dunmar", "Kestwick", "Varnholm", "Ostrell", "Brackmoor",
+        "Saltinge", "Corvane", "Mirhaven", "Tolbridge", "Quenford", "Elsgrove",
+    ),
+    "color": ("red", "blue", "green", "yellow", "purple", "orange", "pink", "brown", "black", "white"),
+    "pet": ("cat", "dog", "rabbit", "parrot", "hamster", "turtle", "owl", "goldfish", "iguana", "horse"),
+    "job": ("baker", "teacher", "doctor", "farmer", "pilot", "engineer", "artist", "nurse", "lawyer", "chef"),
+}  # fmt: skip
+
+SYLLABLES = (
+    "ba", "da", "do", "fe", "ka", "ki", "la", "li", "lo", "ma", "me", "mi", "na",
+    "no", "ra", "re", "ri", "sa", "ta", "te", "to", "va", "vi", "vik", "rel", "dor",
+)  # fmt: skip
+
+# Bio sentences: {value} is the bare value, {a_value} the value with "a"/"an".
+BIO_TEMPLATES = {
+    "city": (
+        "{name} lives in {value}.",
+        "{name} is based in {value}.",
+        "{name}'s home is in {value}.",
+        "{name} resides in the city of {value}.",
+    ),
+    "color": (
+        "{name}'s favorite color is {value}.",
+        "{name} likes the color {value} most.",
+        "The color {name} loves best is {value}.",
+        "{name} prefers {value} to every other color.",
+    ),
+    "pet": (
+        "{name} has a pet {value}.",
+        "{name} owns {a_value}.",
+        "{name} keeps {a_value} as a pet.",
+        "{name} takes care of a pet {value}.",
+    ),
+    "job": (
+        "{name} works as {a_value}.",
+        "{name} is {a_value} by trade.",
+        "{name} earns a living as {a_value}.",
+        "By profession, {name} is {a_value}.",
+    ),
+}
+
+SUM_TEMPLATES = (
+    "{a} plus {b} equals {c}.",
+    "{a} + {b} = {c}.",
+    "The sum of {a} and {b} is {c}.",
+    "Adding {a} and {b} gives {c}.",
+)
+
+QUESTION_TEMPLATES = {
+    "city": (
+        "Where does {name} live?",
+        "In which city does {name} live?",
+        "What city is {name} based in?",
+    ),
+    "color": (
+        "What is {name}'s favorite color?",
+        "Which color does {name} like most?",
+        "What color does {name} love best?",
+    ),
+    "pet": (
+        "What pet does {name} have?",
+        "Which animal does {name} own?",
+        "What animal does {name} keep as a pet?",
+    ),
+    "job": (
+        "What does {name} do for a living?",
+        "What is {name}'s job?",
+        "What does {name} work as?",
+    ),
+    ARITH: (
+        "What is {a} plus {b}?",
+        "What is {a} + {b}?",
+        "Compute {a} + {b}.",
+    ),
+}
+
+WRONG_SUM_OFFSETS = (1, 2, 3, 10)
+ARITH_SENTENCES_PER_DOC = (5, 10)
+QA_PAIRS_PER_DOC = (4, 8)
+
+COUNT_KEYS = (
+    "pretrain_documents", "pretrain_chars", "chat_train", "chat_heldout", "preference_train",
+    "preference_heldout", "entities", "heldout_entities", "arithmetic_pairs", "heldout_arithmetic_pairs",
+)  # fmt: skip
+
+FILES = {
+    "pretrain": "pretrain.txt",
+    "chat_train": "chat_train.jsonl",
+    "chat_heldout": "chat_heldout.jsonl",
+    "preference_train": "preference_train.jsonl",
+    "preference_heldout": "preference_heldout.jsonl",
+    "world": "world.json",
+}
+
+
+class WorldError(ValueError):
+    """The params ask for a world that cannot be built (e.g. more people than distinct names)."""
+
+
+@dataclass(frozen=True)
+class Entity:
+    """One invented person."""
+
+    name: str
+    city: str
+    color: str
+    pet: str
+    job: str
+    heldout: bool
+
+    def value(self, attribute: str) -> str:
+        return getattr(self, attribute)
+
+
+@dataclass(frozen=True)
+class World:
+    """The people and which sums `a + b` (`0 <= a, b < max_operand`) are held out."""
+
+    entities: tuple[Entity, ...]
+    max_operand: int
+    heldout_pairs: frozenset[tuple[int, int]]
+
+    def pairs(self, heldout: bool) -> list[tuple[int, int]]:
+        """The held-out (or the training) sums in (a, b) order."""
+        every = itertools.product(range(self.max_operand), repeat=2)
+        return [pair for pair in every if (pair in self.heldout_pairs) == heldout]
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One question with one answer: a person's attribute (`kind` = the attribute) or a sum."""
+
+    kind: str
+    answer: str
+    name: str = ""
+    a: int = 0
+    b: int = 0
+
+    def ask(self, template: str) -> str:
+        return template.format(name=self.name, a=self.a, b=self.b)
+
+    def question(self, rng: random.Random) -> str:
+        """The question in one of its wordings, chosen by `rng`."""
+        return self.ask(rng.choice(QUESTION_TEMPLATES[self.kind]))
+
+
+# ------------------------------------------------------------------------------------- the world
+
+
+def _rng(seed: int, part: str) -> random.Random:
+    # One RNG per part, so e.g. toggling qa_in_pretrain leaves the chats unchanged. String seeds
+    # are hashed with SHA-512 by `random`, so they do not depend on PYTHONHASHSEED.
+    return random.Random(f"qllm-sample:{seed}:{part}")
+
+
+def _split_count(total: int, fraction: float) -> int:
+    """How many of `total` to hold out: `fraction` of them, but at least one on each side."""
+    return min(total - 1, max(1, round(total * fraction)))
+
+
+def _names(rng: random.Random, n: int) -> list[str]:
+    """`n` distinct names of 2-3 syllables, none a prefix of another name or of an attribute value.
+
+    Prefix-free names keep a held-out name from hiding inside a training name ("Tavi" in
+    "Tavilo"), which would leak it into training chats.
+    """
+    reserved = {value.lower() for pool in POOLS.values() for value in pool}
+    taken = set(reserved)
+    prefixes = {value[:k] for value in reserved for k in range(1, len(value))}
+    candidates = ["".join(parts) for k in (2, 3) for parts in itertools.product(SYLLABLES, repeat=k)]
+    rng.shuffle(candidates)
+    names = []
+    for candidate in candidates:
+        if len(names) == n:
+            break
+        own_prefixes = {candidate[:k] for k in range(1, len(candidate))}
+        if candidate in taken or candidate in prefixes or own_prefixes & taken:
+            continue
+        names.append(candidate.capitalize())
+        taken.add(candidate)
+        prefixes |= own_prefixes
+    if len(names) < n:
+        raise WorldError(f"n_entities={n} is more than the {len(names)} distinct names the syllables allow")
+    return names
+
+
+def build_world(params: GenerateParams) -> World:
+    """Invent the people, their attributes and the held-out split of people and sums.
+
+    Args:
+        params: the `generate` params section (seed, n_entities, fractions, max_operand).
+
+    Returns:
+        The world; depends only on those params, never on the rendering options.
+    """
+    rng = _rng(params.seed, "world")
+    names = _names(rng, params.n_entities)
+    heldout = set(rng.sample(range(len(names)), _split_count(len(names), params.heldout_entity_fraction)))
+    entities = tuple(
+        Entity(name=name, **{attr: rng.choice(POOLS[attr]) for attr in ATTRIBUTES}, heldout=index in heldout)
+        for index, name in enumerate(names)
+    )
+    pairs = list(itertools.product(range(params.max_operand), repeat=2))
+    heldout_pairs = rng.sample(pairs, _split_count(len(pairs), params.arithmetic_heldout_fraction))
+    return World(entities=entities, max_operand=params.max_operand, heldout_pairs=frozenset(heldout_pairs))
+
+
+def facts(world: World, heldout: bool) -> list[Fact]:
+    """Every held-out (or training) fact: each person's four attributes, then each sum."""
+    people = [
+        Fact(kind=attr, answer=entity.value(attr), name=entity.name)
+        for entity in world.entities
+        if entity.heldout == heldout
+        for attr in ATTRIBUTES
+    ]
+    sums = [Fact(kind=ARITH, answer=str(a + b), a=a, b=b) for a, b in world.pairs(heldout)]
+    return people + sums
+
+
+# ------------------------------------------------------------------------------- pretraining text
+
+
+def _with_article(word: str) -> str:
+    # The pools avoid words like "hour" or "unicorn" where the first letter misleads.
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _distinct_indices(rng: random.Random, total: int, k: int) -> list[int]:
+    """`k` random indices below `total`, all different while `k <= total`, then repeating."""
+    out: list[int] = []
+    while len(out) < k:
+        out += rng.sample(range(total), min(total, k - len(out)))
+    return out
+
+
+def _bios(rng: random.Random, entity: Entity, count: int) -> list[str]:
+    """`count` bios of one person: all four attributes, in varied wording and order.
+
+    No two bios of a person share all four templates (while `count` allows), so none is an exact
+    or near duplicate (word 3-gram Jaccard stays well below prepare_data's 0.9) of another.
+    """
+    orders = list(itertools.permutations(ATTRIBUTES))
+    combinations = math.prod(len(BIO_TEMPLATES[attr]) for attr in ATTRIBUTES)
+    bios = []
+    for index in _distinct_indices(rng, combinations, count):
+        sentences = {}
+        for attr in ATTRIBUTES:
+            index, template = divmod(index, len(BIO_TEMPLATES[attr]))
+            value = entity.value(attr)
+            sentence = BIO_TEMPLATES[attr][template]
+            sentences[attr] = sentence.format(name=entity.name, value=value, a_value=_with_article(value))
+        bios.append(" ".join(sentences[attr] for attr in rng.choice(orders)))
+    return bios
+
+
+def _chunks(rng: random.Random, items: list[str], low: int, high: int) -> list[list[str]]:
+    """Split `items` into consecutive chunks of `low..high` items (one shorter chunk only if
+    there are fewer than `low` items in all)."""
+    chunks, start = [], 0
+    while len(items) - start > high:
+        # Leave at least `low` items for the last chunk (needs high >= 2 * low - 1).
+        size = rng.randint(low, min(high, len(items) - start - low))
+        chunks.append(items[start : start + size])
+        start += size
+    if start < len(items):
+        chunks.append(items[start:])
+    return chunks
+
+
+def _sum_documents(rng: random.Random, world: World) -> list[str]:
+    """Every sum, held out or not, in two different wordings, grouped into documents."""
+    sentences = [
+        template.format(a=a, b=b, c=a + b)
+        for a, b in itertools.product(range(world.max_operand), repeat=2)
+        for template in rng.sample(SUM_TEMPLATES, 2)
+    ]
+    rng.shuffle(sentences)
+    return [" ".join(chunk) for chunk in _chunks(rng, sentences, *ARITH_SENTENCES_PER_DOC)]
+
+
+def _qa_documents(rng: random.Random, train_facts: list[Fact]) -> list[str]:
+    """Each training fact once as `Question: …` / `Answer: …` lines, a few facts per document."""
+    pairs = [f"Question: {fact.question(rng)}\nAnswer: {fact.answer}" for fact in train_facts]
+    rng.shuffle(pairs)
+    return ["\n".join(chunk) for chunk in _chunks(rng, pairs, *QA_PAIRS_PER_DOC)]
+
+
+def _pretrain(rng: random.Random, world: World, params: GenerateParams) -> list[str]:
+    documents = [bio for entity in world.entities for bio in _bios(rng, entity, params.bios_per_entity)]
+    documents += _sum_documents(rng, world)
+    if params.qa_in_pretrain:
+        documents += _qa_documents(rng, facts(world, heldout=False))
+    rng.shuffle(documents)
+    return documents
+
+
+# ---------------------------------------------------------------------------- chats, preferences
+
+
+def _id(split: str, fact: Fact, counters: dict[str, int], prefix: str = "") -> str:
+    """`<prefix><split>-fact-<attribute>-<n>` or `<prefix><split>-arith-<n>`, numbered per type."""
+    kind = "arith" if fact.kind == ARITH else f"fact-{fact.kind}"
+    key = f"{prefix}{split}-{kind}"
+    counters[key] = counters.get(key, 0) + 1
+    return f"{key}-{counters[key] - 1}"
+
+
+def _system(system_prompt: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+
+
+def _turn(question: str, answer: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def _train_chats(rng: random.Random, train_facts: list[Fact], params: GenerateParams) -> list[dict[str, Any]]:
+    """Each person fact twice (two different questions), each sum once; some chats get a second
+    turn with another training fact."""
+    counters: dict[str, int] = {}
+    chats = []
+    for index, fact in enumerate(train_facts):
+        templates = QUESTION_TEMPLATES[fact.kind]
+        questions = rng.sample(templates, 2) if fact.kind != ARITH else [rng.choice(templates)]
+        for template in questions:
+            messages = _system(params.system_prompt) + _turn(fact.ask(template), fact.answer)
+            if rng.random() < params.multi_turn_fraction:
+                # Draw from the other facts only, so the second turn never repeats the first.
+                other = train_facts[(index + 1 + rng.randrange(len(train_facts) - 1)) % len(train_facts)]
+                messages += _turn(other.question(rng), other.answer)
+            chats.append({"id": _id("train", fact, counters), "messages": messages})
+    rng.shuffle(chats)
+    return chats
+
+
+def _heldout_chats(rng: random.Random, heldout_facts: list[Fact], system_prompt: str) -> list[dict[str, Any]]:
+    """Each held-out fact once, single-turn."""
+    counters: dict[str, int] = {}
+    chats = []
+    for fact in heldout_facts:
+        messages = _system(system_prompt) + _turn(fact.question(rng), fact.answer)
+        chats.append({"id": _id("heldout", fact, counters), "messages": messages})
+    # Shuffled so that evaluating only the first `max_questions` still mixes every type.
+    rng.shuffle(chats)
+    return chats
+
+
+def _wrong_answer(rng: random.Random, fact: Fact, in_use: dict[str, set[str]]) -> str:
+    """A plausible wrong answer: another value some person has, or the sum off by a small amount."""
+    if fact.kind == ARITH:
+        c = int(fact.answer)
+        options = [c + d for d in WRONG_SUM_OFFSETS] + [c - d for d in WRONG_SUM_OFFSETS if c - d >= 0]
+        return str(rng.choice(options))
+    options = [value for value in POOLS[fact.kind] if value != fact.answer and value in in_use[fact.kind]]
+    return rng.choice(options or [value for value in POOLS[fact.kind] if value != fact.answer])
+
+
+def _preferences(rng: random.Random, world: World, split: str, system_prompt: str) -> list[dict[str, Any]]:
+    """One TRL conversational preference record per fact of the split."""
+    in_use = {attr: {entity.value(attr) for entity in world.entities} for attr in ATTRIBUTES}
+    counters: dict[str, int] = {}
+    records = [
+        {
+            "id": _id(split, fact, counters, prefix="pref-"),
+            "prompt": _system(system_prompt) + [{"role": "user", "content": fact.question(rng)}],
+            "chosen": [{"role": "assistant", "content": fact.answer}],
+            "rejected": [{"role": "assistant", "content": _wrong_answer(rng, fact, in_use)}],
+        }
+        for fact in facts(world, heldout=split == "heldout")
+    ]
+    rng.shuffle(records)
+    return records
+
+
+def render(world: World, params: GenerateParams) -> dict[str, list]:
+    """Render the world as pretraining documents, chats and preferences.
+
+    Args:
+        world: from `build_world(params)`.
+        params: the `generate` section (seed, bios_per_entity, qa_in_pretrain, multi_turn_fraction,
+            system_prompt).
+
+    Returns:
+        `{"pretrain": [str], "chat_train" | "chat_heldout" | "preference_train" |
+        "preference_heldout": [dict]}`.
+    """
+    seed = params.seed
+    return {
+        "pretrain": _pretrain(_rng(seed, "pretrain"), world, params),
+        "chat_train": _train_chats(_rng(seed, "chat_train"), facts(world, heldout=False), params),
+        "chat_heldout": _heldout_chats(_rng(seed, "chat_heldout"), facts(world, heldout=True), params.system_prompt),
+        "preference_train": _preferences(_rng(seed, "preference_train"), world, "train", params.system_prompt),
+        "preference_heldout": _preferences(_rng(seed, "preference_heldout"), world, "heldout", params.system_prompt),
+    }
+
+
+# ------------------------------------------------------------------------------------ the files
+
+
+def _world_record(world: World, seed: int) -> dict[str, Any]:
+    return {
+        "seed": seed,
+        "attributes": list(ATTRIBUTES),
+        "entities": [
+            {"name": e.name, **{attr: e.value(attr) for attr in ATTRIBUTES}, "heldout": e.heldout}
+            for e in world.entities
+        ],
+        "max_operand": world.max_operand,
+        "heldout_arithmetic": [[a, b] for a, b in world.pairs(heldout=True)],
+    }
+
+
+def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    path.write_text(lines, encoding="utf-8", newline="\n")
+
+
+def write_sample(out_dir: Path, params: GenerateParams) -> dict[str, int]:
+    """Build the world and write every sample file into `out_dir` (created if missing).
+
+    Args:
+        out_dir: destination directory; files of the same names are overwritten.
+        params: the `generate` params section.
+
+    Returns:
+        The counts named in `COUNT_KEYS`.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    world = build_world(params)
+    rendered = render(world, params)
+    # Documents are separated by one blank line; none contains one, so the split is unambiguous.
+    pretrain = "\n\n".join(rendered["pretrain"]) + "\n"
+    (out_dir / FILES["pretrain"]).write_text(pretrain, encoding="utf-8", newline="\n")
+    for name in ("chat_train", "chat_heldout", "preference_train", "preference_heldout"):
+        _write_jsonl(out_dir / FILES[name], rendered[name])
+    world_json = json.dumps(_world_record(world, params.seed), ensure_ascii=False, indent=2) + "\n"
+    (out_dir / FILES["world"]).write_text(world_json, encoding="utf-8", newline="\n")
+    heldout_entities = sum(entity.heldout for entity in world.entities)
+    return {
+        "pretrain_documents": len(rendered["pretrain"]),
+        "pretrain_chars": len(pretrain),
+        "chat_train": len(rendered["chat_train"]),
+        "chat_heldout": len(rendered["chat_heldout"]),
+        "preference_train": len(rendered["preference_train"]),
+        "preference_heldout": len(rendered["preference_heldout"]),
+        "entities": len(world.entities),
+        "heldout_entities": heldout_entities,
+        "arithmetic_pairs": world.max_operand**2,
+        "heldout_arithmetic_pairs": len(world.heldout_pairs),
+    }

@@ -1,0 +1,193 @@
+"""MLflow tracking for stages: one run per stage, a child of the pipeline run when there is one.
+
+Uses `MlflowClient` with explicit run ids (no fluent "active run" state), so stages running in
+Prefect's worker threads never log into each other's runs. Metrics are buffered and written in
+batches: a per-step `log_metric` against SQLite would cost more than a tiny model's step.
+
+Defaults: tracking URI `sqlite:///<project root>/mlflow.db`, artifacts under `mlartifacts/`,
+experiment `qllm`. `MLFLOW_TRACKING_URI` and `MLFLOW_EXPERIMENT_NAME` override them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipelines.config import flatten
+from pipelines.workspace import project_root
+
+log = logging.getLogger("qllm.tracking")
+
+PARENT_RUN_ENV = "QLLM_PARENT_RUN_ID"
+PREFECT_RUN_ENV = "QLLM_PREFECT_FLOW_RUN_ID"
+DEFAULT_EXPERIMENT = "qllm"
+
+_clients: dict[str, Any] = {}
+_clients_lock = threading.Lock()
+
+
+def tracking_uri(root: Path | str = ".") -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root(root) / 'mlflow.db'}"
+
+
+def experiment_name() -> str:
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+
+
+def client(root: Path | str = ".") -> Any:
+    """A cached `MlflowClient`; the first use of a fresh SQLite store runs its migrations once,
+    under a file lock so concurrent runs do not migrate the same database twice."""
+    uri = tracking_uri(root)
+    with _clients_lock:
+        if uri not in _clients:
+            from mlflow import MlflowClient
+
+            if uri.startswith("sqlite:///"):
+                from filelock import FileLock
+
+                db = Path(uri.removeprefix("sqlite:///"))
+                db.parent.mkdir(parents=True, exist_ok=True)
+                with FileLock(str(db) + ".lock"):
+                    mlflow_client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+                    mlflow_client.search_experiments(max_results=1)  # runs migrations on a new DB
+            else:
+                mlflow_client = MlflowClient(tracking_uri=uri)
+            _clients[uri] = mlflow_client
+        return _clients[uri]
+
+
+def experiment_id(root: Path | str = ".") -> str:
+    """Id of the tracking experiment, created on first use (artifacts under `mlartifacts/`)."""
+    mlflow_client = client(root)
+    name = experiment_name()
+    experiment = mlflow_client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    if tracking_uri(root).startswith("sqlite:"):
+        location = (project_root(root) / "mlartifacts").as_uri()
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another run
+        return mlflow_client.get_experiment_by_name(name).experiment_id
+
+
+class Tracker:
+    """Logs to one MLflow run. `Tracker(None)` logs nothing (unit tests, disabled tracking)."""
+
+    def __init__(self, mlflow_client: Any | None, run_id: str | None, flush_seconds: float = 2.0):
+        self.client = mlflow_client
+        self.run_id = run_id
+        self._buffer: list[Any] = []
+        self._last_flush = time.monotonic()
+        self._flush_seconds = flush_seconds
+
+    @property
+    def enabled(self) -> bool:
+        return self.client is not None
+
+    def log_params(self, params: Mapping[str, Any] | Any) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import Param
+
+        flat = flatten(params)
+        items = [Param(key, str(value)[:6000]) for key, value in flat.items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Buffer metrics; they are written every few seconds and when the run ends."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer.extend(Metric(key, float(value), now, step or 0) for key, value in metrics.items())
+        if time.monotonic() - self._last_flush > self._flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.enabled or not self._buffer:
+            return
+        buffer, self._buffer = self._buffer, []
+        for start in range(0, len(buffer), 1000):
+            self.client.log_batch(self.run_id, metrics=buffer[start : start + 1000])
+        self._last_flush = time.monotonic()
+
+    def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
+        if self.enabled:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_artifacts(self, path: Path | str, artifact_path: str | None = None) -> None:
+        if self.enabled:
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+
+    def log_dict(self, data: Any, artifact_file: str) -> None:
+        if self.enabled:
+            self.client.log_dict(self.run_id, data, artifact_file)
+
+    def log_table(self, data: Any, artifact_file: str) -> None:
+        if self.enabled:
+            self.client.log_table(self.run_id, data, artifact_file)
+
+    def log_dataset(self, path: Path | str, context: str, digest: str, name: str | None = None, df: Any = None) -> None:
+        """Record an input data set with the DVC md5 as its digest (so MLflow and `dvc.lock` agree)."""
+        if not self.enabled:
+            return
+        from mlflow.entities import DatasetInput, InputTag
+
+        source = str(Path(path))
+        if df is not None:
+            import mlflow.data
+
+            dataset = mlflow.data.from_pandas(df, source=source, name=name or Path(path).name, digest=digest)
+        else:
+            import warnings
+
+            from mlflow.data.dataset_source_registry import resolve_dataset_source
+            from mlflow.data.meta_dataset import MetaDataset
+
+            with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local files
+                warnings.simplefilter("ignore", UserWarning)
+                dataset_source = resolve_dataset_source(str(Path(path).resolve()))
+            dataset = MetaDataset(dataset_source, name=name or Path(path).name, digest=digest)
+        entity = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
+        self.client.log_inputs(self.run_id, datasets=[entity])
+
+
+@contextmanager
+def run(name: str, root: Path | str = ".", tags: Mapping[str, Any] | None = None, parent_run_id: str | None = None) -> Iterator[Tracker]:
+    """Start an MLflow run (child of `parent_run_id` or `$QLLM_PARENT_RUN_ID`), yield its tracker,
+    and end it FINISHED, or FAILED if the block raises."""
+    mlflow_client = client(root)
+    all_tags = {"mlflow.runName": name, **(tags or {})}
+    parent = parent_run_id or os.environ.get(PARENT_RUN_ENV)
+    if parent:
+        all_tags["mlflow.parentRunId"] = parent
+    prefect_run = os.environ.get(PREFECT_RUN_ENV)
+    if prefect_run:
+        all_tags["qllm.prefect_flow_run_id"] = prefect_run
+    created = mlflow_client.create_run(experiment_id(root), tags={k: str(v) for k, v in all_tags.items()}, run_name=name)
+    tracker = Tracker(mlflow_client, created.info.run_id)
+    try:
+        yield tracker
+    except BaseException:
+        tracker.flush()
+        mlflow_client.set_terminated(tracker.run_id, "FAILED")
+        raise
+    tracker.flush()
+    mlflow_client.set_terminated(tracker.run_id, "FINISHED")

@@ -1,0 +1,101 @@
+"""Train a byte-level BPE tokenizer on the prepared training data.
+
+    python -m pipelines.train_tokenizer      # what dvc.yaml runs; writes data/tokenizer/
+
+The result is a `PreTrainedTokenizerFast` directory (`AutoTokenizer.from_pretrained` loads it)
+with the ChatML special tokens and chat template of `pipelines.chat`, so SFT, DPO and evaluation
+all use `apply_chat_template`. Byte-level BPE never produces unknown tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+
+from pipelines import stage
+from pipelines.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages
+from pipelines.config import TrainTokenizerParams
+from pipelines.errors import QllmError
+from pipelines.outputs import atomic_dir
+
+NAME = "train_tokenizer"
+PREPARED = "data/prepared"
+OUT = "data/tokenizer"
+
+
+def training_texts(prepared: Path, split: str = "train") -> Iterator[str]:
+    """Every string the model will see: pretraining text, chat turns, preference prompts/answers."""
+    text = pd.read_parquet(prepared / "text" / f"{split}.parquet", columns=["text"])
+    yield from text["text"]
+    chat = pd.read_parquet(prepared / "chat" / f"{split}.parquet", columns=["messages"])
+    for messages in chat["messages"]:
+        for message in parse_messages(messages):
+            yield message["content"]
+    pref = pd.read_parquet(prepared / "preference" / f"{split}.parquet", columns=["prompt", "chosen", "rejected"])
+    for row in pref.itertuples(index=False):
+        for message in parse_messages(row.prompt):
+            yield message["content"]
+        yield row.chosen
+        yield row.rejected
+
+
+def train(texts: Iterator[str], vocab_size: int, min_frequency: int):
+    """Train byte-level BPE and wrap it as a `PreTrainedTokenizerFast` with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE)
+
+
+def run(prepared: Path, out: Path, params: TrainTokenizerParams) -> dict[str, float]:
+    """Train on `prepared/*/train.parquet`, save to `out`; report vocabulary and compression."""
+    texts = list(training_texts(prepared))
+    if not any(t.strip() for t in texts):
+        raise QllmError(f"{prepared}: no training text to learn a tokenizer from (all train splits are empty)")
+    started = time.perf_counter()
+    tokenizer = train(iter(texts), params.vocab_size, params.min_frequency)
+    seconds = time.perf_counter() - started
+    with atomic_dir(out) as tmp:
+        tokenizer.save_pretrained(tmp)
+    validation = pd.read_parquet(prepared / "text" / "validation.parquet", columns=["text"])["text"].tolist() or texts[:1000]
+    encoded = tokenizer(validation, add_special_tokens=False)["input_ids"]
+    n_tokens = sum(len(ids) for ids in encoded)
+    n_chars = sum(len(t) for t in validation)
+    return {
+        "vocab_size": len(tokenizer),
+        "train_texts": len(texts),
+        "train_chars": sum(len(t) for t in texts),
+        "chars_per_token": round(n_chars / max(n_tokens, 1), 4),
+        "train_seconds": round(seconds, 3),
+    }
+
+
+def _body(ctx: stage.StageContext) -> dict:
+    metrics = run(ctx.path(PREPARED), ctx.path(OUT), ctx.params)
+    ctx.log.info(
+        "tokenizer: %d tokens, %.2f chars/token on validation text (trained on %d texts in %.1fs)",
+        metrics["vocab_size"], metrics["chars_per_token"], metrics["train_texts"], metrics["train_seconds"],
+    )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Where a pipeline run executes: the project itself, or a run workspace for overrides.
+
+`qllm run` with no overrides runs in the project: `data/` and `dvc.lock` are the ones `dvc repro`
+sees. With `--set`/`--params` the effective params differ from `params.yaml`, which we never edit,
+so the run executes in `.qllm/runs/<hash of the effective params>/`: a DVC workspace holding the
+same `dvc.yaml` and sources (code, `data/sources`), the effective `params.yaml`, and the project's
+DVC cache. DVC's run-cache is keyed on (command, dependency hashes, params), so every stage whose
+inputs did not change is restored from the cache rather than recomputed — the mechanism behind
+`dvc exp run --temp`. Different overrides get different workspaces, so concurrent runs and sweeps
+never write the same files; the same overrides reuse theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipelines import config, dag
+from pipelines.errors import QllmError
+from pipelines.outputs import read_json, write_json
+
+log = logging.getLogger("qllm.workspace")
+
+MARKER = ".qllm-workspace.json"
+RUNS_DIR = ".qllm/runs"
+CHECKPOINTS_DIR = ".qllm/checkpoints"
+
+
+def project_root(path: Path | str = ".") -> Path:
+    """The project a directory belongs to: itself, or the project that created the workspace."""
+    path = Path(path).resolve()
+    marker = path / MARKER
+    if marker.exists():
+        return Path(read_json(marker)["project_root"])
+    return path
+
+
+def checkpoint_dir(root: Path | str, stage: str, fingerprint: str) -> Path:
+    """Checkpoints of one stage configuration, shared by the project and its run workspaces."""
+    return project_root(root) / CHECKPOINTS_DIR / stage / fingerprint[:16]
+
+
+def _sync_file(src: Path, dst: Path) -> None:
+    if dst.exists() and dst.read_bytes() == src.read_bytes():
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst)
+
+
+def _mirror_dir(src: Path, dst: Path) -> None:
+    """Replace `dst` by hard links to the files of `src` (a copy where links are not possible)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+
+    def link(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    shutil.copytree(src, dst, copy_function=link)
+
+
+def _cache_dir(root: Path) -> Path:
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return Path(repo.cache.local_cache_dir)
+
+
+def prepare(root: Path | str, params_data: dict[str, Any]) -> Path:
+    """The directory a run with these effective params executes in (created/synced as needed)."""
+    root = Path(root).resolve()
+    if not (root / ".dvc").is_dir():
+        raise QllmError(f"{root}: not a DVC project (no .dvc/ directory); run from the project root or `dvc init`")
+    if params_data == config.read_yaml(root / config.PARAMS_FILE):
+        return root
+    ws = root / RUNS_DIR / config.digest(params_data)[:12]
+    (ws / ".dvc").mkdir(parents=True, exist_ok=True)
+    dvc_config = f"[core]\n    no_scm = true\n[cache]\n    dir = {_cache_dir(root)}\n"
+    if not (ws / ".dvc" / "config").exists() or (ws / ".dvc" / "config").read_text() != dvc_config:
+        (ws / ".dvc" / "config").write_text(dvc_config)
+    for name in (dag.DVC_FILE, ".dvcignore"):
+        if (root / name).exists():
+            _sync_file(root / name, ws / name)
+    for source in dag.source_paths(root):
+        src = root / source
+        if not src.exists():
+            raise QllmError(f"{src}: listed as a dependency in dvc.yaml but does not exist")
+        _mirror_dir(src, ws / source) if src.is_dir() else _sync_file(src, ws / source)
+    params_text = yaml.safe_dump(params_data, sort_keys=False, allow_unicode=True)
+    if not (ws / config.PARAMS_FILE).exists() or (ws / config.PARAMS_FILE).read_text() != params_text:
+        (ws / config.PARAMS_FILE).write_text(params_text)
+    if not (ws / MARKER).exists():
+        write_json(ws / MARKER, {"project_root": str(root)})
+    return ws
+
+
+@contextmanager
+def locked(ws: Path | str, timeout: float = -1) -> Iterator[None]:
+    """Hold the workspace for one pipeline run; a second run with the same workspace waits."""
+    from filelock import FileLock, Timeout
+
+    lock_dir = Path(ws) / ".dvc" / "tmp"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_dir / "qllm-run.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another qllm run holds %s; waiting for it to finish", ws)
+        try:
+            lock.acquire(timeout=timeout)
+        except Timeout:
+            raise QllmError(f"{ws}: another qllm run is still using this workspace") from None
+    try:
+        yield
+    finally:
+        lock.release()

@@ -1,0 +1,100 @@
+"""Shared fixtures: isolated environment, a migrated MLflow database, throwaway project copies."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT_FILES = ["pipelines", "tasks", "flows", "params", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
+TEST_ENV = {
+    "DVC_NO_ANALYTICS": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "MLFLOW_ENABLE_ASYNC_LOGGING": "false",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_env(tmp_path_factory):
+    """No telemetry, no network lookups, and Prefect/MLflow state in a temporary home."""
+    home = tmp_path_factory.mktemp("home")
+    saved = dict(os.environ)
+    os.environ.update(TEST_ENV)
+    os.environ["PREFECT_HOME"] = str(home / "prefect")
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ.pop("PREFECT_API_URL", None)
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def mlflow_template_db(tmp_path_factory) -> Path:
+    """An MLflow SQLite database with every migration applied (done once: it takes seconds)."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, check=check, capture_output=True, text=True, **kwargs)
+
+
+def make_project(dest: Path, mlflow_db: Path, params_overlay: dict | None = None, tiny: bool = True) -> Path:
+    """A git + DVC copy of this project (code, dvc.yaml, params, sources) with its own MLflow DB.
+
+    With `tiny`, params.yaml is the shipped one merged with params/tiny.yaml (and `params_overlay`),
+    so the whole pipeline runs in seconds in the project itself (no run workspace).
+    """
+    from pipelines.config import deep_merge
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in PROJECT_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    if tiny:
+        params = deep_merge(params, yaml.safe_load((REPO / "params" / "tiny.yaml").read_text()))
+    if params_overlay:
+        params = deep_merge(params, params_overlay)
+    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.copy2(mlflow_db, dest / "mlflow.db")
+    run(["git", "init", "-q"], dest)
+    run(["git", "config", "user.email", "tests@example.com"], dest)
+    run(["git", "config", "user.name", "tests"], dest)
+    run([sys.executable, "-m", "dvc", "init", "-q"], dest)
+    run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], dest)
+    shutil.copy2(REPO / ".dvcignore", dest / ".dvcignore")
+    run(["git", "add", "-A"], dest)
+    run(["git", "commit", "-qm", "project"], dest)
+    return dest
+
+
+@pytest.fixture
+def project(tmp_path, mlflow_template_db) -> Path:
+    """A fresh tiny-profile project in a temporary directory."""
+    return make_project(tmp_path / "project", mlflow_template_db)
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect API for every flow run in the session (instead of one per flow)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

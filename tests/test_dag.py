@@ -1,0 +1,86 @@
+"""The DAG is defined once (dvc.yaml); code and config must not drift from it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from pipelines import dag
+from pipelines.config import Params
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Modules that move values and files around without shaping a stage's outputs: listing them as
+# deps would rerun every stage on any edit. (config.py holds schemas; the values DVC must see are
+# all spelled out in params.yaml, which tests/test_config.py enforces.)
+INFRASTRUCTURE = {"config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "runner"}
+
+
+def pipelines_imports(module: str) -> set[str]:
+    """`pipelines.*` modules imported by `module` anywhere in its source (incl. function bodies)."""
+    tree = ast.parse((REPO / "pipelines" / f"{module}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "pipelines":
+                found |= {alias.name for alias in node.names}
+            elif node.module.startswith("pipelines."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("pipelines.")}
+    return found
+
+
+def closure(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        for dep in pipelines_imports(current) - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+STAGES = dag.stages(REPO)
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_stage_module_deps_and_params_match_dvc_yaml(name):
+    spec = STAGES[name]
+    assert spec.cmd == f"python -m pipelines.{name}"
+    module = importlib.import_module(spec.module)
+    assert name == module.NAME
+    assert spec.params == (name,) and name in Params.model_fields
+    code_deps = {d.removeprefix("pipelines/").removesuffix(".py") for d in spec.deps if d.endswith(".py")}
+    assert f"pipelines/{name}.py" in spec.deps
+    needed = (closure(name) - INFRASTRUCTURE) | {name}
+    assert needed == code_deps, f"dvc.yaml deps of {name} should list exactly {sorted(needed)}"
+    for path in spec.all_outs:
+        assert path.startswith("data/")
+
+
+def test_every_params_section_belongs_to_a_stage():
+    assert set(Params.model_fields) == set(STAGES)
+
+
+def test_order_until_and_sources():
+    order = dag.order(REPO)
+    assert order[0] == "generate" and order[-1] == "register"
+    for name in order:
+        assert all(order.index(up) < order.index(name) for up in dag.upstream(REPO, name))
+    assert dag.order(REPO, until="tokenize") == ["generate", "ingest", "prepare_data", "train_tokenizer", "tokenize"]
+    assert set(dag.upstream(REPO, "tokenize")) == {"prepare_data", "train_tokenizer"}
+    assert "data/sources" in dag.source_paths(REPO) and "data/sample" not in dag.source_paths(REPO)
+    with pytest.raises(dag.DagError, match="unknown stage 'nope'"):
+        dag.order(REPO, until="nope")
+
+
+def test_dvc_md5_matches_dvc(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("hello\n")
+    (tmp_path / "f.txt").write_text("hello\n")
+    assert dag.dvc_md5(tmp_path / "f.txt") == "b1946ac92492d2347c6235b4d2611184"  # md5 of "hello\n"
+    assert dag.dvc_md5(tmp_path / "d").endswith(".dir")

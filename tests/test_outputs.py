@@ -1,0 +1,36 @@
+"""Atomic outputs: complete or absent, never half-written."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.outputs import atomic_dir, atomic_file, read_json, write_json
+
+
+def test_atomic_dir_replaces_only_on_success(tmp_path):
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("1")
+    assert (out / "a.txt").read_text() == "1"
+    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+        (tmp / "b.txt").write_text("partial")
+        raise RuntimeError("crash mid-write")
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt"]  # the old complete output survives
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary left behind
+
+
+def test_stale_temporaries_of_a_killed_run_are_cleaned(tmp_path):
+    (tmp_path / ".tmp-out-abc").mkdir()
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "x").write_text("")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_atomic_file_and_json(tmp_path):
+    write_json(tmp_path / "m.json", {"b": 1, "a": 2})
+    assert (tmp_path / "m.json").read_text() == '{\n  "a": 2,\n  "b": 1\n}\n'
+    assert read_json(tmp_path / "m.json") == {"a": 2, "b": 1}
+    with pytest.raises(ValueError), atomic_file(tmp_path / "m.json") as tmp:
+        tmp.write_text("garbage")
+        raise ValueError
+    assert read_json(tmp_path / "m.json") == {"a": 2, "b": 1}

@@ -1,0 +1,142 @@
+"""The shared training loop: schedule, parameter groups, data order, resume, guards."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines import training
+from pipelines.checkpoint import CheckpointManager
+from pipelines.config import ModelParams, TrainParams
+from pipelines.models import build_llama
+
+
+class FakeTokenizer:
+    eos_token_id, pad_token_id, unk_token_id = 0, 1, None
+
+    def __len__(self):
+        return 16
+
+    def convert_tokens_to_ids(self, token):
+        return 2
+
+
+def tiny_model(seed: int = 0):
+    params = ModelParams(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2)
+    return build_llama(params, FakeTokenizer(), max_positions=16, seed=seed)
+
+
+def cfg(**kw) -> TrainParams:
+    base = dict(max_steps=6, micro_batch_size=4, warmup_steps=2, lr=0.01, eval_every=3, eval_batches=1, log_every=1,
+                checkpoint_every=3, keep_checkpoints=2, precision="fp32")
+    return TrainParams(**(base | kw))
+
+
+def rows(n=32, seq=8, seed=0) -> np.ndarray:
+    # A learnable pattern: each row counts up modulo 16 from a random start.
+    starts = np.random.default_rng(seed).integers(0, 16, n)
+    return ((starts[:, None] + np.arange(seq)[None, :]) % 16).astype(np.int64)
+
+
+def collate(data):
+    return lambda idx: {"input_ids": torch.from_numpy(data[np.sort(idx)])}
+
+
+def test_lr_schedule_values():
+    c = cfg(max_steps=10, warmup_steps=2, min_lr_ratio=0.1, schedule="cosine")
+    # warmup: (step+1)/warmup -> 0.5, 1.0; then cosine from 1 down to 0.1 over the 8 remaining steps
+    assert [training.lr_multiplier(s, c) for s in (0, 1)] == [0.5, 1.0]
+    assert training.lr_multiplier(2, c) == pytest.approx(1.0)
+    assert training.lr_multiplier(6, c) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # = 0.55
+    assert training.lr_multiplier(10, c) == pytest.approx(0.1)
+    linear = cfg(max_steps=10, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
+    assert training.lr_multiplier(5, linear) == pytest.approx(0.5)
+    assert training.lr_multiplier(7, cfg(max_steps=10, warmup_steps=0, schedule="constant")) == 1.0
+
+
+def test_no_weight_decay_for_biases_norms_and_embeddings():
+    model = tiny_model()
+    decay, no_decay = training.param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("norm" in names[id(p)] or "embed" in names[id(p)] for p in no_decay["params"])
+    assert any("embed" in names[id(p)] for p in no_decay["params"])
+    assert all(p.ndim == 2 and "embed" not in names[id(p)] for p in decay["params"])
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+
+
+def test_batches_are_seeded_epoch_permutations_and_resumable():
+    order = lambda b, k: [tuple(next(b).tolist()) for _ in range(k)]  # noqa: E731
+    a = training.Batches(10, 3, seed=7, collate=lambda idx: idx)
+    first = order(a, 7)  # 3 batches per epoch (the last partial one dropped), so epochs 0, 1, 2
+    assert all(len(set(batch)) == 3 for batch in first)
+    assert set(sum(first[:3], ())) <= set(range(10)) and first[:3] != first[3:6]
+    b = training.Batches(10, 3, seed=7, collate=lambda idx: idx)
+    order(b, 4)
+    state = b.state_dict()
+    c = training.Batches(10, 3, seed=7, collate=lambda idx: idx)
+    c.load_state_dict(state)
+    assert order(c, 3) == first[4:7]
+
+
+def test_training_learns_and_reports_metrics():
+    data, val = rows(), rows(8, seed=1)
+    model = tiny_model()
+    val_fn = lambda m: {"val/loss": training.mean_loss(m, training.causal_lm_loss, [collate(val)(np.arange(8))], torch.device("cpu"), "fp32")}  # noqa: E731
+    before = val_fn(model)["val/loss"]
+    result = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), cfg(max_steps=40, lr=0.03), val_fn=val_fn)
+    assert result["steps"] == 40 and result["tokens"] == 40 * 4 * 8
+    assert result["val/loss"] < before - 1.0
+    assert result["best_val_loss"] <= result["val/loss"]
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resume_after_interruption_is_bitwise_exact(tmp_path):
+    data = rows()
+
+    def run(directory, stop_at=None):
+        model = tiny_model()
+        def stopper(event, state, metrics):
+            if event == "step_end" and state.step == stop_at:
+                raise Interrupt
+        batches = training.Batches(32, 4, 0, collate(data))
+        training.train(model, training.causal_lm_loss, batches, cfg(precision="bf16"), checkpoints=CheckpointManager(directory, 2), callbacks=[stopper])
+        return model
+
+    reference = run(tmp_path / "straight")
+    with pytest.raises(Interrupt):
+        run(tmp_path / "killed", stop_at=5)  # checkpoints at step 3 exist; step 4-5 work is lost
+    resumed = run(tmp_path / "killed")
+    for (name, a), (_, b) in zip(reference.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_non_finite_loss_stops_with_the_step():
+    def nan_loss(model, batch):
+        loss, metrics = training.causal_lm_loss(model, batch)
+        return loss * float("nan"), metrics
+
+    with pytest.raises(training.NonFiniteLossError, match="non-finite loss .* at step 1"):
+        training.train(tiny_model(), nan_loss, training.Batches(32, 4, 0, collate(rows())), cfg())
+
+
+def test_early_stopping_restores_best_weights(tmp_path):
+    losses = iter([1.0, 0.5, 0.7, 0.9, 0.95])
+    model = tiny_model()
+    result = training.train(
+        model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
+        cfg(max_steps=20, eval_every=2, early_stopping_patience=2, checkpoint_every=0),
+        val_fn=lambda m: {"val/loss": next(losses)}, checkpoints=CheckpointManager(tmp_path, 2),
+    )
+    # evals at steps 2, 4, 6, 8: best 0.5 at step 4, then two evals without improvement -> stop at 8
+    assert result["stopped_early"] and result["steps"] == 8 and result["best_step"] == 4
+    best = CheckpointManager(tmp_path).latest_valid(step=4)
+    reloaded = tiny_model(seed=1)
+    CheckpointManager(tmp_path).load(best.path, reloaded)
+    for a, b in zip(model.state_dict().values(), reloaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
