@@ -23,10 +23,13 @@ from pipelines import config, dag
 from pipelines.errors import QllmError
 
 
-def _warm_imports() -> None:
-    """Import what every run needs while Prefect's temporary server starts (runs in parallel)."""
+def _open_tracking(root: Path) -> None:
+    """Import DVC and open the MLflow store (cached) while the Prefect API boots."""
     import dvc.repo  # noqa: F401
-    import mlflow  # noqa: F401
+
+    from pipelines import tracking
+
+    tracking.client(root)
 
 
 def _print_summary(summary: dict) -> None:
@@ -49,12 +52,26 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise QllmError(f"unknown stage {name!r}; stages are: {', '.join(stage_names)}")
 
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "qllm")
-    threading.Thread(target=_warm_imports, daemon=True).start()
-    from flows.pipeline import pipeline
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    state = pipeline(
-        overrides=args.set, params_files=args.params, until=args.until, force=args.force, project_dir=str(root), return_state=True
-    )
+    from flows.local_api import prefect_api
+
+    # A no-change run is mostly start-up: the Prefect API boots in its own process while this one
+    # imports the flow and opens the MLflow store.
+    with prefect_api() as api:
+        warmup = threading.Thread(target=_open_tracking, args=(root,), daemon=True)
+        warmup.start()
+        from flows.pipeline import pipeline
+
+        warmup.join()
+        settings = {}
+        if api is not None:
+            api.wait()
+            settings = {PREFECT_API_URL: api.url}
+        with temporary_settings(updates=settings):
+            state = pipeline(
+                overrides=args.set, params_files=args.params, until=args.until, force=args.force, project_dir=str(root), return_state=True
+            )
     if not state.is_completed():
         try:
             state.result()

@@ -10,6 +10,7 @@ logs a child run under it.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def pipeline(
         project_dir: the project root (holds dvc.yaml, params.yaml, mlflow.db).
     """
     logger = get_run_logger()
+    logging.getLogger("qllm").setLevel(logging.INFO)  # stage logs (shown via PREFECT_LOGGING_EXTRA_LOGGERS=qllm)
     root = Path(project_dir).resolve()
     _, data = config.load(root, params_files or [], overrides or [])
     ws = workspace.prepare(root, data)

@@ -1,0 +1,106 @@
+"""A private, temporary Prefect API for one `qllm run` when no Prefect server is configured.
+
+This is what Prefect's own ephemeral mode does (`prefect.server.api.server.SubprocessASGIServer`:
+the same uvicorn command and environment), minus importing the whole server package into this
+process first — that import alone costs well over a second, and on a no-change run start-up is
+nearly all the time there is. The server boots in its subprocess while this process imports and
+checks what it needs; it listens on 127.0.0.1 only and is stopped when the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipelines.errors import QllmError
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class LocalApi:
+    """A uvicorn subprocess serving the Prefect API; `url` is ready once `wait()` returns."""
+
+    def __init__(self) -> None:
+        import prefect
+        from prefect.settings import get_current_settings
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        env = {
+            **os.environ,
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+            **get_current_settings().to_environment_variables(exclude_unset=True),
+        }
+        command = [
+            sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
+            "--factory", "prefect.server.api.server:create_app",
+            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command, env=env)
+
+    def wait(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise QllmError(f"the temporary Prefect server exited with code {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        raise QllmError(f"the temporary Prefect server did not answer on {self.url} within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def drain_prefect_workers(timeout: float = 10.0) -> None:
+    """Send buffered logs and events now, while the API still answers (as prefect_test_harness does)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(RuntimeError):  # never started in this process
+            worker.drain_all(timeout=timeout)
+
+
+@contextmanager
+def prefect_api() -> Iterator[LocalApi | None]:
+    """Start a temporary API unless a Prefect server is configured (PREFECT_API_URL, profile).
+
+    Yields the started `LocalApi` (call `wait()` before the flow runs, inside
+    `temporary_settings`) or None when the configured server is used.
+    """
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        yield None
+        return
+    api = LocalApi()
+    try:
+        yield api
+    finally:
+        drain_prefect_workers()
+        api.stop()

@@ -1,0 +1,210 @@
+"""The whole pipeline on the tiny profile: Prefect runs it, DVC agrees, MLflow records it.
+
+One project per module; the tests build on the first run (they share the module's state in the
+order written), like a user running `qllm run`, then `dvc status`, then opening the MLflow UI.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines import dag
+from tests.conftest import make_project, run
+
+STAGES = list(dag.stages(Path(__file__).resolve().parents[1]))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, mlflow_template_db, prefect_server) -> Path:
+    return make_project(tmp_path_factory.mktemp("e2e") / "project", mlflow_template_db)
+
+
+@pytest.fixture(scope="module")
+def first(project) -> dict:
+    from flows.pipeline import pipeline
+
+    return pipeline(project_dir=str(project))
+
+
+def lock_outs(root: Path) -> dict[str, str]:
+    stages = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    return {out["path"]: out["md5"] for body in stages.values() for out in body["outs"]}
+
+
+def mlflow_client(root: Path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def test_first_run_runs_every_stage_in_dag_order(first, project):
+    assert [s["name"] for s in first["stages"]] == dag.order(project) == STAGES
+    assert {s["status"] for s in first["stages"]} == {"ran"}
+    assert first["model_version"] == "1"
+    metrics = json.loads((project / "data/metrics/evaluate.json").read_text())
+    assert 0 <= metrics["exact_match"] <= 1 and metrics["questions"] == 8
+    assert metrics["val_perplexity"] < 400  # the tiny profile's vocabulary size
+
+
+def test_outputs_are_hugging_face_directories(first, project):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(project / "data/models/pretrain")
+    tokenizer = AutoTokenizer.from_pretrained(project / "data/tokenizer")
+    assert model.config.model_type == "llama" and model.config.vocab_size == len(tokenizer)
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert (project / "data/models/pretrain/model.safetensors").exists()
+
+
+def test_rerun_is_all_cache_hits_and_dvc_agrees(first, project):
+    from flows.pipeline import pipeline
+
+    second = pipeline(project_dir=str(project))
+    assert [(s["name"], s["status"], s["reason"]) for s in second["stages"]] == [(n, "cached", "up-to-date") for n in STAGES]
+    assert second["seconds"] < 10
+    assert second["model_version"] == "1"  # register is cached: no new version
+    status = run([sys.executable, "-m", "dvc", "status"], project).stdout
+    assert "Data and pipelines are up to date." in status
+    repro = run([sys.executable, "-m", "dvc", "repro"], project)
+    assert "Data and pipelines are up to date." in repro.stdout + repro.stderr
+    assert all(f"Stage '{n}' didn't change" in repro.stdout + repro.stderr for n in STAGES)
+
+
+def test_mlflow_parent_run_with_one_child_per_stage(first, project):
+    client = mlflow_client(project)
+    experiment = client.get_experiment_by_name("qllm")
+    assert Path(experiment.artifact_location.removeprefix("file://")) == project / "mlartifacts"
+    parent = client.get_run(first["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["qllm.kind"] == "pipeline"
+    children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(r.data.tags["qllm.stage"] for r in children) == sorted(STAGES)
+    by_stage = {r.data.tags["qllm.stage"]: r for r in children}
+    pretrain = by_stage["pretrain"]
+    assert pretrain.data.params["pretrain.train.lr"] == "0.002" and pretrain.data.params["pretrain.model.hidden_size"] == "32"
+    losses = client.get_metric_history(pretrain.info.run_id, "train/loss")
+    assert [m.step for m in losses] == list(range(2, 13, 2))  # log_every 2 over 12 steps
+    assert client.get_metric_history(pretrain.info.run_id, "val/loss")
+    # Input datasets carry the DVC md5 as digest: MLflow and dvc.lock name the same bytes.
+    outs = lock_outs(project)
+    inputs = {d.dataset.name: d.dataset.digest for d in pretrain.inputs.dataset_inputs}
+    assert inputs == {"data/tokenized": outs["data/tokenized"], "data/tokenizer": outs["data/tokenizer"]}
+    assert json.loads((project / "data/metrics/pretrain.json").read_text())["mlflow_run_id"] == pretrain.info.run_id
+
+
+def test_registered_model_is_champion_with_lineage_and_loads(first, project):
+    import mlflow
+
+    client = mlflow_client(project)
+    version = client.get_model_version_by_alias("qllm", "champion")
+    assert str(version.version) == "1"
+    tags = version.tags
+    outs = lock_outs(project)
+    assert tags["dvc.model_md5"] == outs["data/models/pretrain"]
+    assert tags["dvc.data/prepared"] == outs["data/prepared"] and tags["dvc.data/tokenized"] == outs["data/tokenized"]
+    assert tags["mlflow.parent_run_id"] == first["mlflow_run_id"]
+    assert len(tags["git_commit"]) >= 40
+    assert json.loads(tags["params"])["pretrain"]["model"]["hidden_size"] == 32
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    generator = mlflow.transformers.load_model("models:/qllm@champion")
+    out = generator([{"role": "user", "content": "What is 2 plus 3?"}], max_new_tokens=3)
+    assert isinstance(out[0]["generated_text"], list)  # chat in, chat out: the template is applied
+    pyfunc = mlflow.pyfunc.load_model("models:/qllm/1")
+    assert isinstance(pyfunc.predict(["Tovik lives in"])[0], str)
+
+
+def test_prefect_task_graph_is_the_dvc_yaml_graph(first, project):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    parent = mlflow_client(project).get_run(first["mlflow_run_id"])
+    flow_run_id = parent.data.tags["qllm.prefect_flow_run_id"]
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    names = {str(t.id): t.name for t in task_runs}
+    assert sorted(names.values()) == sorted(STAGES)
+    for task_run in task_runs:
+        upstream = sorted(names[str(i.id)] for i in task_run.task_inputs.get("wait_for", []))
+        assert upstream == sorted(dag.upstream(project, task_run.name)), task_run.name
+
+
+def test_override_runs_in_a_workspace_and_reuses_upstream(first, project):
+    from flows.pipeline import pipeline
+
+    params_before = (project / "params.yaml").read_bytes()
+    summary = pipeline(overrides=["evaluate.max_new_tokens=2"], project_dir=str(project))
+    status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
+    upstream = STAGES[: STAGES.index("evaluate")]
+    assert all(status[n] == ("cached", "run-cache") for n in upstream), status
+    assert status["evaluate"] == ("ran", "executed") and status["register"] == ("ran", "executed")
+    assert summary["workspace"].startswith(str(project / ".qllm" / "runs"))
+    assert summary["model_version"] == "2"
+    assert (project / "params.yaml").read_bytes() == params_before
+    assert "Data and pipelines are up to date." in run([sys.executable, "-m", "dvc", "status"], project).stdout
+
+
+def test_until_stops_after_the_stage(first, project):
+    from flows.pipeline import pipeline
+
+    summary = pipeline(until="tokenize", overrides=["tokenize.seq_len=32"], project_dir=str(project))
+    assert [s["name"] for s in summary["stages"]] == STAGES[: STAGES.index("tokenize") + 1]
+    assert summary["stages"][-1]["status"] == "ran" and summary["model_version"] is None
+
+
+def cli(project: Path, *args: str) -> subprocess.CompletedProcess:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**__import__("os").environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=project, capture_output=True, text=True, env=env)
+
+
+def test_cli_prints_one_line_per_stage_and_writes_the_summary(first, project, tmp_path):
+    result = cli(project, "run", "--summary-json", str(tmp_path / "summary.json"))
+    assert result.returncode == 0, result.stderr
+    lines = [line.split() for line in result.stdout.splitlines() if line.split() and line.split()[0] in STAGES]
+    assert [(name, status) for name, status, _ in lines] == [(n, "cached") for n in STAGES]
+    assert all(float(seconds) >= 0 for _, _, seconds in lines)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(s["name"], s["status"]) for s in summary["stages"]] == [(n, "cached") for n in STAGES]
+    assert summary["model_version"] == "1" and len(summary["mlflow_run_id"]) == 32
+
+
+def test_bad_params_fail_before_any_stage(first, project):
+    result = cli(project, "run", "--set", "pretrain.train.lr=-1")
+    assert result.returncode == 2
+    assert "pretrain.train.lr: Input should be greater than 0 (got -1)" in result.stderr
+    result = cli(project, "run", "--set", "pretrain.train.lrr=1")
+    assert result.returncode == 2 and "pretrain.train.lrr: unknown key" in result.stderr
+    result = cli(project, "run", "--until", "nope")
+    assert result.returncode == 2 and "unknown stage 'nope'" in result.stderr
+
+
+def test_malformed_source_fails_cleanly_without_outputs(tmp_path, mlflow_template_db):
+    project = make_project(tmp_path / "bad", mlflow_template_db)
+    (project / "data/sources/broken.jsonl").write_text('{"text": "fine"}\n{"text": "oops",}\n')
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["ingest"]["sources"].append({"path": "data/sources/broken.jsonl", "kind": "text"})
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = cli(project, "run", "--until", "ingest")
+    assert result.returncode == 1
+    assert "data/sources/broken.jsonl:2: invalid JSON" in result.stderr
+    assert not (project / "data/ingested").exists()
+    assert not list((project / "data").glob(".tmp-*"))
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    assert "generate" in lock and "ingest" not in lock  # nothing recorded as finished
+
+
+def test_dvc_exp_run_reruns_only_evaluate_and_register(first, project):
+    run(["git", "add", "-A"], project)
+    run(["git", "commit", "-qm", "pipeline outputs locked"], project)
+    result = run([sys.executable, "-m", "dvc", "exp", "run", "-S", "evaluate.max_new_tokens=8"], project, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    ran = [n for n in STAGES if f"Running stage '{n}'" in output]
+    assert ran == ["evaluate", "register"], output
