@@ -48,6 +48,7 @@ def pipeline(
     started = time.perf_counter()
     with workspace.locked(ws), tracking.run("pipeline", root, tags=_run_tags(ws, root, overrides, params_files, until)) as parent:
         parent.log_params({"overrides": " ".join(overrides or []), "params_files": " ".join(params_files or []), "until": until or ""})
+        parent.log_artifact(ws / config.PARAMS_FILE)  # the effective params of this run
         futures = {}
         try:
             for name in dag.order(ws, until):
@@ -65,6 +66,8 @@ def pipeline(
             "seconds": round(time.perf_counter() - started, 3),
         }
         parent.set_tags({f"qllm.stage.{s['name']}": s["status"] for s in stages})
+        if (ws / "dvc.lock").exists():
+            parent.log_artifact(ws / "dvc.lock")  # hashes of every input and output after the run
         parent.log_metrics({f"stage_seconds/{s['name']}": s["seconds"] for s in stages if s["seconds"] is not None})
         failed = [s for s in stages if s["status"] not in ("ran", "cached")]
         if failed:

@@ -389,6 +389,14 @@ def validate(data: dict[str, Any], source: str = PARAMS_FILE, text: str | None =
         raise ParamsError(_format_errors(exc, data, source, lines)) from None
 
 
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the current directory when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def load(root: Path | str = ".", overlays: list[Path | str] = (), overrides: list[str] = ()) -> tuple[Params, dict[str, Any]]:
     """Load `<root>/params.yaml`, merge `--params` overlays and `--set` overrides, validate.
 
@@ -396,12 +404,12 @@ def load(root: Path | str = ".", overlays: list[Path | str] = (), overrides: lis
     """
     base_path = Path(root) / PARAMS_FILE
     data = read_yaml(base_path)
-    validate(data, str(base_path), base_path.read_text(encoding="utf-8"))
+    validate(data, _shown(base_path), base_path.read_text(encoding="utf-8"))
     for overlay in overlays:
         overlay_path = Path(overlay)
         layer = read_yaml(overlay_path)
         data = deep_merge(data, layer)
-        validate(data, str(overlay_path), overlay_path.read_text(encoding="utf-8"))
+        validate(data, _shown(overlay_path), overlay_path.read_text(encoding="utf-8"))
     if overrides:
         data = apply_overrides(data, list(overrides))
         try:
