@@ -84,3 +84,32 @@ def test_dvc_md5_matches_dvc(tmp_path):
     (tmp_path / "f.txt").write_text("hello\n")
     assert dag.dvc_md5(tmp_path / "f.txt") == "b1946ac92492d2347c6235b4d2611184"  # md5 of "hello\n"
     assert dag.dvc_md5(tmp_path / "d").endswith(".dir")
+
+
+def test_layers_import_one_way():
+    """pipelines never imports Prefect, tasks or flows; tasks never import flows."""
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+        return names
+
+    for path in (REPO / "pipelines").glob("*.py"):
+        assert not imports(path) & {"prefect", "tasks", "flows"}, path.name
+    for path in (REPO / "tasks").glob("*.py"):
+        assert "flows" not in imports(path), path.name
+
+
+def test_prefect_yaml_deploys_the_pipeline_flow():
+    import yaml
+    from prefect.flows import load_flow_from_entrypoint
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    entrypoints = {d["name"]: d["entrypoint"] for d in spec["deployments"]}
+    assert "default" in entrypoints
+    flow = load_flow_from_entrypoint(str(REPO / entrypoints["default"]))
+    assert flow.name == "qllm-pipeline"
