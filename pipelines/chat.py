@@ -1,5 +1,11 @@
 """Chat format shared by the tokenizer, SFT, DPO and evaluation: ChatML special tokens and template.
 
+A turn renders as `<|im_start|>{role}: {content}<|im_end|>`. The content follows a space, as
+words do in running text, so a byte-level BPE tokenizer gives it the same tokens as in the
+pretraining corpus (`ĠPelora`, not a line-initial `Pelora`). With ChatML's newline after the role
+the model must learn a second spelling of every answer, and the tiny models here then memorise the
+training answers instead of reusing what pretraining stored: held-out facts dropped to chance.
+
 The template marks assistant turns with `{% generation %}` so
 `tokenizer.apply_chat_template(..., return_assistant_tokens_mask=True)` gives the completion-only
 loss mask directly (the closing `<|im_end|>` is trained, so the model learns to stop).
@@ -21,13 +27,18 @@ ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}{{ '\n' }}"
+    "<|im_start|>assistant:{% generation %} {{ message['content'] }}<|im_end|>{% endgeneration %}{{ '\n' }}"
     "{% else %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>{{ '\n' }}"
+    "<|im_start|>{{ message['role'] }}: {{ message['content'] }}<|im_end|>{{ '\n' }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}"
 )
+
+
+def rendered_turn(role: str, content: str) -> str:
+    """A turn as the tokenizer sees it between special tokens (used to train the tokenizer)."""
+    return f"{role}: {content}"
 
 
 def parse_messages(value: str | list[dict[str, Any]]) -> list[dict[str, str]]:

@@ -2,7 +2,8 @@
 
 Layout (one directory per checkpoint, written to a temporary name and renamed when complete)::
 
-    <dir>/step-00000200/model.safetensors   weights (shared/tied tensors stored once)
+    <dir>/step-00000200/model.safetensors   the trainable weights (all of them for full training,
+                                            the adapter for LoRA; tied tensors stored once)
                         state.pt            optimizer, scheduler, scaler, RNG, data position,
                                             loop state: loaded with torch.load(weights_only=True)
                         manifest.json       step + SHA-256 of both files, written last
@@ -68,6 +69,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Trainable parameters by name (`named_parameters` lists a tied tensor once)."""
+    return {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     step: int
@@ -101,13 +107,13 @@ class CheckpointManager:
 
     def save(self, step: int, model: torch.nn.Module, state: dict[str, Any], best: bool = False) -> Path:
         """Write `step-<step>` atomically, mark it best if asked, prune old ones."""
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file
 
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"step-{step:08d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=self.directory))
         try:
-            save_model(model, str(tmp / MODEL_FILE))
+            save_file(trainable_state(model), str(tmp / MODEL_FILE))
             torch.save(state, tmp / STATE_FILE)
             manifest = {"step": step, "files": {name: _sha256(tmp / name) for name in (MODEL_FILE, STATE_FILE)}}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -144,10 +150,19 @@ class CheckpointManager:
             return False
 
     def load(self, path: Path, model: torch.nn.Module) -> dict[str, Any]:
-        """Load weights into `model` and return the training state (no pickle: weights_only)."""
-        from safetensors.torch import load_model
+        """Load the trainable weights into `model` and return the training state (no pickle:
+        safetensors and torch.load(weights_only=True))."""
+        from safetensors.torch import load_file
 
-        load_model(model, str(path / MODEL_FILE))
+        tensors = load_file(str(path / MODEL_FILE))
+        expected = set(trainable_state(model))
+        if set(tensors) != expected:
+            raise ValueError(f"checkpoint {path} does not match the model's trainable parameters "
+                             f"(missing {sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]})")
+        with torch.no_grad():
+            parameters = dict(model.named_parameters())
+            for name, tensor in tensors.items():
+                parameters[name].copy_(tensor)
         return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
 
     def latest_valid(self, step: int | None = None) -> Checkpoint | None:

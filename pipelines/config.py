@@ -55,11 +55,11 @@ class GenerateParams(Section):
     """Write the sample data set to `data/sample/` (set false when you only use your own data)."""
     seed: int = 0
     """Seed of the world and of every rendering choice; same seed, same bytes."""
-    n_entities: int = Field(120, ge=4, le=10_000)
+    n_entities: int = Field(60, ge=4, le=10_000)
     """Number of invented people; each has a city, a favourite colour, a pet and a job."""
-    bios_per_entity: int = Field(16, ge=1)
+    bios_per_entity: int = Field(64, ge=1)
     """Pretraining documents per entity, each a different paraphrase and sentence order."""
-    heldout_entity_fraction: float = Field(0.2, gt=0, lt=1)
+    heldout_entity_fraction: float = Field(0.3, gt=0, lt=1)
     """Share of entities whose questions are never trained on (held-out evaluation)."""
     max_operand: int = Field(20, ge=2)
     """Arithmetic facts are `a + b` with `0 <= a, b < max_operand`."""
@@ -219,7 +219,57 @@ class PretrainParams(Section):
     train: TrainParams = TrainParams()
 
 
+class FinetuneParams(Section):
+    """Instruction tuning on chat records (shared by `sft` and `lora`: one code path)."""
+
+    base_model: str = "data/models/pretrain"
+    """The model to start from: a `save_pretrained` directory or a hub name. Only the default is a
+    DVC dependency in dvc.yaml; another path is not tracked (a warning says so)."""
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """Train on assistant tokens only (completion-only loss) or on every token."""
+    packing: bool = True
+    """Pack several examples per row, with no attention across examples."""
+    max_seq_len: int = Field(0, ge=0)
+    """Row length in tokens (0: the base model's context length)."""
+    overflow: Literal["truncate", "drop"] = "truncate"
+    """What to do with an example longer than `max_seq_len` (counted in the metrics)."""
+    train: TrainParams = TrainParams()
+
+
+class SftParams(FinetuneParams):
+    pass
+
+
+class LoraParams(FinetuneParams):
+    r: int = Field(4, ge=1)
+    """LoRA rank of every targeted module (unless `rank_pattern` says otherwise)."""
+    lora_alpha: float = Field(8.0, gt=0)
+    """Scaling numerator: updates are scaled by alpha/r (alpha/sqrt(r) with `use_rslora`)."""
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1
+    )
+    """Module names (suffixes) to adapt; an entry that matches no module is an error."""
+    rank_pattern: dict[str, int] = Field(default_factory=dict)
+    """Per-module ranks, `{module name or regex: rank}` (PEFT semantics)."""
+    alpha_pattern: dict[str, float] = Field(default_factory=dict)
+    """Per-module alphas, `{module name or regex: alpha}`."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha/sqrt(r), which keeps update size comparable across ranks."""
+    trainable_tokens: list[str] = Field(default_factory=lambda: ["<|im_start|>", "<|im_end|>"])
+    """Tokens whose embedding rows are trained too (PEFT `trainable_token_indices`): the chat
+    markers a pretrained base has never seen, so the model can learn to end its turn."""
+    merge: bool = True
+    """Also write the adapter merged into the base as a full model (`<out>/merged/`)."""
+
+
+ModelStage = Literal["pretrain", "sft", "lora"]
+
+
 class EvaluateParams(Section):
+    models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora"], min_length=1)
+    """Models to evaluate on the same held-out sets (outputs of these stages)."""
     max_new_tokens: int = Field(16, ge=1)
     """Greedy decoding length for exact-match answers."""
     batch_size: int = Field(32, ge=1)
@@ -231,6 +281,8 @@ class EvaluateParams(Section):
 
 
 class RegisterParams(Section):
+    model: ModelStage = "sft"
+    """Which stage's model to register."""
     model_name: str = Field("qllm", min_length=1)
     """Registered model name in the MLflow model registry."""
     alias: str = Field("champion", min_length=1)
@@ -251,6 +303,8 @@ class Params(Section):
     train_tokenizer: TrainTokenizerParams = TrainTokenizerParams()
     tokenize: TokenizeParams = TokenizeParams()
     pretrain: PretrainParams = PretrainParams()
+    sft: SftParams = SftParams()
+    lora: LoraParams = LoraParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
 

@@ -1,7 +1,10 @@
-"""Evaluate the trained model: validation loss/perplexity and held-out exact-match accuracy.
+"""Evaluate every trained model on the same held-out sets.
 
-    python -m pipelines.evaluate       # what dvc.yaml runs; writes data/evaluate/ and
-                                       # data/metrics/evaluate.json (DVC metrics)
+    python -m pipelines.evaluate       # what dvc.yaml runs; writes data/evaluate/<model>/ and
+                                       # data/metrics/evaluate.json (DVC metrics, one entry per model)
+
+For each model in `evaluate.models` (stage outputs `data/models/<stage>`): validation loss and
+perplexity on the held-out pretraining text, and greedy exact-match accuracy on held-out questions.
 
 Exact match: each held-out conversation (`data/prepared/chat/test.parquet`, else validation) is
 cut before its last assistant turn, rendered with the chat template, answered by greedy decoding,
@@ -25,11 +28,11 @@ from pipelines import packed, stage, training
 from pipelines.chat import normalize_answer, parse_messages, split_last_answer
 from pipelines.config import EvaluateParams
 from pipelines.errors import QllmError
-from pipelines.models import load_causal_lm, load_tokenizer, stop_token_ids
+from pipelines.models import load_for_inference, stop_token_ids
 from pipelines.outputs import atomic_dir
 
 NAME = "evaluate"
-MODEL = "data/models/pretrain"
+MODELS = "data/models"
 TOKENIZED = "data/tokenized"
 CHAT = "data/prepared/chat"
 OUT = "data/evaluate"
@@ -93,19 +96,19 @@ def exact_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple
     return correct, by_group
 
 
-def run(model_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams) -> dict:
-    model = load_causal_lm(model_dir)
-    tokenizer = load_tokenizer(model_dir)
+def evaluate_model(model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams) -> dict:
+    """Metrics of one model; its predictions go to `out/predictions.jsonl`."""
+    model, tokenizer = load_for_inference(model_dir, root)
     started = time.perf_counter()
     val_rows = packed.load(tokenized, "validation")
     batches = packed.fixed_batches(val_rows, params.batch_size, params.eval_batches)
     val_loss = training.mean_loss(model, training.causal_lm_loss, batches, model.device, "fp32")
 
-    questions = heldout_questions(chat_dir, params.max_questions)
     predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.max_new_tokens, params.batch_size)
     correct, by_group = exact_match_report(questions, predictions)
     seconds = time.perf_counter() - started
-    with atomic_dir(out) as tmp, open(tmp / "predictions.jsonl", "w", encoding="utf-8") as handle:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "predictions.jsonl", "w", encoding="utf-8") as handle:
         for row, prediction, ok in zip(questions.itertuples(index=False), predictions, correct, strict=True):
             record = {"id": row.id, "prompt": row.prompt[-1]["content"], "reference": row.reference, "prediction": prediction, "correct": ok}
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -119,14 +122,28 @@ def run(model_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: Eva
     }
 
 
+def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams) -> dict[str, dict]:
+    """`{model: metrics}` for every model in `params.models`, predictions under `out/<model>/`."""
+    questions = heldout_questions(chat_dir, params.max_questions)
+    results = {}
+    with atomic_dir(out) as tmp:
+        for name in params.models:
+            model_dir = models_dir / name
+            if not model_dir.exists():
+                raise QllmError(f"{model_dir}: model of stage {name!r} not found (evaluate.models lists it)")
+            results[name] = evaluate_model(model_dir, root, tokenized, questions, tmp / name, params)
+    return results
+
+
 def _body(ctx: stage.StageContext) -> dict:
-    metrics = run(ctx.path(MODEL), ctx.path(TOKENIZED), ctx.path(CHAT), ctx.path(OUT), ctx.params)
-    ctx.tracker.log_artifact(ctx.path(OUT) / "predictions.jsonl")
-    ctx.log.info(
-        "val/loss %.4f (perplexity %.2f); exact match %.1f%% on %d held-out questions",
-        metrics["val_loss"], metrics["val_perplexity"], 100 * metrics["exact_match"], metrics["questions"],
-    )
-    return metrics
+    results = run(ctx.root, ctx.path(MODELS), ctx.path(TOKENIZED), ctx.path(CHAT), ctx.path(OUT), ctx.params)
+    for name, metrics in results.items():
+        ctx.tracker.log_artifact(ctx.path(OUT) / name / "predictions.jsonl", f"predictions/{name}")
+        ctx.log.info(
+            "%s: val/loss %.4f (perplexity %.2f); exact match %.1f%% on %d held-out questions",
+            name, metrics["val_loss"], metrics["val_perplexity"], 100 * metrics["exact_match"], metrics["questions"],
+        )
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

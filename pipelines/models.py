@@ -99,3 +99,22 @@ def parameter_counts(model) -> dict[str, int]:
         total += parameter.numel()
         trainable += parameter.numel() if parameter.requires_grad else 0
     return {"trainable_parameters": trainable, "total_parameters": total}
+
+
+def load_for_inference(model_dir: Path | str, root: Path | str = "."):
+    """(model, tokenizer) from any model directory the pipeline writes: a full model, a LoRA
+    output with `merged/`, or a PEFT adapter (merged into its base, resolved against `root`)."""
+    import json
+
+    model_dir = Path(model_dir)
+    if (model_dir / "merged" / "config.json").exists():
+        return load_causal_lm(model_dir / "merged"), load_tokenizer(model_dir / "merged")
+    adapter_config = model_dir / "adapter_config.json"
+    if adapter_config.exists():
+        from peft import PeftModel
+
+        base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
+        base_path = Path(root) / base if (Path(root) / base).exists() else base
+        model = PeftModel.from_pretrained(load_causal_lm(base_path), str(model_dir)).merge_and_unload()
+        return model, load_tokenizer(model_dir)
+    return load_causal_lm(model_dir), load_tokenizer(model_dir)

@@ -2,7 +2,8 @@
 
     python -m pipelines.register      # what dvc.yaml runs; writes data/register/registered.json
 
-Logs the model directory with its tokenizer as an `mlflow.transformers` text-generation model, so
+Logs the model of stage `register.model` (a LoRA adapter merged into its base) with its tokenizer
+as an `mlflow.transformers` text-generation model, so
 `mlflow.transformers.load_model("models:/qllm@champion")` returns a working pipeline (and
 `mlflow.pyfunc.load_model` works too), registers it under `register.model_name`, tags the version
 with its lineage (git commit, DVC md5 of every data set and of the model as in `dvc.lock`, all
@@ -21,12 +22,12 @@ import yaml
 
 from pipelines import dag, stage, tracking
 from pipelines.config import RegisterParams
-from pipelines.models import load_causal_lm, load_tokenizer
+from pipelines.models import load_for_inference
 from pipelines.outputs import atomic_dir, read_json, write_json
 from pipelines.workspace import project_root
 
 NAME = "register"
-MODEL = "data/models/pretrain"
+MODELS = "data/models"
 EVAL_METRICS = "data/metrics/evaluate.json"
 OUT = "data/register"
 RUNTIME_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
@@ -84,7 +85,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
     uri = tracking.tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    model, tokenizer = load_causal_lm(model_dir), load_tokenizer(model_dir)
+    model, tokenizer = load_for_inference(model_dir, root)
     with mlflow.start_run(run_id=run_id):
         info = mlflow.transformers.log_model(
             transformers_model={"model": model, "tokenizer": tokenizer},
@@ -99,6 +100,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
         client.set_model_version_tag(params.model_name, model_version, key, value)
     client.set_registered_model_alias(params.model_name, params.alias, model_version)
     record = {
+        "stage": params.model,
         "model_name": params.model_name,
         "version": model_version,
         "alias": params.alias,
@@ -113,10 +115,11 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
 def _body(ctx: stage.StageContext) -> dict:
     evaluation = read_json(ctx.path(EVAL_METRICS))
     parent = ctx.tracker.client.get_run(ctx.tracker.run_id).data.tags.get("mlflow.parentRunId") if ctx.tracker.enabled else None
-    record = run(ctx.root, ctx.path(MODEL), ctx.path(OUT), ctx.params, ctx.tracker.run_id, parent)
+    record = run(ctx.root, ctx.path(MODELS) / ctx.params.model, ctx.path(OUT), ctx.params, ctx.tracker.run_id, parent)
+    exact_match = evaluation.get(ctx.params.model, {}).get("exact_match", float("nan"))
     ctx.log.info(
-        "registered %s version %s as @%s (exact match %.1f%%)",
-        record["model_name"], record["version"], record["alias"], 100 * evaluation.get("exact_match", 0.0),
+        "registered %s version %s (%s model) as @%s (exact match %.1f%%)",
+        record["model_name"], record["version"], ctx.params.model, record["alias"], 100 * exact_match,
     )
     return {"version": int(record["version"])}
 

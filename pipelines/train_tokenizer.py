@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from pipelines import stage
-from pipelines.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages
+from pipelines.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
 from pipelines.config import TrainTokenizerParams
 from pipelines.errors import QllmError
 from pipelines.outputs import atomic_dir
@@ -27,19 +27,20 @@ OUT = "data/tokenizer"
 
 
 def training_texts(prepared: Path, split: str = "train") -> Iterator[str]:
-    """Every string the model will see: pretraining text, chat turns, preference prompts/answers."""
+    """Every string the model will see: pretraining text, and chat and preference turns as the
+    chat template renders them (so role names become tokens too)."""
     text = pd.read_parquet(prepared / "text" / f"{split}.parquet", columns=["text"])
     yield from text["text"]
     chat = pd.read_parquet(prepared / "chat" / f"{split}.parquet", columns=["messages"])
     for messages in chat["messages"]:
         for message in parse_messages(messages):
-            yield message["content"]
+            yield rendered_turn(message["role"], message["content"])
     pref = pd.read_parquet(prepared / "preference" / f"{split}.parquet", columns=["prompt", "chosen", "rejected"])
     for row in pref.itertuples(index=False):
         for message in parse_messages(row.prompt):
-            yield message["content"]
-        yield row.chosen
-        yield row.rejected
+            yield rendered_turn(message["role"], message["content"])
+        yield rendered_turn("assistant", row.chosen)
+        yield rendered_turn("assistant", row.rejected)
 
 
 def train(texts: Iterator[str], vocab_size: int, min_frequency: int):

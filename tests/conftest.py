@@ -98,3 +98,38 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+CHATS = [
+    [{"role": "system", "content": "Answer with one word."}, {"role": "user", "content": f"Where does {name} live?"}, {"role": "assistant", "content": city}]
+    for name, city in [("Tovik", "Pelora"), ("Marela", "Dunmar"), ("Sanit", "Pelora"), ("Orvin", "Kestal"), ("Lumi", "Dunmar"), ("Pera", "Kestal")]
+] + [
+    [{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": str(a + b)},
+     {"role": "user", "content": f"And {b} plus {a}?"}, {"role": "assistant", "content": str(a + b)}]
+    for a, b in [(1, 2), (3, 4), (2, 5), (6, 1)]
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """A trained tokenizer, a tiny random Llama saved as a model directory, and prepared chats."""
+    import json
+
+    import pandas as pd
+
+    from pipelines.config import ModelParams
+    from pipelines.models import build_llama, save_pretrained
+    from pipelines.train_tokenizer import train
+
+    root = tmp_path_factory.mktemp("tiny_base")
+    texts = [m["content"] for chat in CHATS for m in chat] * 20 + ["Tovik lives in Pelora. Marela lives in Dunmar."] * 20
+    tokenizer = train(iter(texts), vocab_size=320, min_frequency=2)
+    model = build_llama(ModelParams(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2), tokenizer, max_positions=128, seed=0)
+    save_pretrained(model, tokenizer, root / "model", max_length=128)
+    chat_dir = root / "chat"
+    chat_dir.mkdir()
+    for split, chats in {"train": CHATS, "validation": CHATS[:3], "test": CHATS[3:5]}.items():
+        frame = pd.DataFrame({"id": [f"{split}-{i}" for i in range(len(chats))], "source": "t", "split": split,
+                              "messages": [json.dumps(c) for c in chats]})
+        frame.to_parquet(chat_dir / f"{split}.parquet")
+    return root

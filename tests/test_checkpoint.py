@@ -27,6 +27,15 @@ def test_save_load_roundtrip_with_tied_weights(tmp_path):
     assert state["step"] == 5 and torch.equal(state["opt"]["exp_avg"], torch.ones(2))
 
 
+def test_only_trainable_weights_are_saved(tmp_path):
+    net = model()
+    net[0].weight.requires_grad_(False)  # a frozen base, as under LoRA; the bias stays trainable
+    path = CheckpointManager(tmp_path).save(1, net, {})
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(path / "model.safetensors"))) == {"1.bias"}
+
+
 def test_keeps_last_k_plus_best(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=2)
     net = model()

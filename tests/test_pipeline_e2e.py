@@ -49,8 +49,12 @@ def test_first_run_runs_every_stage_in_dag_order(first, project):
     assert {s["status"] for s in first["stages"]} == {"ran"}
     assert first["model_version"] == "1"
     metrics = json.loads((project / "data/metrics/evaluate.json").read_text())
-    assert 0 <= metrics["exact_match"] <= 1 and metrics["questions"] == 8
-    assert metrics["val_perplexity"] < 400  # the tiny profile's vocabulary size
+    assert {"pretrain", "sft", "lora"} <= set(metrics)  # one entry per model
+    for name in ("pretrain", "sft", "lora"):
+        assert 0 <= metrics[name]["exact_match"] <= 1 and metrics[name]["questions"] == 8
+        assert metrics[name]["val_perplexity"] < 400  # the tiny profile's vocabulary size
+    lora = json.loads((project / "data/metrics/lora.json").read_text())
+    assert 0 < lora["trainable_fraction"] < 0.2 and lora["steps"] == 6
 
 
 def test_outputs_are_hugging_face_directories(first, project):
@@ -106,7 +110,7 @@ def test_registered_model_is_champion_with_lineage_and_loads(first, project):
     assert str(version.version) == "1"
     tags = version.tags
     outs = lock_outs(project)
-    assert tags["dvc.model_md5"] == outs["data/models/pretrain"]
+    assert tags["dvc.model_md5"] == outs["data/models/sft"]  # register.model: sft
     assert tags["dvc.data/prepared"] == outs["data/prepared"] and tags["dvc.data/tokenized"] == outs["data/tokenized"]
     assert tags["mlflow.parent_run_id"] == first["mlflow_run_id"]
     assert len(tags["git_commit"]) >= 40
@@ -147,6 +151,16 @@ def test_override_runs_in_a_workspace_and_reuses_upstream(first, project):
     assert summary["model_version"] == "2"
     assert (project / "params.yaml").read_bytes() == params_before
     assert "Data and pipelines are up to date." in run([sys.executable, "-m", "dvc", "status"], project).stdout
+
+
+def test_changing_lora_rank_reruns_only_lora_and_downstream(first, project):
+    from flows.pipeline import pipeline
+
+    summary = pipeline(overrides=["lora.r=2"], project_dir=str(project))
+    ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
+    assert ran == ["lora", "evaluate", "register"]
+    assert json.loads((Path(summary["workspace"]) / "data/metrics/lora.json").read_text())["trainable_parameters"] < \
+        json.loads((project / "data/metrics/lora.json").read_text())["trainable_parameters"]
 
 
 def test_until_stops_after_the_stage(first, project):

@@ -1,0 +1,108 @@
+"""Instruction tuning on chat records: the one code path behind `sft` and `lora`.
+
+Load the base model and tokenizer, render and mask the chats (`pipelines.chat_data`), pack them,
+wrap the model (`sft`: as is; `lora`: PEFT adapters), train with the shared loop, save. The two
+stages differ only in the `wrap` and `save` functions they pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pipelines import chat_data, training
+from pipelines.chat import parse_messages
+from pipelines.checkpoint import CheckpointManager
+from pipelines.config import FinetuneParams
+from pipelines.errors import QllmError
+from pipelines.models import device, load_causal_lm, load_tokenizer, parameter_counts
+from pipelines.outputs import atomic_dir
+
+log = logging.getLogger("qllm.finetune")
+
+Wrap = Callable[[torch.nn.Module, Any], torch.nn.Module]  # (model, tokenizer) -> model to train
+Save = Callable[[torch.nn.Module, Any, Path], None]
+
+
+def resolve_base(ctx, tracked: str) -> None:
+    """Make a relative `base_model` path absolute (the stage may run in a run workspace) and warn
+    when it is not the DVC-tracked default."""
+    base = ctx.params.base_model
+    if (ctx.root / base).exists():
+        ctx.params = ctx.params.model_copy(update={"base_model": str(ctx.root / base)})
+    if base != tracked:
+        ctx.log.warning("%s.base_model=%s is not a dependency in dvc.yaml: DVC will not notice when it changes", ctx.name, base)
+
+
+def conversations(chat_dir: Path, split: str) -> list[list[dict]]:
+    frame = pd.read_parquet(chat_dir / f"{split}.parquet", columns=["messages"])
+    return [parse_messages(m) for m in frame["messages"]]
+
+
+def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) -> tuple[list, list, dict[str, float]]:
+    """Training and validation rows plus the encoding counts (truncated, dropped, tokens)."""
+    metrics: dict[str, float] = {}
+    rows = {}
+    for split in ("train", "validation"):
+        examples, stats = chat_data.encode(tokenizer, conversations(chat_dir, split), max_len, params.loss_on, params.overflow)
+        metrics |= stats.as_metrics(f"data/{split}_")
+        if stats.truncated or stats.dropped_too_long or stats.dropped_no_target:
+            log.warning(
+                "%s: %d examples longer than %d tokens were %s, %d had no trained token left and were dropped",
+                split, stats.truncated + stats.dropped_too_long, max_len,
+                "truncated" if params.overflow == "truncate" else "dropped", stats.dropped_no_target,
+            )
+        rows[split] = chat_data.pack(examples, max_len) if params.packing else chat_data.unpacked(examples)
+        metrics[f"data/{split}_rows"] = len(rows[split])
+    if not rows["train"]:
+        raise QllmError(f"{chat_dir / 'train.parquet'}: no chat example left to train on")
+    return rows["train"], rows["validation"], metrics
+
+
+def run(
+    chat_dir: Path,
+    out: Path,
+    params: FinetuneParams,
+    *,
+    wrap: Wrap,
+    save: Save,
+    tracker=None,
+    checkpoint_dir: Path | None = None,
+    desc: str = "finetune",
+) -> dict[str, Any]:
+    """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`."""
+    cfg = params.train
+    tokenizer = load_tokenizer(params.base_model)
+    model = load_causal_lm(params.base_model)
+    max_len = params.max_seq_len or model.config.max_position_embeddings
+    train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
+    torch.manual_seed(cfg.seed)  # adapter initialisation is random: make it a function of the seed
+    model = wrap(model, tokenizer).to(device())
+    counts = parameter_counts(model)
+    counts["trainable_fraction"] = round(counts["trainable_parameters"] / counts["total_parameters"], 6)
+    log.info("%s: %d of %d parameters trainable (%.2f%%)", desc, counts["trainable_parameters"], counts["total_parameters"], 100 * counts["trainable_fraction"])
+    if tracker is not None:
+        tracker.log_params({f"{desc}.{k}": v for k, v in counts.items()})
+
+    collate_train = chat_data.collate(train_rows, tokenizer.pad_token_id, params.packing)
+    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, collate_train)
+    val_fn = None
+    if val_rows:
+        collate_val = chat_data.collate(val_rows, tokenizer.pad_token_id, params.packing)
+        n_val = len(val_rows) if not cfg.eval_batches else min(len(val_rows), cfg.eval_batches * cfg.micro_batch_size)
+        val_batches = [collate_val(np.arange(i, min(i + cfg.micro_batch_size, n_val))) for i in range(0, n_val, cfg.micro_batch_size)]
+
+        def val_fn(m: torch.nn.Module) -> dict[str, float]:
+            return {"val/loss": training.mean_loss(m, chat_data.chat_loss, val_batches, device(), cfg.precision)}
+
+    checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
+    result = training.train(model, chat_data.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=desc)
+    with atomic_dir(out) as tmp:
+        save(model.cpu(), tokenizer, tmp)
+    return {**result, **counts, **metrics, "tokens_per_second": round(result["tokens"] / max(result["train_seconds"], 1e-9))}

@@ -1,0 +1,132 @@
+"""LoRA fine-tuning with PEFT on chat data: the SFT procedure with adapters instead of all weights.
+
+    python -m pipelines.lora       # what dvc.yaml runs; writes data/models/lora/
+
+Same data, masking, packing and loop as `sft` (`pipelines.finetune`); only the model wrapper
+differs: `peft.get_peft_model` with a `LoraConfig` built from `lora.*` (r, lora_alpha,
+lora_dropout, target_modules, rank_pattern/alpha_pattern, bias, use_rslora) plus the embedding
+rows of `lora.trainable_tokens` (the chat markers, which the pretrained base has never seen).
+
+Output: a PEFT adapter directory (`PeftModel.from_pretrained(base, "data/models/lora")`, or
+`AutoPeftModelForCausalLM.from_pretrained` from the project root: the adapter records its base as
+the relative path `data/models/pretrain`) plus, with `lora.merge: true`, the adapter merged into
+the base as a full model in `data/models/lora/merged/`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from pipelines import finetune, stage
+from pipelines.config import LoraParams
+from pipelines.errors import QllmError
+from pipelines.models import save_pretrained
+
+NAME = "lora"
+CHAT = "data/prepared/chat"
+OUT = "data/models/lora"
+TRACKED_BASE = "data/models/pretrain"
+MERGED = "merged"
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def check_targets(model: torch.nn.Module, params: LoraParams) -> None:
+    """Every `target_modules` entry and `rank_pattern`/`alpha_pattern` key must match a module
+    (PEFT matches a name exactly or as a `.`-separated suffix); otherwise a clear error."""
+    names = linear_module_names(model)
+
+    def matches(key: str) -> bool:
+        return any(name == key or name.endswith(f".{key}") or re.fullmatch(rf"(.*\.)?{key}", name) for name in names)
+
+    short = sorted({name.rsplit(".", 1)[-1] for name in names if name != "lm_head"})
+    for field in ("target_modules", "rank_pattern", "alpha_pattern"):
+        for key in getattr(params, field):
+            if not matches(key):
+                raise QllmError(f"lora.{field}: {key!r} matches no linear module of the model (its linear modules are: {', '.join(short)})")
+
+
+def token_ids(tokenizer, tokens: list[str]) -> list[int]:
+    """Vocabulary ids of `lora.trainable_tokens`; an unknown token is an error."""
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise QllmError(f"lora.trainable_tokens: {token!r} is not in the tokenizer's vocabulary")
+        ids.append(token_id)
+    return ids
+
+
+def lora_config(params: LoraParams, trainable_token_ids: list[int] = ()):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=params.r,
+        lora_alpha=params.lora_alpha,
+        lora_dropout=params.lora_dropout,
+        target_modules=list(params.target_modules),
+        rank_pattern=dict(params.rank_pattern),
+        alpha_pattern=dict(params.alpha_pattern),
+        bias=params.bias,
+        use_rslora=params.use_rslora,
+        trainable_token_indices={"embed_tokens": list(trainable_token_ids)} if trainable_token_ids else None,
+        task_type="CAUSAL_LM",
+    )
+
+
+def wrap(params: LoraParams):
+    def apply(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
+        from peft import get_peft_model
+
+        check_targets(model, params)
+        return get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens)))
+
+    return apply
+
+
+def save(params: LoraParams, base_for_users: str):
+    def write(model, tokenizer, directory: Path) -> None:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        # Record the base as users name it (a path relative to the project), not this run's path.
+        adapter_config = directory / "adapter_config.json"
+        settings = json.loads(adapter_config.read_text())
+        settings["base_model_name_or_path"] = base_for_users
+        adapter_config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        if params.merge:
+            merged = model.merge_and_unload()
+            save_pretrained(merged, tokenizer, directory / MERGED, max_length=merged.config.max_position_embeddings)
+
+    return write
+
+
+def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str = TRACKED_BASE) -> dict:
+    return finetune.run(
+        chat_dir, out, params, wrap=wrap(params), save=save(params, base_for_users), tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME
+    )
+
+
+def _body(ctx: stage.StageContext) -> dict:
+    declared = ctx.params.base_model
+    finetune.resolve_base(ctx, TRACKED_BASE)
+    metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared)
+    ctx.log.info(
+        "lora: %d of %d parameters trainable (%.2f%%), %d steps, val/loss %.4f",
+        metrics["trainable_parameters"], metrics["total_parameters"], 100 * metrics["trainable_fraction"],
+        metrics["steps"], metrics.get("val/loss", float("nan")),
+    )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""Supervised fine-tuning of all weights on chat data (completion-only loss, packed rows).
+
+    python -m pipelines.sft        # what dvc.yaml runs; writes data/models/sft/
+
+Starts from `sft.base_model` (default: the pretrained model) and runs the shared procedure in
+`pipelines.finetune`; the output is a `save_pretrained` directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelines import finetune, stage
+from pipelines.config import SftParams
+from pipelines.models import save_pretrained
+
+NAME = "sft"
+CHAT = "data/prepared/chat"
+OUT = "data/models/sft"
+TRACKED_BASE = "data/models/pretrain"
+
+
+def run(chat_dir: Path, out: Path, params: SftParams, tracker=None, checkpoint_dir: Path | None = None) -> dict:
+    def save(model, tokenizer, directory: Path) -> None:
+        save_pretrained(model, tokenizer, directory, max_length=model.config.max_position_embeddings)
+
+    return finetune.run(chat_dir, out, params, wrap=lambda model, tokenizer: model, save=save, tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME)
+
+
+def _body(ctx: stage.StageContext) -> dict:
+    finetune.resolve_base(ctx, TRACKED_BASE)
+    metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir)
+    ctx.log.info(
+        "sft: %d steps, val/loss %.4f, %d train rows from %d examples (%d truncated), %d tokens/s",
+        metrics["steps"], metrics.get("val/loss", float("nan")), metrics["data/train_rows"],
+        metrics["data/train_examples"], metrics["data/train_truncated"], metrics["tokens_per_second"],
+    )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

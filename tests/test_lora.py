@@ -1,0 +1,86 @@
+"""LoRA: parameter counts, target validation, adapter save/load; SFT and LoRA share one path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines import lora, sft
+from pipelines.config import LoraParams, SftParams, TrainParams
+from pipelines.errors import QllmError
+from pipelines.models import load_causal_lm, load_tokenizer, parameter_counts
+
+TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=2, eval_batches=1,
+                    log_every=1, checkpoint_every=0, precision="fp32", weight_decay=0.0)
+
+
+def lora_params(tiny_base, **kw) -> LoraParams:
+    return LoraParams(base_model=str(tiny_base / "model"), train=TRAIN, r=4, lora_alpha=8, **kw)
+
+
+def wrapped(tiny_base, params):
+    return lora.wrap(params)(load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model"))
+
+
+def test_trainable_parameters_are_r_times_in_plus_out(tiny_base):
+    # tiny model: hidden 32, MLP 64, 2 layers; q,k,v,o are 32->32, gate/up 32->64, down 64->32
+    per_layer = 4 * (32 + 32) + 3 * (32 + 64)
+    counts = parameter_counts(wrapped(tiny_base, lora_params(tiny_base, trainable_tokens=[])))
+    assert counts["trainable_parameters"] == 4 * per_layer * 2
+    base_total = parameter_counts(load_causal_lm(tiny_base / "model"))["total_parameters"]
+    assert counts["total_parameters"] == base_total + counts["trainable_parameters"]
+    # plus one embedding row (hidden 32) per trainable token: the two chat markers by default
+    with_tokens = parameter_counts(wrapped(tiny_base, lora_params(tiny_base)))
+    assert with_tokens["trainable_parameters"] == 4 * per_layer * 2 + 2 * 32
+
+
+def test_rank_pattern_sets_per_module_ranks(tiny_base):
+    params = lora_params(tiny_base, target_modules=["q_proj"], rank_pattern={"model.layers.0.self_attn.q_proj": 2}, trainable_tokens=[])
+    assert parameter_counts(wrapped(tiny_base, params))["trainable_parameters"] == 2 * 64 + 4 * 64  # layer 0 rank 2, layer 1 rank 4
+
+
+@pytest.mark.parametrize(("field", "value"), [("target_modules", ["q_projx"]), ("rank_pattern", {"layers.9.mlp.up_proj": 2})])
+def test_targets_that_match_nothing_are_a_clear_error(tiny_base, field, value):
+    params = lora_params(tiny_base, **{field: value})
+    with pytest.raises(QllmError, match=rf"lora.{field}: .* matches no linear module of the model \(its linear modules are: down_proj, gate_proj, k_proj"):
+        wrapped(tiny_base, params)
+
+
+def test_unknown_trainable_token_is_a_clear_error(tiny_base):
+    with pytest.raises(QllmError, match=r"lora.trainable_tokens: '<\|nope\|>' is not in the tokenizer's vocabulary"):
+        wrapped(tiny_base, lora_params(tiny_base, trainable_tokens=["<|nope|>"]))
+
+
+def test_adapter_round_trip_and_merge(tiny_base, tmp_path):
+    from peft import PeftModel
+
+    out = tmp_path / "lora"
+    metrics = lora.run(tiny_base / "chat", out, lora_params(tiny_base), base_for_users="data/models/pretrain")
+    assert metrics["steps"] == 4 and metrics["trainable_fraction"] < 0.2
+    assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+    assert (out / "merged" / "model.safetensors").exists()
+    ids = torch.tensor([[1, 5, 9, 12, 40]])
+    adapted = PeftModel.from_pretrained(load_causal_lm(tiny_base / "model"), str(out)).eval()
+    merged = load_causal_lm(out / "merged").eval()
+    base = load_causal_lm(tiny_base / "model").eval()
+    with torch.no_grad():
+        a, m, b = (x(input_ids=ids).logits for x in (adapted, merged, base))
+    torch.testing.assert_close(a, m, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(a, b, atol=1e-4)  # the adapter learned something
+    import json
+
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "data/models/pretrain"
+
+
+def test_sft_trains_all_weights_and_lowers_the_loss(tiny_base, tmp_path):
+    params = SftParams(base_model=str(tiny_base / "model"), train=TRAIN.model_copy(update={"max_steps": 12, "eval_every": 12}))
+    metrics = sft.run(tiny_base / "chat", tmp_path / "sft", params)
+    assert metrics["trainable_fraction"] == 1.0
+    assert metrics["data/train_examples"] == 10 and metrics["data/train_rows"] < 10  # packed
+    model = load_causal_lm(tmp_path / "sft")
+    assert load_tokenizer(tmp_path / "sft").chat_template
+    base = load_causal_lm(tiny_base / "model")
+    changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters(), strict=True) if not torch.equal(p, q)]
+    assert len(changed) == len(list(base.parameters()))
+    assert np.isfinite(metrics["val/loss"])
