@@ -315,9 +315,13 @@ def test_counts_match_the_files_and_the_formulas(sample):
 def test_tiny_profile_writes_non_empty_files(tmp_path):
     base = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))["generate"]
     tiny = yaml.safe_load((ROOT / "params" / "tiny.yaml").read_text(encoding="utf-8"))["generate"]
-    counts = write_sample(tmp_path, GenerateParams(**{**base, **tiny}))
+    params = GenerateParams(**{**base, **tiny})
+    counts = write_sample(tmp_path, params)
     assert counts["entities"] == 12 and counts["arithmetic_pairs"] == 25
-    assert counts["chat_train"] == 100 and counts["chat_heldout"] == 13
+    heldout, heldout_pairs = counts["heldout_entities"], counts["heldout_arithmetic_pairs"]
+    assert 1 <= heldout < 12 and 1 <= heldout_pairs < 25
+    assert counts["chat_train"] == 2 * 4 * (12 - heldout) + 25 - heldout_pairs
+    assert counts["chat_heldout"] == 4 * heldout + heldout_pairs
     assert counts["pretrain_documents"] > 36
     for name in FILES.values():
         assert (tmp_path / name).stat().st_size > 0, name
