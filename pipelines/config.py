@@ -61,12 +61,19 @@ class GenerateParams(Section):
     """Pretraining documents per entity, each a different paraphrase and sentence order."""
     heldout_entity_fraction: float = Field(0.3, gt=0, lt=1)
     """Share of entities whose questions are never trained on (held-out evaluation)."""
-    max_operand: int = Field(20, ge=2)
+    max_operand: int = Field(10, ge=2)
     """Arithmetic facts are `a + b` with `0 <= a, b < max_operand`."""
+    sum_renderings: int = Field(24, ge=1)
+    """How often each sum is written in the pretraining text (in random wordings)."""
     arithmetic_heldout_fraction: float = Field(0.2, gt=0, lt=1)
     """Share of arithmetic questions held out of SFT/DPO (their facts stay in pretraining)."""
     qa_in_pretrain: bool = True
     """Also write plain `Question: … Answer: …` lines (training entities and arithmetic) into pretraining text."""
+    preference_errors: Literal["confusion", "value"] = "confusion"
+    """The rejected answer of each preference pair: `confusion` (the slips of a weak model: another
+    true fact about the same person, or a number copied from the question) or `value` (another
+    value of the same kind: a different city, the sum off by a little). DPO generalises the first
+    to held-out questions; the second needs knowledge DPO cannot add (see benchmarks/RESULTS.md)."""
     multi_turn_fraction: float = Field(0.2, ge=0, le=1)
     """Share of SFT conversations with two question/answer turns."""
     system_prompt: str = "Answer with one word or number."
@@ -240,7 +247,9 @@ class SftParams(FinetuneParams):
     pass
 
 
-class LoraParams(FinetuneParams):
+class LoraAdapterParams(Section):
+    """PEFT LoRA adapter settings (the `lora` stage, and `dpo.lora` when `dpo.adapter: lora`)."""
+
     r: int = Field(4, ge=1)
     """LoRA rank of every targeted module (unless `rank_pattern` says otherwise)."""
     lora_alpha: float = Field(8.0, gt=0)
@@ -264,11 +273,49 @@ class LoraParams(FinetuneParams):
     """Also write the adapter merged into the base as a full model (`<out>/merged/`)."""
 
 
-ModelStage = Literal["pretrain", "sft", "lora"]
+class LoraParams(FinetuneParams, LoraAdapterParams):
+    """LoRA instruction tuning: the `sft` procedure with adapters (fields of both parents)."""
+
+
+class RefLogprobsParams(Section):
+    """Reference log-probabilities for DPO under the SFT model, computed once and cached.
+
+    DPO starts from the same model; with `dpo.adapter: lora` the reference is therefore the LoRA
+    base with its adapters disabled."""
+
+    max_length: int = Field(0, ge=0)
+    """Longest prompt + completion in tokens (0: the model's context length)."""
+    max_prompt_length: int = Field(0, ge=0)
+    """Longest prompt in tokens (0: no limit beyond `max_length`)."""
+    on_invalid: Literal["drop", "error"] = "drop"
+    """A pair with an empty or identical chosen/rejected, no user turn, or too long: drop it
+    (counted per reason in the metrics) or stop with an error naming the example."""
+    batch_size: int = Field(32, ge=1)
+    """Pairs per forward pass."""
+
+
+class DpoParams(Section):
+    """Direct preference optimisation of the reference model on preference pairs."""
+
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL penalty (higher: stay closer to the reference)."""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Conservative DPO (sigmoid loss only): the assumed share of flipped preference labels."""
+    sft_weight: float = Field(0.0, ge=0)
+    """Add this times the per-token NLL of the chosen answers to the loss (RPO; TRL's
+    `rpo_alpha`): keeps the policy generating what it is rewarded for, limiting drift."""
+    adapter: Literal["none", "lora"] = "none"
+    """Train all weights of the policy, or a LoRA adapter on it (`dpo.lora`)."""
+    lora: LoraAdapterParams = LoraAdapterParams()
+    train: TrainParams = TrainParams()
+
+
+ModelStage = Literal["pretrain", "sft", "lora", "dpo"]
 
 
 class EvaluateParams(Section):
-    models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora"], min_length=1)
+    models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora", "dpo"], min_length=1)
     """Models to evaluate on the same held-out sets (outputs of these stages)."""
     max_new_tokens: int = Field(16, ge=1)
     """Greedy decoding length for exact-match answers."""
@@ -281,7 +328,7 @@ class EvaluateParams(Section):
 
 
 class RegisterParams(Section):
-    model: ModelStage = "sft"
+    model: ModelStage = "dpo"
     """Which stage's model to register."""
     model_name: str = Field("qllm", min_length=1)
     """Registered model name in the MLflow model registry."""
@@ -305,6 +352,8 @@ class Params(Section):
     pretrain: PretrainParams = PretrainParams()
     sft: SftParams = SftParams()
     lora: LoraParams = LoraParams()
+    ref_logprobs: RefLogprobsParams = RefLogprobsParams()
+    dpo: DpoParams = DpoParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pipelines import finetune, stage
-from pipelines.config import LoraParams
+from pipelines.config import LoraAdapterParams, LoraParams
 from pipelines.errors import QllmError
 from pipelines.models import save_pretrained
 
@@ -37,7 +37,7 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
 
 
-def check_targets(model: torch.nn.Module, params: LoraParams) -> None:
+def check_targets(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora") -> None:
     """Every `target_modules` entry and `rank_pattern`/`alpha_pattern` key must match a module
     (PEFT matches a name exactly or as a `.`-separated suffix); otherwise a clear error."""
     names = linear_module_names(model)
@@ -49,21 +49,21 @@ def check_targets(model: torch.nn.Module, params: LoraParams) -> None:
     for field in ("target_modules", "rank_pattern", "alpha_pattern"):
         for key in getattr(params, field):
             if not matches(key):
-                raise QllmError(f"lora.{field}: {key!r} matches no linear module of the model (its linear modules are: {', '.join(short)})")
+                raise QllmError(f"{section}.{field}: {key!r} matches no linear module of the model (its linear modules are: {', '.join(short)})")
 
 
-def token_ids(tokenizer, tokens: list[str]) -> list[int]:
+def token_ids(tokenizer, tokens: list[str], section: str = "lora") -> list[int]:
     """Vocabulary ids of `lora.trainable_tokens`; an unknown token is an error."""
     ids = []
     for token in tokens:
         token_id = tokenizer.convert_tokens_to_ids(token)
         if token_id is None or token_id == tokenizer.unk_token_id:
-            raise QllmError(f"lora.trainable_tokens: {token!r} is not in the tokenizer's vocabulary")
+            raise QllmError(f"{section}.trainable_tokens: {token!r} is not in the tokenizer's vocabulary")
         ids.append(token_id)
     return ids
 
 
-def lora_config(params: LoraParams, trainable_token_ids: list[int] = ()):
+def lora_config(params: LoraAdapterParams, trainable_token_ids: list[int] = ()):
     from peft import LoraConfig
 
     return LoraConfig(
@@ -80,17 +80,21 @@ def lora_config(params: LoraParams, trainable_token_ids: list[int] = ()):
     )
 
 
-def wrap(params: LoraParams):
+def wrap(params: LoraAdapterParams, section: str = "lora"):
+    """`(model, tokenizer) -> PeftModel` with the adapter `params` describes (validated first)."""
+
     def apply(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
         from peft import get_peft_model
 
-        check_targets(model, params)
-        return get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens)))
+        check_targets(model, params, section)
+        return get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens, section)))
 
     return apply
 
 
-def save(params: LoraParams, base_for_users: str):
+def save(params: LoraAdapterParams, base_for_users: str, merge: bool = True):
+    """Write the adapter directory (and, with `merge`, `merged/`) recording `base_for_users`."""
+
     def write(model, tokenizer, directory: Path) -> None:
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
@@ -99,7 +103,7 @@ def save(params: LoraParams, base_for_users: str):
         settings = json.loads(adapter_config.read_text())
         settings["base_model_name_or_path"] = base_for_users
         adapter_config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-        if params.merge:
+        if merge:
             merged = model.merge_and_unload()
             save_pretrained(merged, tokenizer, directory / MERGED, max_length=merged.config.max_position_embeddings)
 
@@ -108,7 +112,7 @@ def save(params: LoraParams, base_for_users: str):
 
 def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str = TRACKED_BASE) -> dict:
     return finetune.run(
-        chat_dir, out, params, wrap=wrap(params), save=save(params, base_for_users), tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME
+        chat_dir, out, params, wrap=wrap(params), save=save(params, base_for_users, params.merge), tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME
     )
 
 

@@ -301,12 +301,15 @@ def _chunks(rng: random.Random, items: list[str], low: int, high: int) -> list[l
     return chunks
 
 
-def _sum_documents(rng: random.Random, world: World) -> list[str]:
-    """Every sum, held out or not, in two different wordings, grouped into documents."""
+def _sum_documents(rng: random.Random, world: World, renderings: int) -> list[str]:
+    """Every sum, held out or not, `renderings` times in random wordings, grouped into documents.
+
+    A sum is one short sentence while a person's facts fill many bios, so sums need many
+    renderings to be seen about as often as facts; with 2 the model learned almost none."""
     sentences = [
-        template.format(a=a, b=b, c=a + b)
+        rng.choice(SUM_TEMPLATES).format(a=a, b=b, c=a + b)
         for a, b in itertools.product(range(world.max_operand), repeat=2)
-        for template in rng.sample(SUM_TEMPLATES, 2)
+        for _ in range(renderings)
     ]
     rng.shuffle(sentences)
     return [" ".join(chunk) for chunk in _chunks(rng, sentences, *ARITH_SENTENCES_PER_DOC)]
@@ -321,7 +324,7 @@ def _qa_documents(rng: random.Random, train_facts: list[Fact]) -> list[str]:
 
 def _pretrain(rng: random.Random, world: World, params: GenerateParams) -> list[str]:
     documents = [bio for entity in world.entities for bio in _bios(rng, entity, params.bios_per_entity)]
-    documents += _sum_documents(rng, world)
+    documents += _sum_documents(rng, world, params.sum_renderings)
     if params.qa_in_pretrain:
         documents += _qa_documents(rng, facts(world, heldout=False))
     rng.shuffle(documents)
@@ -367,19 +370,31 @@ def _train_chats(rng: random.Random, train_facts: list[Fact], params: GeneratePa
 
 
 def _heldout_chats(rng: random.Random, heldout_facts: list[Fact], system_prompt: str) -> list[dict[str, Any]]:
-    """Each held-out fact once, single-turn."""
+    """Each held-out fact in every wording of its question, single-turn (more questions make
+    exact-match differences between models smaller than one unlucky answer)."""
     counters: dict[str, int] = {}
     chats = []
     for fact in heldout_facts:
-        messages = _system(system_prompt) + _turn(fact.question(rng), fact.answer)
-        chats.append({"id": _id("heldout", fact, counters), "messages": messages})
+        for template in QUESTION_TEMPLATES[fact.kind]:
+            messages = _system(system_prompt) + _turn(fact.ask(template), fact.answer)
+            chats.append({"id": _id("heldout", fact, counters), "messages": messages})
     # Shuffled so that evaluating only the first `max_questions` still mixes every type.
     rng.shuffle(chats)
     return chats
 
 
-def _wrong_answer(rng: random.Random, fact: Fact, in_use: dict[str, set[str]]) -> str:
-    """A plausible wrong answer: another value some person has, or the sum off by a small amount."""
+def _confused_answer(rng: random.Random, fact: Fact, people: dict[str, Entity]) -> str:
+    """The systematic slips of a weak model: another true fact about the same person (asked for
+    the city, it gives the pet), or a number copied from the question instead of the sum."""
+    if fact.kind == ARITH:
+        copies = [str(x) for x in (fact.a, fact.b) if str(x) != fact.answer]
+        return rng.choice(copies) if copies else str(int(fact.answer) + 1)
+    person = people[fact.name]
+    return rng.choice([person.value(attr) for attr in ATTRIBUTES if attr != fact.kind and person.value(attr) != fact.answer])
+
+
+def _wrong_value(rng: random.Random, fact: Fact, in_use: dict[str, set[str]]) -> str:
+    """A wrong value of the right kind: another value some person has, or the sum off by a bit."""
     if fact.kind == ARITH:
         c = int(fact.answer)
         options = [c + d for d in WRONG_SUM_OFFSETS] + [c - d for d in WRONG_SUM_OFFSETS if c - d >= 0]
@@ -388,16 +403,22 @@ def _wrong_answer(rng: random.Random, fact: Fact, in_use: dict[str, set[str]]) -
     return rng.choice(options or [value for value in POOLS[fact.kind] if value != fact.answer])
 
 
-def _preferences(rng: random.Random, world: World, split: str, system_prompt: str) -> list[dict[str, Any]]:
-    """One TRL conversational preference record per fact of the split."""
+def _preferences(rng: random.Random, world: World, split: str, params: GenerateParams) -> list[dict[str, Any]]:
+    """One TRL conversational preference record per fact of the split; the rejected answer is a
+    plausible wrong one of the kind `params.preference_errors` names."""
     in_use = {attr: {entity.value(attr) for entity in world.entities} for attr in ATTRIBUTES}
+    people = {entity.name: entity for entity in world.entities}
+
+    def wrong(fact: Fact) -> str:
+        return _confused_answer(rng, fact, people) if params.preference_errors == "confusion" else _wrong_value(rng, fact, in_use)
+
     counters: dict[str, int] = {}
     records = [
         {
             "id": _id(split, fact, counters, prefix="pref-"),
-            "prompt": _system(system_prompt) + [{"role": "user", "content": fact.question(rng)}],
+            "prompt": _system(params.system_prompt) + [{"role": "user", "content": fact.question(rng)}],
             "chosen": [{"role": "assistant", "content": fact.answer}],
-            "rejected": [{"role": "assistant", "content": _wrong_answer(rng, fact, in_use)}],
+            "rejected": [{"role": "assistant", "content": wrong(fact)}],
         }
         for fact in facts(world, heldout=split == "heldout")
     ]
@@ -422,8 +443,8 @@ def render(world: World, params: GenerateParams) -> dict[str, list]:
         "pretrain": _pretrain(_rng(seed, "pretrain"), world, params),
         "chat_train": _train_chats(_rng(seed, "chat_train"), facts(world, heldout=False), params),
         "chat_heldout": _heldout_chats(_rng(seed, "chat_heldout"), facts(world, heldout=True), params.system_prompt),
-        "preference_train": _preferences(_rng(seed, "preference_train"), world, "train", params.system_prompt),
-        "preference_heldout": _preferences(_rng(seed, "preference_heldout"), world, "heldout", params.system_prompt),
+        "preference_train": _preferences(_rng(seed, "preference_train"), world, "train", params),
+        "preference_heldout": _preferences(_rng(seed, "preference_heldout"), world, "heldout", params),
     }
 
 

@@ -2,7 +2,8 @@
 
 A method differs only in what it hands the loop:
 
-- `loss_fn(model, batch) -> (loss, metrics)`: the objective (causal LM, completion-only, DPO, ...)
+- `loss_fn(model, batch) -> (loss, metrics)`: the objective (causal LM, completion-only, DPO, ...);
+  its metrics are averaged over accumulation steps and logged under their own names
 - `batches`: a resumable, seeded order over its data (`Batches`)
 - `val_fn(model) -> metrics`: validation, with `val/loss` driving early stopping and "best"
 - `callbacks`: functions called at fixed points (`"step_end"`, `"eval"`) with the loop state
@@ -264,7 +265,7 @@ def train(
                 "train/lr": scheduler.get_last_lr()[0],
                 "train/grad_norm": float(grad_norm),
                 "train/tokens_per_sec": window_tokens / max(elapsed, 1e-9),
-                **{f"train/{k}": v for k, v in extra.items()},
+                **extra,  # the objective's own metrics, under the names it chose (e.g. rewards/chosen)
             }
             state.tokens += window_tokens
             window_tokens, window_start = 0, time.perf_counter()

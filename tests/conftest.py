@@ -110,6 +110,13 @@ CHATS = [
 ]
 
 
+PAIRS = [
+    ("Where does Tovik live?", "Pelora", "Dunmar"), ("Where does Marela live?", "Dunmar", "Kestal"),
+    ("Where does Orvin live?", "Kestal", "Pelora"), ("What is 1 plus 2?", "3", "4"),
+    ("What is 3 plus 4?", "7", "8"), ("What is 2 plus 5?", "7", "6"),
+]
+
+
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory):
     """A trained tokenizer, a tiny random Llama saved as a model directory, and prepared chats."""
@@ -126,6 +133,13 @@ def tiny_base(tmp_path_factory):
     tokenizer = train(iter(texts), vocab_size=320, min_frequency=2)
     model = build_llama(ModelParams(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2), tokenizer, max_positions=128, seed=0)
     save_pretrained(model, tokenizer, root / "model", max_length=128)
+    preference_dir = root / "preference"
+    preference_dir.mkdir()
+    for split, pairs in {"train": PAIRS, "validation": PAIRS[:2], "test": PAIRS[2:]}.items():
+        frame = pd.DataFrame({"id": [f"{split}-{i}" for i in range(len(pairs))], "source": "t", "split": split,
+                              "prompt": [json.dumps([{"role": "user", "content": q}]) for q, _, _ in pairs],
+                              "chosen": [c for _, c, _ in pairs], "rejected": [r for _, _, r in pairs]})
+        frame.to_parquet(preference_dir / f"{split}.parquet")
     chat_dir = root / "chat"
     chat_dir.mkdir()
     for split, chats in {"train": CHATS, "validation": CHATS[:3], "test": CHATS[3:5]}.items():

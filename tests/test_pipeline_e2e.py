@@ -163,6 +163,19 @@ def test_changing_lora_rank_reruns_only_lora_and_downstream(first, project):
         json.loads((project / "data/metrics/lora.json").read_text())["trainable_parameters"]
 
 
+def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):
+    from flows.pipeline import pipeline
+
+    for beta in ("0.05", "0.5"):
+        summary = pipeline(overrides=[f"dpo.beta={beta}"], project_dir=str(project))
+        status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
+        assert [n for n, (st, _) in status.items() if st == "ran"] == ["dpo", "evaluate", "register"], status
+        # the reference pass (and everything before it) comes from DVC's run-cache
+        assert status["ref_logprobs"] == status["sft"] == status["pretrain"] == ("cached", "run-cache")
+        dpo_metrics = json.loads((Path(summary["workspace"]) / "data/metrics/dpo.json").read_text())
+        assert dpo_metrics["steps"] == 4 and "heldout/rewards/accuracies" in dpo_metrics
+
+
 def test_until_stops_after_the_stage(first, project):
     from flows.pipeline import pipeline
 

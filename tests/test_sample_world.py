@@ -146,15 +146,18 @@ def test_articles_agree_with_the_next_word(sample):
     assert not re.search(r"\ban [^aeiou]", text)
 
 
-def test_every_sum_is_stated_twice_in_documents_of_five_to_ten_sentences(sample):
+def test_every_sum_is_stated_sum_renderings_times_in_documents_of_five_to_ten_sentences(sample):
     out, _, _ = sample
     sums = [doc for doc in documents(out) if re.search(r"\d", doc) and not doc.startswith("Question:")]
     sentences = [s for doc in sums for s in re.split(r"(?<=\.) ", doc)]
     assert all(5 <= len(re.split(r"(?<=\.) ", doc)) <= 10 for doc in sums)
-    assert len(sentences) == 2 * SMALL.max_operand**2
+    assert len(sentences) == SMALL.sum_renderings * SMALL.max_operand**2
+    seen = {}
     for sentence in sentences:
         a, b, c = map(int, re.findall(r"\d+", sentence))
         assert a + b == c
+        seen[(a, b)] = seen.get((a, b), 0) + 1
+    assert set(seen.values()) == {SMALL.sum_renderings}
 
 
 def test_qa_lines_cover_training_facts_only(sample):
@@ -234,21 +237,39 @@ def test_train_chats_ask_each_person_fact_twice_in_different_words(sample):
         assert len(asked) == 8 and len(set(asked)) == 8
 
 
-def test_every_preference_is_correct_and_its_rejection_plausible(sample):
-    out, _, world = sample
+def preference_records(out: Path):
     for name in ("preference_train", "preference_heldout"):
         for record in read_jsonl(out / FILES[name]):
             assert list(record) == ["id", "prompt", "chosen", "rejected"]
             assert [m["role"] for m in record["prompt"]] == ["system", "user"]
-            chosen, rejected = record["chosen"][0]["content"], record["rejected"][0]["content"]
             assert record["chosen"][0]["role"] == record["rejected"][0]["role"] == "assistant"
-            kind = kind_of(record["id"])
-            assert chosen == expected_answer(world, record["prompt"][-1]["content"], kind)
-            assert rejected != chosen
-            if kind == "arith":
-                assert int(rejected) >= 0 and abs(int(rejected) - int(chosen)) in (1, 2, 3, 10)
-            else:
-                assert rejected in {e[kind] for e in world["entities"]}
+            yield record, record["prompt"][-1]["content"], record["chosen"][0]["content"], record["rejected"][0]["content"]
+
+
+def test_rejected_answers_are_a_weak_models_confusions(sample):
+    """Default `preference_errors: confusion`: another fact of the same person, or an operand."""
+    out, _, world = sample
+    for record, question, chosen, rejected in preference_records(out):
+        kind = kind_of(record["id"])
+        assert chosen == expected_answer(world, question, kind) and rejected != chosen
+        if kind == "arith":
+            a, b = map(int, re.findall(r"\d+", question))
+            assert rejected in {str(a), str(b)} or (a == b == 0 and rejected == "1")
+        else:
+            (person,) = [e for e in world["entities"] if mentions(question, e["name"])]
+            assert rejected in {person[attr] for attr in ("city", "color", "pet", "job") if attr != kind}
+
+
+def test_rejected_answers_can_be_wrong_values_of_the_same_kind(tmp_path):
+    write_sample(tmp_path, SMALL.model_copy(update={"preference_errors": "value"}))
+    world = json.loads((tmp_path / FILES["world"]).read_text(encoding="utf-8"))
+    for record, question, chosen, rejected in preference_records(tmp_path):
+        kind = kind_of(record["id"])
+        assert chosen == expected_answer(world, question, kind) and rejected != chosen
+        if kind == "arith":
+            assert int(rejected) >= 0 and abs(int(rejected) - int(chosen)) in (1, 2, 3, 10)
+        else:
+            assert rejected in {e[kind] for e in world["entities"]}
 
 
 def test_empty_system_prompt_means_no_system_message(tmp_path):
@@ -300,7 +321,7 @@ def test_counts_match_the_files_and_the_formulas(sample):
         "pretrain_documents": len(documents(out)),
         "pretrain_chars": len((out / FILES["pretrain"]).read_text(encoding="utf-8")),
         "chat_train": 2 * 4 * train + train_pairs,
-        "chat_heldout": 4 * heldout + heldout_pairs,
+        "chat_heldout": 3 * (4 * heldout + heldout_pairs),  # every wording of each question
         "preference_train": 4 * train + train_pairs,
         "preference_heldout": 4 * heldout + heldout_pairs,
         "entities": 12,
@@ -321,7 +342,7 @@ def test_tiny_profile_writes_non_empty_files(tmp_path):
     heldout, heldout_pairs = counts["heldout_entities"], counts["heldout_arithmetic_pairs"]
     assert 1 <= heldout < 12 and 1 <= heldout_pairs < 25
     assert counts["chat_train"] == 2 * 4 * (12 - heldout) + 25 - heldout_pairs
-    assert counts["chat_heldout"] == 4 * heldout + heldout_pairs
+    assert counts["chat_heldout"] == 3 * (4 * heldout + heldout_pairs)
     assert counts["pretrain_documents"] > 36
     for name in FILES.values():
         assert (tmp_path / name).stat().st_size > 0, name

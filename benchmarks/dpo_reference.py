@@ -1,0 +1,93 @@
+"""DPO step time with cached reference log-probs vs running the reference model every step.
+
+    python -m benchmarks.dpo_reference [--steps 30] [--trials 3]
+
+Same process, same model (params.yaml `pretrain.model`, vocabulary 2048), same pairs (batches of
+16 prompt+answer pairs of ~48 tokens, the size of the sample data's), same loop
+(`pipelines.training.train` with `pipelines.dpo.dpo_loss`). "cached" reads the reference
+log-probs from the batch, as the `dpo` stage does with `data/ref_logprobs/`; "live" computes them
+every step with a frozen copy of the starting model (full fine-tuning) or with the adapter
+disabled (LoRA). Trials alternate; the first steps of each are warm-up. Prints the median step
+time of each and the ratio cached/live (expected <= 0.75).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.train_throughput import _Vocab
+from pipelines import config, dpo, lora, preference_data, training
+from pipelines.config import DpoParams
+from pipelines.models import build_llama
+
+WARMUP = 3
+
+
+def synthetic_pairs(n: int, vocab: int, prompt_len: int = 40, answer_len: int = 8) -> list[preference_data.Pair]:
+    rng = np.random.default_rng(0)
+    pairs = []
+    for i in range(n):
+        prompt = rng.integers(4, vocab, prompt_len)
+        chosen = np.concatenate([prompt, rng.integers(4, vocab, answer_len)])
+        rejected = np.concatenate([prompt, rng.integers(4, vocab, answer_len)])
+        pairs.append(preference_data.Pair(f"p{i}", prompt_len, chosen, rejected, -20.0, -22.0))
+    return pairs
+
+
+def step_seconds(model, loss_fn, pairs, cfg) -> float:
+    marks: list[float] = []
+    batches = training.Batches(len(pairs), cfg.micro_batch_size, 0, preference_data.collate(pairs, pad_id=1))
+    training.train(model, loss_fn, batches, cfg, callbacks=[lambda e, s, m: marks.append(time.perf_counter()) if e == "step_end" else None])
+    durations = np.diff(marks[WARMUP - 1 :])
+    return float(np.median(durations))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--trials", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    params, _ = config.load(Path(__file__).resolve().parents[1])
+    vocab = 2048
+    cfg = params.dpo.train.model_copy(update={"max_steps": args.steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0, "log_every": 10})
+    pairs = synthetic_pairs(256, vocab)
+    base = build_llama(params.pretrain.model, _Vocab(vocab), max_positions=256, seed=0)
+    print(f"policy {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters, {cfg.micro_batch_size} pairs/step, "
+          f"{args.steps - WARMUP} timed steps x {args.trials} trials, precision {cfg.precision}")
+    for adapter in ("none", "lora"):
+        dpo_params = DpoParams(adapter=adapter, lora={"trainable_tokens": []}, train=cfg)
+        cached, live = [], []
+        for _ in range(args.trials):
+            for mode in ("cached", "live"):
+                policy = copy.deepcopy(base)
+                if adapter == "lora":
+                    policy = lora.wrap(dpo_params.lora, "dpo.lora")(policy, None)
+
+                    def reference(batch, policy=policy):
+                        with policy.disable_adapter(), training.autocast(torch.device("cpu"), cfg.precision):
+                            return preference_data.sequence_logps(policy, batch)
+                else:
+                    frozen = copy.deepcopy(base).eval().requires_grad_(False)
+
+                    def reference(batch, frozen=frozen):
+                        with training.autocast(torch.device("cpu"), cfg.precision):
+                            return preference_data.sequence_logps(frozen, batch)
+
+                loss_fn = dpo.dpo_loss(dpo_params, None if mode == "cached" else reference)
+                (cached if mode == "cached" else live).append(step_seconds(policy, loss_fn, pairs, cfg))
+        ratio = statistics.median(cached) / statistics.median(live)
+        print(f"adapter={adapter}: cached {1000 * statistics.median(cached):.1f} ms/step, live reference "
+              f"{1000 * statistics.median(live):.1f} ms/step, ratio {ratio:.3f} (expected <= 0.75)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""Direct preference optimisation from cached reference log-probabilities.
+
+    python -m pipelines.dpo        # what dvc.yaml runs; writes data/models/dpo/
+
+The policy starts from the reference model of `ref_logprobs` (the SFT model), either
+with all weights trainable (`dpo.adapter: none`) or with a LoRA adapter built by the LoRA stage's
+code (`dpo.adapter: lora`, settings in `dpo.lora`). Each step runs the policy once over the
+concatenated chosen and rejected sequences; the reference log-probabilities come from
+`data/ref_logprobs/`, so the reference model is never run here. The loss is
+`pipelines.losses.preference_loss` (`dpo.loss_type`, `dpo.beta`, `dpo.label_smoothing`), plus
+`dpo.sft_weight` times the chosen answers' per-token NLL (RPO) when it is set.
+
+Logged per step and on validation (`val/...`) with the names TRL uses: `rewards/chosen`,
+`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`,
+plus `kl/chosen` (mean policy - reference log-probability of the chosen answers). After training
+the same metrics on the held-out pairs (test split) are reported as `heldout/...`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pipelines import lora, preference_data, stage, training
+from pipelines.checkpoint import CheckpointManager
+from pipelines.config import DpoParams
+from pipelines.errors import QllmError
+from pipelines.losses import preference_loss, reward_metrics
+from pipelines.models import device, load_for_inference, parameter_counts, save_pretrained
+from pipelines.outputs import atomic_dir, read_json
+
+NAME = "dpo"
+REF = "data/ref_logprobs"
+OUT = "data/models/dpo"
+
+Reference = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def dpo_loss(params: DpoParams, reference: Reference | None = None):
+    """`loss_fn(model, batch)` for the training loop. `reference` None uses the batch's cached
+    reference log-probabilities; a function computes them every step (for benchmarks)."""
+
+    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        policy_chosen, policy_rejected = preference_data.sequence_logps(model, batch)
+        if reference is None:
+            ref_chosen, ref_rejected = batch["ref_chosen"], batch["ref_rejected"]
+        else:
+            with torch.no_grad():
+                ref_chosen, ref_rejected = reference(batch)
+        losses, chosen_rewards, rejected_rewards = preference_loss(
+            policy_chosen, policy_rejected, ref_chosen, ref_rejected,
+            beta=params.beta, loss_type=params.loss_type, label_smoothing=params.label_smoothing,
+        )  # fmt: skip
+        metrics = reward_metrics(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected, ref_chosen)
+        loss = losses.mean()
+        if params.sft_weight:
+            chosen_tokens = batch["completion_tokens"][: len(policy_chosen)].clamp(min=1)
+            nll = (-policy_chosen / chosen_tokens).mean()
+            metrics["nll/chosen"] = nll.item()
+            loss = loss + params.sft_weight * nll
+        return loss, metrics
+
+    return loss_fn
+
+
+def evaluate_pairs(model, loss_fn, pairs: list[preference_data.Pair], pad_id: int, batch_size: int, precision: str, prefix: str) -> dict[str, float]:
+    """Loss and reward metrics over all `pairs` (eval mode, no gradients), as `<prefix>/...`."""
+    if not pairs:
+        return {}
+    was_training = model.training
+    model.eval()
+    make = preference_data.collate(pairs, pad_id)
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            indices = np.arange(start, min(start + batch_size, len(pairs)))
+            batch = training.to_device(make(indices), device())
+            with training.autocast(device(), precision):
+                loss, metrics = loss_fn(model, batch)
+            for key, value in {"loss": float(loss), **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + value * len(indices)
+    model.train(was_training)
+    return {f"{prefix}/{k}": v / len(pairs) for k, v in totals.items()}
+
+
+def load_pairs(ref_dir: Path, split: str) -> list[preference_data.Pair]:
+    path = ref_dir / f"{split}.parquet"
+    return preference_data.from_frame(pd.read_parquet(path)) if path.exists() else []
+
+
+def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, checkpoint_dir: Path | None = None) -> dict:
+    cfg = params.train
+    reference = read_json(ref_dir / "meta.json")["reference"]  # the model the reference pass used
+    model, tokenizer = load_for_inference(root / reference, root)
+    train_pairs, val_pairs, heldout_pairs = (load_pairs(ref_dir, s) for s in ("train", "validation", "test"))
+    if not train_pairs:
+        raise QllmError(f"{ref_dir / 'train.parquet'}: no preference pairs to train on")
+    torch.manual_seed(cfg.seed)
+    if params.adapter == "lora":
+        model = lora.wrap(params.lora, "dpo.lora")(model, tokenizer)
+    model = model.to(device())
+    counts = parameter_counts(model)
+    if tracker is not None:
+        tracker.log_params({f"dpo.{k}": v for k, v in counts.items()} | {"dpo.reference": reference})
+
+    loss_fn = dpo_loss(params)
+    pad = tokenizer.pad_token_id
+    batches = training.Batches(len(train_pairs), cfg.micro_batch_size, cfg.seed, preference_data.collate(train_pairs, pad))
+    val_fn = None
+    if val_pairs:
+
+        def val_fn(m: torch.nn.Module) -> dict[str, float]:
+            return evaluate_pairs(m, loss_fn, val_pairs, pad, cfg.micro_batch_size, cfg.precision, "val")
+
+    checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
+    result = training.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=NAME)
+    heldout = evaluate_pairs(model, loss_fn, heldout_pairs, pad, cfg.micro_batch_size, cfg.precision, "heldout")
+    if tracker is not None and heldout:
+        tracker.log_metrics(heldout, step=result["steps"])
+    with atomic_dir(out) as tmp:
+        if params.adapter == "lora":
+            lora.save(params.lora, reference, params.lora.merge)(model.cpu(), tokenizer, tmp)
+        else:
+            save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
+    return {
+        **result,
+        **counts,
+        **heldout,
+        "reference": reference,
+        "train_pairs": len(train_pairs),
+        "tokens_per_second": round(result["tokens"] / max(result["train_seconds"], 1e-9)),
+    }
+
+
+def _body(ctx: stage.StageContext) -> dict:
+    metrics = run(ctx.root, ctx.path(REF), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir)
+    ctx.log.info(
+        "dpo (beta %.3g, %s): %d steps; validation rewards/accuracies %.3f; held-out rewards/accuracies %.3f, margins %.3f",
+        ctx.params.beta, ctx.params.loss_type, metrics["steps"], metrics.get("val/rewards/accuracies", float("nan")),
+        metrics.get("heldout/rewards/accuracies", float("nan")), metrics.get("heldout/rewards/margins", float("nan")),
+    )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Preference pairs -> token sequences for DPO, and their summed completion log-probabilities.
+
+Each pair becomes two sequences rendered with the chat template: prompt + chosen answer and
+prompt + rejected answer. Only the answer's tokens (and its closing `<|im_end|>`) count: the
+completion mask is the template's assistant mask of the final turn, so prompt tokens never do.
+Chosen and rejected go through the model in one concatenated batch (`[chosen; rejected]`).
+
+Bad pairs (empty or identical answers, no user turn, too long) are dropped and counted per
+reason, or stop the stage with an error naming the pair (`on_invalid`), so they can never turn
+into NaN losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pipelines.chat import parse_messages
+from pipelines.errors import QllmError
+
+REASONS = ("empty_chosen", "empty_rejected", "chosen_equals_rejected", "no_user_turn", "prompt_too_long", "too_long")
+
+
+@dataclass
+class Pair:
+    id: str
+    prompt_length: int  # tokens before the answer (shared by both sequences)
+    chosen_ids: np.ndarray  # prompt + chosen answer, ending with <|im_end|>
+    rejected_ids: np.ndarray
+    ref_chosen: float = float("nan")
+    ref_rejected: float = float("nan")
+
+
+def _render(tokenizer, prompt: list[dict], answer: str) -> tuple[np.ndarray, int]:
+    """ids of prompt + answer (cut after the answer's end token) and where the answer starts."""
+    out = tokenizer.apply_chat_template(
+        [*prompt, {"role": "assistant", "content": answer}], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, mask = np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=bool)
+    end = int(np.flatnonzero(mask)[-1]) + 1
+    start = end
+    while start > 0 and mask[start - 1]:  # the final assistant turn: the last run of masked tokens
+        start -= 1
+    return ids[:end], start
+
+
+def _invalid(prompt: list[dict], chosen: str, rejected: str) -> str | None:
+    if not chosen.strip():
+        return "empty_chosen"
+    if not rejected.strip():
+        return "empty_rejected"
+    if chosen.strip() == rejected.strip():
+        return "chosen_equals_rejected"
+    if not prompt or prompt[-1]["role"] != "user" or not prompt[-1]["content"].strip():
+        return "no_user_turn"
+    return None
+
+
+def encode_pairs(tokenizer, frame: pd.DataFrame, max_length: int, max_prompt_length: int = 0, on_invalid: str = "drop", where: str = "") -> tuple[list[Pair], dict[str, int]]:
+    """Encode a preference frame (`id, prompt, chosen, rejected`); returns pairs and drop counts."""
+    dropped = dict.fromkeys(REASONS, 0)
+    pairs = []
+    for row in frame.itertuples(index=False):
+        prompt = parse_messages(row.prompt)
+        reason = _invalid(prompt, row.chosen, row.rejected)
+        if reason is None:
+            chosen_ids, start = _render(tokenizer, prompt, row.chosen)
+            rejected_ids, start_rejected = _render(tokenizer, prompt, row.rejected)
+            if start != start_rejected or not np.array_equal(chosen_ids[:start], rejected_ids[:start]):
+                raise QllmError(f"{where}pair {row.id!r}: prompt tokens differ between chosen and rejected (tokenizer/template mismatch)")
+            if max_prompt_length and start > max_prompt_length:
+                reason = "prompt_too_long"
+            elif max(len(chosen_ids), len(rejected_ids)) > max_length:
+                reason = "too_long"
+        if reason is not None:
+            if on_invalid == "error":
+                raise QllmError(f"{where}pair {row.id!r}: {reason.replace('_', ' ')} (set on_invalid: drop to skip such pairs)")
+            dropped[reason] += 1
+            continue
+        pairs.append(Pair(str(row.id), start, chosen_ids, rejected_ids))
+    return pairs, dropped
+
+
+def collate(pairs: list[Pair], pad_id: int) -> Callable[[np.ndarray], dict[str, torch.Tensor]]:
+    """Batches of `[chosen_1..B; rejected_1..B]`, right-padded, with completion masks and the
+    pairs' cached reference log-probabilities."""
+
+    def batch(indices: np.ndarray) -> dict[str, torch.Tensor]:
+        chosen = [pairs[i] for i in np.sort(indices)]
+        sequences = [p.chosen_ids for p in chosen] + [p.rejected_ids for p in chosen]
+        starts = [p.prompt_length for p in chosen] * 2
+        width = max(len(s) for s in sequences)
+        input_ids = np.full((len(sequences), width), pad_id, dtype=np.int64)
+        attention = np.zeros((len(sequences), width), dtype=np.int64)
+        completion = np.zeros((len(sequences), width), dtype=np.int64)
+        for i, (ids, start) in enumerate(zip(sequences, starts, strict=True)):
+            input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, start : len(ids)] = ids, 1, 1
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention),
+            "completion_mask": torch.from_numpy(completion),
+            "completion_tokens": torch.from_numpy(completion.sum(1)),
+            "ref_chosen": torch.tensor([p.ref_chosen for p in chosen], dtype=torch.float32),
+            "ref_rejected": torch.tensor([p.ref_rejected for p in chosen], dtype=torch.float32),
+            "num_tokens": int(attention.sum()),
+        }
+
+    return batch
+
+
+def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed completion-token log-probabilities of the chosen and the rejected halves."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
+    targets = batch["input_ids"][:, 1:]
+    token_logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    summed = (token_logps * batch["completion_mask"][:, 1:]).sum(-1)
+    half = summed.shape[0] // 2
+    return summed[:half], summed[half:]
+
+
+def to_frame(pairs: list[Pair], split: str) -> pd.DataFrame:
+    """The cached form written by `ref_logprobs` (token ids as int32 lists)."""
+    return pd.DataFrame(
+        {
+            "id": [p.id for p in pairs],
+            "split": split,
+            "prompt_length": [p.prompt_length for p in pairs],
+            "chosen_ids": [p.chosen_ids.astype(np.int32).tolist() for p in pairs],
+            "rejected_ids": [p.rejected_ids.astype(np.int32).tolist() for p in pairs],
+            "ref_chosen_logp": [p.ref_chosen for p in pairs],
+            "ref_rejected_logp": [p.ref_rejected for p in pairs],
+        }
+    )
+
+
+def from_frame(frame: pd.DataFrame) -> list[Pair]:
+    return [
+        Pair(str(r.id), int(r.prompt_length), np.asarray(r.chosen_ids, dtype=np.int64), np.asarray(r.rejected_ids, dtype=np.int64), float(r.ref_chosen_logp), float(r.ref_rejected_logp))
+        for r in frame.itertuples(index=False)
+    ]
