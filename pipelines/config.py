@@ -69,11 +69,13 @@ class GenerateParams(Section):
     """Share of arithmetic questions held out of SFT/DPO (their facts stay in pretraining)."""
     qa_in_pretrain: bool = True
     """Also write plain `Question: … Answer: …` lines (training entities and arithmetic) into pretraining text."""
-    preference_errors: Literal["confusion", "value"] = "confusion"
-    """The rejected answer of each preference pair: `confusion` (the slips of a weak model: another
-    true fact about the same person, or a number copied from the question) or `value` (another
-    value of the same kind: a different city, the sum off by a little). DPO generalises the first
-    to held-out questions; the second needs knowledge DPO cannot add (see benchmarks/RESULTS.md)."""
+    preference_errors: Literal["copy", "confusion", "value"] = "copy"
+    """How each preference pair's rejected answer is wrong: `copy` (a weak model repeating the
+    person's name or a number from the question), `confusion` (another true fact about the same
+    person, e.g. the pet when asked for the city) or `value` (another value of the right kind: a
+    different city, the sum off by a little). Measured in benchmarks/RESULTS.md: DPO generalises
+    `copy` to held-out pairs without changing answers; `confusion` generalises but biases answer
+    values; `value` needs knowledge DPO cannot add and barely generalises."""
     multi_turn_fraction: float = Field(0.2, ge=0, le=1)
     """Share of SFT conversations with two question/answer turns."""
     system_prompt: str = "Answer with one word or number."

@@ -30,7 +30,7 @@ from pipelines.checkpoint import CheckpointManager
 from pipelines.config import DpoParams
 from pipelines.errors import QllmError
 from pipelines.losses import preference_loss, reward_metrics
-from pipelines.models import device, load_for_inference, parameter_counts, save_pretrained
+from pipelines.models import CONSTRUCTION, device, load_for_inference, parameter_counts, save_pretrained
 from pipelines.outputs import atomic_dir, read_json
 
 NAME = "dpo"
@@ -99,10 +99,11 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     train_pairs, val_pairs, heldout_pairs = (load_pairs(ref_dir, s) for s in ("train", "validation", "test"))
     if not train_pairs:
         raise QllmError(f"{ref_dir / 'train.parquet'}: no preference pairs to train on")
-    torch.manual_seed(cfg.seed)
-    if params.adapter == "lora":
-        model = lora.wrap(params.lora, "dpo.lora")(model, tokenizer)
-    model = model.to(device())
+    with CONSTRUCTION:
+        torch.manual_seed(cfg.seed)
+        if params.adapter == "lora":
+            model = lora.wrap(params.lora, "dpo.lora")(model, tokenizer)
+        model = model.to(device())
     counts = parameter_counts(model)
     if tracker is not None:
         tracker.log_params({f"dpo.{k}": v for k, v in counts.items()} | {"dpo.reference": reference})
@@ -121,7 +122,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     heldout = evaluate_pairs(model, loss_fn, heldout_pairs, pad, cfg.micro_batch_size, cfg.precision, "heldout")
     if tracker is not None and heldout:
         tracker.log_metrics(heldout, step=result["steps"])
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp, CONSTRUCTION:
         if params.adapter == "lora":
             lora.save(params.lora, reference, params.lora.merge)(model.cpu(), tokenizer, tmp)
         else:

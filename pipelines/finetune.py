@@ -21,7 +21,7 @@ from pipelines.chat import parse_messages
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import FinetuneParams
 from pipelines.errors import QllmError
-from pipelines.models import device, load_causal_lm, load_tokenizer, parameter_counts
+from pipelines.models import CONSTRUCTION, device, load_causal_lm, load_tokenizer, parameter_counts
 from pipelines.outputs import atomic_dir
 
 log = logging.getLogger("qllm.finetune")
@@ -82,8 +82,9 @@ def run(
     model = load_causal_lm(params.base_model)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
-    torch.manual_seed(cfg.seed)  # adapter initialisation is random: make it a function of the seed
-    model = wrap(model, tokenizer).to(device())
+    with CONSTRUCTION:
+        torch.manual_seed(cfg.seed)  # adapter initialisation is random: make it a function of the seed
+        model = wrap(model, tokenizer).to(device())
     counts = parameter_counts(model)
     counts["trainable_fraction"] = round(counts["trainable_parameters"] / counts["total_parameters"], 6)
     log.info("%s: %d of %d parameters trainable (%.2f%%)", desc, counts["trainable_parameters"], counts["total_parameters"], 100 * counts["trainable_fraction"])
@@ -103,6 +104,6 @@ def run(
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     result = training.train(model, chat_data.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=desc)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp, CONSTRUCTION:  # saving may merge adapters: builds modules
         save(model.cpu(), tokenizer, tmp)
     return {**result, **counts, **metrics, "tokens_per_second": round(result["tokens"] / max(result["train_seconds"], 1e-9))}

@@ -7,6 +7,7 @@ through `from_pretrained` too, so a hub name works wherever a network exists; te
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -14,6 +15,13 @@ import torch
 from pipelines.chat import IM_END
 from pipelines.config import ModelParams
 from pipelines.errors import QllmError
+
+# transformers builds models under process-wide patches (default dtype, meta-device creation,
+# init hooks; `PreTrainedModel.get_init_context`). Stages run in Prefect worker threads, and a
+# module created in one thread while another is inside `from_pretrained` can end up on the meta
+# device ("Cannot copy out of meta tensor"). Every model construction in the pipeline (loading,
+# building, PEFT wrapping, merging) holds this lock; training and inference do not.
+CONSTRUCTION = threading.RLock()
 
 
 def device() -> torch.device:
@@ -45,8 +53,9 @@ def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with CONSTRUCTION:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
     configure_generation(model, tokenizer)
     return model
 
@@ -74,7 +83,8 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        with CONSTRUCTION:
+            return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except (OSError, ValueError) as exc:
         raise QllmError(f"{path}: cannot load a causal language model ({exc})") from None
 
@@ -115,6 +125,7 @@ def load_for_inference(model_dir: Path | str, root: Path | str = "."):
 
         base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
         base_path = Path(root) / base if (Path(root) / base).exists() else base
-        model = PeftModel.from_pretrained(load_causal_lm(base_path), str(model_dir)).merge_and_unload()
+        with CONSTRUCTION:
+            model = PeftModel.from_pretrained(load_causal_lm(base_path), str(model_dir)).merge_and_unload()
         return model, load_tokenizer(model_dir)
     return load_causal_lm(model_dir), load_tokenizer(model_dir)

@@ -113,11 +113,20 @@ def collate(pairs: list[Pair], pad_id: int) -> Callable[[np.ndarray], dict[str, 
 
 
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion-token log-probabilities of the chosen and the rejected halves."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
-    targets = batch["input_ids"][:, 1:]
+    """Summed completion-token log-probabilities of the chosen and the rejected halves.
+
+    Only the answers need logits, and they sit at the end of every row: `logits_to_keep` makes the
+    model compute vocabulary logits (and this function the log-softmax) just for the trailing
+    positions from the earliest answer on, instead of for every prompt token as well.
+    """
+    input_ids, completion = batch["input_ids"], batch["completion_mask"]
+    width = input_ids.shape[1]
+    first_answer = int(completion.argmax(dim=1).min())  # earliest answer token in the batch
+    keep = width - first_answer + 1  # logits at position t predict token t + 1
+    logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=keep).logits[:, :-1]
+    targets = input_ids[:, width - keep + 1 :]
     token_logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    summed = (token_logps * batch["completion_mask"][:, 1:]).sum(-1)
+    summed = (token_logps * completion[:, width - keep + 1 :]).sum(-1)
     half = summed.shape[0] // 2
     return summed[:half], summed[half:]
 

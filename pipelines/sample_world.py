@@ -383,17 +383,24 @@ def _heldout_chats(rng: random.Random, heldout_facts: list[Fact], system_prompt:
     return chats
 
 
-def _confused_answer(rng: random.Random, fact: Fact, people: dict[str, Entity]) -> str:
-    """The systematic slips of a weak model: another true fact about the same person (asked for
-    the city, it gives the pet), or a number copied from the question instead of the sum."""
+def _copied_answer(rng: random.Random, fact: Fact, people: dict[str, Entity], in_use: dict[str, set[str]]) -> str:
+    """A weak model's copy slip: it repeats the person's name, or a number from the question."""
     if fact.kind == ARITH:
         copies = [str(x) for x in (fact.a, fact.b) if str(x) != fact.answer]
         return rng.choice(copies) if copies else str(int(fact.answer) + 1)
+    return fact.name
+
+
+def _confused_answer(rng: random.Random, fact: Fact, people: dict[str, Entity], in_use: dict[str, set[str]]) -> str:
+    """A weak model's attribute confusion: another true fact about the same person (asked for the
+    city, it gives the pet); sums as `_copied_answer`."""
+    if fact.kind == ARITH:
+        return _copied_answer(rng, fact, people, in_use)
     person = people[fact.name]
     return rng.choice([person.value(attr) for attr in ATTRIBUTES if attr != fact.kind and person.value(attr) != fact.answer])
 
 
-def _wrong_value(rng: random.Random, fact: Fact, in_use: dict[str, set[str]]) -> str:
+def _wrong_value(rng: random.Random, fact: Fact, people: dict[str, Entity], in_use: dict[str, set[str]]) -> str:
     """A wrong value of the right kind: another value some person has, or the sum off by a bit."""
     if fact.kind == ARITH:
         c = int(fact.answer)
@@ -403,6 +410,10 @@ def _wrong_value(rng: random.Random, fact: Fact, in_use: dict[str, set[str]]) ->
     return rng.choice(options or [value for value in POOLS[fact.kind] if value != fact.answer])
 
 
+# `generate.preference_errors` -> how a pair's rejected answer is made
+WRONG_ANSWERS = {"copy": _copied_answer, "confusion": _confused_answer, "value": _wrong_value}
+
+
 def _preferences(rng: random.Random, world: World, split: str, params: GenerateParams) -> list[dict[str, Any]]:
     """One TRL conversational preference record per fact of the split; the rejected answer is a
     plausible wrong one of the kind `params.preference_errors` names."""
@@ -410,7 +421,7 @@ def _preferences(rng: random.Random, world: World, split: str, params: GenerateP
     people = {entity.name: entity for entity in world.entities}
 
     def wrong(fact: Fact) -> str:
-        return _confused_answer(rng, fact, people) if params.preference_errors == "confusion" else _wrong_value(rng, fact, in_use)
+        return WRONG_ANSWERS[params.preference_errors](rng, fact, people, in_use)
 
     counters: dict[str, int] = {}
     records = [

@@ -84,3 +84,19 @@ def test_sft_trains_all_weights_and_lowers_the_loss(tiny_base, tmp_path):
     changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters(), strict=True) if not torch.equal(p, q)]
     assert len(changed) == len(list(base.parameters()))
     assert np.isfinite(metrics["val/loss"])
+
+
+def test_sft_and_lora_can_run_side_by_side_in_threads(tiny_base, tmp_path):
+    """Prefect runs independent stages in worker threads: model construction must not race
+    (transformers builds models under process-wide patches; see models.CONSTRUCTION)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sft_params = SftParams(base_model=str(tiny_base / "model"), train=TRAIN)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [pool.submit(sft.run, tiny_base / "chat", tmp_path / f"sft{i}", sft_params) for i in range(2)]
+        futures += [pool.submit(lora.run, tiny_base / "chat", tmp_path / f"lora{i}", lora_params(tiny_base)) for i in range(2)]
+        results = [f.result() for f in futures]
+    assert [r["steps"] for r in results] == [4, 4, 4, 4]
+    for i in range(2):
+        model = load_causal_lm(tmp_path / f"lora{i}" / "merged")
+        assert all(p.device.type == "cpu" for p in model.parameters())

@@ -110,7 +110,7 @@ def test_registered_model_is_champion_with_lineage_and_loads(first, project):
     assert str(version.version) == "1"
     tags = version.tags
     outs = lock_outs(project)
-    assert tags["dvc.model_md5"] == outs["data/models/sft"]  # register.model: sft
+    assert tags["dvc.model_md5"] == outs["data/models/dpo"]  # register.model: dpo
     assert tags["dvc.data/prepared"] == outs["data/prepared"] and tags["dvc.data/tokenized"] == outs["data/tokenized"]
     assert tags["mlflow.parent_run_id"] == first["mlflow_run_id"]
     assert len(tags["git_commit"]) >= 40
@@ -166,7 +166,7 @@ def test_changing_lora_rank_reruns_only_lora_and_downstream(first, project):
 def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):
     from flows.pipeline import pipeline
 
-    for beta in ("0.05", "0.5"):
+    for beta in ("0.05", "0.2"):  # both differ from params.yaml (0.5): real overrides
         summary = pipeline(overrides=[f"dpo.beta={beta}"], project_dir=str(project))
         status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
         assert [n for n, (st, _) in status.items() if st == "ran"] == ["dpo", "evaluate", "register"], status

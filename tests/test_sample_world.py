@@ -246,10 +246,23 @@ def preference_records(out: Path):
             yield record, record["prompt"][-1]["content"], record["chosen"][0]["content"], record["rejected"][0]["content"]
 
 
-def test_rejected_answers_are_a_weak_models_confusions(sample):
-    """Default `preference_errors: confusion`: another fact of the same person, or an operand."""
+def test_rejected_answers_copy_the_question_by_default(sample):
+    """Default `preference_errors: copy`: the person's name, or an operand of the sum."""
     out, _, world = sample
     for record, question, chosen, rejected in preference_records(out):
+        kind = kind_of(record["id"])
+        assert chosen == expected_answer(world, question, kind) and rejected != chosen
+        if kind == "arith":
+            a, b = map(int, re.findall(r"\d+", question))
+            assert rejected in {str(a), str(b)} or (a == b == 0 and rejected == "1")
+        else:
+            assert mentions(question, rejected) and rejected in {e["name"] for e in world["entities"]}
+
+
+def test_rejected_answers_can_be_attribute_confusions(tmp_path):
+    write_sample(tmp_path, SMALL.model_copy(update={"preference_errors": "confusion"}))
+    world = json.loads((tmp_path / FILES["world"]).read_text(encoding="utf-8"))
+    for record, question, chosen, rejected in preference_records(tmp_path):
         kind = kind_of(record["id"])
         assert chosen == expected_answer(world, question, kind) and rejected != chosen
         if kind == "arith":

@@ -1,0 +1,53 @@
+"""Held-out quality of DPO against its SFT starting point, over several DPO seeds.
+
+    python -m benchmarks.dpo_quality --project DIR [--seeds 0 1 2]
+
+DIR is a project after `qllm run` (it needs data/models/sft, data/ref_logprobs,
+data/prepared/chat, data/tokenized). Runs the `dpo` stage's code with the project's params.yaml
+once per seed (the seed changes the data order) and evaluates each result like `evaluate` does:
+held-out exact match of greedy answers, and the held-out DPO reward accuracy. Prints SFT's exact
+match, then each seed and the mean and standard deviation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from pipelines import config, dpo
+from pipelines.config import EvaluateParams
+from pipelines.evaluate import evaluate_model, heldout_questions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--project", type=Path, required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args(argv)
+    root = args.project.resolve()
+    params, _ = config.load(root)
+    questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
+    evaluate = params.evaluate.model_copy(update={"models": ["dpo"]})
+    with tempfile.TemporaryDirectory() as tmp:
+        sft = evaluate_model(root / "data/models/sft", root, root / "data/tokenized", questions, Path(tmp) / "sft", evaluate)
+        print(f"SFT: held-out exact match {sft['exact_match']:.4f} on {sft['questions']} questions")
+        exact, accuracy = [], []
+        for seed in args.seeds:
+            dpo_params = params.dpo.model_copy(update={"train": params.dpo.train.model_copy(update={"seed": seed, "checkpoint_every": 0})})
+            out = Path(tmp) / f"dpo{seed}"
+            metrics = dpo.run(root, root / "data/ref_logprobs", out, dpo_params)
+            result = evaluate_model(out, root, root / "data/tokenized", questions, out / "eval", EvaluateParams(**{**evaluate.model_dump(), "models": ["dpo"]}))
+            exact.append(result["exact_match"])
+            accuracy.append(metrics["heldout/rewards/accuracies"])
+            print(f"DPO seed {seed}: held-out exact match {exact[-1]:.4f}, held-out rewards/accuracies {accuracy[-1]:.3f}")
+    spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    print(f"DPO mean: exact match {statistics.mean(exact):.4f} +- {spread(exact):.4f} "
+          f"(SFT {sft['exact_match']:.4f}, difference {statistics.mean(exact) - sft['exact_match']:+.4f}); "
+          f"rewards/accuracies {statistics.mean(accuracy):.3f} +- {spread(accuracy):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
