@@ -61,6 +61,8 @@ def encode(tokenizer, conversations: list[list[dict]], max_len: int, loss_on: st
     """
     stats = EncodeStats()
     examples = []
+    # Length limits are applied below (and counted); the tokenizer's own limit would only warn.
+    tokenizer.model_max_length = max(tokenizer.model_max_length, 1 << 30)
     for messages in conversations:
         rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids = np.asarray(rendered["input_ids"], dtype=np.int64)

@@ -278,6 +278,57 @@ class LoraAdapterParams(Section):
 class LoraParams(FinetuneParams, LoraAdapterParams):
     """LoRA instruction tuning: the `sft` procedure with adapters (fields of both parents)."""
 
+    allocation: Literal["quantum_opt", "uniform"] = "quantum_opt"
+    """`quantum_opt`: target modules and per-module ranks from the `quantum_opt` stage (its
+    `data/quantum_opt/allocation.json`); `uniform`: rank `r` on every `target_modules` entry."""
+
+
+class ProbeLoraParams(FinetuneParams):
+    """A short SFT run that records every candidate LoRA module's gradients (for `quantum_opt`)."""
+
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1
+    )
+    """Candidate modules (name suffixes); every matching linear layer of every block is probed."""
+    ranks: list[int] = Field(default_factory=lambda: [4, 8, 16], min_length=1)
+    """Candidate ranks r for which the captured gradient energy v[m][r] is reported."""
+
+    @field_validator("ranks")
+    @classmethod
+    def _positive_ranks(cls, ranks: list[int]) -> list[int]:
+        if any(r < 1 for r in ranks) or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks must be distinct positive integers, got {ranks}")
+        return sorted(ranks)
+
+
+class QuantumOptParams(Section):
+    """LoRA rank allocation as a QUBO over the probe's scores (see pipelines/quantum.py)."""
+
+    solver: Literal["exact", "sa", "tabu", "milp", "dwave", "qaoa"] = "sa"
+    """`sa`/`tabu` (dwave-samplers), `milp` (scipy, exact), `exact` (enumeration, small only),
+    `dwave` (D-Wave Leap: extra `dwave` + DWAVE_API_TOKEN), `qaoa` (extra `qaoa`, <= max_qubits)."""
+    fallback: Literal["sa"] | None = None
+    """Solve with `sa` (logged) when the chosen backend is unavailable or too small."""
+    lam: float = Field(0.02, ge=0)
+    """Weight λ of the redundancy penalty between correlated modules. Values are shares of one
+    gradient energy (Σ v <= 1) while the penalty sums over M·(M−1)/2 pairs: with the probe's
+    ρ ≈ 0.9 on 28 modules, λ = 0.02 costs uniform rank 8 about a fifth of its value; λ = 0.5
+    leaves room for 2-4 adapters only (README, "Quantum-optimised LoRA ranks")."""
+    budget_rank: int = Field(8, ge=1)
+    """Budget B = the trainable parameters of rank `budget_rank` on every candidate module."""
+    budget: int = Field(0, ge=0)
+    """An absolute parameter budget instead (0: use `budget_rank`)."""
+    seed: int = 0
+    timeout: float = Field(60.0, gt=0)
+    """Seconds any solver may take (every solver honours it)."""
+    reference_timeout: float = Field(15.0, ge=0)
+    """Seconds for the MILP reference optimum the gap is measured against (0: skip it). With
+    dense redundancy HiGHS rarely proves optimality; its best point at the limit is then used."""
+    max_qubits: int = Field(16, ge=1)
+    """QAOA refuses problems with more binary variables (statevector simulation is 2^n)."""
+    num_reads: int = Field(0, ge=0)
+    """Samples drawn by sa/tabu (0: the library default)."""
+
 
 class RefLogprobsParams(Section):
     """Reference log-probabilities for DPO under the SFT model, computed once and cached.
@@ -353,6 +404,8 @@ class Params(Section):
     tokenize: TokenizeParams = TokenizeParams()
     pretrain: PretrainParams = PretrainParams()
     sft: SftParams = SftParams()
+    probe_lora: ProbeLoraParams = ProbeLoraParams()
+    quantum_opt: QuantumOptParams = QuantumOptParams()
     lora: LoraParams = LoraParams()
     ref_logprobs: RefLogprobsParams = RefLogprobsParams()
     dpo: DpoParams = DpoParams()

@@ -7,6 +7,10 @@ differs: `peft.get_peft_model` with a `LoraConfig` built from `lora.*` (r, lora_
 lora_dropout, target_modules, rank_pattern/alpha_pattern, bias, use_rslora) plus the embedding
 rows of `lora.trainable_tokens` (the chat markers, which the pretrained base has never seen).
 
+With `lora.allocation: quantum_opt` (the default) the targeted modules and their ranks come from
+`data/quantum_opt/allocation.json` (`apply_allocation`); `uniform` uses rank `r` on every
+`target_modules` entry.
+
 Output: a PEFT adapter directory (`PeftModel.from_pretrained(base, "data/models/lora")`, or
 `AutoPeftModelForCausalLM.from_pretrained` from the project root: the adapter records its base as
 the relative path `data/models/pretrain`) plus, with `lora.merge: true`, the adapter merged into
@@ -25,9 +29,11 @@ from pipelines import finetune, stage
 from pipelines.config import LoraAdapterParams, LoraParams
 from pipelines.errors import QllmError
 from pipelines.models import save_pretrained
+from pipelines.outputs import read_json
 
 NAME = "lora"
 CHAT = "data/prepared/chat"
+ALLOCATION = "data/quantum_opt/allocation.json"
 OUT = "data/models/lora"
 TRACKED_BASE = "data/models/pretrain"
 MERGED = "merged"
@@ -110,6 +116,17 @@ def save(params: LoraAdapterParams, base_for_users: str, merge: bool = True):
     return write
 
 
+def apply_allocation(params: LoraParams, allocation: dict) -> LoraParams:
+    """Target exactly the allocated modules with their ranks. The per-module alphas keep the
+    update scale alpha/r of the uniform configuration (`lora_alpha / r`) for every rank; with
+    rsLoRA the scaling alpha/sqrt(r) already adapts to each rank."""
+    ranks = {module: int(rank) for module, rank in allocation["rank_pattern"].items() if rank > 0}
+    if not ranks:
+        raise QllmError(f"{ALLOCATION}: no module was given a rank; use lora.allocation: uniform or a larger quantum_opt budget")
+    alphas = {} if params.use_rslora else {m: params.lora_alpha * r / params.r for m, r in ranks.items()}
+    return params.model_copy(update={"target_modules": sorted(ranks), "rank_pattern": ranks, "alpha_pattern": alphas})
+
+
 def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str = TRACKED_BASE) -> dict:
     return finetune.run(
         chat_dir, out, params, wrap=wrap(params), save=save(params, base_for_users, params.merge), tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME
@@ -119,6 +136,10 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
 def _body(ctx: stage.StageContext) -> dict:
     declared = ctx.params.base_model
     finetune.resolve_base(ctx, TRACKED_BASE)
+    if ctx.params.allocation == "quantum_opt":
+        allocation = read_json(ctx.path(ALLOCATION))
+        ctx.params = apply_allocation(ctx.params, allocation)
+        ctx.log.info("lora: %d modules with ranks from quantum_opt (%s)", len(ctx.params.rank_pattern), allocation["solver"])
     metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared)
     ctx.log.info(
         "lora: %d of %d parameters trainable (%.2f%%), %d steps, val/loss %.4f",

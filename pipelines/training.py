@@ -6,7 +6,9 @@ A method differs only in what it hands the loop:
   its metrics are averaged over accumulation steps and logged under their own names
 - `batches`: a resumable, seeded order over its data (`Batches`)
 - `val_fn(model) -> metrics`: validation, with `val/loss` driving early stopping and "best"
-- `callbacks`: functions called at fixed points (`"step_end"`, `"eval"`) with the loop state
+- `callbacks`: functions called at fixed points with the loop state: `"gradients"` (after
+  backward and unscaling, before clipping: the raw gradients of the step are in `.grad`),
+  `"step_end"`, `"eval"`
 
 The loop owns the rest: AdamW with no-decay groups, warmup + cosine/linear schedule, gradient
 accumulation, clipping, bf16 autocast (AMX on CPU), progress bar, MLflow metrics, checkpoints and
@@ -244,6 +246,8 @@ def train(
                 extra[key] = extra.get(key, 0.0) + float(value) / cfg.grad_accum_steps
             window_tokens += _batch_tokens(batch)
         scaler.unscale_(optimizer)
+        for callback in callbacks:
+            callback("gradients", state, {})
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         train_loss = loss_sum / cfg.grad_accum_steps

@@ -153,14 +153,43 @@ def test_override_runs_in_a_workspace_and_reuses_upstream(first, project):
     assert "Data and pipelines are up to date." in run([sys.executable, "-m", "dvc", "status"], project).stdout
 
 
-def test_changing_lora_rank_reruns_only_lora_and_downstream(first, project):
+def test_quantum_allocation_drives_lora(first, project):
+    allocation = json.loads((project / "data/quantum_opt/allocation.json").read_text())
+    metrics = json.loads((project / "data/metrics/quantum_opt.json").read_text())
+    scores = json.loads((project / "data/probe_lora/scores.json").read_text())
+    assert len(allocation["ranks"]) == len(scores["values"]) == 7  # 1 layer (tiny profile) x 7 projections
+    budget = sum(8 * (s["d_in"] + s["d_out"]) for s in scores["modules"].values())  # rank 8 everywhere
+    assert allocation["feasible"] and allocation["cost"] <= budget == metrics["budget"]
+    assert metrics["solver"] == "sa" and metrics["objective"] >= metrics["greedy_objective"] - 1e-9
+    assert metrics["gap_to_milp"] <= 0.01  # the tiny instance: sa within 1 % of the MILP
+    adapter = json.loads((project / "data/models/lora/adapter_config.json").read_text())
+    assert adapter["rank_pattern"] == allocation["rank_pattern"] and sorted(adapter["target_modules"]) == allocation["target_modules"]
+    assert {m: adapter["alpha_pattern"][m] / r for m, r in adapter["rank_pattern"].items()} == \
+        dict.fromkeys(adapter["rank_pattern"], adapter["lora_alpha"] / adapter["r"])  # fmt: skip
+
+
+def test_changing_the_solver_reruns_from_quantum_opt(first, project):
     from flows.pipeline import pipeline
 
-    summary = pipeline(overrides=["lora.r=2"], project_dir=str(project))
+    summary = pipeline(overrides=["quantum_opt.solver=milp"], project_dir=str(project))
+    status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
+    assert [n for n, (st, _) in status.items() if st == "ran"] == ["quantum_opt", "lora", "evaluate", "register"], status
+    assert status["probe_lora"] == ("cached", "run-cache")
+    metrics = json.loads((Path(summary["workspace"]) / "data/metrics/quantum_opt.json").read_text())
+    assert metrics["solver"] == "milp" and metrics["gap_to_milp"] == 0.0
+
+
+def test_uniform_lora_rank_reruns_only_lora_and_downstream(first, project):
+    from flows.pipeline import pipeline
+
+    summary = pipeline(overrides=["lora.allocation=uniform", "lora.r=2"], project_dir=str(project))
     ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
     assert ran == ["lora", "evaluate", "register"]
-    assert json.loads((Path(summary["workspace"]) / "data/metrics/lora.json").read_text())["trainable_parameters"] < \
-        json.loads((project / "data/metrics/lora.json").read_text())["trainable_parameters"]
+    trainable = json.loads((Path(summary["workspace"]) / "data/metrics/lora.json").read_text())["trainable_parameters"]
+    quantum = json.loads((project / "data/metrics/lora.json").read_text())["trainable_parameters"]
+    cost = json.loads((project / "data/quantum_opt/allocation.json").read_text())["cost"]
+    budget = json.loads((project / "data/metrics/quantum_opt.json").read_text())["budget"]
+    assert trainable - quantum == budget // 4 - cost  # rank 2 everywhere vs the allocation; same trainable tokens
 
 
 def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):

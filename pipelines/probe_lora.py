@@ -1,0 +1,137 @@
+"""Probe which LoRA modules matter: a short SFT run that records every candidate's gradients.
+
+    python -m pipelines.probe_lora      # what dvc.yaml runs; writes data/probe_lora/scores.json
+
+Runs `probe_lora.train.max_steps` steps of the SFT procedure (same data, masks, packing and
+loop as `sft`/`lora`) on the LoRA base model and, for every candidate module m (each linear
+layer whose name ends with one of `probe_lora.target_modules`), records the raw gradient of each
+step before clipping: the accumulated gradient `G_m = Σ_b ∇W_m L_b` and the per-step energy
+`g_m(b) = ‖∇W_m L_b‖²`. From them, for the `quantum_opt` stage:
+
+- value `v[m][r] = Σ_{i≤r} σ_i(G_m)² / Σ_m ‖G_m‖²_F`: the share of all modules' gradient energy
+  a rank-r update of m can capture (Eckart–Young: the best rank-r approximation of G_m keeps
+  exactly its r largest squared singular values);
+- cost `c[m][r] = r·(d_in + d_out)`: the trainable parameters of a rank-r adapter on m;
+- redundancy `ρ[m,m'] = max(0, corr_b(g_m, g_m'))`: modules whose gradient energy rises and
+  falls together over the steps are likely to learn overlapping things.
+
+The probe's weights are thrown away; only the scores are written.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipelines import chat_data, finetune, stage, training
+from pipelines.config import ProbeLoraParams
+from pipelines.errors import QllmError
+from pipelines.models import CONSTRUCTION, device, load_causal_lm, load_tokenizer
+from pipelines.outputs import atomic_dir, write_json
+
+NAME = "probe_lora"
+CHAT = "data/prepared/chat"
+OUT = "data/probe_lora"
+TRACKED_BASE = "data/models/pretrain"
+
+
+def candidate_modules(model: torch.nn.Module, suffixes: list[str]) -> dict[str, torch.nn.Linear]:
+    """Linear layers whose name ends with one of `suffixes` (never the LM head)."""
+    found = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and any(name == s or name.endswith(f".{s}") for s in suffixes)
+    }
+    missing = [s for s in suffixes if not any(n == s or n.endswith(f".{s}") for n in found)]
+    if missing:
+        raise QllmError(f"probe_lora.target_modules: {missing} match no linear module of the model")
+    return found
+
+
+class GradientRecorder:
+    """A training-loop callback accumulating G_m and recording g_m(b) at every step."""
+
+    def __init__(self, modules: dict[str, torch.nn.Linear]):
+        self.modules = modules
+        self.accumulated = {name: torch.zeros_like(m.weight, dtype=torch.float32) for name, m in modules.items()}
+        self.energies: dict[str, list[float]] = {name: [] for name in modules}
+
+    def __call__(self, event: str, state, metrics) -> None:
+        if event != "gradients":
+            return
+        with torch.no_grad():
+            for name, module in self.modules.items():
+                grad = module.weight.grad.float()
+                self.accumulated[name] += grad
+                self.energies[name].append(float(grad.pow(2).sum()))
+
+
+def scores(recorder: GradientRecorder, ranks: list[int]) -> dict:
+    """Values, costs and redundancies from the recorded gradients (see the module docstring)."""
+    total = sum(float(g.pow(2).sum()) for g in recorder.accumulated.values())
+    if not total > 0:
+        raise QllmError("probe_lora: all recorded gradients are zero; nothing to allocate")
+    values, costs, shapes = {}, {}, {}
+    for name, grad in recorder.accumulated.items():
+        d_out, d_in = grad.shape
+        squared = torch.linalg.svdvals(grad).pow(2).cumsum(0)
+        values[name] = {r: float(squared[min(r, len(squared)) - 1]) / total for r in ranks}
+        costs[name] = {r: r * (d_in + d_out) for r in ranks}
+        shapes[name] = {"d_in": d_in, "d_out": d_out, "energy_share": float(squared[-1]) / total}
+    names = sorted(recorder.energies)
+    series = np.array([recorder.energies[n] for n in names])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        correlation = np.nan_to_num(np.corrcoef(series)) if series.shape[1] > 1 else np.zeros((len(names), len(names)))
+    redundancy = {
+        f"{a}|{b}": round(max(0.0, float(correlation[i, j])), 6)
+        for (i, a), (j, b) in itertools.combinations(enumerate(names), 2)
+    }
+    return {"ranks": ranks, "values": values, "costs": costs, "redundancy": redundancy, "modules": shapes, "steps": series.shape[1]}
+
+
+def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dict:
+    cfg = params.train
+    tokenizer = load_tokenizer(params.base_model)
+    model = load_causal_lm(params.base_model)
+    max_len = params.max_seq_len or model.config.max_position_embeddings
+    train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
+    with CONSTRUCTION:
+        model = model.to(device())
+    recorder = GradientRecorder(candidate_modules(model, params.target_modules))
+    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_data.collate(train_rows, tokenizer.pad_token_id, params.packing))
+    result = training.train(model, chat_data.chat_loss, batches, cfg, tracker=tracker, callbacks=[recorder], desc=NAME)
+    table = scores(recorder, params.ranks)
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "scores.json", table)
+    top = sorted(table["modules"].items(), key=lambda item: -item[1]["energy_share"])
+    return {
+        "steps": result["steps"],
+        "train_loss": result["train_loss"],
+        "modules": len(table["values"]),
+        "top_module": top[0][0],
+        "top_energy_share": round(top[0][1]["energy_share"], 4),
+        "mean_redundancy": round(float(np.mean(list(table["redundancy"].values()) or [0.0])), 4),
+        "data/train_examples": data_metrics["data/train_examples"],
+    }
+
+
+def _body(ctx: stage.StageContext) -> dict:
+    finetune.resolve_base(ctx, TRACKED_BASE)
+    metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker)
+    ctx.tracker.log_artifact(ctx.path(OUT) / "scores.json")
+    ctx.log.info(
+        "probed %d modules over %d steps; most gradient energy in %s (%.1f%%), mean redundancy %.3f",
+        metrics["modules"], metrics["steps"], metrics["top_module"], 100 * metrics["top_energy_share"], metrics["mean_redundancy"],
+    )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""probe_lora: gradient statistics -> values, costs, redundancies; lora applies an allocation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from pipelines import lora, probe_lora
+from pipelines.config import LoraParams, ProbeLoraParams, TrainParams
+from pipelines.errors import QllmError
+from pipelines.outputs import read_json
+
+TRAIN = TrainParams(max_steps=5, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=0, log_every=1, checkpoint_every=0, precision="fp32")
+
+
+def test_scores_from_a_probe_run(tiny_base, tmp_path):
+    params = ProbeLoraParams(base_model=str(tiny_base / "model"), ranks=[1, 2, 64], train=TRAIN)
+    metrics = probe_lora.run(tiny_base / "chat", tmp_path / "probe", params)
+    table = read_json(tmp_path / "probe" / "scores.json")
+    # tiny model: 2 layers x 7 projections
+    assert metrics["modules"] == 14 == len(table["values"]) and table["steps"] == 5
+    shares = [m["energy_share"] for m in table["modules"].values()]
+    assert sum(shares) == pytest.approx(1.0)
+    for name, values in table["values"].items():
+        v1, v2, v64 = values["1"], values["2"], values["64"]
+        assert 0 < v1 <= v2 <= v64  # captured energy grows with the rank
+        # rank 64 >= min(d_in, d_out) of every module here: the full energy share
+        assert v64 == pytest.approx(table["modules"][name]["energy_share"])
+        shape = table["modules"][name]
+        assert table["costs"][name] == {str(r): r * (shape["d_in"] + shape["d_out"]) for r in (1, 2, 64)}
+    assert set(table["redundancy"]) == {f"{a}|{b}" for a, b in itertools.combinations(sorted(table["values"]), 2)}
+    assert all(0 <= rho <= 1 for rho in table["redundancy"].values())
+
+
+def test_values_are_the_svd_energy_of_the_accumulated_gradient():
+    """v[m][r] = sum of the r largest squared singular values of G_m over all modules' energy."""
+    recorder = probe_lora.GradientRecorder({"a": torch.nn.Linear(3, 2, bias=False), "b": torch.nn.Linear(2, 2, bias=False)})
+    recorder.accumulated["a"] = torch.tensor([[3.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # singular values 3, 1
+    recorder.accumulated["b"] = torch.tensor([[0.0, 0.0], [0.0, 2.0]])  # singular value 2
+    recorder.energies = {"a": [1.0, 2.0, 3.0], "b": [3.0, 2.0, 1.0]}  # perfectly anti-correlated
+    table = probe_lora.scores(recorder, [1, 2])
+    total = 9 + 1 + 4
+    assert table["values"]["a"] == {1: pytest.approx(9 / total), 2: pytest.approx(10 / total)}
+    assert table["values"]["b"] == {1: pytest.approx(4 / total), 2: pytest.approx(4 / total)}
+    assert table["costs"]["a"] == {1: 5, 2: 10} and table["redundancy"] == {"a|b": 0.0}  # max(0, -1)
+
+
+def test_unknown_candidate_is_a_clear_error(tiny_base, tmp_path):
+    params = ProbeLoraParams(base_model=str(tiny_base / "model"), target_modules=["q_proj", "qkv"], train=TRAIN)
+    with pytest.raises(QllmError, match=r"probe_lora.target_modules: \['qkv'\] match no linear module"):
+        probe_lora.run(tiny_base / "chat", tmp_path / "probe", params)
+
+
+def test_lora_applies_an_allocation_with_consistent_scaling():
+    params = LoraParams(r=4, lora_alpha=8.0)
+    allocation = {"rank_pattern": {"model.layers.0.self_attn.q_proj": 16, "model.layers.1.mlp.up_proj": 4, "model.layers.1.mlp.down_proj": 0}}
+    applied = lora.apply_allocation(params, allocation)
+    assert applied.target_modules == ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"]
+    assert applied.rank_pattern == {"model.layers.0.self_attn.q_proj": 16, "model.layers.1.mlp.up_proj": 4}
+    # alpha / r stays lora_alpha / r = 2 for every rank
+    assert {m: applied.alpha_pattern[m] / r for m, r in applied.rank_pattern.items()} == {m: 2.0 for m in applied.rank_pattern}
+    assert lora.apply_allocation(params.model_copy(update={"use_rslora": True}), allocation).alpha_pattern == {}
+    with pytest.raises(QllmError, match="no module was given a rank"):
+        lora.apply_allocation(params, {"rank_pattern": {"x": 0}})
+
+
+def _scores_file(path):
+    from pipelines.outputs import write_json
+
+    modules = {"a": {"d_in": 4, "d_out": 4}, "b": {"d_in": 4, "d_out": 8}}
+    write_json(path, {
+        "ranks": [1, 2],
+        "values": {"a": {"1": 0.3, "2": 0.4}, "b": {"1": 0.2, "2": 0.6}},
+        "costs": {m: {str(r): r * (s["d_in"] + s["d_out"]) for r in (1, 2)} for m, s in modules.items()},
+        "redundancy": {"a|b": 0.5}, "modules": modules, "steps": 3,
+    })  # fmt: skip
+    return path
+
+
+def test_quantum_opt_writes_the_allocation_and_its_reference(tmp_path):
+    from pipelines import quantum_opt
+    from pipelines.config import QuantumOptParams
+
+    scores = _scores_file(tmp_path / "scores.json")
+    # budget = rank 1 everywhere = 8 + 12 = 20: {a: 1, b: 1} (0.5 − λ·0.5·sqrt(0.06)) beats {b: 1} (0.2)
+    # and {a: 2} (cost 16, 0.4); b at rank 2 costs 24 > 20
+    metrics = quantum_opt.run(scores, tmp_path / "out", QuantumOptParams(budget_rank=1, lam=0.02, solver="exact"))
+    allocation = read_json(tmp_path / "out" / "allocation.json")
+    assert allocation["ranks"] == {"a": 1, "b": 1} and allocation["rank_pattern"] == {"a": 1, "b": 1}
+    assert metrics["objective"] == pytest.approx(0.5 - 0.02 * 0.5 * (0.3 * 0.2) ** 0.5, abs=1e-6)
+    assert metrics["gap_to_milp"] == 0.0 and metrics["milp_optimal"] and metrics["budget"] == 20
+    skipped = quantum_opt.run(scores, tmp_path / "out2", QuantumOptParams(budget_rank=1, reference_timeout=0))
+    assert skipped["gap_to_milp"] is None and skipped["milp_objective"] is None
+
+
+def test_quantum_opt_budget_below_every_adapter_is_a_clear_error(tmp_path):
+    from pipelines import quantum_opt
+    from pipelines.config import QuantumOptParams
+
+    with pytest.raises(QllmError, match=r"budget \(5 parameters\) is below the cheapest adapter"):
+        quantum_opt.run(_scores_file(tmp_path / "scores.json"), tmp_path / "out", QuantumOptParams(budget=5))
+    assert not (tmp_path / "out").exists()
