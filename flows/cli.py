@@ -8,6 +8,15 @@
 `qllm run` validates params before anything starts, runs the Prefect flow `qllm-pipeline`
 locally (Prefect's ephemeral API; set PREFECT_API_URL to use a server), and prints one line per
 stage: `NAME ran|cached SECONDS`. The exit code is non-zero when a stage fails.
+
+After a run:
+
+    qllm lineage models:/qllm@champion [--json]          # registered version -> stages -> raw data
+    qllm generate --model models:/qllm@champion --prompt "Where does Tovik live?"
+    qllm generate --model data/models/sft --prompt "What is 2 plus 3?" --temperature 0.8 --seed 1
+    qllm compare --last 2 [--all] [--json]               # or: qllm compare RUN_ID RUN_ID ...
+
+Errors the user can act on (unknown model, alias, version or run id, no mlflow.db) exit with 2.
 """
 
 from __future__ import annotations
@@ -87,6 +96,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_downloads() -> None:
+    """No per-artifact progress bars on the terminal (the commands print their own results)."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    _quiet_downloads()
+    from pipelines import lineage
+
+    trail = lineage.for_model(args.model_uri, Path(args.project_dir).resolve())
+    print(json.dumps(trail, indent=2) if args.json else lineage.render(trail))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    _quiet_downloads()
+    from pipelines import generation
+
+    model, tokenizer = generation.load(args.model, Path(args.project_dir).resolve())
+    text = generation.generate(
+        model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, system=args.system
+    )
+    print(text)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    _quiet_downloads()
+    from pipelines import compare
+
+    runs = compare.load_runs(Path(args.project_dir).resolve(), args.run_ids, args.last)
+    compared = compare.table(runs, all_keys=args.all)
+    print(json.dumps(compared, indent=2) if args.json else compare.render(compared))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qllm", description="QLLM pipeline: Prefect runs it, DVC versions it, MLflow tracks it.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +145,30 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--summary-json", metavar="FILE", help="write the run summary (stages, statuses, seconds, run id) as JSON")
     run.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
     run.set_defaults(func=cmd_run)
+
+    lineage = sub.add_parser("lineage", help="a registered model's chain of stages back to the raw data (run ids, params, md5s)")
+    lineage.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@ALIAS or models:/NAME/VERSION, e.g. models:/qllm@champion")
+    lineage.add_argument("--json", action="store_true", help="print the lineage as JSON")
+    lineage.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
+    lineage.set_defaults(func=cmd_lineage)
+
+    generate = sub.add_parser("generate", help="answer a prompt with a registered model or a model directory (chat template)")
+    generate.add_argument("--model", required=True, metavar="URI|PATH", help="models:/NAME@ALIAS, models:/NAME/VERSION or a model directory")
+    generate.add_argument("--prompt", required=True, help="the user message")
+    generate.add_argument("--system", help="an optional system message")
+    generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most N new tokens (default: 64)")
+    generate.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); >0: sample at temperature T")
+    generate.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
+    generate.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
+    generate.set_defaults(func=cmd_generate)
+
+    compare = sub.add_parser("compare", help="params and metrics of MLflow runs side by side (only differing keys by default)")
+    compare.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="pipeline or stage run ids (or unique prefixes of at least 6 characters)")
+    compare.add_argument("--last", type=int, metavar="N", help="the last N pipeline runs instead of run ids")
+    compare.add_argument("--all", action="store_true", help="every key, not only those whose values differ")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
+    compare.set_defaults(func=cmd_compare)
     return parser
 
 

@@ -10,6 +10,7 @@ logs a child run under it.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -69,6 +70,7 @@ def pipeline(
         if (ws / "dvc.lock").exists():
             parent.log_artifact(ws / "dvc.lock")  # hashes of every input and output after the run
         parent.log_metrics({f"stage_seconds/{s['name']}": s["seconds"] for s in stages if s["seconds"] is not None})
+        _publish_artifacts(ws, summary)
         failed = [s for s in stages if s["status"] not in ("ran", "cached")]
         if failed:
             # Re-raise the first failure so the flow run (and the MLflow parent run) fail with it.
@@ -94,6 +96,54 @@ def _registered_version(ws: Path) -> str | None:
     record = ws / "data" / "register" / "registered.json"
     if not record.exists():
         return None
-    import json
-
     return json.loads(record.read_text())["version"]
+
+
+def evaluation_rows(ws: Path) -> list[dict]:
+    """The evaluate stage's comparison table (one row per model, in `evaluate.models` order)."""
+    import csv
+
+    path = ws / "data" / "evaluate" / "comparison.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as handle:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(handle)]
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text or None
+
+
+def summary_markdown(summary: dict, rows: list[dict], registered: dict | None) -> str:
+    """The run at a glance: stages (ran/cached, seconds), the evaluation, the registered version."""
+    lines = ["# qllm pipeline run", "", f"MLflow parent run `{summary['mlflow_run_id']}`, {summary['seconds']:.1f} s", "",
+             "| stage | status | seconds |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {s['name']} | {s['status']} | {_cell(s['seconds'], '.2f')} |" for s in summary["stages"]]
+    if rows:
+        columns = list(rows[0])
+        lines += ["", "## Evaluation", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
+    if registered:
+        lines += ["", f"## Registered: `{registered['model_uri']}` @{registered['alias']}", "", registered.get("reason", "")]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value, spec: str = ".4f") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) if isinstance(value, float) else str(value)
+
+
+def _publish_artifacts(ws: Path, summary: dict) -> None:
+    """Prefect artifacts of the run: the evaluation table and a markdown summary."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    rows = evaluation_rows(ws)
+    if rows:
+        create_table_artifact(key="qllm-evaluation", table=rows, description="Held-out evaluation of every model of the run")
+    record = ws / "data" / "register" / "registered.json"
+    registered = json.loads(record.read_text()) if record.exists() else None
+    create_markdown_artifact(key="qllm-run-summary", markdown=summary_markdown(summary, rows, registered), description="qllm pipeline run")

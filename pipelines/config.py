@@ -378,6 +378,9 @@ class EvaluateParams(Section):
     """Evaluate at most this many held-out questions (0: all)."""
     eval_batches: int = Field(0, ge=0)
     """Validation batches for loss/perplexity (0: the whole validation set)."""
+    workers: int = Field(1, ge=1)
+    """Models evaluated at once (threads; each holds its model in memory). On a CPU the cores are
+    already shared by one model's kernels; raise it on an accelerator with memory to spare."""
 
 
 class RegisterParams(Section):
@@ -386,7 +389,21 @@ class RegisterParams(Section):
     model_name: str = Field("qllm", min_length=1)
     """Registered model name in the MLflow model registry."""
     alias: str = Field("champion", min_length=1)
-    """Alias given to the newly registered version."""
+    """Alias the new version gets when it passes the gate (at least the champion's metric + margin)."""
+    challenger_alias: str = Field("challenger", min_length=1)
+    """Alias the new version gets when it does not pass the gate (the champion keeps its alias)."""
+    metric: str = Field("exact_match", min_length=1)
+    """The gate's primary metric: a key of the model's entry in data/metrics/evaluate.json."""
+    mode: Literal["max", "min"] = "max"
+    """Whether a higher (`max`, e.g. exact_match) or lower (`min`, e.g. val_loss) metric is better."""
+    margin: float = Field(0.0, ge=0)
+    """How much better than the champion (in the metric's units) a new version must be."""
+
+    @model_validator(mode="after")
+    def _distinct_aliases(self) -> RegisterParams:
+        if self.alias == self.challenger_alias:
+            raise ValueError(f"alias and challenger_alias must differ (both {self.alias!r})")
+        return self
 
 
 # `register` (the stage) shadows the ABC `register` classmethod pydantic models inherit; instance

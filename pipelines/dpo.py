@@ -31,7 +31,7 @@ from pipelines.config import DpoParams
 from pipelines.errors import QllmError
 from pipelines.losses import preference_loss, reward_metrics
 from pipelines.models import CONSTRUCTION, device, load_for_inference, parameter_counts, save_pretrained
-from pipelines.outputs import atomic_dir, read_json
+from pipelines.outputs import atomic_dir, read_json, write_json
 
 NAME = "dpo"
 REF = "data/ref_logprobs"
@@ -122,11 +122,15 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     heldout = evaluate_pairs(model, loss_fn, heldout_pairs, pad, cfg.micro_batch_size, cfg.precision, "heldout")
     if tracker is not None and heldout:
         tracker.log_metrics(heldout, step=result["steps"])
+    history = result.pop("history")
     with atomic_dir(out) as tmp, CONSTRUCTION:
         if params.adapter == "lora":
             lora.save(params.lora, reference, params.lora.merge)(model.cpu(), tokenizer, tmp)
         else:
             save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
+        training.write_history(history, tmp)
+        # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)
+        write_json(tmp / preference_data.PREFERENCE_CONFIG, {"beta": params.beta, "loss_type": params.loss_type, "reference": reference})
     return {
         **result,
         **counts,

@@ -1,15 +1,25 @@
-"""Evaluate every trained model on the same held-out sets.
+"""Evaluate every trained model on the same held-out sets and compare them.
 
-    python -m pipelines.evaluate       # what dvc.yaml runs; writes data/evaluate/<model>/ and
+    python -m pipelines.evaluate       # what dvc.yaml runs; writes data/evaluate/ and
                                        # data/metrics/evaluate.json (DVC metrics, one entry per model)
 
-For each model in `evaluate.models` (stage outputs `data/models/<stage>`): validation loss and
-perplexity on the held-out pretraining text, and greedy exact-match accuracy on held-out questions.
+For each model in `evaluate.models` (stage outputs `data/models/<stage>`), `evaluate.workers` at once:
 
-Exact match: each held-out conversation (`data/prepared/chat/test.parquet`, else validation) is
-cut before its last assistant turn, rendered with the chat template, answered by greedy decoding,
-and compared with the reference after `chat.normalize_answer` (first line, trimmed, case-folded,
-no trailing punctuation). Every prediction is written to `data/evaluate/predictions.jsonl`.
+- `val_loss`, `val_perplexity`: on the held-out pretraining text;
+- `exact_match` (+ `exact_match_by_group`), `bleu` (sacrebleu, corpus level, 0-100) and `rougeL`
+  (rouge-score F-measure, mean over questions, 0-1) of greedy answers against the references:
+  each held-out conversation (`data/prepared/chat/test.parquet`, else validation) is cut before
+  its last assistant turn, rendered with the chat template and answered by greedy decoding;
+  exact match compares after `chat.normalize_answer` (first line, trimmed, case-folded, no
+  trailing punctuation). Every prediction goes to `data/evaluate/<model>/predictions.jsonl`;
+- `preference_accuracy`: how often the model gives the chosen answer of a held-out preference pair
+  (`data/ref_logprobs/test.parquet`) a higher summed log-probability than the rejected one;
+- for a DPO policy (its directory holds `preference_config.json`): the implicit-reward metrics of
+  TRL, `rewards/accuracies`, `rewards/margins`, ..., β·(policy − reference) on the same pairs.
+
+Also written: `data/evaluate/comparison.csv` (one row per model; logged to MLflow as a table) and
+`data/evaluate/plots/` (`loss_curves.png` from each model's `training_log.csv`/`eval_log.csv`,
+`metrics.png` bars), which dvc.yaml declares as plots (`dvc plots show`).
 """
 
 from __future__ import annotations
@@ -19,23 +29,30 @@ import math
 import re
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import packed, stage, training
+from pipelines import losses, packed, plots, preference_data, stage, training
 from pipelines.chat import normalize_answer, parse_messages, split_last_answer
 from pipelines.config import EvaluateParams
 from pipelines.errors import QllmError
 from pipelines.models import load_for_inference, stop_token_ids
-from pipelines.outputs import atomic_dir
+from pipelines.outputs import atomic_dir, read_json
 
 NAME = "evaluate"
 MODELS = "data/models"
 TOKENIZED = "data/tokenized"
 CHAT = "data/prepared/chat"
+PREFERENCES = "data/ref_logprobs/test.parquet"
 OUT = "data/evaluate"
+COMPARISON = "comparison.csv"
+PLOTS = "plots"
+COMPARED = ("exact_match", "bleu", "rougeL", "preference_accuracy", "val_loss", "val_perplexity", "rewards/accuracies", "rewards/margins")
+"""The columns of the comparison table (those a model has)."""
 
 
 def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
@@ -96,7 +113,47 @@ def exact_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple
     return correct, by_group
 
 
-def evaluate_model(model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams) -> dict:
+def text_similarity(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Corpus BLEU (sacrebleu, 0-100) and mean ROUGE-L F-measure (rouge-score, 0-1)."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    if not predictions:
+        return {"bleu": 0.0, "rougeL": 0.0}
+    bleu = sacrebleu.corpus_bleu(predictions, [references]).score
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    rouge = sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references, strict=True)) / len(predictions)
+    return {"bleu": round(bleu, 4), "rougeL": round(rouge, 4)}
+
+
+@torch.no_grad()
+def preference_metrics(model, pairs: list[preference_data.Pair], pad_id: int, batch_size: int, beta: float | None) -> dict[str, float]:
+    """`preference_accuracy` (log p(chosen) > log p(rejected)) over `pairs`; with `beta` (a DPO
+    policy) also its implicit rewards against the pairs' cached reference log-probabilities."""
+    if not pairs:
+        return {}
+    model.eval()
+    make = preference_data.collate(pairs, pad_id)
+    chosen, rejected = [], []
+    for start in range(0, len(pairs), batch_size):
+        batch = training.to_device(make(np.arange(start, min(start + batch_size, len(pairs)))), model.device)
+        c, r = preference_data.sequence_logps(model, batch)
+        chosen.append(c.float().cpu())
+        rejected.append(r.float().cpu())
+    chosen, rejected = torch.cat(chosen), torch.cat(rejected)
+    metrics = {"preference_accuracy": round(float((chosen > rejected).float().mean()), 4), "preference_pairs": len(pairs)}
+    if beta is not None:
+        ref_chosen = torch.tensor([p.ref_chosen for p in pairs])
+        ref_rejected = torch.tensor([p.ref_rejected for p in pairs])
+        _, chosen_rewards, rejected_rewards = losses.preference_loss(chosen, rejected, ref_chosen, ref_rejected, beta=beta)
+        rewards = losses.reward_metrics(chosen_rewards, rejected_rewards, chosen, rejected, ref_chosen)
+        metrics |= {k: round(v, 6) for k, v in rewards.items()}
+    return metrics
+
+
+def evaluate_model(
+    model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams, pairs: list[preference_data.Pair] = ()
+) -> dict:
     """Metrics of one model; its predictions go to `out/predictions.jsonl`."""
     model, tokenizer = load_for_inference(model_dir, root)
     started = time.perf_counter()
@@ -106,6 +163,10 @@ def evaluate_model(model_dir: Path, root: Path, tokenized: Path, questions: pd.D
 
     predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.max_new_tokens, params.batch_size)
     correct, by_group = exact_match_report(questions, predictions)
+    similarity = text_similarity(predictions, questions["reference"].tolist())
+    config_path = model_dir / preference_data.PREFERENCE_CONFIG
+    beta = read_json(config_path)["beta"] if config_path.exists() else None
+    preference = preference_metrics(model, list(pairs), tokenizer.pad_token_id, params.batch_size, beta)
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "predictions.jsonl", "w", encoding="utf-8") as handle:
@@ -118,31 +179,52 @@ def evaluate_model(model_dir: Path, root: Path, tokenized: Path, questions: pd.D
         "exact_match": round(sum(correct) / max(1, len(correct)), 4),
         "questions": len(correct),
         "exact_match_by_group": by_group,
+        **similarity,
+        **preference,
         "eval_seconds": round(seconds, 3),
     }
 
 
-def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams) -> dict[str, dict]:
-    """`{model: metrics}` for every model in `params.models`, predictions under `out/<model>/`."""
+def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams, preferences: Path | None = None) -> dict[str, dict]:
+    """`{model: metrics}` for every model in `params.models`; predictions under `out/<model>/`,
+    the comparison table and plots under `out/`."""
     questions = heldout_questions(chat_dir, params.max_questions)
-    results = {}
+    pairs = preference_data.from_frame(pd.read_parquet(preferences)) if preferences is not None and preferences.exists() else []
+    for name in params.models:
+        if not (models_dir / name).exists():
+            raise QllmError(f"{models_dir / name}: model of stage {name!r} not found (evaluate.models lists it)")
     with atomic_dir(out) as tmp:
-        for name in params.models:
-            model_dir = models_dir / name
-            if not model_dir.exists():
-                raise QllmError(f"{model_dir}: model of stage {name!r} not found (evaluate.models lists it)")
-            results[name] = evaluate_model(model_dir, root, tokenized, questions, tmp / name, params)
+
+        def one(name: str) -> dict:
+            return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs)
+
+        with ThreadPoolExecutor(max_workers=params.workers) as pool:
+            results = dict(zip(params.models, pool.map(one, params.models), strict=True))
+        comparison(results).to_csv(tmp / COMPARISON, index=False)
+        plots.loss_curves({name: models_dir / name for name in params.models}, tmp / PLOTS / "loss_curves.png")
+        plots.metric_bars(results, [m for m in ("exact_match", "rougeL", "preference_accuracy") if any(m in r for r in results.values())],
+                          tmp / PLOTS / "metrics.png")  # fmt: skip
     return results
 
 
+def comparison(results: dict[str, dict]) -> pd.DataFrame:
+    """One row per model, the metrics of `COMPARED` it has as columns."""
+    columns = [c for c in COMPARED if any(c in r for r in results.values())]
+    return pd.DataFrame([{"model": name, **{c: r.get(c) for c in columns}} for name, r in results.items()])
+
+
 def _body(ctx: stage.StageContext) -> dict:
-    results = run(ctx.root, ctx.path(MODELS), ctx.path(TOKENIZED), ctx.path(CHAT), ctx.path(OUT), ctx.params)
+    out = ctx.path(OUT)
+    results = run(ctx.root, ctx.path(MODELS), ctx.path(TOKENIZED), ctx.path(CHAT), out, ctx.params, ctx.path(PREFERENCES))
     for name, metrics in results.items():
-        ctx.tracker.log_artifact(ctx.path(OUT) / name / "predictions.jsonl", f"predictions/{name}")
+        ctx.tracker.log_artifact(out / name / "predictions.jsonl", f"predictions/{name}")
         ctx.log.info(
-            "%s: val/loss %.4f (perplexity %.2f); exact match %.1f%% on %d held-out questions",
-            name, metrics["val_loss"], metrics["val_perplexity"], 100 * metrics["exact_match"], metrics["questions"],
-        )
+            "%s: val/loss %.4f (perplexity %.2f); exact match %.1f%%, BLEU %.1f, ROUGE-L %.3f on %d held-out questions%s",
+            name, metrics["val_loss"], metrics["val_perplexity"], 100 * metrics["exact_match"], metrics["bleu"], metrics["rougeL"],
+            metrics["questions"], f"; prefers chosen {100 * metrics['preference_accuracy']:.1f}%" if "preference_accuracy" in metrics else "",
+        )  # fmt: skip
+    ctx.tracker.log_table(pd.read_csv(out / COMPARISON), "comparison.json")
+    ctx.tracker.log_artifacts(out / PLOTS, "plots")
     return results
 
 

@@ -104,6 +104,8 @@ def run(
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     result = training.train(model, chat_data.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=desc)
+    history = result.pop("history")
     with atomic_dir(out) as tmp, CONSTRUCTION:  # saving may merge adapters: builds modules
         save(model.cpu(), tokenizer, tmp)
+        training.write_history(history, tmp)
     return {**result, **counts, **metrics, "tokens_per_second": round(result["tokens"] / max(result["train_seconds"], 1e-9))}

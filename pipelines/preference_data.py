@@ -22,6 +22,8 @@ import torch
 from pipelines.chat import parse_messages
 from pipelines.errors import QllmError
 
+PREFERENCE_CONFIG = "preference_config.json"
+"""Written by `dpo` next to the policy: {"beta", "loss_type", "reference"}."""
 REASONS = ("empty_chosen", "empty_rejected", "chosen_equals_rejected", "no_user_turn", "prompt_too_long", "too_long")
 
 

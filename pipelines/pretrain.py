@@ -60,8 +60,10 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         checkpoints=checkpoints,
         desc=NAME,
     )
+    history = result.pop("history")
     with atomic_dir(out) as tmp:
         save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"])
+        training.write_history(history, tmp)
     tokens_per_second = result["tokens"] / max(result["train_seconds"], 1e-9)
     return {
         **result,

@@ -103,6 +103,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     recorder = GradientRecorder(candidate_modules(model, params.target_modules))
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_data.collate(train_rows, tokenizer.pad_token_id, params.packing))
     result = training.train(model, chat_data.chat_loss, batches, cfg, tracker=tracker, callbacks=[recorder], desc=NAME)
+    result.pop("history")  # the probe's weights and curves are thrown away
     table = scores(recorder, params.ranks)
     with atomic_dir(out) as tmp:
         write_json(tmp / "scores.json", table)

@@ -1,27 +1,37 @@
-"""Register the trained model in the MLflow model registry.
+"""Register the trained model in the MLflow model registry, behind a champion/challenger gate.
 
     python -m pipelines.register      # what dvc.yaml runs; writes data/register/registered.json
 
 Logs the model of stage `register.model` (a LoRA adapter merged into its base) with its tokenizer
 as an `mlflow.transformers` text-generation model, so
 `mlflow.transformers.load_model("models:/qllm@champion")` returns a working pipeline (and
-`mlflow.pyfunc.load_model` works too), registers it under `register.model_name`, tags the version
-with its lineage (git commit, DVC md5 of every data set and of the model as in `dvc.lock`, all
-params, parent MLflow run, Prefect flow run) and points `register.alias` at it.
+`mlflow.pyfunc.load_model` works too), and registers it under `register.model_name`.
+
+The gate: the new version takes alias `register.alias` (champion) only if its `register.metric`
+in data/metrics/evaluate.json (default held-out exact match) is at least the champion's plus
+`register.margin` (`mode: min`: at most, minus the margin); otherwise it gets
+`register.challenger_alias` and the reason is logged and tagged. The first version is champion.
+
+Version tags: git commit, DVC md5 of every data set and of the model (as in dvc.lock), the params
+of every stage (`params.<stage>`), the evaluation metrics (`metric.<name>`), the gate's decision,
+the parent MLflow run and the Prefect flow run when Prefect runs it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import yaml
 
-from pipelines import dag, stage, tracking
+from pipelines import dag, lineage, stage, tracking
 from pipelines.config import RegisterParams
+from pipelines.errors import QllmError
 from pipelines.models import load_for_inference
 from pipelines.outputs import atomic_dir, read_json, write_json
 from pipelines.workspace import project_root
@@ -70,7 +80,8 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None) -> dict
         if path.startswith("data/metrics/"):
             continue
         tags[f"dvc.{path}"] = md5
-    tags["params"] = json.dumps(yaml.safe_load((root / "params.yaml").read_text()), sort_keys=True)[:5000]
+    for section, values in (yaml.safe_load((root / "params.yaml").read_text()) or {}).items():
+        tags[f"params.{section}"] = json.dumps(values, sort_keys=True)
     if parent_run_id:
         tags["mlflow.parent_run_id"] = parent_run_id
     if os.environ.get(tracking.PREFECT_RUN_ENV):
@@ -78,15 +89,58 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None) -> dict
     return tags
 
 
-def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: str, parent_run_id: str | None) -> dict:
+@dataclass(frozen=True)
+class Decision:
+    """What the gate decided for a new version."""
+
+    alias: str
+    promoted: bool
+    reason: str
+    champion_version: str | None = None
+    champion_value: float | None = None
+
+
+def gate(client, params: RegisterParams, value: float) -> Decision:
+    """Champion or challenger for a new version whose `params.metric` is `value`, against the
+    version that holds `params.alias` now (its `metric.<name>` tag)."""
+    from mlflow.exceptions import MlflowException
+
+    name, metric = params.model_name, params.metric
+    try:
+        champion = client.get_model_version_by_alias(name, params.alias)
+    except MlflowException:
+        return Decision(params.alias, True, f"first model: no version of {name!r} holds @{params.alias}")
+    recorded = champion.tags.get(f"metric.{metric}")
+    if recorded is None:
+        return Decision(params.alias, True, f"champion version {champion.version} has no {metric} recorded", str(champion.version))
+    current = float(recorded)
+    if params.mode == "max":
+        needed, passed, word = current + params.margin, value >= current + params.margin, ">="
+    else:
+        needed, passed, word = current - params.margin, value <= current - params.margin, "<="
+    comparison = f"{metric} {value:.4f} {word if passed else 'not ' + word} {needed:.4f} (champion version {champion.version}: {current:.4f}, margin {params.margin})"
+    return Decision(params.alias if passed else params.challenger_alias, passed, comparison, str(champion.version), current)
+
+
+def model_metrics(evaluation: dict, params: RegisterParams, where: str) -> dict[str, float]:
+    """The numeric evaluation metrics of the registered stage's model; the gate's metric must be one."""
+    entry = evaluation.get(params.model)
+    if entry is None:
+        raise QllmError(f"{where}: no entry for model {params.model!r} (add it to evaluate.models to register it)")
+    numeric = {k: float(v) for k, v in entry.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if params.metric not in numeric or not math.isfinite(numeric[params.metric]):
+        raise QllmError(f"register.metric: {params.metric!r} is not a finite number in {where}[{params.model!r}]; "
+                        f"available: {', '.join(sorted(numeric))}")  # fmt: skip
+    return numeric
+
+
+def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: str, parent_run_id: str | None, metrics: dict[str, float]) -> dict:
     import mlflow
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model-card lookups must not reach for the hub
-    uri = tracking.tracking_uri(root)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
     model, tokenizer = load_for_inference(model_dir, root)
-    with mlflow.start_run(run_id=run_id):
+    client = tracking.client(root)
+    with tracking.fluent_uris(tracking.tracking_uri(root)), mlflow.start_run(run_id=run_id):
         info = mlflow.transformers.log_model(
             transformers_model={"model": model, "tokenizer": tokenizer},
             name="model",
@@ -94,16 +148,33 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
             pip_requirements=pip_requirements(),
             registered_model_name=params.model_name,
         )
-    client = tracking.client(root)
+        trail = lineage.build(root)
+        lineage.log_lineage(client, run_id, trail)
     model_version = str(info.registered_model_version)
-    for key, value in lineage_tags(root, model_dir, parent_run_id).items():
-        client.set_model_version_tag(params.model_name, model_version, key, value)
-    client.set_registered_model_alias(params.model_name, params.alias, model_version)
+    value = metrics[params.metric]
+    decision = gate(client, params, value)
+    tags = {
+        **lineage_tags(root, model_dir, parent_run_id),
+        **{f"metric.{k}": repr(v) for k, v in metrics.items()},
+        "qllm.stage": params.model,
+        "qllm.lineage": lineage.ARTIFACT,
+        "gate.metric": params.metric,
+        "gate.decision": decision.alias,
+        "gate.reason": decision.reason,
+    }
+    for key, tag in tags.items():
+        client.set_model_version_tag(params.model_name, model_version, key, tag)
+    client.set_registered_model_alias(params.model_name, decision.alias, model_version)
     record = {
         "stage": params.model,
         "model_name": params.model_name,
         "version": model_version,
-        "alias": params.alias,
+        "alias": decision.alias,
+        "promoted": decision.promoted,
+        "reason": decision.reason,
+        "metric": params.metric,
+        "value": value,
+        "previous_champion": decision.champion_version,
         "model_uri": f"models:/{params.model_name}/{model_version}",
         "run_id": run_id,
     }
@@ -113,15 +184,13 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
 
 
 def _body(ctx: stage.StageContext) -> dict:
-    evaluation = read_json(ctx.path(EVAL_METRICS))
+    metrics = model_metrics(read_json(ctx.path(EVAL_METRICS)), ctx.params, EVAL_METRICS)
     parent = ctx.tracker.client.get_run(ctx.tracker.run_id).data.tags.get("mlflow.parentRunId") if ctx.tracker.enabled else None
-    record = run(ctx.root, ctx.path(MODELS) / ctx.params.model, ctx.path(OUT), ctx.params, ctx.tracker.run_id, parent)
-    exact_match = evaluation.get(ctx.params.model, {}).get("exact_match", float("nan"))
-    ctx.log.info(
-        "registered %s version %s (%s model) as @%s (exact match %.1f%%)",
-        record["model_name"], record["version"], ctx.params.model, record["alias"], 100 * exact_match,
-    )
-    return {"version": int(record["version"])}
+    record = run(ctx.root, ctx.path(MODELS) / ctx.params.model, ctx.path(OUT), ctx.params, ctx.tracker.run_id, parent, metrics)
+    ctx.tracker.set_tags({"gate.decision": record["alias"], "gate.reason": record["reason"]})
+    log = ctx.log.info if record["promoted"] else ctx.log.warning
+    log("registered %s version %s (%s model) as @%s: %s", record["model_name"], record["version"], ctx.params.model, record["alias"], record["reason"])
+    return {"version": int(record["version"]), "promoted": int(record["promoted"]), f"gate/{ctx.params.metric}": record["value"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -191,3 +191,26 @@ def run(name: str, root: Path | str = ".", tags: Mapping[str, Any] | None = None
         raise
     tracker.flush()
     mlflow_client.set_terminated(tracker.run_id, "FINISHED")
+
+
+@contextmanager
+def fluent_uris(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API (`mlflow.start_run`, `mlflow.transformers.log_model`) at `uri`
+    for the block, then put back what was there: `mlflow.set_tracking_uri` also exports
+    MLFLOW_TRACKING_URI/MLFLOW_REGISTRY_URI, which would send every later run in this process
+    (another project's included) to this store."""
+    import mlflow
+
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"])
+        mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"])
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -22,7 +22,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,9 @@ class TrainState:
     best_step: int = -1
     evals_without_improvement: int = 0
     stop: bool = False
+    history: dict[str, list[list[float]]] = field(default_factory=lambda: {"train": [], "eval": []})
+    """`train`: [step, train/loss, lr] per logged step; `eval`: [step, val/loss] per evaluation
+    (kept in checkpoints, so a resumed run's curves are complete)."""
 
 
 class Batches:
@@ -273,6 +277,7 @@ def train(
             }
             state.tokens += window_tokens
             window_tokens, window_start = 0, time.perf_counter()
+            state.history["train"].append([state.step, last["train/loss"], last["train/lr"]])
             if tracker is not None:
                 tracker.log_metrics(last, step=state.step)
             progress.set_postfix(loss=f"{last['train/loss']:.4f}", tok_s=f"{last['train/tokens_per_sec']:.0f}", refresh=False)
@@ -285,6 +290,7 @@ def train(
             val = val_fn(model)
             if tracker is not None:
                 tracker.log_metrics(val, step=state.step)
+            state.history["eval"].append([state.step, val["val/loss"]])
             if val["val/loss"] < state.best_val_loss:
                 state.best_val_loss, state.best_step, state.evals_without_improvement = val["val/loss"], state.step, 0
                 is_best = True
@@ -317,5 +323,23 @@ def train(
         "train_seconds": round(seconds, 3),
         "steps_per_second": round(steps_run / max(seconds, 1e-9), 4),
         "stopped_early": state.stop,
+        "history": state.history,
         **{k: v for k, v in last.items() if k.startswith("val/")},
     }
+
+
+TRAINING_LOG = "training_log.csv"
+EVAL_LOG = "eval_log.csv"
+
+
+def write_history(history: dict[str, list[list[float]]], out: Path) -> None:
+    """The loss curves next to the saved model, like the Trainer's `trainer_state.json`:
+    `training_log.csv` (step, train_loss, lr) and `eval_log.csv` (step, val_loss); `evaluate`
+    plots them and `dvc plots show` renders them."""
+    import csv
+
+    for name, header, rows in ((TRAINING_LOG, ["step", "train_loss", "lr"], history["train"]), (EVAL_LOG, ["step", "val_loss"], history["eval"])):
+        with open(out / name, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(header)
+            writer.writerows([int(row[0]), *(f"{v:.6g}" for v in row[1:])] for row in rows)

@@ -114,13 +114,64 @@ def test_registered_model_is_champion_with_lineage_and_loads(first, project):
     assert tags["dvc.data/prepared"] == outs["data/prepared"] and tags["dvc.data/tokenized"] == outs["data/tokenized"]
     assert tags["mlflow.parent_run_id"] == first["mlflow_run_id"]
     assert len(tags["git_commit"]) >= 40
-    assert json.loads(tags["params"])["pretrain"]["model"]["hidden_size"] == 32
+    assert json.loads(tags["params.pretrain"])["model"]["hidden_size"] == 32
+    evaluation = json.loads((project / "data/metrics/evaluate.json").read_text())
+    assert float(tags["metric.exact_match"]) == evaluation["dpo"]["exact_match"]
+    assert tags["gate.decision"] == "champion" and tags["gate.reason"].startswith("first model")
+    registered = json.loads((project / "data/register/registered.json").read_text())
+    assert registered["alias"] == "champion" and registered["promoted"] and registered["metric"] == "exact_match"
     mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
     generator = mlflow.transformers.load_model("models:/qllm@champion")
     out = generator([{"role": "user", "content": "What is 2 plus 3?"}], max_new_tokens=3)
     assert isinstance(out[0]["generated_text"], list)  # chat in, chat out: the template is applied
     pyfunc = mlflow.pyfunc.load_model("models:/qllm/1")
     assert isinstance(pyfunc.predict(["Tovik lives in"])[0], str)
+
+
+def test_evaluate_compares_every_model(first, project):
+    evaluation = json.loads((project / "data/metrics/evaluate.json").read_text())
+    models = ["pretrain", "sft", "lora", "dpo"]
+    assert sorted(m for m in evaluation if m in models) == sorted(models)
+    for name in models:
+        entry = evaluation[name]
+        assert 0 <= entry["exact_match"] <= 1 and 0 <= entry["bleu"] <= 100 and 0 <= entry["rougeL"] <= 1
+        assert 0 <= entry["preference_accuracy"] <= 1 and entry["preference_pairs"] > 0
+    assert "rewards/accuracies" in evaluation["dpo"] and "rewards/accuracies" not in evaluation["sft"]
+    table = (project / "data/evaluate/comparison.csv").read_text().splitlines()
+    assert table[0].startswith("model,exact_match,bleu,rougeL,preference_accuracy") and [r.split(",")[0] for r in table[1:]] == models
+    for name in ("loss_curves.png", "metrics.png"):
+        assert (project / "data/evaluate/plots" / name).read_bytes().startswith(b"\x89PNG")
+    log = (project / "data/models/sft/training_log.csv").read_text().splitlines()  # tiny: log_every 2, 6 steps
+    assert log[0] == "step,train_loss,lr" and [row.split(",")[0] for row in log[1:]] == ["2", "4", "6"]
+    # dvc plots show renders the declared plots (curves from every training stage, the PNGs)
+    shown = run([sys.executable, "-m", "dvc", "plots", "show", "--json"], project).stdout
+    rendered = json.loads(shown)["data"]
+    assert {"train_loss", "val_loss", "data/evaluate/plots/loss_curves.png", "data/evaluate/plots/metrics.png"} <= set(rendered)
+    curves = {point["filename"].split("/")[0] for point in rendered["train_loss"][0]["content"]["data"]["values"]}
+    assert curves == set(models)
+    client = mlflow_client(project)
+    run_id = json.loads((project / "data/metrics/evaluate.json").read_text())["mlflow_run_id"]
+    artifacts = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "plots")}
+    assert {"comparison.json", "plots/loss_curves.png", "plots/metrics.png"} <= artifacts
+
+
+def test_prefect_artifacts_table_and_summary(first, project):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    async def latest(key: str):  # this module's first run is the newest run so far
+        async with get_client() as client:
+            found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC)
+            return found[0]
+
+    import asyncio
+
+    table = asyncio.run(latest("qllm-evaluation"))
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert table.type == "table" and [r["model"] for r in rows] == ["pretrain", "sft", "lora", "dpo"]
+    summary = asyncio.run(latest("qllm-run-summary"))
+    assert summary.type == "markdown" and "| pretrain | " in summary.data and "@champion" in summary.data
 
 
 def test_prefect_task_graph_is_the_dvc_yaml_graph(first, project):

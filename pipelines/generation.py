@@ -1,0 +1,113 @@
+"""Chat with a trained model: one prompt in, the model's answer out.
+
+    qllm generate --model models:/qllm@champion --prompt "Where does Tovik live?"
+    qllm generate --model data/models/sft --prompt "What is 2 plus 3?" --temperature 0.8 --seed 1
+
+The prompt is a user turn rendered with the model's chat template (`add_generation_prompt=True`);
+generation stops at `<|im_end|>` or end of text (`models.stop_token_ids`). Temperature 0 is
+greedy decoding (deterministic); a positive temperature samples, seeded by `seed`.
+
+`model` is a registered version (`models:/NAME@ALIAS`, `models:/NAME/VERSION`, loaded with
+`mlflow.transformers.load_model` from the project's registry) or a model directory the pipeline
+wrote: a full model, a LoRA output with `merged/`, or a PEFT adapter (merged into its base).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pipelines.errors import QllmError
+
+
+def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
+    """(model, tokenizer) for a `models:/` URI or a model directory.
+
+    Args:
+        model: `models:/NAME@ALIAS`, `models:/NAME/VERSION`, or a path (relative to the current
+            directory, else to `root`).
+        root: the project (its `mlflow.db` holds the registry; adapters' base paths resolve here).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub from a local model
+    root = Path(root).resolve()
+    if model.startswith("models:/"):
+        return _load_registered(model, root)
+    from pipelines.models import load_for_inference
+
+    path = Path(model)
+    if not path.exists() and not path.is_absolute() and (root / path).exists():
+        path = root / path
+    if not path.is_dir():
+        raise QllmError(
+            f"{model}: no such model directory (expected a `save_pretrained` directory or models:/NAME@ALIAS)"
+        )
+    return load_for_inference(path, root)
+
+
+def _load_registered(uri: str, root: Path) -> tuple[Any, Any]:
+    import mlflow.transformers
+
+    from pipelines import lineage
+
+    client = lineage.open_client(root)  # the project's registry: tracking.tracking_uri(root)
+    version = lineage.model_version(client, uri)  # clear errors for unknown names, aliases, versions
+    # Where the version's files are, resolved by this client: no process-wide MLflow URI to set
+    # (mlflow.set_tracking_uri would also export MLFLOW_TRACKING_URI to everything after it).
+    location = client.get_model_version_download_uri(version.name, version.version)
+    components = mlflow.transformers.load_model(location, return_type="components")
+    return components["model"], components["tokenizer"]
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    system: str | None = None,
+) -> str:
+    """The model's answer to `prompt` as a user turn (the assistant turn, without its end marker).
+
+    Args:
+        model: a causal LM.
+        tokenizer: its tokenizer, with a chat template.
+        prompt: the user message.
+        max_new_tokens: at most this many generated tokens.
+        temperature: 0 for greedy decoding; above 0, sampling at this temperature.
+        seed: seeds the sampling (ignored when greedy).
+        system: an optional system message before the prompt.
+
+    Returns:
+        The generated text, special tokens removed, surrounding whitespace stripped.
+    """
+    import torch
+
+    from pipelines.models import stop_token_ids
+
+    if max_new_tokens < 1:
+        raise QllmError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    if temperature < 0:
+        raise QllmError(f"temperature must be 0 (greedy) or positive (got {temperature})")
+    if not getattr(tokenizer, "chat_template", None):
+        raise QllmError(
+            "the model's tokenizer has no chat template (train it with the pipeline's train_tokenizer stage)"
+        )
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    model.eval()
+    with torch.no_grad():
+        if temperature > 0:
+            torch.manual_seed(seed)
+        output = model.generate(
+            **encoded,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=stop_token_ids(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            **sampling,
+        )
+    new_tokens = output[0, encoded["input_ids"].shape[1] :]
+    return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()

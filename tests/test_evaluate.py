@@ -1,0 +1,64 @@
+"""evaluate's metrics: BLEU/ROUGE-L of answers, preference accuracy and DPO rewards, plots."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from pipelines import evaluate, plots, preference_data, training
+from pipelines.models import load_for_inference
+
+
+def test_text_similarity_by_hand():
+    same = evaluate.text_similarity(["Tovik lives in Pelora"], ["Tovik lives in Pelora"])
+    assert same == {"bleu": pytest.approx(100.0), "rougeL": 1.0}
+    # ROUGE-L F: LCS "lives in" (2 tokens) of 3-token prediction and 4-token reference:
+    # P = 2/3, R = 2/4, F = 2PR/(P+R) = 4/7
+    partial = evaluate.text_similarity(["she lives in"], ["Tovik lives in Pelora"])
+    assert partial["rougeL"] == pytest.approx(4 / 7, abs=1e-4) and 0 <= partial["bleu"] < 100
+    assert evaluate.text_similarity([], []) == {"bleu": 0.0, "rougeL": 0.0}
+
+
+def test_preference_metrics_and_dpo_rewards(tiny_base):
+    model, tokenizer = load_for_inference(tiny_base / "model")
+    frame = pd.read_parquet(tiny_base / "preference" / "train.parquet")
+    pairs, _ = preference_data.encode_pairs(tokenizer, frame, max_length=128)
+    pad = tokenizer.pad_token_id
+    batch = preference_data.collate(pairs, pad)(torch.arange(len(pairs)).numpy())
+    with torch.no_grad():
+        chosen, rejected = preference_data.sequence_logps(model.eval(), batch)
+    for pair, c, r in zip(pairs, chosen.tolist(), rejected.tolist(), strict=True):  # a reference 1 nat below the policy
+        pair.ref_chosen, pair.ref_rejected = c - 1.0, r + 1.0
+
+    plain = evaluate.preference_metrics(model, pairs, pad, batch_size=2, beta=None)
+    assert plain["preference_accuracy"] == pytest.approx(float((chosen > rejected).float().mean()), abs=1e-4)
+    assert plain["preference_pairs"] == len(pairs) and "rewards/accuracies" not in plain
+
+    dpo = evaluate.preference_metrics(model, pairs, pad, batch_size=3, beta=0.5)
+    # rewards: β·(policy − ref) = 0.5·1 on chosen and 0.5·(−1) on rejected, for every pair
+    assert dpo["rewards/chosen"] == pytest.approx(0.5, abs=1e-3) and dpo["rewards/rejected"] == pytest.approx(-0.5, abs=1e-3)
+    assert dpo["rewards/accuracies"] == 1.0 and dpo["rewards/margins"] == pytest.approx(1.0, abs=1e-3)
+    assert evaluate.preference_metrics(model, [], pad, 2, None) == {}
+
+
+def test_plots_are_pngs_from_the_training_logs(tmp_path):
+    model_dir = tmp_path / "sft"
+    model_dir.mkdir()
+    training.write_history({"train": [[1, 2.0, 0.1], [2, 1.5, 0.1]], "eval": [[2, 1.7]]}, model_dir)
+    assert (model_dir / "training_log.csv").read_text().splitlines() == ["step,train_loss,lr", "1,2,0.1", "2,1.5,0.1"]
+    assert (model_dir / "eval_log.csv").read_text().splitlines() == ["step,val_loss", "2,1.7"]
+    plots.loss_curves({"sft": model_dir, "elsewhere": tmp_path / "missing"}, tmp_path / "out" / "curves.png")
+    plots.metric_bars({"sft": {"exact_match": 0.5}, "dpo": {"exact_match": 0.7}}, ["exact_match"], tmp_path / "out" / "bars.png")
+    first = (tmp_path / "out" / "curves.png").read_bytes()
+    assert first.startswith(b"\x89PNG") and (tmp_path / "out" / "bars.png").read_bytes().startswith(b"\x89PNG")
+    plots.loss_curves({"sft": model_dir, "elsewhere": tmp_path / "missing"}, tmp_path / "out" / "curves.png")
+    assert (tmp_path / "out" / "curves.png").read_bytes() == first  # same inputs, same bytes
+
+
+def test_comparison_table_has_one_row_per_model():
+    table = evaluate.comparison({"sft": {"exact_match": 0.5, "bleu": 10.0, "questions": 3}, "dpo": {"exact_match": 0.6, "rewards/margins": 1.0}})
+    assert table.astype(object).where(table.notna(), None).to_dict("records") == [
+        {"model": "sft", "exact_match": 0.5, "bleu": 10.0, "rewards/margins": None},
+        {"model": "dpo", "exact_match": 0.6, "bleu": None, "rewards/margins": 1.0},
+    ]

@@ -1,0 +1,80 @@
+"""The champion/challenger gate of `register`, against a real MLflow registry."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from pipelines import register
+from pipelines.config import RegisterParams
+from pipelines.errors import QllmError
+
+
+@pytest.fixture
+def client(tmp_path, mlflow_template_db):
+    from mlflow import MlflowClient
+
+    db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_template_db, db)
+    uri = f"sqlite:///{db}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model("qllm")
+    return client
+
+
+def add_version(client, params: RegisterParams, exact_match: float, tmp_source="/nonexistent/model") -> register.Decision:
+    """Register a (model-less) version the way `register.run` does: gate, tag, alias."""
+    version = client.create_model_version("qllm", source=str(tmp_source)).version
+    decision = register.gate(client, params, exact_match)
+    client.set_model_version_tag("qllm", version, "metric.exact_match", repr(exact_match))
+    client.set_registered_model_alias("qllm", decision.alias, version)
+    return decision
+
+
+def holder(client, alias: str) -> str:
+    return str(client.get_model_version_by_alias("qllm", alias).version)
+
+
+def test_first_model_is_champion(client):
+    decision = add_version(client, RegisterParams(), 0.10)
+    assert decision.promoted and decision.alias == "champion" and "first model" in decision.reason
+    assert holder(client, "champion") == "1"
+
+
+def test_champion_kept_when_the_challenger_is_worse_and_replaced_when_better(client):
+    params = RegisterParams(margin=0.02)
+    add_version(client, params, 0.70)  # v1: champion
+    worse = add_version(client, params, 0.71)  # v2: better, but not by the margin
+    assert not worse.promoted and worse.alias == "challenger" and worse.champion_version == "1"
+    assert worse.reason == "exact_match 0.7100 not >= 0.7200 (champion version 1: 0.7000, margin 0.02)"
+    assert holder(client, "champion") == "1" and holder(client, "challenger") == "2"
+    better = add_version(client, params, 0.75)  # v3: beats 0.70 + 0.02
+    assert better.promoted and better.alias == "champion" and better.champion_value == pytest.approx(0.70)
+    assert holder(client, "champion") == "3" and holder(client, "challenger") == "2"
+
+
+def test_a_tie_passes_with_no_margin(client):
+    add_version(client, RegisterParams(), 0.5)
+    assert add_version(client, RegisterParams(), 0.5).promoted
+
+
+def test_lower_is_better_metrics(client):
+    params = RegisterParams(metric="exact_match", mode="min", margin=0.1)
+    add_version(client, params, 1.0)
+    assert not add_version(client, params, 0.95).promoted  # needs <= 0.9
+    assert add_version(client, params, 0.8).promoted
+
+
+def test_the_gate_metric_must_exist():
+    evaluation = {"dpo": {"exact_match": 0.5, "questions": 10, "exact_match_by_group": {}}}
+    assert register.model_metrics(evaluation, RegisterParams(), "evaluate.json") == {"exact_match": 0.5, "questions": 10.0}
+    with pytest.raises(QllmError, match=r"register.metric: 'bleu' is not a finite number in evaluate.json\['dpo'\]; available: exact_match, questions"):
+        register.model_metrics(evaluation, RegisterParams(metric="bleu"), "evaluate.json")
+    with pytest.raises(QllmError, match=r"no entry for model 'sft' \(add it to evaluate.models"):
+        register.model_metrics(evaluation, RegisterParams(model="sft"), "evaluate.json")
+
+
+def test_aliases_must_differ():
+    with pytest.raises(ValueError, match="alias and challenger_alias must differ"):
+        RegisterParams(alias="x", challenger_alias="x")
