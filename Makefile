@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-all bench lock clean-outputs
+.PHONY: install run test test-all bench lock clean-outputs serve stop
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ test: install
 
 test-all: install
 	PATH="$(BIN):$$PATH" $(PY) -m pytest -m "slow or not slow" $(ARGS)
+
+# Local Prefect server + process worker (pool "qllm") + MLflow UI on 127.0.0.1; `make stop` ends them.
+serve: install
+	PATH="$(BIN):$$PATH" $(PY) -m flows.serve start
+
+stop:
+	$(PY) -m flows.serve stop
 
 bench: install
 	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.train_throughput

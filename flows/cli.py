@@ -5,9 +5,11 @@
     qllm run --set pretrain.train.lr=0.001 --set evaluate.max_new_tokens=8
     qllm run --params params/tiny.yaml --summary-json summary.json
 
-`qllm run` validates params before anything starts, runs the Prefect flow `qllm-pipeline`
-locally (Prefect's ephemeral API; set PREFECT_API_URL to use a server), and prints one line per
-stage: `NAME ran|cached SECONDS`. The exit code is non-zero when a stage fails.
+`qllm run` validates params and checks that the MLflow tracking store can be used (an
+unreachable `MLFLOW_TRACKING_URI` server fails in seconds) before anything starts, runs the
+Prefect flow `qllm-pipeline` locally (Prefect's ephemeral API; set PREFECT_API_URL to use a
+server), and prints one line per stage: `NAME ran|cached SECONDS`. The exit code is non-zero when
+a stage fails.
 
 After a run:
 
@@ -24,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
 
-from pipelines import config, dag
-from pipelines.errors import QllmError
+from pipelines import config, dag, preflight
+from pipelines.errors import QllmError, clear_stop, request_stop
 
 
 def _open_tracking(root: Path) -> None:
@@ -56,9 +59,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Fail fast on bad params or an unknown stage: before Prefect, MLflow or any stage starts.
     config.load(root, args.params, args.set)
     stage_names = list(dag.stages(root))
-    for name in [args.until, *args.force]:
+    for name in [args.until, args.from_stage, *args.force]:
         if name is not None and name not in stage_names:
             raise QllmError(f"unknown stage {name!r}; stages are: {', '.join(stage_names)}")
+    # An MLflow server that is down would otherwise fail the first stage only after Prefect started.
+    preflight.check_tracking(root)
 
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "qllm")
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -77,10 +82,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         if api is not None:
             api.wait()
             settings = {PREFECT_API_URL: api.url}
-        with temporary_settings(updates=settings):
-            state = pipeline(
-                overrides=args.set, params_files=args.params, until=args.until, force=args.force, project_dir=str(root), return_state=True
-            )
+        # First SIGTERM/Ctrl-C: training stages checkpoint after their current step and stop, no new
+        # stage starts; a second one interrupts at once.
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            with temporary_settings(updates=settings):
+                state = pipeline(
+                    overrides=args.set, params_files=args.params, until=args.until, force=args.force, project_dir=str(root),
+                    from_stage=args.from_stage, return_state=True,
+                )  # fmt: skip
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            clear_stop()
     if not state.is_completed():
         try:
             state.result()
@@ -141,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one param, e.g. dpo.beta=0.2 (repeatable)")
     run.add_argument("--params", action="append", default=[], metavar="FILE", help="YAML merged over params.yaml (repeatable), e.g. params/tiny.yaml")
     run.add_argument("--until", metavar="STAGE", help="run only up to and including STAGE")
+    run.add_argument("--from-stage", metavar="STAGE", help="run STAGE and everything downstream; earlier stages must come from DVC's caches")
     run.add_argument("--force", action="append", default=[], metavar="STAGE", help="rerun STAGE even if it is up to date (repeatable)")
     run.add_argument("--summary-json", metavar="FILE", help="write the run summary (stages, statuses, seconds, run id) as JSON")
     run.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")

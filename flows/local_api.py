@@ -24,6 +24,15 @@ from pathlib import Path
 from pipelines.errors import QllmError
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the `qllm run` that started it dies, even by
+    SIGKILL, so no orphaned API server is left listening (Linux: PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -51,7 +60,7 @@ class LocalApi:
             "--factory", "prefect.server.api.server:create_app",
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
         ]  # fmt: skip
-        self.process = subprocess.Popen(command, env=env)
+        self.process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def wait(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

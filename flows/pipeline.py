@@ -18,7 +18,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from pipelines import config, dag, runner, tracking, workspace
+from pipelines import config, dag, preflight, runner, tracking, workspace
 from tasks.stages import stage_task
 
 
@@ -29,6 +29,7 @@ def pipeline(
     until: str | None = None,
     force: list[str] | None = None,
     project_dir: str = ".",
+    from_stage: str | None = None,
 ) -> dict:
     """Run the pipeline up to `until` (default: every stage) and return its summary.
 
@@ -38,10 +39,14 @@ def pipeline(
         until: last stage to run (with everything it depends on).
         force: stages to rerun even if DVC finds them up to date.
         project_dir: the project root (holds dvc.yaml, params.yaml, mlflow.db).
+        from_stage: run this stage and everything downstream of it; the stages before it must
+            come from DVC's caches (up to date or in the run-cache), else the run fails before
+            training anything.
     """
+    root = Path(project_dir).resolve()
+    preflight.check_tracking(root)  # an unreachable MLflow server fails the run before any stage starts
     logger = get_run_logger()
     logging.getLogger("qllm").setLevel(logging.INFO)  # stage logs (shown via PREFECT_LOGGING_EXTRA_LOGGERS=qllm)
-    root = Path(project_dir).resolve()
     _, data = config.load(root, params_files or [], overrides or [])
     ws = workspace.prepare(root, data)
     if ws != root:
@@ -52,9 +57,11 @@ def pipeline(
         parent.log_artifact(ws / config.PARAMS_FILE)  # the effective params of this run
         futures = {}
         try:
+            fresh = None if from_stage is None else {from_stage} | dag.downstream(ws, from_stage)
             for name in dag.order(ws, until):
                 waits = [futures[up] for up in dag.upstream(ws, name) if up in futures]
-                futures[name] = stage_task(name).submit(str(ws), name, parent.run_id, name in (force or []), wait_for=waits)
+                cached_only = fresh is not None and name not in fresh
+                futures[name] = stage_task(name).submit(str(ws), name, parent.run_id, name in (force or []), cached_only, wait_for=waits)
             states = {name: future.wait() or future.state for name, future in futures.items()}
         finally:
             runner.close(ws)

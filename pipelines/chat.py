@@ -14,7 +14,22 @@ loss mask directly (the closing `<|im_end|>` is trained, so the model learns to 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
+
+_TEMPLATE_LOCK = threading.Lock()
+
+
+def render_with_assistant_mask(tokenizer, messages: list[dict]) -> dict:
+    """`input_ids` and `assistant_masks` of a conversation rendered with the chat template.
+
+    transformers caches each compiled template and shares it between threads, and the tracker
+    behind `{% generation %}` belongs to the template: two threads rendering at once fail with
+    "AssistantTracker should not be reused before closed" (in the flow `sft` and `probe_lora`
+    tokenize side by side). Rendering is cheap next to training, so one lock serialises it.
+    """
+    with _TEMPLATE_LOCK:
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pipelines.chat import render_with_assistant_mask
+
 IGNORE = -100
 
 
@@ -64,7 +66,7 @@ def encode(tokenizer, conversations: list[list[dict]], max_len: int, loss_on: st
     # Length limits are applied below (and counted); the tokenizer's own limit would only warn.
     tokenizer.model_max_length = max(tokenizer.model_max_length, 1 << 30)
     for messages in conversations:
-        rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        rendered = render_with_assistant_mask(tokenizer, messages)
         ids = np.asarray(rendered["input_ids"], dtype=np.int64)
         mask = np.asarray(rendered["assistant_masks"], dtype=bool) if loss_on == "assistant" else np.ones(len(ids), dtype=bool)
         if len(ids) > max_len:

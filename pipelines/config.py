@@ -215,6 +215,13 @@ class TrainParams(Section):
     """How many recent checkpoints to keep (the best one is kept in addition)."""
     early_stopping_patience: int = Field(0, ge=0)
     """Stop after this many evaluations without a better validation loss (0: off)."""
+    skip_nonfinite: int = Field(0, ge=0)
+    """Batches with a NaN/inf loss or gradient norm to skip over the whole run (zeroed gradients, no
+    optimizer or schedule step, a warning naming the step); one more stops training with an error
+    naming the step. 0: the first one stops training. The count is reported as `skipped_nonfinite`."""
+    gradient_checkpointing: bool = False
+    """Recompute activations during backward instead of keeping them: much less memory for about a
+    third more compute. Turn on when a step runs out of memory."""
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainParams:
@@ -433,20 +440,47 @@ class Params(Section):
 # ----------------------------------------------------------------------------- loading & merging
 
 
+def _reject_duplicate_keys(node: yaml.Node, prefix: tuple[str, ...], path: Path, seen: set[int] | None = None) -> None:
+    """A key given twice in one mapping is an error (PyYAML would keep the last one silently)."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already checked (or of one that holds itself)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                if key in first:
+                    dotted = ".".join((*prefix, str(key_node.value)))
+                    raise ParamsError(f"{path}:{line}: {dotted}: duplicate key (first given on line {first[key]})")
+                first[key] = line
+            _reject_duplicate_keys(value_node, (*prefix, str(key_node.value)), path, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _reject_duplicate_keys(item, (*prefix, str(index)), path, seen)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
-    """Read a YAML mapping, with errors that name the file and line."""
+    """Read a YAML mapping, with errors that name the file and line (a duplicate key is one)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ParamsError(f"{path}: file not found") from None
     except UnicodeDecodeError as exc:
         raise ParamsError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is not None:
+            _reject_duplicate_keys(node, (), path)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ParamsError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    finally:
+        loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -119,6 +119,24 @@ def upstream(root: Path | str, name: str) -> list[str]:
     ]
 
 
+def downstream(root: Path | str, name: str) -> set[str]:
+    """Every stage that depends, directly or not, on the outputs of `name`."""
+    graph = stages(root)
+    if name not in graph:
+        raise DagError(f"unknown stage {name!r}; stages are: {', '.join(graph)}")
+    children: dict[str, list[str]] = {n: [] for n in graph}
+    for child in graph:
+        for parent in upstream(root, child):
+            children[parent].append(child)
+    found, todo = set(), list(children[name])
+    while todo:
+        child = todo.pop()
+        if child not in found:
+            found.add(child)
+            todo.extend(children[child])
+    return found
+
+
 def order(root: Path | str = ".", until: str | None = None) -> list[str]:
     """Stages in a topological order (file order among independent ones), optionally only the
     ancestors of `until` and `until` itself."""

@@ -56,19 +56,41 @@ COMPARED = ("exact_match", "bleu", "rougeL", "preference_accuracy", "val_loss", 
 
 
 def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
-    """Held-out conversations (test split, else validation) as id / prompt messages / reference."""
+    """Held-out conversations (test split, else validation) as id / prompt messages / reference.
+
+    A conversation is scored against its last turn, so one that does not end with an assistant
+    turn has no reference answer: it is skipped with a warning that counts and names them
+    (`ingest` already rejects such a chat in a `split: test` source), and a `QllmError` says so
+    when no conversation is left.
+    """
+    import logging
+
     for split in ("test", "validation"):
-        frame = pd.read_parquet(chat_dir / f"{split}.parquet")
+        path = chat_dir / f"{split}.parquet"
+        frame = pd.read_parquet(path)
         if len(frame):
             break
     else:
         raise QllmError(f"{chat_dir}: no held-out chat records (test and validation splits are empty)")
-    rows = []
+    rows, skipped = [], []
     for record in frame.itertuples(index=False):
         messages = parse_messages(record.messages)
         if messages and messages[-1]["role"] == "assistant":
             prompt, reference = split_last_answer(messages)
             rows.append({"id": record.id, "prompt": prompt, "reference": reference, "split": split})
+        else:
+            skipped.append(str(record.id))
+    if skipped:
+        shown = ", ".join(skipped[:10]) + (f", ... ({len(skipped) - 10} more)" if len(skipped) > 10 else "")
+        logging.getLogger(f"qllm.{NAME}").warning(
+            "%s: skipped %d of %d held-out chats that do not end with an assistant turn (no reference answer to score): %s",
+            path, len(skipped), len(frame), shown,
+        )  # fmt: skip
+    if not rows:
+        raise QllmError(
+            f"{path}: none of the {len(frame)} held-out chats ends with an assistant turn, so there is no "
+            "reference answer to score (each chat must end with the assistant's answer)"
+        )
     questions = pd.DataFrame(rows)
     return questions.head(limit) if limit else questions
 

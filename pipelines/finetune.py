@@ -21,7 +21,7 @@ from pipelines.chat import parse_messages
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import FinetuneParams
 from pipelines.errors import QllmError
-from pipelines.models import CONSTRUCTION, device, load_causal_lm, load_tokenizer, parameter_counts
+from pipelines.models import CONSTRUCTION, device, load_model_and_tokenizer, parameter_counts
 from pipelines.outputs import atomic_dir
 
 log = logging.getLogger("qllm.finetune")
@@ -78,8 +78,7 @@ def run(
 ) -> dict[str, Any]:
     """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`."""
     cfg = params.train
-    tokenizer = load_tokenizer(params.base_model)
-    model = load_causal_lm(params.base_model)
+    model, tokenizer = load_model_and_tokenizer(params.base_model)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
     with CONSTRUCTION:

@@ -3,10 +3,13 @@
 Every model the pipeline writes is a `save_pretrained` directory (safetensors weights, config,
 generation config, tokenizer) that `AutoModelForCausalLM.from_pretrained` loads. Loading goes
 through `from_pretrained` too, so a hub name works wherever a network exists; tests use paths.
+A local directory is checked first (it exists, holds config.json and tokenizer files, readable
+weights, a tokenizer no bigger than the embedding) so that a bad one is one clear `QllmError`.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -69,9 +72,49 @@ def configure_generation(model, tokenizer) -> None:
     generation.do_sample = False
 
 
+# A hub repo id: `name` or `namespace/name`. Anything else (an absolute path, `./x`, `a/b/c`, ...)
+# can only be a local directory, and so can a path under the project's `data/`.
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
+# Any of these makes a directory a tokenizer `AutoTokenizer.from_pretrained` may load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def local_model_dir(path: Path | str) -> Path | None:
+    """The local directory `path` names, or None when it is a hub id to look up.
+
+    A `Path`, an existing path and a string that cannot be a hub id (see `HUB_ID`) or lies under
+    `data/` are local: when missing, a `QllmError` says so instead of the hub's "Repo id must be in
+    the form ..." (the path taken for a repo id).
+    """
+    local = Path(path)
+    if local.exists():
+        if not local.is_dir():
+            raise QllmError(f"{path}: not a directory (expected a save_pretrained model directory or a hub id)")
+        return local
+    text = str(path)
+    if isinstance(path, Path) or not HUB_ID.fullmatch(text) or text.startswith("data/"):
+        raise QllmError(f"{path}: no such model directory (expected a save_pretrained directory or a hub id)")
+    return None
+
+
+def _check_tokenizer_files(path: Path | str) -> None:
+    local = local_model_dir(path)
+    if local is not None and not any((local / name).exists() for name in TOKENIZER_FILES):
+        raise QllmError(f"{path}: no tokenizer (tokenizer.json / tokenizer_config.json missing)")
+
+
+def _check_model_files(path: Path | str) -> Path | None:
+    local = local_model_dir(path)
+    if local is not None and not (local / "config.json").exists():
+        raise QllmError(f"{path}: no config.json (not a save_pretrained model directory)")
+    return local
+
+
 def load_tokenizer(path: Path | str):
+    """Load the tokenizer of a model directory (or a tokenizer directory, or a hub name)."""
     from transformers import AutoTokenizer
 
+    _check_tokenizer_files(path)
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
@@ -80,13 +123,40 @@ def load_tokenizer(path: Path | str):
 
 def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32):
     """Load a causal LM (`save_pretrained` directory or hub name) in `dtype` for training/eval."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    local = _check_model_files(path)
     try:
         with CONSTRUCTION:
             return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except (OSError, ValueError) as exc:
         raise QllmError(f"{path}: cannot load a causal language model ({exc})") from None
+    except SafetensorError as exc:  # a cut or corrupt .safetensors file (copy interrupted, disk full)
+        single = Path(path) / "model.safetensors"
+        shown = single if local is not None and single.exists() else path
+        raise QllmError(f"{shown}: unreadable weights ({exc})") from None
+
+
+def check_vocabulary(model, tokenizer, path: Path | str) -> None:
+    """Every token id of `tokenizer` must have a row in the model's input embedding (else the
+    first lookup of a high id fails with torch's "index out of range in self")."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise QllmError(
+            f"{path}: tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} rows "
+            "(tokenizer and model do not match)"
+        )
+
+
+def load_model_and_tokenizer(path: Path | str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of one model directory (or hub name), checked to match each other."""
+    _check_model_files(path)  # what is missing, before the slow part
+    _check_tokenizer_files(path)
+    model = load_causal_lm(path, dtype)
+    tokenizer = load_tokenizer(path)
+    check_vocabulary(model, tokenizer, path)
+    return model, tokenizer
 
 
 def save_pretrained(model, tokenizer, out: Path, max_length: int | None = None) -> None:
@@ -118,14 +188,16 @@ def load_for_inference(model_dir: Path | str, root: Path | str = "."):
 
     model_dir = Path(model_dir)
     if (model_dir / "merged" / "config.json").exists():
-        return load_causal_lm(model_dir / "merged"), load_tokenizer(model_dir / "merged")
+        return load_model_and_tokenizer(model_dir / "merged")
     adapter_config = model_dir / "adapter_config.json"
     if adapter_config.exists():
         from peft import PeftModel
 
         base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
         base_path = Path(root) / base if (Path(root) / base).exists() else base
+        tokenizer = load_tokenizer(model_dir)
         with CONSTRUCTION:
             model = PeftModel.from_pretrained(load_causal_lm(base_path), str(model_dir)).merge_and_unload()
-        return model, load_tokenizer(model_dir)
-    return load_causal_lm(model_dir), load_tokenizer(model_dir)
+        check_vocabulary(model, tokenizer, model_dir)
+        return model, tokenizer
+    return load_model_and_tokenizer(model_dir)

@@ -1,7 +1,9 @@
 """Atomic stage outputs: write into a temporary sibling, rename into place only when complete.
 
-A stage killed half-way leaves at most a `.tmp-*` sibling (ignored by DVC and cleaned by the next
-run), never a directory or file that looks finished.
+A stage killed half-way (even by SIGKILL) leaves at most a `.tmp-<name>-*` sibling, never a
+directory or file that looks finished. The temporary is a sibling, never inside a DVC output, so
+DVC does not see it: `dvc status` reports the stage's output as missing (changed), and the next
+write of the same output removes the leftover first.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def atomic_file(path: Path | str) -> Iterator[Path]:
     """Yield a temporary file path that replaces `path` when the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(path.parent, path.name)
     fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent)
     os.close(fd)
     tmp = Path(name)

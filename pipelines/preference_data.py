@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.chat import parse_messages
+from pipelines.chat import parse_messages, render_with_assistant_mask
 from pipelines.errors import QllmError
 
 PREFERENCE_CONFIG = "preference_config.json"
@@ -39,9 +39,7 @@ class Pair:
 
 def _render(tokenizer, prompt: list[dict], answer: str) -> tuple[np.ndarray, int]:
     """ids of prompt + answer (cut after the answer's end token) and where the answer starts."""
-    out = tokenizer.apply_chat_template(
-        [*prompt, {"role": "assistant", "content": answer}], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
+    out = render_with_assistant_mask(tokenizer, [*prompt, {"role": "assistant", "content": answer}])
     ids, mask = np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=bool)
     end = int(np.flatnonzero(mask)[-1]) + 1
     start = end

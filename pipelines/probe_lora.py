@@ -29,7 +29,7 @@ import torch
 from pipelines import chat_data, finetune, stage, training
 from pipelines.config import ProbeLoraParams
 from pipelines.errors import QllmError
-from pipelines.models import CONSTRUCTION, device, load_causal_lm, load_tokenizer
+from pipelines.models import CONSTRUCTION, device, load_model_and_tokenizer
 from pipelines.outputs import atomic_dir, write_json
 
 NAME = "probe_lora"
@@ -94,8 +94,7 @@ def scores(recorder: GradientRecorder, ranks: list[int]) -> dict:
 
 def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dict:
     cfg = params.train
-    tokenizer = load_tokenizer(params.base_model)
-    model = load_causal_lm(params.base_model)
+    model, tokenizer = load_model_and_tokenizer(params.base_model)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
     with CONSTRUCTION:

@@ -6,9 +6,10 @@
 
 Every record kind is a DataFrame of `str` columns (`COLUMNS`): `id, source, split` plus
 `text` (text), `messages` (chat: a JSON list of {role, content}) or `prompt` (a JSON message list
-ending with a user turn), `chosen`, `rejected` (preference). Anything wrong with the input is a
-`ReaderError` naming the file, the 1-based line (JSONL, text, CSV) or the 0-based record index
-(JSON, Parquet, hf), and what was expected.
+ending with a user turn), `chosen`, `rejected` (preference). A chat needs an assistant turn; a
+held-out chat (`split: test`) must end with one, the reference answer `evaluate` scores. Anything
+wrong with the input is a `ReaderError` naming the file, the 1-based line (JSONL, text, CSV) or
+the 0-based record index (JSON, Parquet, hf), and what was expected.
 """
 
 from __future__ import annotations
@@ -150,16 +151,28 @@ def _read_parquet(path: Path, shown: str, source: SourceParams) -> Table:
     return Table(shown, table.column_names, ((f"{shown}: record {i}", r) for i, r in enumerate(records)))
 
 
+def _csv_problem(exc: csv.Error) -> str:
+    """What a (strict) `csv.Error` means, in the user's terms."""
+    message = str(exc).replace("\t", "\\t")
+    if message == "unexpected end of data":
+        return "unterminated quote: a quote opened in this row is never closed"
+    if message.endswith("expected after '\"'"):
+        return f'{message}: a quote inside a quoted field must be doubled ("")'
+    return message
+
+
 def _read_csv(path: Path, shown: str, source: SourceParams) -> Table:
     text = _decode(path, shown)
     if not text.strip():
         return Table(shown, None, [])
     csv.field_size_limit(2**31 - 1)  # documents longer than the 128 KiB default are fine
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+    # strict: a quote that is never closed is an error, not the rest of the file read as one field.
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
     try:
         header = next(reader)
     except csv.Error as exc:
-        raise ReaderError(f"{shown}:1: invalid CSV header ({exc})") from None
+        raise ReaderError(f"{shown}:1: invalid CSV header ({_csv_problem(exc)})") from None
     duplicated = sorted({name for name in header if header.count(name) > 1})
     if duplicated:
         raise ReaderError(f"{shown}:1: duplicate column {duplicated[0]!r} in the header")
@@ -173,7 +186,7 @@ def _read_csv(path: Path, shown: str, source: SourceParams) -> Table:
             except StopIteration:
                 return
             except csv.Error as exc:
-                raise ReaderError(f"{shown}:{start}: invalid CSV ({exc})") from None
+                raise ReaderError(f"{shown}:{start}: invalid CSV ({_csv_problem(exc)})") from None
             where, start = f"{shown}:{start}", reader.line_num + 1
             if not row:
                 continue
@@ -469,6 +482,16 @@ def _rename(record: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
     return record
 
 
+def _check_heldout_chat(messages: str, where: str) -> None:
+    """A held-out chat (`split: test`) is scored against its last turn: it must be the assistant's."""
+    last = json.loads(messages)[-1]["role"]
+    if last != "assistant":
+        raise ReaderError(
+            f"{where}: a held-out chat (split: test) must end with an assistant turn, the reference answer "
+            f"that evaluate scores (this one ends with a {last} turn)"
+        )
+
+
 def _frame(table: Table, source: SourceParams, name: str) -> pd.DataFrame:
     """Convert a table's records into the kind's DataFrame, checking fields and ids."""
     if table.columns is not None:
@@ -486,6 +509,8 @@ def _frame(table: Table, source: SourceParams, name: str) -> pd.DataFrame:
             raise ReaderError(_missing_message(where, missing.args[0], source, raw, "field")) from None
         except _Bad as bad:
             raise ReaderError(f"{where}: {bad}") from None
+        if source.kind == "chat" and source.split == "test":
+            _check_heldout_chat(fields[0], where)
         given = _plain(record.get("id"))
         record_id = f"{name}-{index}" if given is None or given == "" else str(given)
         if record_id in first_seen:

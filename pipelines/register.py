@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import dag, lineage, stage, tracking
+from pipelines import dag, lineage, stage, tracking, workspace
 from pipelines.config import RegisterParams
 from pipelines.errors import QllmError
 from pipelines.models import load_for_inference
@@ -73,7 +73,7 @@ def pip_requirements() -> list[str]:
     return pins
 
 
-def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None) -> dict[str, str]:
+def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None, prefect_flow_run_id: str | None = None) -> dict[str, str]:
     """Version tags: git commit, DVC md5s (data sets and model), params, parent run, Prefect run."""
     tags = {"git_commit": git_commit(project_root(root)), "dvc.model_md5": dag.dvc_md5(model_dir)}
     for path, md5 in sorted(dvc_lock_outs(root).items()):
@@ -84,8 +84,9 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None) -> dict
         tags[f"params.{section}"] = json.dumps(values, sort_keys=True)
     if parent_run_id:
         tags["mlflow.parent_run_id"] = parent_run_id
-    if os.environ.get(tracking.PREFECT_RUN_ENV):
-        tags["prefect.flow_run_id"] = os.environ[tracking.PREFECT_RUN_ENV]
+    prefect_flow_run_id = prefect_flow_run_id or os.environ.get(tracking.PREFECT_RUN_ENV)
+    if prefect_flow_run_id:
+        tags["prefect.flow_run_id"] = prefect_flow_run_id
     return tags
 
 
@@ -134,7 +135,8 @@ def model_metrics(evaluation: dict, params: RegisterParams, where: str) -> dict[
     return numeric
 
 
-def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: str, parent_run_id: str | None, metrics: dict[str, float]) -> dict:
+def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: str, parent_run_id: str | None, metrics: dict[str, float],
+        prefect_flow_run_id: str | None = None) -> dict:  # fmt: skip
     import mlflow
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model-card lookups must not reach for the hub
@@ -152,19 +154,22 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
         lineage.log_lineage(client, run_id, trail)
     model_version = str(info.registered_model_version)
     value = metrics[params.metric]
-    decision = gate(client, params, value)
     tags = {
-        **lineage_tags(root, model_dir, parent_run_id),
+        **lineage_tags(root, model_dir, parent_run_id, prefect_flow_run_id),
         **{f"metric.{k}": repr(v) for k, v in metrics.items()},
         "qllm.stage": params.model,
         "qllm.lineage": lineage.ARTIFACT,
         "gate.metric": params.metric,
-        "gate.decision": decision.alias,
-        "gate.reason": decision.reason,
     }
-    for key, tag in tags.items():
+    for key, tag in tags.items():  # the metric tags first: the next gate reads them
         client.set_model_version_tag(params.model_name, model_version, key, tag)
-    client.set_registered_model_alias(params.model_name, decision.alias, model_version)
+    # gate and alias as one step: two runs registering at once must not both beat the same champion
+    lock = project_root(root) / ".qllm" / "locks" / f"registry-{params.model_name}.lock"
+    with workspace.file_lock(lock, f"the registry entry {params.model_name!r}"):
+        decision = gate(client, params, value)
+        client.set_registered_model_alias(params.model_name, decision.alias, model_version)
+    client.set_model_version_tag(params.model_name, model_version, "gate.decision", decision.alias)
+    client.set_model_version_tag(params.model_name, model_version, "gate.reason", decision.reason)
     record = {
         "stage": params.model,
         "model_name": params.model_name,
@@ -185,8 +190,12 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
 
 def _body(ctx: stage.StageContext) -> dict:
     metrics = model_metrics(read_json(ctx.path(EVAL_METRICS)), ctx.params, EVAL_METRICS)
-    parent = ctx.tracker.client.get_run(ctx.tracker.run_id).data.tags.get("mlflow.parentRunId") if ctx.tracker.enabled else None
-    record = run(ctx.root, ctx.path(MODELS) / ctx.params.model, ctx.path(OUT), ctx.params, ctx.tracker.run_id, parent, metrics)
+    parent, flow_run_id = None, None
+    if ctx.tracker.enabled:
+        parent = ctx.tracker.client.get_run(ctx.tracker.run_id).data.tags.get("mlflow.parentRunId")
+        if parent:  # the pipeline run started by Prefect records its flow run id
+            flow_run_id = ctx.tracker.client.get_run(parent).data.tags.get("qllm.prefect_flow_run_id")
+    record = run(ctx.root, ctx.path(MODELS) / ctx.params.model, ctx.path(OUT), ctx.params, ctx.tracker.run_id, parent, metrics, flow_run_id)
     ctx.tracker.set_tags({"gate.decision": record["alias"], "gate.reason": record["reason"]})
     log = ctx.log.info if record["promoted"] else ctx.log.warning
     log("registered %s version %s (%s model) as @%s: %s", record["model_name"], record["version"], ctx.params.model, record["alias"], record["reason"])

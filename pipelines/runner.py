@@ -13,6 +13,11 @@ So "same inputs" means exactly what it means to DVC: `qllm run` and `dvc repro` 
 what is stale, and there is no second cache to drift. Running the stage in-process (instead of
 `python -m pipelines.<stage>` in a subprocess) saves seconds of imports per stage; the command
 string in `dvc.yaml` is still what DVC hashes and what `dvc repro` runs.
+
+Concurrent runs (run workspaces of one project share its DVC cache) never compute the same thing
+twice at once: step 3 holds a lock named by DVC's run-cache key (command + dependency hashes +
+params) in `.qllm/locks/`. A second run that reaches the same stage with the same inputs waits,
+then finds the first one's run-cache entry and restores it (step 2 again) instead of running.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pathlib import Path
 from pipelines import dag
 
 log = logging.getLogger("qllm.runner")
+
+LOCKS_DIR = ".qllm/locks"
 
 # One DVC Repo object per workspace, used by one thread at a time (DVC objects are not
 # thread-safe); the stage itself runs outside this lock so parallel branches can overlap.
@@ -86,8 +93,6 @@ def reproduce(
     execute: Callable[[Path, str, str | None], None] = run_in_process,
 ) -> StageOutcome:
     """Bring stage `name` of the workspace `root` up to date; see the module docstring."""
-    from dvc.stage.cache import RunCacheNotFoundError
-
     root = Path(root).resolve()
     started = time.perf_counter()
     repo = _repo(root)
@@ -96,23 +101,61 @@ def reproduce(
         if not force and not stage.changed():
             return _outcome(stage, "cached", "up-to-date", started)
         stage.remove_outs(ignore_remove=False, force=False)
-        restored = False
-        if not force:
-            try:
-                repo.stage_cache.restore(stage)
-                restored = True
-            except RunCacheNotFoundError:
-                pass
+        restored = not force and _restore(repo, stage)
         if not restored:
             stage.save_deps()
-    if not restored:
-        log.info("%s: running", name)
-        execute(root, name, parent_run_id)
+            key = _run_cache_key(stage)
+    if restored:
+        _commit(root, repo, stage)
+        return _outcome(stage, "cached", "run-cache", started)
+    with _same_inputs_lock(root, name, key):
+        if not force:  # another run may have produced these outputs while we waited
+            with _repo_lock, contextlib.chdir(root), repo.lock:
+                # A fresh stage object: `stage` now has the new dependency hashes next to the old
+                # outputs' hashes, which `restore` would take for a run-cache entry.
+                (fresh,) = repo.stage.collect(f"{dag.DVC_FILE}:{name}")
+                if _restore(repo, fresh):
+                    stage, restored = fresh, True
+        if not restored:
+            log.info("%s: running", name)
+            execute(root, name, parent_run_id)
+        _commit(root, repo, stage)
+    return _outcome(stage, "cached" if restored else "ran", "run-cache" if restored else "executed", started)
+
+
+def _restore(repo, stage) -> bool:
+    """Outputs restored from DVC's run-cache (an entry for the same command, deps and params)."""
+    from dvc.stage.cache import RunCacheNotFoundError
+
+    try:
+        repo.stage_cache.restore(stage)
+    except RunCacheNotFoundError:
+        return False
+    return True
+
+
+def _commit(root: Path, repo, stage) -> None:
     with _repo_lock, contextlib.chdir(root), repo.lock:
         stage.save()  # hashes outputs and records the run-cache entry
         stage.commit()  # moves outputs into the DVC cache (links them back)
         stage.dump(update_pipeline=False)  # dvc.lock
-    return _outcome(stage, "cached" if restored else "ran", "run-cache" if restored else "executed", started)
+
+
+def _run_cache_key(stage) -> str | None:
+    """DVC's run-cache key of the stage (None for a stage DVC would not cache a run of)."""
+    from dvc.stage.cache import _can_hash, _get_stage_hash
+
+    return _get_stage_hash(stage) if _can_hash(stage) else None
+
+
+def _same_inputs_lock(root: Path, name: str, key: str | None) -> contextlib.AbstractContextManager:
+    """Held while a stage with these exact inputs runs, by any workspace of the project."""
+    from pipelines import workspace
+
+    if key is None:
+        return contextlib.nullcontext()
+    path = workspace.project_root(root) / LOCKS_DIR / f"{key}.lock"
+    return workspace.file_lock(path, f"stage {name} with the same inputs (it runs once, then this run restores its outputs)")
 
 
 def _outcome(stage, status: str, reason: str, started: float) -> StageOutcome:

@@ -8,6 +8,7 @@ A stage module is `run(...)` over paths and typed params plus a `main()` that ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -18,9 +19,11 @@ from typing import Any
 
 from pipelines import config, dag, tracking, workspace
 from pipelines.errors import QllmError
-from pipelines.outputs import write_json
+from pipelines.outputs import read_json, write_json
 
 METRICS_DIR = "data/metrics"
+RUN_RECORD = "mlflow_run.json"
+"""In a training stage's checkpoint directory: the id of the MLflow run that writes there."""
 
 
 @dataclass
@@ -56,7 +59,10 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
     """Run one stage: validate params, open its MLflow run, call `body`, write its metrics JSON.
 
     The fingerprint (params section + DVC md5 of every dependency) names the checkpoint directory,
-    so a rerun of the same stage resumes and a changed stage starts afresh.
+    so a rerun of the same stage resumes and a changed stage starts afresh. A training stage holds
+    its checkpoint directory while it runs (`workspace.checkpoint_lock`) and records its MLflow run
+    id there (`mlflow_run.json`): rerun after a crash or a kill, with a checkpoint to resume from
+    and that run not FINISHED, it continues the same MLflow run instead of starting a second one.
     """
     root = Path(root).resolve()
     params = config.load_section(name, root)
@@ -65,7 +71,23 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
     spec = dag.stages(root)[name]
     digests = dependency_digests(root, spec)
     fingerprint = config.digest({"stage": name, "params": config.to_plain(params), "deps": digests})
-    with tracking.run(name, root, tags={"qllm.stage": name, "qllm.fingerprint": fingerprint}, parent_run_id=parent_run_id) as tracker:
+    tags = {"qllm.stage": name, "qllm.fingerprint": fingerprint}
+    with contextlib.ExitStack() as stack:
+        checkpoints = workspace.checkpoint_dir(root, name, fingerprint) if _trains(params) else None
+        resume_run_id = None
+        if checkpoints is not None:
+            stack.enter_context(workspace.checkpoint_lock(checkpoints))
+            resume_run_id = _unfinished_run(root, checkpoints)
+        tracker = stack.enter_context(
+            tracking.run(name, root, tags=tags, parent_run_id=parent_run_id, resume_run_id=resume_run_id)
+        )
+        if checkpoints is not None:
+            write_json(checkpoints / RUN_RECORD, {"run_id": tracker.run_id, "store": _store_id(root)})
+            from pipelines import checkpoint  # torch: only for training stages
+
+            # Flushed before each checkpoint: MLflow then holds every metric up to the step a
+            # resumed run starts after.
+            stack.enter_context(checkpoint.before_save(checkpoints, tracker.flush))
         tracker.log_params({name: params})
         for dep, md5 in digests.items():
             if not dep.endswith(".py"):
@@ -80,6 +102,34 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
             write_json(root / metrics_file, {**metrics, "mlflow_run_id": tracker.run_id})
             tracker.log_artifact(root / metrics_file)
     return metrics
+
+
+def _trains(params: Any) -> bool:
+    """A stage with a `train` section runs the shared training loop (and may checkpoint)."""
+    return isinstance(getattr(params, "train", None), config.TrainParams)
+
+
+def _store_id(root: Path) -> str:
+    """Names the tracking store without writing its URI (it may hold credentials) to disk."""
+    return config.digest({"tracking_uri": tracking.tracking_uri(root)})[:16]
+
+
+def _unfinished_run(root: Path, checkpoints: Path) -> str | None:
+    """The MLflow run to continue: the one recorded in `checkpoints`, if a checkpoint exists to
+    resume from and that run is still in the same store, not deleted and not FINISHED (a killed
+    run stays RUNNING, a crashed one is FAILED)."""
+    record = checkpoints / RUN_RECORD
+    if not record.exists() or not any(path.is_dir() for path in checkpoints.glob("step-*")):
+        return None
+    try:
+        saved = read_json(record)
+        run_id = saved["run_id"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if saved.get("store") != _store_id(root):  # MLFLOW_TRACKING_URI changed since
+        return None
+    status = tracking.run_status(root, run_id)
+    return run_id if status is not None and status != "FINISHED" else None
 
 
 def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[str] | None = None) -> int:

@@ -6,6 +6,12 @@ batches: a per-step `log_metric` against SQLite would cost more than a tiny mode
 
 Defaults: tracking URI `sqlite:///<project root>/mlflow.db`, artifacts under `mlartifacts/`,
 experiment `qllm`. `MLFLOW_TRACKING_URI` and `MLFLOW_EXPERIMENT_NAME` override them.
+
+Several `qllm run`s may share one SQLite store: MLflow's own sessions wait up to 20 s for another
+writer (`PRAGMA busy_timeout`), and the first use of a new database is serialised by a file lock
+(`client`). A run can be continued (`run(..., resume_run_id=...)`, used for stages
+resumed from a checkpoint): it is set back to RUNNING and keeps its id, and metrics already logged
+at a step are not logged again.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ DEFAULT_EXPERIMENT = "qllm"
 
 _clients: dict[str, Any] = {}
 _clients_lock = threading.Lock()
+_dataset_lock = threading.Lock()  # stages of one flow run side by side log the same inputs
 
 
 def tracking_uri(root: Path | str = ".") -> str:
@@ -62,6 +69,18 @@ def client(root: Path | str = ".") -> Any:
         return _clients[uri]
 
 
+def run_status(root: Path | str, run_id: str) -> str | None:
+    """The status of run `run_id` (RUNNING, FINISHED, FAILED, KILLED...), None if it does not
+    exist or was deleted."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        info = client(root).get_run(run_id).info
+    except MlflowException:
+        return None
+    return info.status if info.lifecycle_stage == "active" else None
+
+
 def experiment_id(root: Path | str = ".") -> str:
     """Id of the tracking experiment, created on first use (artifacts under `mlartifacts/`)."""
     mlflow_client = client(root)
@@ -81,12 +100,16 @@ def experiment_id(root: Path | str = ".") -> str:
 class Tracker:
     """Logs to one MLflow run. `Tracker(None)` logs nothing (unit tests, disabled tracking)."""
 
-    def __init__(self, mlflow_client: Any | None, run_id: str | None, flush_seconds: float = 2.0):
+    def __init__(
+        self, mlflow_client: Any | None, run_id: str | None, flush_seconds: float = 2.0, logged: Mapping[str, set[int]] | None = None
+    ):
         self.client = mlflow_client
         self.run_id = run_id
         self._buffer: list[Any] = []
         self._last_flush = time.monotonic()
         self._flush_seconds = flush_seconds
+        # A continued run: the steps each metric already has (re-logged steps are skipped).
+        self._logged = dict(logged or {})
 
     @property
     def enabled(self) -> bool:
@@ -115,8 +138,9 @@ class Tracker:
             return
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        self._buffer.extend(Metric(key, float(value), now, step or 0) for key, value in metrics.items())
+        now, step = int(time.time() * 1000), step or 0
+        fresh = {key: value for key, value in metrics.items() if step not in self._logged.get(key, ())}
+        self._buffer.extend(Metric(key, float(value), now, step) for key, value in fresh.items())
         if time.monotonic() - self._last_flush > self._flush_seconds:
             self.flush()
 
@@ -166,13 +190,34 @@ class Tracker:
                 dataset_source = resolve_dataset_source(str(Path(path).resolve()))
             dataset = MetaDataset(dataset_source, name=name or Path(path).name, digest=digest)
         entity = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
-        self.client.log_inputs(self.run_id, datasets=[entity])
+        with _dataset_lock:
+            try:
+                self.client.log_inputs(self.run_id, datasets=[entity])
+            except Exception as err:  # noqa: BLE001 - MLflow wraps the store's IntegrityError
+                # The store's get-or-create of a dataset row is not atomic: a stage in another
+                # process logging the same (name, digest) at the same moment wins the insert and
+                # ours fails. The row exists now, so the second call links to it.
+                if "UNIQUE constraint failed" not in str(err):
+                    raise
+                self.client.log_inputs(self.run_id, datasets=[entity])
 
 
 @contextmanager
-def run(name: str, root: Path | str = ".", tags: Mapping[str, Any] | None = None, parent_run_id: str | None = None) -> Iterator[Tracker]:
+def run(
+    name: str,
+    root: Path | str = ".",
+    tags: Mapping[str, Any] | None = None,
+    parent_run_id: str | None = None,
+    resume_run_id: str | None = None,
+) -> Iterator[Tracker]:
     """Start an MLflow run (child of `parent_run_id` or `$QLLM_PARENT_RUN_ID`), yield its tracker,
-    and end it FINISHED, or FAILED if the block raises."""
+    and end it FINISHED, or FAILED if the block raises.
+
+    With `resume_run_id`, continue that run instead (a stage resumed from its checkpoint): it is
+    set back to RUNNING, moved under the current parent run, tagged `qllm.resumes` (how many
+    times), and its tracker skips metric steps the run already has, so the history continues at
+    the resumed step without duplicates.
+    """
     mlflow_client = client(root)
     all_tags = {"mlflow.runName": name, **(tags or {})}
     parent = parent_run_id or os.environ.get(PARENT_RUN_ENV)
@@ -181,8 +226,11 @@ def run(name: str, root: Path | str = ".", tags: Mapping[str, Any] | None = None
     prefect_run = os.environ.get(PREFECT_RUN_ENV)
     if prefect_run:
         all_tags["qllm.prefect_flow_run_id"] = prefect_run
-    created = mlflow_client.create_run(experiment_id(root), tags={k: str(v) for k, v in all_tags.items()}, run_name=name)
-    tracker = Tracker(mlflow_client, created.info.run_id)
+    if resume_run_id:
+        tracker = _continue(mlflow_client, resume_run_id, all_tags)
+    else:
+        created = mlflow_client.create_run(experiment_id(root), tags={k: str(v) for k, v in all_tags.items()}, run_name=name)
+        tracker = Tracker(mlflow_client, created.info.run_id)
     try:
         yield tracker
     except BaseException:
@@ -191,6 +239,22 @@ def run(name: str, root: Path | str = ".", tags: Mapping[str, Any] | None = None
         raise
     tracker.flush()
     mlflow_client.set_terminated(tracker.run_id, "FINISHED")
+
+
+def _continue(mlflow_client: Any, run_id: str, tags: dict[str, Any]) -> Tracker:
+    """Reopen run `run_id` (see `run`) and return a tracker that logs no step twice."""
+    existing = mlflow_client.get_run(run_id)
+    old_tags = existing.data.tags
+    tags = {**tags, "qllm.resumes": int(old_tags.get("qllm.resumes", 0)) + 1}
+    old_parent = old_tags.get("mlflow.parentRunId")
+    if old_parent and old_parent != tags.get("mlflow.parentRunId"):
+        tags["qllm.previous_parent_run_id"] = old_parent
+    logged = {key: {m.step for m in mlflow_client.get_metric_history(run_id, key)} for key in existing.data.metrics}
+    mlflow_client.update_run(run_id, status="RUNNING")
+    tracker = Tracker(mlflow_client, run_id, logged=logged)
+    tracker.set_tags(tags)
+    log.info("continuing MLflow run %s (%s); it was %s", run_id, tags.get("mlflow.runName"), existing.info.status)
+    return tracker
 
 
 @contextmanager

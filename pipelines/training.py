@@ -7,12 +7,19 @@ A method differs only in what it hands the loop:
 - `batches`: a resumable, seeded order over its data (`Batches`)
 - `val_fn(model) -> metrics`: validation, with `val/loss` driving early stopping and "best"
 - `callbacks`: functions called at fixed points with the loop state: `"gradients"` (after
-  backward and unscaling, before clipping: the raw gradients of the step are in `.grad`),
-  `"step_end"`, `"eval"`
+  backward and unscaling, before clipping: the raw gradients of the step are in `.grad`; never
+  for a skipped non-finite batch), `"step_end"`, `"eval"`
 
 The loop owns the rest: AdamW with no-decay groups, warmup + cosine/linear schedule, gradient
 accumulation, clipping, bf16 autocast (AMX on CPU), progress bar, MLflow metrics, checkpoints and
-exact resume, early stopping, and refusing to continue on a non-finite loss.
+exact resume, early stopping, optional gradient checkpointing, and two guards that turn a crash into
+an actionable message:
+
+- a NaN/inf loss or gradient norm skips that batch (no optimizer step, a warning) up to
+  `cfg.skip_nonfinite` times in the whole run, then stops with `NonFiniteLossError` naming the step
+  (the last good checkpoint is kept; the stage's MLflow run ends FAILED);
+- running out of memory in a step stops with `TrainingOutOfMemoryError`, which names the
+  micro-batch size, accumulation steps and sequence length in force and how to fit the step.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -31,7 +40,7 @@ import torch
 
 from pipelines.checkpoint import CheckpointManager, rng_state, set_rng_state
 from pipelines.config import TrainParams
-from pipelines.errors import QllmError
+from pipelines.errors import QllmError, clear_stop, request_stop, stop_requested
 
 log = logging.getLogger("qllm.training")
 
@@ -40,7 +49,39 @@ Callback = Callable[[str, "TrainState", dict[str, float]], None]
 
 
 class NonFiniteLossError(QllmError):
-    """Training produced a NaN/inf loss or gradient norm."""
+    """Training produced a NaN/inf loss or gradient norm (more often than `skip_nonfinite` allows)."""
+
+
+class TrainingInterrupted(QllmError):
+    """SIGTERM or SIGINT during training: the step in progress was finished and checkpointed."""
+
+
+class _StopSignals:
+    """SIGTERM/SIGINT -> `request_stop` while training in the main thread (only the main thread can
+    install handlers); the previous handlers come back afterwards."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def received(self) -> int | None:
+        return stop_requested()
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, request_stop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._previous:
+            clear_stop()
+
+
+class TrainingOutOfMemoryError(QllmError):
+    """A training step ran out of accelerator or host memory."""
 
 
 @dataclass
@@ -53,6 +94,8 @@ class TrainState:
     best_step: int = -1
     evals_without_improvement: int = 0
     stop: bool = False
+    skipped_nonfinite: int = 0
+    """Batches skipped so far for a non-finite loss or gradient norm (counts towards `skip_nonfinite`)."""
     history: dict[str, list[list[float]]] = field(default_factory=lambda: {"train": [], "eval": []})
     """`train`: [step, train/loss, lr] per logged step; `eval`: [step, val/loss] per evaluation
     (kept in checkpoints, so a resumed run's curves are complete)."""
@@ -140,7 +183,7 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tu
     """Next-token cross-entropy over every position (labels = inputs; the model shifts them)."""
     labels = batch.get("labels", batch["input_ids"])
     extra = {k: v for k, v in batch.items() if k in ("attention_mask", "position_ids")}
-    output = model(input_ids=batch["input_ids"], labels=labels, **extra)
+    output = model(input_ids=batch["input_ids"], labels=labels, use_cache=False, **extra)  # no KV cache in training
     return output.loss, {}
 
 
@@ -172,6 +215,73 @@ def _batch_tokens(batch: Any) -> int:
     return 0
 
 
+def gradient_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Total L2 norm of the gradients, computed before clipping so a non-finite step can be skipped
+    before any callback or the optimizer sees its gradients."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: the foreach kernels clip_grad_norm_ uses
+        return torch.nn.utils.get_total_norm(grads)
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))
+
+
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale the gradients down to `max_norm` given their `total_norm` (as `clip_grad_norm_` does)."""
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+        return
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.detach().mul_(coefficient.to(p.grad.device))
+
+
+def activation_checkpointing(model: torch.nn.Module, on: bool, desc: str) -> None:
+    """Switch Hugging Face activation (gradient) checkpointing on or off; PEFT models forward it.
+
+    Non-reentrant checkpointing, which also works when the inputs need no gradient (a frozen base
+    under LoRA). transformers >= 5.x names it `activation_checkpointing_*`, earlier versions
+    `gradient_checkpointing_*`.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs) if on else model.activation_checkpointing_disable()
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs) if on else model.gradient_checkpointing_disable()
+    else:
+        raise QllmError(f"{desc}: gradient_checkpointing needs a Hugging Face model ({type(model).__name__} has no activation checkpointing)")
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """`torch.OutOfMemoryError` (CUDA), and the RuntimeErrors other backends raise (MPS, CPU allocator)."""
+    message = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in message or "can't allocate memory" in message
+
+
+def out_of_memory_message(desc: str, cfg: TrainParams, batch: Any, step: int, cause: BaseException) -> str:
+    """What ran out of memory, with what in force, and the ways to fit the step."""
+    tensor = batch.get("input_ids") if isinstance(batch, dict) else batch
+    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else None
+    in_force = f"micro_batch_size {cfg.micro_batch_size}, grad_accum_steps {cfg.grad_accum_steps}"
+    if shape is not None:
+        in_force += f", batch input_ids shape {shape} (sequence length {shape[-1]})"
+    cause_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+    fixes = []
+    if cfg.micro_batch_size > 1:
+        # the largest proper divisor, so that the global batch stays exactly the same
+        smaller = next(d for d in range(cfg.micro_batch_size // 2, 0, -1) if cfg.micro_batch_size % d == 0)
+        fixes.append(
+            f"a smaller micro-batch with more accumulation steps keeps the global batch of "
+            f"{cfg.micro_batch_size * cfg.grad_accum_steps} sequences (e.g. --set {desc}.train.micro_batch_size={smaller} "
+            f"--set {desc}.train.grad_accum_steps={cfg.grad_accum_steps * cfg.micro_batch_size // smaller})"
+        )
+    if not cfg.gradient_checkpointing:
+        fixes.append(f"gradient checkpointing (--set {desc}.train.gradient_checkpointing=true: activations are recomputed in backward, about a third slower)")
+    fixes.append("shorter sequences")
+    return f"{desc}: out of memory at step {step} ({cause_line}) with {in_force}. To fit the step: " + "; or ".join(fixes) + "."
+
+
 def early_stopping(patience: int) -> Callback:
     """Stop after `patience` evaluations without a new best validation loss."""
 
@@ -201,7 +311,28 @@ def train(
     With `checkpoints`, resumes from the newest valid checkpoint there (weights, optimizer,
     schedule, RNG, data position, loop state) and saves every `cfg.checkpoint_every` steps and at
     every new best validation loss. With early stopping on, the best weights are restored at the end.
+
+    SIGTERM/SIGINT (main thread) finish the current step, save a checkpoint and raise
+    `TrainingInterrupted`; a rerun resumes from it.
     """
+    with _StopSignals() as stop_signals:
+        return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, callbacks=callbacks,
+                      desc=desc, stop_signals=stop_signals)  # fmt: skip
+
+
+def _train(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    batches: Batches,
+    cfg: TrainParams,
+    *,
+    val_fn: Callable[[torch.nn.Module], dict[str, float]] | None,
+    tracker,
+    checkpoints: CheckpointManager | None,
+    callbacks: list[Callback],
+    desc: str,
+    stop_signals: _StopSignals,
+) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
@@ -232,6 +363,8 @@ def train(
         state = TrainState(**saved["loop"])
         log.info("%s: resumed from step %d (%s)", desc, state.step, latest.path)
 
+    if cfg.gradient_checkpointing:
+        activation_checkpointing(model, True, desc)
     model.train()
     progress = tqdm(total=cfg.max_steps, initial=state.step, desc=desc, unit="step", disable=None, mininterval=1.0, dynamic_ncols=True)
     window_tokens, window_start = 0, time.perf_counter()
@@ -240,27 +373,58 @@ def train(
     while state.step < cfg.max_steps and not state.stop:
         loss_sum = torch.zeros((), device=device)
         extra: dict[str, float] = {}
-        for _ in range(cfg.grad_accum_steps):
-            batch = to_device(next(batches), device)
-            with autocast(device, cfg.precision):
-                loss, metrics = loss_fn(model, batch)
-            scaler.scale(loss / cfg.grad_accum_steps).backward()
-            loss_sum += loss.detach()
-            for key, value in metrics.items():
-                extra[key] = extra.get(key, 0.0) + float(value) / cfg.grad_accum_steps
-            window_tokens += _batch_tokens(batch)
-        scaler.unscale_(optimizer)
-        for callback in callbacks:
-            callback("gradients", state, {})
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        step_tokens, batch, oom = 0, None, None
+        try:
+            for _ in range(cfg.grad_accum_steps):
+                batch = to_device(next(batches), device)
+                with autocast(device, cfg.precision):
+                    loss, metrics = loss_fn(model, batch)
+                scaler.scale(loss / cfg.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+                for key, value in metrics.items():
+                    extra[key] = extra.get(key, 0.0) + float(value) / cfg.grad_accum_steps
+                step_tokens += _batch_tokens(batch)
+            scaler.unscale_(optimizer)
+            grad_norm = gradient_norm(trainable)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
+            if not _is_out_of_memory(exc):
+                raise
+            oom = out_of_memory_message(desc, cfg, batch, state.step + 1, exc)
+        if oom is not None:
+            # Raised outside the `except`, so the failed step's tensors (held by the original
+            # traceback) are freed for whatever runs next in this process.
+            optimizer.zero_grad(set_to_none=True)
+            raise TrainingOutOfMemoryError(oom)
         train_loss = loss_sum / cfg.grad_accum_steps
         if not (torch.isfinite(train_loss) and torch.isfinite(grad_norm)):
-            raise NonFiniteLossError(
-                f"{desc}: non-finite loss ({float(train_loss)}) or gradient norm ({float(grad_norm)}) at step {state.step + 1}; "
-                "the last good checkpoint is kept. Try a lower learning rate or precision fp32."
-            )
-        scaler.step(optimizer)
+            state.skipped_nonfinite += 1
+            what = f"{desc}: non-finite loss ({float(train_loss)}) or gradient norm ({float(grad_norm)}) at step {state.step + 1}"
+            if state.skipped_nonfinite > cfg.skip_nonfinite:
+                allowed = f"non-finite batch {state.skipped_nonfinite} of this run; " if cfg.skip_nonfinite else ""
+                raise NonFiniteLossError(
+                    f"{what} ({allowed}skip_nonfinite is {cfg.skip_nonfinite}); the last good checkpoint is kept. "
+                    f"Try a lower learning rate or precision fp32, or --set {desc}.train.skip_nonfinite=N to skip up to N such batches."
+                )
+            log.warning("%s: batch skipped (no optimizer step), %d of at most %d", what, state.skipped_nonfinite, cfg.skip_nonfinite)
+            if tracker is not None:
+                tracker.log_metrics({"train/skipped_nonfinite": state.skipped_nonfinite}, step=state.step + 1)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.update()  # resets the scaler's per-step state (and lowers the fp16 loss scale)
+            continue
+        window_tokens += step_tokens
+        for callback in callbacks:
+            callback("gradients", state, {})
+        if cfg.max_grad_norm > 0:
+            clip_gradients(trainable, cfg.max_grad_norm, grad_norm)
+        try:
+            scaler.step(optimizer)  # the first step allocates AdamW's moments: it can run out of memory too
+        except RuntimeError as exc:
+            if not _is_out_of_memory(exc):
+                raise
+            oom = out_of_memory_message(desc, cfg, batch, state.step + 1, exc)
+        if oom is not None:
+            optimizer.zero_grad(set_to_none=True)
+            raise TrainingOutOfMemoryError(oom)
         scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -300,11 +464,23 @@ def train(
             last |= val
             for callback in callbacks:
                 callback("eval", state, val)
-        if checkpoints is not None and (is_best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0)):
+        saved = checkpoints is not None and (is_best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
+        if saved:
             checkpoints.save(state.step, model, snapshot(), best=is_best)
         progress.update(1)
+        if stop_signals.received is not None and state.step < cfg.max_steps:
+            progress.close()
+            name = signal.Signals(stop_signals.received).name
+            if checkpoints is None:
+                raise TrainingInterrupted(f"{desc}: {name} at step {state.step}; no checkpoint directory, so a rerun starts over")
+            if not saved:
+                checkpoints.save(state.step, model, snapshot())
+            raise TrainingInterrupted(f"{desc}: {name} at step {state.step}: checkpoint saved in {checkpoints.directory}; "
+                                      "rerun the same command to resume from it")  # fmt: skip
     progress.close()
     state.tokens += window_tokens
+    if cfg.gradient_checkpointing:
+        activation_checkpointing(model, False, desc)  # hand the model back as it came (generation, saving)
 
     if cfg.early_stopping_patience and checkpoints is not None and state.best_step > 0 and state.best_step != state.step:
         best = checkpoints.latest_valid(step=state.best_step)
@@ -314,15 +490,19 @@ def train(
 
     seconds = time.perf_counter() - started
     steps_run = state.step - start_step
+    if val_fn is not None and not any(k.startswith("val/") for k in last):
+        last |= val_fn(model)  # resumed from a checkpoint at max_steps: nothing ran, the metrics still count
+    train_loss = last.get("train/loss", state.history["train"][-1][1] if state.history["train"] else float("nan"))
     return {
         "steps": state.step,
         "tokens": state.tokens,
-        "train_loss": last.get("train/loss", float("nan")),
+        "train_loss": train_loss,
         "best_val_loss": state.best_val_loss,
         "best_step": state.best_step,
         "train_seconds": round(seconds, 3),
         "steps_per_second": round(steps_run / max(seconds, 1e-9), 4),
         "stopped_early": state.stop,
+        "skipped_nonfinite": state.skipped_nonfinite,
         "history": state.history,
         **{k: v for k, v in last.items() if k.startswith("val/")},
     }

@@ -83,6 +83,14 @@ def prepare(root: Path | str, params_data: dict[str, Any]) -> Path:
     if params_data == config.read_yaml(root / config.PARAMS_FILE):
         return root
     ws = root / RUNS_DIR / config.digest(params_data)[:12]
+    # Syncing replaces the mirrored sources: never while another run with the same overrides
+    # executes in this workspace (it holds the same lock for its whole run).
+    with locked(ws):
+        _sync(root, ws, params_data)
+    return ws
+
+
+def _sync(root: Path, ws: Path, params_data: dict[str, Any]) -> None:
     (ws / ".dvc").mkdir(parents=True, exist_ok=True)
     dvc_config = f"[core]\n    no_scm = true\n[cache]\n    dir = {_cache_dir(root)}\n"
     if not (ws / ".dvc" / "config").exists() or (ws / ".dvc" / "config").read_text() != dvc_config:
@@ -100,26 +108,43 @@ def prepare(root: Path | str, params_data: dict[str, Any]) -> Path:
         (ws / config.PARAMS_FILE).write_text(params_text)
     if not (ws / MARKER).exists():
         write_json(ws / MARKER, {"project_root": str(root)})
-    return ws
+
+
+@contextmanager
+def file_lock(path: Path | str, what: str, timeout: float = -1) -> Iterator[None]:
+    """Hold an inter-process lock on `path` (created if needed); log once if another holder makes us wait."""
+    from filelock import FileLock, Timeout
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another qllm process is using %s; waiting for it to finish", what)
+        try:
+            lock.acquire(timeout=timeout)
+        except Timeout:
+            raise QllmError(f"{what}: still in use by another qllm process after {timeout:.0f}s") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @contextmanager
 def locked(ws: Path | str, timeout: float = -1) -> Iterator[None]:
     """Hold the workspace for one pipeline run; a second run with the same workspace waits."""
-    from filelock import FileLock, Timeout
-
-    lock_dir = Path(ws) / ".dvc" / "tmp"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_dir / "qllm-run.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log.info("another qllm run holds %s; waiting for it to finish", ws)
-        try:
-            lock.acquire(timeout=timeout)
-        except Timeout:
-            raise QllmError(f"{ws}: another qllm run is still using this workspace") from None
-    try:
+    with file_lock(Path(ws) / ".dvc" / "tmp" / "qllm-run.lock", f"workspace {ws}", timeout):
         yield
-    finally:
-        lock.release()
+
+
+@contextmanager
+def checkpoint_lock(directory: Path | str) -> Iterator[None]:
+    """Hold a stage's checkpoint directory while it trains. Workspaces share checkpoint
+    directories (same stage inputs, same directory), so two concurrent runs that train the same
+    stage take turns: the second resumes from the first one's checkpoints instead of writing,
+    rotating and pruning the same directory at the same time."""
+    directory = Path(directory)
+    with file_lock(directory.with_name(directory.name + ".lock"), f"checkpoints {directory}"):
+        yield

@@ -8,6 +8,7 @@ idempotent I/O step, and a failed stage leaves nothing that looks finished to re
 from __future__ import annotations
 
 import functools
+import signal
 from pathlib import Path
 
 from prefect import Task, task
@@ -15,10 +16,21 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from pipelines import runner
+from pipelines.errors import QllmError, stop_requested
 
 
-def _reproduce(workspace: str, name: str, parent_run_id: str | None = None, force: bool = False):
-    outcome = runner.reproduce(Path(workspace), name, parent_run_id=parent_run_id, force=force)
+def _refuse_to_run(root: Path, name: str, parent_run_id: str | None) -> None:
+    raise QllmError(f"stage {name!r} is not up to date and has no DVC run-cache entry for these inputs; a run with "
+                    "from_stage only reuses upstream outputs: run the pipeline up to it first (qllm run --until ...)")  # fmt: skip
+
+
+def _reproduce(workspace: str, name: str, parent_run_id: str | None = None, force: bool = False, cached_only: bool = False):
+    if (signum := stop_requested()) is not None:
+        raise QllmError(f"{name}: not started ({signal.Signals(signum).name} received); rerun to continue where the run stopped")
+    if cached_only:  # upstream of from_stage: restore from DVC's caches or fail, never train
+        outcome = runner.reproduce(Path(workspace), name, parent_run_id=parent_run_id, execute=_refuse_to_run)
+    else:
+        outcome = runner.reproduce(Path(workspace), name, parent_run_id=parent_run_id, force=force)
     if outcome.status == "cached":
         how = "up to date" if outcome.reason == "up-to-date" else "restored from the DVC run-cache"
         return Completed(name="Cached", message=f"{name}: {how}", data=outcome.as_dict())

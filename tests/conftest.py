@@ -37,6 +37,20 @@ def isolated_env(tmp_path_factory):
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_tracking_uri():
+    """`mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI, which `tracking.tracking_uri` honours:
+    a test that sets it must not send the next tests' runs to its store."""
+    yield
+    if os.environ.get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_REGISTRY_URI"):
+        import mlflow
+
+        mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        os.environ.pop("MLFLOW_REGISTRY_URI", None)
+
+
 @pytest.fixture(scope="session")
 def mlflow_template_db(tmp_path_factory) -> Path:
     """An MLflow SQLite database with every migration applied (done once: it takes seconds)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from pipelines.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -57,6 +58,35 @@ def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path, caplog):
         chosen = manager.latest_valid()
     assert chosen.step == 1
     assert "corrupt" in caplog.text and "step-00000002" in caplog.text
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def _flip_one_byte(path):  # same size, different content: only the checksum can tell
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(lambda c: _truncate(c / "model.safetensors"), id="truncated-weights"),
+    pytest.param(lambda c: _flip_one_byte(c / "model.safetensors"), id="checksum-mismatch-weights"),
+    pytest.param(lambda c: _flip_one_byte(c / "state.pt"), id="checksum-mismatch-state"),
+    pytest.param(lambda c: (c / "manifest.json").unlink(), id="no-manifest"),
+    pytest.param(lambda c: (c / "manifest.json").write_text("{not json"), id="garbled-manifest"),
+    pytest.param(lambda c: (c / "state.pt").unlink(), id="missing-file"),
+])  # fmt: skip
+def test_every_kind_of_damage_falls_back_to_the_previous_checkpoint(tmp_path, caplog, damage):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    net = model()
+    manager.save(1, net, {"step": 1})
+    damage(manager.save(2, net, {"step": 2}))
+    with caplog.at_level(logging.WARNING, logger="qllm.checkpoint"):
+        chosen = manager.latest_valid()
+    assert chosen.step == 1 and manager.load(chosen.path, model())["step"] == 1
+    assert "step-00000002" in caplog.text and "corrupt" in caplog.text
 
 
 def test_rng_state_roundtrip():

@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Modules that move values and files around without shaping a stage's outputs: listing them as
 # deps would rerun every stage on any edit. (config.py holds schemas; the values DVC must see are
 # all spelled out in params.yaml, which tests/test_config.py enforces.)
-INFRASTRUCTURE = {"config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "runner"}
+# checkpoint: how training state is saved and resumed (stage.py hooks into it), never what a stage produces
+INFRASTRUCTURE = {"config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "runner", "checkpoint"}
 
 
 def pipelines_imports(module: str) -> set[str]:

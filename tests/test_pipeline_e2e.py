@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import dag
+from pipelines import dag, tracking
 from tests.conftest import make_project, run
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[1]))
@@ -120,12 +120,12 @@ def test_registered_model_is_champion_with_lineage_and_loads(first, project):
     assert tags["gate.decision"] == "champion" and tags["gate.reason"].startswith("first model")
     registered = json.loads((project / "data/register/registered.json").read_text())
     assert registered["alias"] == "champion" and registered["promoted"] and registered["metric"] == "exact_match"
-    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
-    generator = mlflow.transformers.load_model("models:/qllm@champion")
-    out = generator([{"role": "user", "content": "What is 2 plus 3?"}], max_new_tokens=3)
-    assert isinstance(out[0]["generated_text"], list)  # chat in, chat out: the template is applied
-    pyfunc = mlflow.pyfunc.load_model("models:/qllm/1")
-    assert isinstance(pyfunc.predict(["Tovik lives in"])[0], str)
+    with tracking.fluent_uris(f"sqlite:///{project / 'mlflow.db'}"):
+        generator = mlflow.transformers.load_model("models:/qllm@champion")
+        out = generator([{"role": "user", "content": "What is 2 plus 3?"}], max_new_tokens=3)
+        assert isinstance(out[0]["generated_text"], list)  # chat in, chat out: the template is applied
+        pyfunc = mlflow.pyfunc.load_model("models:/qllm/1")
+        assert isinstance(pyfunc.predict(["Tovik lives in"])[0], str)
 
 
 def test_evaluate_compares_every_model(first, project):
@@ -315,3 +315,23 @@ def test_dvc_exp_run_reruns_only_evaluate_and_register(first, project):
     assert result.returncode == 0, output
     ran = [n for n in STAGES if f"Running stage '{n}'" in output]
     assert ran == ["evaluate", "register"], output
+
+
+def test_sweep_runs_each_override_set_sharing_upstream(first, project):
+    from flows.sweep import shared_stages, sweep
+
+    assert shared_stages(project, [["dpo.beta=0.1"]]) == [n for n in STAGES if n not in ("dpo", "evaluate", "register")]
+    summaries = sweep(sweep=[["dpo.beta=0.11"], ["dpo.beta=0.12"]], project_dir=str(project))
+    assert len(summaries) == 2 and summaries[0]["workspace"] != summaries[1]["workspace"]
+    for summary in summaries:
+        status = {s["name"]: s["status"] for s in summary["stages"]}
+        assert [n for n, st in status.items() if st == "ran"] == ["dpo", "evaluate", "register"], status
+
+
+def test_from_stage_reruns_only_downstream(first, project):
+    from flows.pipeline import pipeline
+
+    summary = pipeline(from_stage="evaluate", force=["evaluate", "register"], project_dir=str(project))
+    status = {s["name"]: s["status"] for s in summary["stages"]}
+    assert [n for n, st in status.items() if st == "ran"] == ["evaluate", "register"]
+    assert all(status[n] == "cached" for n in STAGES if n not in ("evaluate", "register"))

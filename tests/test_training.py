@@ -140,3 +140,34 @@ def test_early_stopping_restores_best_weights(tmp_path):
     CheckpointManager(tmp_path).load(best.path, reloaded)
     for a, b in zip(model.state_dict().values(), reloaded.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_stop_signal_checkpoints_the_step_and_resumes_exactly(tmp_path, signum):
+    import os
+    import signal
+
+    data = rows()
+    sent = []
+
+    def run(directory, signal_at=None):
+        model = tiny_model()
+
+        def sender(event, state, metrics):  # the signal arrives in the middle of step 4 (after its backward)
+            if event == "gradients" and state.step + 1 == signal_at and not sent:
+                sent.append(state.step + 1)
+                os.kill(os.getpid(), getattr(signal, signum))
+
+        batches = training.Batches(32, 4, 0, collate(data))
+        training.train(model, training.causal_lm_loss, batches, cfg(checkpoint_every=0), checkpoints=CheckpointManager(directory, 2), callbacks=[sender])
+        return model
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    reference = run(tmp_path / "straight")
+    with pytest.raises(training.TrainingInterrupted, match=rf"train: {signum} at step 4: checkpoint saved in .*killed; rerun the same command to resume"):
+        run(tmp_path / "killed", signal_at=4)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
+    assert [c.step for c in CheckpointManager(tmp_path / "killed", 2).list()] == [4]  # step 4 finished, then saved
+    resumed = run(tmp_path / "killed")
+    for (name, a), (_, b) in zip(reference.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

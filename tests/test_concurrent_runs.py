@@ -1,0 +1,150 @@
+"""Concurrent runs in one project: separate workspaces, one shared DVC cache, one MLflow store.
+
+Two `qllm run`s with different overrides, started together from cold, each run in their own
+workspace (`.qllm/runs/<hash>`). Every stage both need with the same inputs runs once: the first
+to reach it holds a lock named by DVC's run-cache key, the other waits and restores its outputs
+from the run-cache. Both exit 0, DVC finds each workspace up to date, MLflow has one pipeline run
+per `qllm run` with its own stage runs, and the registry one version per run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from pipelines import dag, runner, workspace
+from tests.conftest import make_project, run
+
+# --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------
+
+TOY_DVC_YAML = """\
+stages:
+  a:
+    cmd: python -m toy.a
+    deps: [src/a.txt]
+    params: [a]
+    outs: [data/a]
+  b:
+    cmd: python -m toy.b
+    deps: [data/a]
+    params: [b]
+    outs: [data/b.txt]
+"""
+
+
+def test_the_same_stage_in_two_workspaces_at_once_runs_once(tmp_path):
+    root = tmp_path / "toy"
+    (root / "src").mkdir(parents=True)
+    (root / "src/a.txt").write_text("x")
+    (root / "dvc.yaml").write_text(TOY_DVC_YAML)
+    (root / "params.yaml").write_text("a:\n  n: 2\nb:\n  m: 1\n")
+    run(["git", "init", "-q"], root)
+    run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    # Same `a`, different `b`: two workspaces that share stage `a`'s inputs.
+    workspaces = [workspace.prepare(root, {"a": {"n": 2}, "b": {"m": m}}) for m in (2, 3)]
+    executed: list[Path] = []
+
+    def slow_a(ws: Path, name: str, parent_run_id) -> None:
+        executed.append(ws)
+        time.sleep(1.0)  # long enough for the other workspace to arrive while this one runs
+        (ws / "data/a").mkdir(parents=True, exist_ok=True)
+        (ws / "data/a/out.txt").write_text("x" * 2)
+
+    outcomes = {}
+
+    def reproduce(ws: Path) -> None:
+        outcomes[ws] = runner.reproduce(ws, "a", execute=slow_a)
+
+    threads = [threading.Thread(target=reproduce, args=(ws,)) for ws in workspaces]
+    try:
+        for thread in threads:
+            thread.start()
+            time.sleep(0.2)
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        for ws in workspaces:
+            runner.close(ws)
+    assert len(executed) == 1
+    assert sorted((o.status, o.reason) for o in outcomes.values()) == [("cached", "run-cache"), ("ran", "executed")]
+    assert all((ws / "data/a/out.txt").read_text() == "xx" for ws in workspaces)
+    for ws in workspaces:
+        assert "up to date" in run([sys.executable, "-m", "dvc", "status", "a"], ws).stdout
+
+
+# --- two real `qllm run`s ---------------------------------------------------------------------------------
+
+
+def qllm_run(project: Path, tmp: Path, tag: str, *args: str) -> tuple[subprocess.Popen, Path, Path]:
+    summary, output = tmp / f"{tag}.json", tmp / f"{tag}.log"
+    with open(output, "wb") as log:
+        command = [sys.executable, "-m", "flows.cli", "run", "--params", "params/tiny.yaml", *args, "--summary-json", str(summary)]
+        process = subprocess.Popen(command, cwd=project, stdout=log, stderr=subprocess.STDOUT)
+    return process, summary, output
+
+
+def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypatch):
+    from mlflow import MlflowClient
+
+    project = make_project(tmp_path / "project", mlflow_template_db)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # a fresh Prefect database: both APIs create it
+    started = [qllm_run(project, tmp_path, f"run{n}", "--set", f"evaluate.max_new_tokens={n}") for n in (1, 2)]
+    codes = [process.wait(timeout=600) for process, _, _ in started]  # both finish before any assert
+    results = []
+    for code, (_, summary, output) in zip(codes, started, strict=True):
+        text = output.read_text(errors="replace")
+        assert code == 0, text[-4000:]
+        assert "database is locked" not in text and "Traceback" not in text, text[-4000:]
+        results.append(json.loads(summary.read_text()))
+
+    # Separate workspaces; every shared stage ran in exactly one of them and was restored from
+    # the run-cache in the other; evaluate and register (whose params differ) ran in both.
+    wss = [Path(r["workspace"]) for r in results]
+    assert len(set(wss)) == 2 and all(ws.parent == project / ".qllm/runs" for ws in wss)
+    statuses = {s["name"]: [] for s in results[0]["stages"]}
+    for result in results:
+        for stage in result["stages"]:
+            statuses[stage["name"]].append((stage["status"], stage["reason"]))
+    assert list(statuses) == dag.order(project)
+    for name, pair in statuses.items():
+        expected = [("ran", "executed")] * 2 if name in ("evaluate", "register") else [("cached", "run-cache"), ("ran", "executed")]
+        assert sorted(pair) == expected, (name, pair)
+
+    # Each workspace is consistent: outputs match its dvc.lock, shared outputs are the same bytes.
+    checks = [subprocess.Popen([sys.executable, "-m", "dvc", "status"], cwd=ws, stdout=subprocess.PIPE, text=True) for ws in wss]
+    assert all("Data and pipelines are up to date." in check.communicate(timeout=120)[0] for check in checks)
+    locks = [yaml.safe_load((ws / "dvc.lock").read_text())["stages"] for ws in wss]
+    for name in statuses:
+        if name not in ("evaluate", "register"):
+            assert locks[0][name]["outs"] == locks[1][name]["outs"], name
+
+    # MLflow: two pipeline runs, each the parent of the stage runs it executed; no duplicates.
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    experiment = client.get_experiment_by_name("qllm")
+    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    parents = {r.info.run_id: r for r in runs if r.data.tags.get("qllm.kind") == "pipeline"}
+    assert sorted(parents) == sorted(r["mlflow_run_id"] for r in results)
+    for result in results:
+        assert parents[result["mlflow_run_id"]].info.status == "FINISHED"
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == result["mlflow_run_id"]]
+        ran = sorted(s["name"] for s in result["stages"] if s["status"] == "ran")
+        assert sorted(r.data.tags["qllm.stage"] for r in children) == ran
+        assert {r.info.status for r in children} == {"FINISHED"}
+    assert len(runs) == 2 + len(statuses) + 2  # parents + one run per shared stage + evaluate/register twice
+
+    # The registry: one version per run, each with the alias its gate decided.
+    versions = sorted(r["model_version"] for r in results)
+    assert versions == ["1", "2"]
+    for ws, result in zip(wss, results, strict=True):
+        registered = json.loads((ws / "data/register/registered.json").read_text())
+        assert registered["version"] == result["model_version"]
+        assert client.get_model_version("qllm", registered["version"]).tags["gate.decision"] == registered["alias"]
+    for alias in {json.loads((ws / "data/register/registered.json").read_text())["alias"] for ws in wss}:
+        assert str(client.get_model_version_by_alias("qllm", alias).version) in versions
