@@ -222,11 +222,21 @@ class TrainParams(Section):
     gradient_checkpointing: bool = False
     """Recompute activations during backward instead of keeping them: much less memory for about a
     third more compute. Turn on when a step runs out of memory."""
+    nproc: int = Field(1, ge=1)
+    """Data-parallel processes on this machine: > 1 makes the stage run itself under
+    `torchrun --nproc_per_node nproc` (DDP; gloo on CPU, nccl on CUDA). The global batch stays
+    `micro_batch_size * grad_accum_steps`: each rank runs `grad_accum_steps / nproc` micro-batches
+    per step, so `grad_accum_steps` must be divisible by `nproc`."""
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainParams:
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps})")
+        if self.grad_accum_steps % self.nproc:
+            raise ValueError(
+                f"grad_accum_steps ({self.grad_accum_steps}) must be divisible by nproc ({self.nproc}): each process runs "
+                f"grad_accum_steps / nproc micro-batches of micro_batch_size per step, so the global batch stays the same"
+            )
         return self
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import lora, preference_data, stage, training
+from pipelines import distributed, lora, preference_data, stage, training
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import DpoParams
 from pipelines.errors import QllmError
@@ -123,14 +123,15 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     if tracker is not None and heldout:
         tracker.log_metrics(heldout, step=result["steps"])
     history = result.pop("history")
-    with atomic_dir(out) as tmp, CONSTRUCTION:
-        if params.adapter == "lora":
-            lora.save(params.lora, reference, params.lora.merge)(model.cpu(), tokenizer, tmp)
-        else:
-            save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
-        training.write_history(history, tmp)
-        # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)
-        write_json(tmp / preference_data.PREFERENCE_CONFIG, {"beta": params.beta, "loss_type": params.loss_type, "reference": reference})
+    if distributed.is_main():  # under torchrun, rank 0 alone writes the output
+        with atomic_dir(out) as tmp, CONSTRUCTION:
+            if params.adapter == "lora":
+                lora.save(params.lora, reference, params.lora.merge)(model.cpu(), tokenizer, tmp)
+            else:
+                save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
+            training.write_history(history, tmp)
+            # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)
+            write_json(tmp / preference_data.PREFERENCE_CONFIG, {"beta": params.beta, "loss_type": params.loss_type, "reference": reference})
     return {
         **result,
         **counts,

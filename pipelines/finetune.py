@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import chat_data, training
+from pipelines import chat_data, distributed, training
 from pipelines.chat import parse_messages
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import FinetuneParams
@@ -104,7 +104,8 @@ def run(
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     result = training.train(model, chat_data.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=desc)
     history = result.pop("history")
-    with atomic_dir(out) as tmp, CONSTRUCTION:  # saving may merge adapters: builds modules
-        save(model.cpu(), tokenizer, tmp)
-        training.write_history(history, tmp)
+    if distributed.is_main():  # under torchrun, rank 0 alone writes the output
+        with atomic_dir(out) as tmp, CONSTRUCTION:  # saving may merge adapters: builds modules
+            save(model.cpu(), tokenizer, tmp)
+            training.write_history(history, tmp)
     return {**result, **counts, **metrics, "tokens_per_second": round(result["tokens"] / max(result["train_seconds"], 1e-9))}

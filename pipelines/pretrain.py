@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines import packed, stage, training
+from pipelines import distributed, packed, stage, training
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import PretrainParams
 from pipelines.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
@@ -61,9 +61,10 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         desc=NAME,
     )
     history = result.pop("history")
-    with atomic_dir(out) as tmp:
-        save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"])
-        training.write_history(history, tmp)
+    if distributed.is_main():  # under torchrun, rank 0 alone writes the output
+        with atomic_dir(out) as tmp:
+            save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"])
+            training.write_history(history, tmp)
     tokens_per_second = result["tokens"] / max(result["train_seconds"], 1e-9)
     return {
         **result,

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines import chat_data, finetune, stage, training
+from pipelines import chat_data, distributed, finetune, stage, training
 from pipelines.config import ProbeLoraParams
 from pipelines.errors import QllmError
 from pipelines.models import CONSTRUCTION, device, load_model_and_tokenizer
@@ -104,8 +104,9 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     result = training.train(model, chat_data.chat_loss, batches, cfg, tracker=tracker, callbacks=[recorder], desc=NAME)
     result.pop("history")  # the probe's weights and curves are thrown away
     table = scores(recorder, params.ranks)
-    with atomic_dir(out) as tmp:
-        write_json(tmp / "scores.json", table)
+    if distributed.is_main():  # under torchrun, rank 0 alone writes the output
+        with atomic_dir(out) as tmp:
+            write_json(tmp / "scores.json", table)
     top = sorted(table["modules"].items(), key=lambda item: -item[1]["energy_share"])
     return {
         "steps": result["steps"],

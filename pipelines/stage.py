@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -63,9 +64,43 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
     its checkpoint directory while it runs (`workspace.checkpoint_lock`) and records its MLflow run
     id there (`mlflow_run.json`): rerun after a crash or a kill, with a checkpoint to resume from
     and that run not FINISHED, it continues the same MLflow run instead of starting a second one.
+
+    Distributed (`pipelines.distributed`): with `train.nproc > 1` and not yet under torchrun, the
+    stage relaunches itself under torchrun and waits, then returns the metrics its rank 0 wrote.
+    Under torchrun, every rank runs `body`; rank 0 alone holds the checkpoint lock, opens the MLflow
+    run and writes the metrics file (the other ranks get a tracker that logs nothing).
     """
     root = Path(root).resolve()
     params = config.load_section(name, root)
+    if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.distributed
+        return _execute_distributed(name, body, root, params, parent_run_id)
+    return _execute(name, body, root, params, parent_run_id)
+
+
+def _distributed():
+    from pipelines import distributed  # torch: only for training stages
+
+    return distributed
+
+
+def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, parent_run_id: str | None) -> dict[str, Any]:
+    distributed = _distributed()
+    if not distributed.under_launcher():
+        distributed.launch(dag.stages(root)[name].module, root, params.train.nproc, parent_run_id)
+        metrics_file = root / f"{METRICS_DIR}/{name}.json"
+        return read_json(metrics_file) if metrics_file.exists() else {}
+    distributed.setup()
+    if distributed.is_main():
+        return _execute(name, body, root, params, parent_run_id)
+    # other ranks: the same body (they train), no lock, no MLflow run, no metrics file
+    spec = dag.stages(root)[name]
+    fingerprint = config.digest({"stage": name, "params": config.to_plain(params), "deps": dependency_digests(root, spec)})
+    ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=fingerprint,
+                       log=logging.getLogger(f"qllm.{name}"))  # fmt: skip
+    return body(ctx) or {}
+
+
+def _execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, parent_run_id: str | None) -> dict[str, Any]:
     log = logging.getLogger(f"qllm.{name}")
     started = time.perf_counter()
     spec = dag.stages(root)[name]

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipelines import distributed
 from pipelines.checkpoint import CheckpointManager, rng_state, set_rng_state
 from pipelines.config import TrainParams
 from pipelines.errors import QllmError, clear_stop, request_stop, stop_requested
@@ -107,6 +108,10 @@ class Batches:
     Each epoch is a fresh permutation drawn from `seed + epoch`, so the order depends only on
     (seed, epoch, position): a resumed run continues exactly where the killed one stopped. The
     last partial batch of an epoch is dropped to keep every micro-batch the same size.
+
+    Sharded over `world` ranks (`shard`), every rank walks the same order and takes every
+    `world`-th micro-batch, starting at its `rank`: together the ranks see exactly the micro-batches
+    one process would, and the position (the resume point) is the same on every rank.
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, collate: Callable[[np.ndarray], Any], shuffle: bool = True):
@@ -120,6 +125,11 @@ class Batches:
         self.epoch = 0
         self.position = 0
         self._order: tuple[int, np.ndarray] | None = None
+        self.rank, self.world = 0, 1
+
+    def shard(self, rank: int, world: int) -> None:
+        """Take micro-batches `rank`, `rank + world`, ... of the shared order (see the class docstring)."""
+        self.rank, self.world = rank, world
 
     def _permutation(self) -> np.ndarray:
         if self._order is None or self._order[0] != self.epoch:
@@ -130,13 +140,17 @@ class Batches:
     def __iter__(self) -> Iterator[Any]:
         return self
 
-    def __next__(self) -> Any:
+    def _draw(self) -> np.ndarray:
         if self.position + self.batch_size > self.n:
             self.epoch += 1
             self.position = 0
         indices = self._permutation()[self.position : self.position + self.batch_size]
         self.position += self.batch_size
-        return self.collate(indices)
+        return indices
+
+    def __next__(self) -> Any:
+        drawn = [self._draw() for _ in range(self.world)]  # one micro-batch per rank, in rank order
+        return self.collate(drawn[self.rank])
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -314,6 +328,11 @@ def train(
 
     SIGTERM/SIGINT (main thread) finish the current step, save a checkpoint and raise
     `TrainingInterrupted`; a rerun resumes from it.
+
+    Under an initialised process group of W > 1 ranks (`pipelines.distributed`), the model is
+    trained as DDP: each rank runs `cfg.grad_accum_steps / W` micro-batches of its shard of
+    `batches` per step (the global batch stays the same); logged losses and validation metrics
+    are averaged across ranks; only rank 0 logs to `tracker`, saves checkpoints and shows progress.
     """
     with _StopSignals() as stop_signals:
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, callbacks=callbacks,
@@ -336,6 +355,12 @@ def _train(
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
+    world = distributed.world_size()
+    main = distributed.is_main()
+    accum = cfg.grad_accum_steps if world == 1 else distributed.local_accum_steps(cfg.grad_accum_steps, world, desc)
+    if world > 1:
+        batches.shard(distributed.rank(), world)
+        tracker = None if not main else tracker  # rank 0 alone talks to MLflow
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
@@ -366,7 +391,8 @@ def _train(
     if cfg.gradient_checkpointing:
         activation_checkpointing(model, True, desc)
     model.train()
-    progress = tqdm(total=cfg.max_steps, initial=state.step, desc=desc, unit="step", disable=None, mininterval=1.0, dynamic_ncols=True)
+    net = distributed.wrap(model) if world > 1 else model  # what the loss runs; `model` is saved and evaluated
+    progress = tqdm(total=cfg.max_steps, initial=state.step, desc=desc, unit="step", disable=None if main else True, mininterval=1.0, dynamic_ncols=True)
     window_tokens, window_start = 0, time.perf_counter()
     started, start_step = time.perf_counter(), state.step
     last: dict[str, float] = {}
@@ -375,14 +401,17 @@ def _train(
         extra: dict[str, float] = {}
         step_tokens, batch, oom = 0, None, None
         try:
-            for _ in range(cfg.grad_accum_steps):
+            for micro in range(accum):
                 batch = to_device(next(batches), device)
-                with autocast(device, cfg.precision):
-                    loss, metrics = loss_fn(model, batch)
-                scaler.scale(loss / cfg.grad_accum_steps).backward()
+                # DDP averages gradients across ranks once per step, at the last micro-batch
+                sync = net.no_sync() if world > 1 and micro < accum - 1 else contextlib.nullcontext()
+                with sync:
+                    with autocast(device, cfg.precision):
+                        loss, metrics = loss_fn(net, batch)
+                    scaler.scale(loss / accum).backward()
                 loss_sum += loss.detach()
                 for key, value in metrics.items():
-                    extra[key] = extra.get(key, 0.0) + float(value) / cfg.grad_accum_steps
+                    extra[key] = extra.get(key, 0.0) + float(value) / accum
                 step_tokens += _batch_tokens(batch)
             scaler.unscale_(optimizer)
             grad_norm = gradient_norm(trainable)
@@ -395,7 +424,11 @@ def _train(
             # traceback) are freed for whatever runs next in this process.
             optimizer.zero_grad(set_to_none=True)
             raise TrainingOutOfMemoryError(oom)
-        train_loss = loss_sum / cfg.grad_accum_steps
+        train_loss = loss_sum / accum
+        if world > 1:  # every rank then takes the same skip decision (the gradient norm is already global)
+            train_loss = torch.tensor(distributed.mean_across_ranks({"loss": float(train_loss)}, device)["loss"])
+            extra = distributed.mean_across_ranks(extra, device)
+            step_tokens = int(distributed.sum_across_ranks(step_tokens, device))
         if not (torch.isfinite(train_loss) and torch.isfinite(grad_norm)):
             state.skipped_nonfinite += 1
             what = f"{desc}: non-finite loss ({float(train_loss)}) or gradient norm ({float(grad_norm)}) at step {state.step + 1}"
@@ -451,7 +484,7 @@ def _train(
         is_best = False
         eval_due = cfg.eval_every and state.step % cfg.eval_every == 0
         if val_fn is not None and (eval_due or state.step == cfg.max_steps):
-            val = val_fn(model)
+            val = distributed.mean_across_ranks(val_fn(model), device)
             if tracker is not None:
                 tracker.log_metrics(val, step=state.step)
             state.history["eval"].append([state.step, val["val/loss"]])
@@ -460,20 +493,24 @@ def _train(
                 is_best = True
             else:
                 state.evals_without_improvement += 1
-            log.info("%s step %d/%d: train/loss %.4f, val/loss %.4f", desc, state.step, cfg.max_steps, float(train_loss), val["val/loss"])
+            if main:
+                log.info("%s step %d/%d: train/loss %.4f, val/loss %.4f", desc, state.step, cfg.max_steps, float(train_loss), val["val/loss"])
             last |= val
             for callback in callbacks:
                 callback("eval", state, val)
-        saved = checkpoints is not None and (is_best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
+        saved = checkpoints is not None and main and (is_best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
         if saved:
             checkpoints.save(state.step, model, snapshot(), best=is_best)
         progress.update(1)
-        if stop_signals.received is not None and state.step < cfg.max_steps:
+        stop = stop_signals.received is not None
+        if world > 1:  # a signal stops every rank after the same step
+            stop = distributed.any_rank(stop, device)
+        if stop and state.step < cfg.max_steps:
             progress.close()
-            name = signal.Signals(stop_signals.received).name
+            name = signal.Signals(stop_signals.received).name if stop_signals.received is not None else "a stop signal on another rank"
             if checkpoints is None:
                 raise TrainingInterrupted(f"{desc}: {name} at step {state.step}; no checkpoint directory, so a rerun starts over")
-            if not saved:
+            if not saved and main:
                 checkpoints.save(state.step, model, snapshot())
             raise TrainingInterrupted(f"{desc}: {name} at step {state.step}: checkpoint saved in {checkpoints.directory}; "
                                       "rerun the same command to resume from it")  # fmt: skip
@@ -483,6 +520,7 @@ def _train(
         activation_checkpointing(model, False, desc)  # hand the model back as it came (generation, saving)
 
     if cfg.early_stopping_patience and checkpoints is not None and state.best_step > 0 and state.best_step != state.step:
+        distributed.barrier()  # rank 0 has written the best checkpoint
         best = checkpoints.latest_valid(step=state.best_step)
         if best is not None:
             checkpoints.load(best.path, model)
@@ -491,7 +529,7 @@ def _train(
     seconds = time.perf_counter() - started
     steps_run = state.step - start_step
     if val_fn is not None and not any(k.startswith("val/") for k in last):
-        last |= val_fn(model)  # resumed from a checkpoint at max_steps: nothing ran, the metrics still count
+        last |= distributed.mean_across_ranks(val_fn(model), device)  # resumed from a checkpoint at max_steps: nothing ran, the metrics still count
     train_loss = last.get("train/loss", state.history["train"][-1][1] if state.history["train"] else float("nan"))
     return {
         "steps": state.step,

@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 # deps would rerun every stage on any edit. (config.py holds schemas; the values DVC must see are
 # all spelled out in params.yaml, which tests/test_config.py enforces.)
 # checkpoint: how training state is saved and resumed (stage.py hooks into it), never what a stage produces
-INFRASTRUCTURE = {"config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "runner", "checkpoint"}
+# distributed: how many processes run a stage (torchrun, rank 0's duties); the same results on 1 or N
+INFRASTRUCTURE = {"config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "runner", "checkpoint", "distributed"}
 
 
 def pipelines_imports(module: str) -> set[str]:

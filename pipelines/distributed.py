@@ -1,0 +1,138 @@
+"""Data-parallel training under `torchrun`: process group, rank-0 duties, the self-launcher.
+
+    torchrun --nproc_per_node 2 -m pipelines.pretrain     # any training stage, unchanged
+    qllm run --set pretrain.train.nproc=2                  # the stage launches that itself
+
+torchrun (`torch.distributed.run`) does the process management; this module only reads what it
+sets (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`), opens the process group (`gloo` on CPU, `nccl` on CUDA)
+and answers "am I rank 0?" for the code that must run once: MLflow calls, checkpoints, outputs,
+metrics files, the progress bar. The training loop (`pipelines.training`) wraps the model in DDP,
+shards the data and averages the logged metrics across ranks.
+
+`train.nproc > 1` with no `WORLD_SIZE` in the environment makes `stage.execute` call `launch`:
+it runs `python -m torch.distributed.run --nproc_per_node N -m pipelines.<stage>` as a subprocess
+and waits for it (so it also works from `qllm run`, which runs stages in threads). The rank-0
+process opens the stage's MLflow run (child of the same parent run) and writes the metrics file,
+which `launch` reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipelines.errors import QllmError
+
+WORLD_ENV = "WORLD_SIZE"
+
+
+def under_launcher() -> bool:
+    """Started by torchrun (or anything else that sets `WORLD_SIZE`)."""
+    return WORLD_ENV in os.environ
+
+
+def setup() -> None:
+    """Open the default process group from torchrun's environment (idempotent; a no-op for a
+    world of 1). CUDA ranks get their own device (`LOCAL_RANK`), so `cuda` means theirs."""
+    if dist.is_initialized() or int(os.environ.get(WORLD_ENV, "1")) <= 1:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    """Rank 0 (or not distributed): the process that logs, checkpoints and writes outputs."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def local_accum_steps(grad_accum_steps: int, world: int, desc: str) -> int:
+    """Accumulation steps per rank that keep the global batch (`micro_batch_size *
+    grad_accum_steps` sequences per optimizer step) the same on `world` ranks."""
+    if grad_accum_steps % world:
+        raise QllmError(
+            f"{desc}: train.grad_accum_steps ({grad_accum_steps}) must be divisible by the number of processes ({world}): "
+            f"each of the {world} ranks runs grad_accum_steps / {world} micro-batches of train.micro_batch_size per step, "
+            f"so that the global batch stays the same (e.g. --set {desc}.train.grad_accum_steps={grad_accum_steps * world})"
+        )
+    return grad_accum_steps // world
+
+
+def mean_across_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each value averaged over the ranks (every rank must pass the same keys)."""
+    if world_size() <= 1 or not values:
+        return values
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    tensor /= world_size()
+    return {**values, **dict(zip(keys, tensor.tolist(), strict=True))}
+
+
+def sum_across_ranks(value: float, device: torch.device) -> float:
+    if world_size() <= 1:
+        return value
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is true on one (a stop signal must stop all ranks at one step)."""
+    if world_size() <= 1:
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def launch(module: str, root: Path, nproc: int, parent_run_id: str | None = None) -> None:
+    """Run `python -m <module> --root <root>` on `nproc` local processes under torchrun and wait.
+
+    Extra torchrun flags (multi-node: `--nnodes 2 --node_rank 0 --master_addr HOST
+    --master_port PORT`) come from `$QLLM_TORCHRUN_ARGS`. Raises `QllmError` when a rank fails.
+    """
+    import shlex
+
+    from pipelines import tracking
+
+    env = dict(os.environ)
+    if parent_run_id:
+        env[tracking.PARENT_RUN_ENV] = parent_run_id
+    extra = shlex.split(env.get("QLLM_TORCHRUN_ARGS", ""))
+    if not any(flag.startswith(("--standalone", "--rdzv", "--master", "--nnodes")) for flag in extra):
+        extra = ["--standalone", *extra]  # a free local port: parallel stages never collide
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra, "-m", module, "--root", str(root)]
+    completed = subprocess.run(command, env=env, cwd=root, check=False)
+    if completed.returncode != 0:
+        raise QllmError(f"{module}: distributed run on {nproc} processes failed (exit status {completed.returncode}): {shlex.join(command)}")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def wrap(model: torch.nn.Module) -> Any:
+    """DDP over the default group (CPU: no device ids; CUDA: this rank's device)."""
+    device = next(model.parameters()).device
+    ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
