@@ -6,7 +6,7 @@
 For each model in `evaluate.models` (stage outputs `data/models/<stage>`), `evaluate.workers` at once:
 
 - `val_loss`, `val_perplexity`: on the held-out pretraining text;
-- `exact_match` (+ `exact_match_by_group`), `bleu` (sacrebleu, corpus level, 0-100) and `rougeL`
+- `exact_match` (+ `exact_match_by_group`), `bleu` (sacrebleu, mean sentence BLEU, 0-100) and `rougeL`
   (rouge-score F-measure, mean over questions, 0-1) of greedy answers against the references:
   each held-out conversation (`data/prepared/chat/test.parquet`, else validation) is cut before
   its last assistant turn, rendered with the chat template and answered by greedy decoding;
@@ -136,13 +136,19 @@ def exact_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple
 
 
 def text_similarity(predictions: list[str], references: list[str]) -> dict[str, float]:
-    """Corpus BLEU (sacrebleu, 0-100) and mean ROUGE-L F-measure (rouge-score, 0-1)."""
+    """Mean sentence BLEU (sacrebleu, 0-100, effective n-gram order) and mean ROUGE-L F-measure
+    (rouge-score, 0-1) over the answers.
+
+    Held-out answers are one to three words: corpus BLEU-4 has no 4-grams to count and is 0 for
+    every model, so each answer is scored with the n-gram orders it has (sacrebleu's
+    `effective_order`, its recommended sentence-level setting) and the scores are averaged."""
     import sacrebleu
     from rouge_score import rouge_scorer
 
     if not predictions:
         return {"bleu": 0.0, "rougeL": 0.0}
-    bleu = sacrebleu.corpus_bleu(predictions, [references]).score
+    metric = sacrebleu.metrics.BLEU(effective_order=True)
+    bleu = sum(metric.sentence_score(p, [r]).score for p, r in zip(predictions, references, strict=True)) / len(predictions)
     scorer = rouge_scorer.RougeScorer(["rougeL"])
     rouge = sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references, strict=True)) / len(predictions)
     return {"bleu": round(bleu, 4), "rougeL": round(rouge, 4)}

@@ -18,6 +18,9 @@ def test_text_similarity_by_hand():
     partial = evaluate.text_similarity(["she lives in"], ["Tovik lives in Pelora"])
     assert partial["rougeL"] == pytest.approx(4 / 7, abs=1e-4) and 0 <= partial["bleu"] < 100
     assert evaluate.text_similarity([], []) == {"bleu": 0.0, "rougeL": 0.0}
+    # one-word answers (the held-out sets): sentence BLEU with effective order is 100 per exact
+    # answer and 0 per wrong one, where corpus BLEU-4 would be 0 for every model
+    assert evaluate.text_similarity(["Pelora", "Dunmar", "7"], ["Pelora", "Kestal", "7"])["bleu"] == pytest.approx(200 / 3, abs=1e-3)
 
 
 def test_preference_metrics_and_dpo_rewards(tiny_base):

@@ -14,24 +14,9 @@ import torch
 
 from pipelines import preflight, tracking, training
 from pipelines.checkpoint import CheckpointManager
-from pipelines.config import ModelParams, TrainParams
+from pipelines.config import TrainParams
 from pipelines.errors import QllmError
-from pipelines.models import build_llama
-
-
-class FakeTokenizer:
-    eos_token_id, pad_token_id, unk_token_id = 0, 1, None
-
-    def __len__(self):
-        return 16
-
-    def convert_tokens_to_ids(self, token):
-        return 2
-
-
-def tiny_model(seed: int = 0):
-    params = ModelParams(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2)
-    return build_llama(params, FakeTokenizer(), max_positions=16, seed=seed)
+from tests.test_training import tiny_model
 
 
 def cfg(**kw) -> TrainParams:
