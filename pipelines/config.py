@@ -227,6 +227,13 @@ class TrainParams(Section):
     `torchrun --nproc_per_node nproc` (DDP; gloo on CPU, nccl on CUDA). The global batch stays
     `micro_batch_size * grad_accum_steps`: each rank runs `grad_accum_steps / nproc` micro-batches
     per step, so `grad_accum_steps` must be divisible by `nproc`."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How the `nproc` > 1 ranks share the model. `ddp`: every rank holds the whole model, gradients
+    are averaged (all-reduce). `fsdp`: FSDP2 (`fully_shard` per decoder layer and at the root)
+    shards parameters, gradients and AdamW state across the ranks, each layer gathered for its
+    own forward/backward only: less accelerator memory per rank for more communication; the same
+    loss curve as `ddp` and 1 process. Checkpoints and outputs hold the full (gathered) weights.
+    Ignored with `nproc` 1."""
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainParams:

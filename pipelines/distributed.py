@@ -136,3 +136,61 @@ def wrap(model: torch.nn.Module) -> Any:
     device = next(model.parameters()).device
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks FSDP shards one by one: modules whose class name ends with
+    `DecoderLayer` (Llama's `model.model.layers[i]`, found the same way under a PEFT wrapper)."""
+    return [module for module in model.modules() if type(module).__name__.endswith("DecoderLayer")]
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """An FSDP2 (`fully_shard`) copy of `model` over the default group: each decoder layer is its own
+    unit (its parameters gathered for its forward/backward only), the root holds the rest
+    (embeddings, final norm, head). Parameters, gradients and optimizer state become DTensors
+    sharded across the ranks. `model` itself is left as it was: the training loop copies the
+    trained weights back into it (`gather_into`)."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    net = copy.deepcopy(model)
+    for layer in decoder_layers(net):
+        fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
+def _options(everywhere: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # full (unsharded) tensors; cpu_offload gathers them on rank 0 alone (the others get {})
+    return StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+
+
+def gather_into(net: torch.nn.Module, model: torch.nn.Module, everywhere: bool = False) -> None:
+    """Copy the full weights of the FSDP module `net` into the plain `model`: on rank 0, or on every
+    rank with `everywhere`. A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    full = get_model_state_dict(net, options=_options(everywhere))
+    if full:  # strict=False: a tied weight may be listed under one of its names only
+        model.load_state_dict(full, strict=False)
+
+
+def full_optimizer_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state of the FSDP module `net`, unsharded and keyed by parameter name, on rank 0
+    ({} elsewhere). A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(net, optimizer, options=_options(everywhere=False))
+
+
+def load_full_state(net: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any]) -> None:
+    """Resume the FSDP module `net` from full state that every rank has loaded: the weights of
+    `model` and a `full_optimizer_state`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(net, model.state_dict(), options=options)
+    set_optimizer_state_dict(net, optimizer, optimizer_state, options=options)

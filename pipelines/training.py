@@ -234,7 +234,8 @@ def gradient_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
     before any callback or the optimizer sees its gradients."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: the foreach kernels clip_grad_norm_ uses
-        return torch.nn.utils.get_total_norm(grads)
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: the norm of the whole gradient
     if not grads:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))
@@ -333,6 +334,9 @@ def train(
     trained as DDP: each rank runs `cfg.grad_accum_steps / W` micro-batches of its shard of
     `batches` per step (the global batch stays the same); logged losses and validation metrics
     are averaged across ranks; only rank 0 logs to `tracker`, saves checkpoints and shows progress.
+    With `cfg.strategy` "fsdp" a `fully_shard` copy of `model` is trained instead of DDP
+    (`distributed.shard`); checkpoints gather its full weights and optimizer state on rank 0, and
+    at the end every rank's `model` gets the full trained weights.
     """
     with _StopSignals() as stop_signals:
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, callbacks=callbacks,
@@ -361,16 +365,27 @@ def _train(
     if world > 1:
         batches.shard(distributed.rank(), world)
         tracker = None if not main else tracker  # rank 0 alone talks to MLflow
-    optimizer = build_optimizer(model, cfg)
+    fsdp = world > 1 and cfg.strategy == "fsdp"
+    if fsdp and callbacks:
+        raise QllmError(f"{desc}: train.strategy fsdp does not support training callbacks (they see the unsharded model, "
+                        f"whose gradients stay empty); use --set {desc}.train.strategy=ddp")  # fmt: skip
+    net = model  # what the loss runs and the optimizer updates (DDP wraps it below)
+    if fsdp:  # FSDP trains a sharded copy; `model` gets its full weights back at checkpoints and at the end
+        if cfg.gradient_checkpointing:
+            activation_checkpointing(model, True, desc)  # before the copy, which inherits it
+        net = distributed.shard(model)
+        if device.type != "cpu":
+            model.to("cpu")  # the full copy waits in host memory: the accelerator holds shards only
+    optimizer = build_optimizer(net, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = [p for p in net.parameters() if p.requires_grad]
     state = TrainState()
     callbacks = [*callbacks, early_stopping(cfg.early_stopping_patience)]
 
     def snapshot() -> dict[str, Any]:
         return {
-            "optimizer": optimizer.state_dict(),
+            "optimizer": distributed.full_optimizer_state(net, optimizer) if fsdp else optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
             "rng": rng_state(),
@@ -379,8 +394,11 @@ def _train(
         }
 
     if checkpoints is not None and (latest := checkpoints.latest_valid()) is not None:
-        saved = checkpoints.load(latest.path, model)
-        optimizer.load_state_dict(saved["optimizer"])
+        saved = checkpoints.load(latest.path, model)  # every rank reads it
+        if fsdp:
+            distributed.load_full_state(net, model, optimizer, saved["optimizer"])
+        else:
+            optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         scaler.load_state_dict(saved["scaler"])
         batches.load_state_dict(saved["batches"])
@@ -388,10 +406,21 @@ def _train(
         state = TrainState(**saved["loop"])
         log.info("%s: resumed from step %d (%s)", desc, state.step, latest.path)
 
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing and not fsdp:
         activation_checkpointing(model, True, desc)
     model.train()
-    net = distributed.wrap(model) if world > 1 else model  # what the loss runs; `model` is saved and evaluated
+    net.train()
+    if world > 1 and not fsdp:
+        net = distributed.wrap(model)  # what the loss runs; `model` is saved and evaluated
+
+    def save_checkpoint(best: bool) -> None:
+        """Rank 0 writes; under FSDP every rank first takes part in gathering the full weights
+        (into rank 0's `model`) and the full optimizer state."""
+        if fsdp:
+            distributed.gather_into(net, model)
+        snap = snapshot() if fsdp or main else None
+        if main:
+            checkpoints.save(state.step, model, snap, best=best)
     progress = tqdm(total=cfg.max_steps, initial=state.step, desc=desc, unit="step", disable=None if main else True, mininterval=1.0, dynamic_ncols=True)
     window_tokens, window_start = 0, time.perf_counter()
     started, start_step = time.perf_counter(), state.step
@@ -403,8 +432,10 @@ def _train(
         try:
             for micro in range(accum):
                 batch = to_device(next(batches), device)
-                # DDP averages gradients across ranks once per step, at the last micro-batch
-                sync = net.no_sync() if world > 1 and micro < accum - 1 else contextlib.nullcontext()
+                # DDP (FSDP) averages (and shards) gradients across ranks once per step, at the last micro-batch
+                sync = net.no_sync() if world > 1 and not fsdp and micro < accum - 1 else contextlib.nullcontext()
+                if fsdp:
+                    net.set_requires_gradient_sync(micro == accum - 1)
                 with sync:
                     with autocast(device, cfg.precision):
                         loss, metrics = loss_fn(net, batch)
@@ -484,7 +515,7 @@ def _train(
         is_best = False
         eval_due = cfg.eval_every and state.step % cfg.eval_every == 0
         if val_fn is not None and (eval_due or state.step == cfg.max_steps):
-            val = distributed.mean_across_ranks(val_fn(model), device)
+            val = distributed.mean_across_ranks(val_fn(net if fsdp else model), device)  # FSDP: every rank runs the sharded forward
             if tracker is not None:
                 tracker.log_metrics(val, step=state.step)
             state.history["eval"].append([state.step, val["val/loss"]])
@@ -498,9 +529,9 @@ def _train(
             last |= val
             for callback in callbacks:
                 callback("eval", state, val)
-        saved = checkpoints is not None and main and (is_best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
+        saved = checkpoints is not None and bool(is_best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
         if saved:
-            checkpoints.save(state.step, model, snapshot(), best=is_best)
+            save_checkpoint(is_best)
         progress.update(1)
         stop = stop_signals.received is not None
         if world > 1:  # a signal stops every rank after the same step
@@ -510,12 +541,15 @@ def _train(
             name = signal.Signals(stop_signals.received).name if stop_signals.received is not None else "a stop signal on another rank"
             if checkpoints is None:
                 raise TrainingInterrupted(f"{desc}: {name} at step {state.step}; no checkpoint directory, so a rerun starts over")
-            if not saved and main:
-                checkpoints.save(state.step, model, snapshot())
+            if not saved:
+                save_checkpoint(False)
             raise TrainingInterrupted(f"{desc}: {name} at step {state.step}: checkpoint saved in {checkpoints.directory}; "
                                       "rerun the same command to resume from it")  # fmt: skip
     progress.close()
     state.tokens += window_tokens
+    if fsdp:  # every rank gets the full trained weights back in `model`
+        model.to(device)
+        distributed.gather_into(net, model, everywhere=True)
     if cfg.gradient_checkpointing:
         activation_checkpointing(model, False, desc)  # hand the model back as it came (generation, saving)
 

@@ -8,11 +8,16 @@ see the same micro-batches per step and can differ only in float summation order
 (fp32, 8 steps, torch 2.13): loss curves, validation losses and weights are bitwise equal (difference 0:
 the mean of two rank gradients rounds as the sum of two halves does); the test allows
 rtol 1e-4 per logged step and atol 1e-5 on the weights.
+
+`strategy: fsdp` (FSDP2 `fully_shard` per decoder layer and at the root) is held to the same
+tolerances; measured the same way it is bitwise equal too (curve, validation, weights; clipping is
+active in the first steps), and so is a 2-rank FSDP run resumed from its step-6 checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
 import numpy as np
@@ -37,24 +42,24 @@ class RecordingTracker:
         self.calls.append((step, dict(metrics)))
 
 
-def _run(checkpoint_dir=None, tracker=None) -> tuple[dict, dict]:
+def _run(checkpoint_dir=None, tracker=None, strategy="ddp", max_steps=8) -> tuple[dict, dict]:
     data, val = rows(), rows(8, seed=1)
     model = tiny_model()
     val_batches = [collate(val)(np.arange(8))]
     val_fn = lambda m: {"val/loss": training.mean_loss(m, training.causal_lm_loss, val_batches, torch.device("cpu"), "fp32")}  # noqa: E731
     checkpoints = CheckpointManager(checkpoint_dir, 2) if checkpoint_dir else None
-    result = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), cfg(max_steps=8, grad_accum_steps=2, eval_every=4),
+    result = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), cfg(max_steps=max_steps, grad_accum_steps=2, eval_every=4, strategy=strategy),
                             val_fn=val_fn, tracker=tracker, checkpoints=checkpoints)  # fmt: skip
     return result, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, strategy: str = "ddp", max_steps: int = 8) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
         tracker = RecordingTracker()
-        result, weights = _run(os.path.join(out, "checkpoints"), tracker)
+        result, weights = _run(os.path.join(out, "checkpoints"), tracker, strategy, max_steps)
         torch.save({"result": result, "weights": weights, "tracked": tracker.calls}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -104,3 +109,31 @@ def test_grad_accum_steps_must_divide_by_the_process_count():
     with pytest.raises(ValueError, match=r"grad_accum_steps \(3\) must be divisible by nproc \(2\)"):
         TrainParams(grad_accum_steps=3, nproc=2, warmup_steps=0)
     assert TrainParams().nproc == 1
+    assert TrainParams().strategy == "ddp"
+
+
+def test_fsdp_two_processes_match_one_and_resume(tmp_path):
+    """`strategy: fsdp`: the same curve and full weights as 1 process; checkpoints hold the full
+    weights and optimizer state, and a 2-rank FSDP run resumed from step 4 ends where the
+    uninterrupted single-process run does."""
+    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(tmp_path), "fsdp"), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    single, single_weights = _run()
+    for saved in ranks:
+        np.testing.assert_allclose(np.array(saved["result"]["history"]["train"]), np.array(single["history"]["train"]), rtol=LOSS_RTOL)
+        np.testing.assert_allclose(np.array(saved["result"]["history"]["eval"]), np.array(single["history"]["eval"]), rtol=LOSS_RTOL)
+        assert saved["result"]["tokens"] == single["tokens"]
+        for name, tensor in single_weights.items():  # full (gathered) weights on every rank, plain tensors
+            assert type(saved["weights"][name]) is torch.Tensor
+            torch.testing.assert_close(saved["weights"][name], tensor, rtol=0, atol=WEIGHT_ATOL)
+    assert ranks[1]["tracked"] == []
+
+    # resume: keep only the newest checkpoint before the end of the 8-step run, rerun to 8 on 2 FSDP ranks
+    resumed = tmp_path / "resumed"
+    earlier = max(p for p in (tmp_path / "checkpoints").glob("step-*") if p.name != "step-00000008")
+    shutil.copytree(earlier, resumed / "checkpoints" / earlier.name)
+    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(resumed), "fsdp"), nprocs=2, join=True)
+    again = torch.load(resumed / "rank0.pt", weights_only=False)
+    np.testing.assert_allclose(np.array(again["result"]["history"]["train"]), np.array(single["history"]["train"]), rtol=LOSS_RTOL)
+    for name, tensor in single_weights.items():
+        torch.testing.assert_close(again["weights"][name], tensor, rtol=0, atol=WEIGHT_ATOL)
