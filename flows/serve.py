@@ -40,6 +40,8 @@ DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
 
 def _free(port: int) -> bool:
     with socket.socket() as probe:
+        # as the servers bind (SO_REUSEADDR): a port a stopped server left in TIME_WAIT is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
