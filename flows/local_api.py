@@ -24,6 +24,20 @@ from pathlib import Path
 from pipelines.errors import QllmError
 
 
+def wait_http(url: str, process: subprocess.Popen, what: str, timeout: float, poll: float = 0.2, hint: str = "") -> None:
+    """Return once `url` answers 200; a clear error if `process` exits first or time runs out
+    (`hint`, e.g. "; see server.log", is appended to either)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise QllmError(f"{what} exited with code {process.returncode}{hint}")
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError), urllib.request.urlopen(url, timeout=1) as response:
+            if response.status == 200:
+                return
+        time.sleep(poll)
+    raise QllmError(f"{what} did not answer on {url} within {timeout:.0f}s{hint}")
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it when the `qllm run` that started it dies, even by
     SIGKILL, so no orphaned API server is left listening (Linux: PR_SET_PDEATHSIG)."""
@@ -63,18 +77,7 @@ class LocalApi:
         self.process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def wait(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise QllmError(f"the temporary Prefect server exited with code {self.process.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.05)
-        raise QllmError(f"the temporary Prefect server did not answer on {self.url} within {timeout:.0f}s")
+        wait_http(f"{self.url}/health", self.process, "the temporary Prefect server", timeout, poll=0.05)
 
     def stop(self) -> None:
         self.process.terminate()

@@ -108,20 +108,13 @@ def _registered_version(ws: Path) -> str | None:
 
 def evaluation_rows(ws: Path) -> list[dict]:
     """The evaluate stage's comparison table (one row per model, in `evaluate.models` order)."""
-    import csv
+    import pandas as pd
 
     path = ws / "data" / "evaluate" / "comparison.csv"
     if not path.exists():
         return []
-    with open(path, newline="", encoding="utf-8") as handle:
-        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(handle)]
-
-
-def _number(text: str):
-    try:
-        return float(text)
-    except ValueError:
-        return text or None
+    frame = pd.read_csv(path)
+    return frame.astype(object).where(frame.notna(), None).to_dict("records")
 
 
 def summary_markdown(summary: dict, rows: list[dict], registered: dict | None) -> str:

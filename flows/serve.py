@@ -26,10 +26,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from flows.local_api import wait_http
 from pipelines.errors import QllmError
 
 STATE_DIR = ".qllm/serve"
@@ -56,21 +55,6 @@ def _port(preferred: int) -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def _wait_http(url: str, process: subprocess.Popen, what: str, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise QllmError(f"{what} exited with code {process.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise QllmError(f"{what} did not answer on {url} within {timeout:.0f}s; see {log}")
 
 
 def service_env(root: Path, prefect_url: str | None = None) -> dict[str, str]:
@@ -113,7 +97,7 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
         log = state / "prefect-server.log"
         server = _spawn([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)], root, env, log)
         services["prefect-server"] = {"pid": server.pid, "url": f"http://127.0.0.1:{prefect_port}", "log": str(log)}
-        _wait_http(f"{prefect_url}/health", server, "the Prefect server", log, timeout)
+        wait_http(f"{prefect_url}/health", server, "the Prefect server", timeout, hint=f"; see {log}")
         created = subprocess.run([str(bin_dir / "prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
                                  cwd=root, env=env, capture_output=True, text=True)  # fmt: skip
         if created.returncode != 0:
@@ -125,7 +109,7 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
         uri = f"sqlite:///{root / 'mlflow.db'}"
         ui = _spawn([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(mlflow_port)], root, env, log)
         services["mlflow-ui"] = {"pid": ui.pid, "url": f"http://127.0.0.1:{mlflow_port}", "log": str(log)}
-        _wait_http(f"http://127.0.0.1:{mlflow_port}/health", ui, "the MLflow UI", log, timeout)
+        wait_http(f"http://127.0.0.1:{mlflow_port}/health", ui, "the MLflow UI", timeout, hint=f"; see {log}")
     except BaseException:
         _stop_all(services)
         raise

@@ -104,7 +104,8 @@ def stages(root: Path | str = ".") -> dict[str, Stage]:
     return _load(path, path.stat().st_mtime_ns)
 
 
-def _covers(out: str, dep: str) -> bool:
+def covers(out: str, dep: str) -> bool:
+    """Whether the output path `out` (a file or directory) provides the dependency path `dep`."""
     return dep == out or dep.startswith(out.rstrip("/") + "/")
 
 
@@ -115,7 +116,7 @@ def upstream(root: Path | str, name: str) -> list[str]:
     return [
         other.name
         for other in graph.values()
-        if other.name != name and any(_covers(out, dep) for out in other.all_outs for dep in stage.deps)
+        if other.name != name and any(covers(out, dep) for out in other.all_outs for dep in stage.deps)
     ]
 
 
@@ -165,7 +166,7 @@ def source_paths(root: Path | str = ".") -> list[str]:
     """Dependencies that no stage produces: code and raw data, the inputs of the whole DAG."""
     graph = stages(root)
     produced = [out for stage in graph.values() for out in stage.all_outs]
-    paths = {dep for stage in graph.values() for dep in stage.deps if not any(_covers(out, dep) for out in produced)}
+    paths = {dep for stage in graph.values() for dep in stage.deps if not any(covers(out, dep) for out in produced)}
     return sorted(paths)
 
 

@@ -120,6 +120,11 @@ def _md5s(entries: Any) -> dict[str, str]:
     return {item["path"]: item["md5"] for item in entries or () if "md5" in item}
 
 
+def lock_outs(lock: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """`{output path: md5}` of every stage output in a `dvc.lock` `stages` mapping."""
+    return {path: md5 for entry in lock.values() for path, md5 in _md5s(entry.get("outs")).items()}
+
+
 def _collapse(values: Mapping[str, Any], name: str) -> dict[str, Any]:
     """A stage that reads exactly its own section gets that section, else the keys it lists."""
     values = dict(values)
@@ -151,10 +156,6 @@ def _metrics_run_id(root: Path, name: str) -> str | None:
         return None
 
 
-def _covers(out: str, dep: str) -> bool:
-    return dep == out or dep.startswith(out.rstrip("/") + "/")
-
-
 def _chain(final: str, graph: Mapping[str, tuple[Sequence[str], Sequence[str]]]) -> list[tuple[str, list[str]]]:
     """`[(stage, its direct upstream stages)]` for `final` and every stage it depends on.
 
@@ -166,7 +167,7 @@ def _chain(final: str, graph: Mapping[str, tuple[Sequence[str], Sequence[str]]])
         name: [
             other
             for other in graph
-            if other != name and any(_covers(out, dep) for out in graph[other][1] for dep in deps)
+            if other != name and any(dag.covers(out, dep) for out in graph[other][1] for dep in deps)
         ]
         for name, (deps, _) in graph.items()
     }

@@ -56,10 +56,7 @@ def git_commit(root: Path) -> str:
 def dvc_lock_outs(root: Path) -> dict[str, str]:
     """`{output path: md5}` of every stage output recorded in `dvc.lock`."""
     lock = root / "dvc.lock"
-    if not lock.exists():
-        return {}
-    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
-    return {out["path"]: out["md5"] for body in stages.values() for out in body.get("outs", []) if "md5" in out}
+    return lineage.lock_outs(lineage.read_lock(lock)) if lock.exists() else {}
 
 
 def pip_requirements() -> list[str]:

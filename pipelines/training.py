@@ -297,6 +297,32 @@ def out_of_memory_message(desc: str, cfg: TrainParams, batch: Any, step: int, ca
     return f"{desc}: out of memory at step {step} ({cause_line}) with {in_force}. To fit the step: " + "; or ".join(fixes) + "."
 
 
+class _OutOfMemoryGuard:
+    """`with guard:` turns an out-of-memory error in the block into `TrainingOutOfMemoryError`,
+    raised by `guard.check()` outside the `except`, so the failed step's tensors (held by the
+    original traceback) are freed for whatever runs next in this process."""
+
+    def __init__(self, desc: str, cfg: TrainParams, optimizer: torch.optim.Optimizer) -> None:
+        self.desc, self.cfg, self.optimizer = desc, cfg, optimizer
+        self.batch: Any = None  # the batch in force, for the message
+        self.step = 0
+        self.message: str | None = None
+
+    def __enter__(self) -> _OutOfMemoryGuard:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, RuntimeError) and _is_out_of_memory(exc):  # torch.OutOfMemoryError is a RuntimeError
+            self.message = out_of_memory_message(self.desc, self.cfg, self.batch, self.step, exc)
+            return True
+        return False
+
+    def check(self) -> None:
+        if self.message is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingOutOfMemoryError(self.message)
+
+
 def early_stopping(patience: int) -> Callback:
     """Stop after `patience` evaluations without a new best validation loss."""
 
@@ -425,13 +451,15 @@ def _train(
     window_tokens, window_start = 0, time.perf_counter()
     started, start_step = time.perf_counter(), state.step
     last: dict[str, float] = {}
+    oom = _OutOfMemoryGuard(desc, cfg, optimizer)
     while state.step < cfg.max_steps and not state.stop:
         loss_sum = torch.zeros((), device=device)
         extra: dict[str, float] = {}
-        step_tokens, batch, oom = 0, None, None
-        try:
+        step_tokens = 0
+        oom.step = state.step + 1
+        with oom:
             for micro in range(accum):
-                batch = to_device(next(batches), device)
+                batch = oom.batch = to_device(next(batches), device)
                 # DDP (FSDP) averages (and shards) gradients across ranks once per step, at the last micro-batch
                 sync = net.no_sync() if world > 1 and not fsdp and micro < accum - 1 else contextlib.nullcontext()
                 if fsdp:
@@ -446,15 +474,7 @@ def _train(
                 step_tokens += _batch_tokens(batch)
             scaler.unscale_(optimizer)
             grad_norm = gradient_norm(trainable)
-        except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
-            if not _is_out_of_memory(exc):
-                raise
-            oom = out_of_memory_message(desc, cfg, batch, state.step + 1, exc)
-        if oom is not None:
-            # Raised outside the `except`, so the failed step's tensors (held by the original
-            # traceback) are freed for whatever runs next in this process.
-            optimizer.zero_grad(set_to_none=True)
-            raise TrainingOutOfMemoryError(oom)
+        oom.check()
         train_loss = loss_sum / accum
         if world > 1:  # every rank then takes the same skip decision (the gradient norm is already global)
             train_loss = torch.tensor(distributed.mean_across_ranks({"loss": float(train_loss)}, device)["loss"])
@@ -480,15 +500,9 @@ def _train(
             callback("gradients", state, {})
         if cfg.max_grad_norm > 0:
             clip_gradients(trainable, cfg.max_grad_norm, grad_norm)
-        try:
+        with oom:
             scaler.step(optimizer)  # the first step allocates AdamW's moments: it can run out of memory too
-        except RuntimeError as exc:
-            if not _is_out_of_memory(exc):
-                raise
-            oom = out_of_memory_message(desc, cfg, batch, state.step + 1, exc)
-        if oom is not None:
-            optimizer.zero_grad(set_to_none=True)
-            raise TrainingOutOfMemoryError(oom)
+        oom.check()
         scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

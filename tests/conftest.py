@@ -161,3 +161,38 @@ def tiny_base(tmp_path_factory):
                               "messages": [json.dumps(c) for c in chats]})
         frame.to_parquet(chat_dir / f"{split}.parquet")
     return root
+
+
+TOY_DVC_YAML = """\
+stages:
+  a:
+    cmd: python -m toy.a
+    deps: [src/a.txt]
+    params: [a]
+    outs: [data/a]
+  b:
+    cmd: python -m toy.b
+    deps: [data/a]
+    params: [b]
+    outs: [data/b.txt]
+    metrics:
+      - data/metrics/b.json:
+          cache: false
+"""
+
+
+@pytest.fixture
+def toy(tmp_path):
+    """A git + DVC project with a two-stage toy DAG (`a` -> `b`) and no stage code: tests pass
+    the stage bodies to `runner.reproduce(..., execute=...)`."""
+    from pipelines import runner
+
+    root = tmp_path / "toy"
+    (root / "src").mkdir(parents=True)
+    (root / "src/a.txt").write_text("x")
+    (root / "dvc.yaml").write_text(TOY_DVC_YAML)
+    (root / "params.yaml").write_text("a:\n  n: 2\nb:\n  m: 1\n")
+    run(["git", "init", "-q"], root)
+    run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    yield root
+    runner.close(root)

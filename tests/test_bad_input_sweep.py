@@ -13,11 +13,6 @@ call), and checks:
   resume state under .qllm/checkpoints/ aside; the stages' MLflow runs, recorded as FAILED, go to
   a file store outside the project).
 
-Rows marked "needs fix" are bad inputs that currently give an unclear message, a traceback or no
-error at all. Their test asserts the behaviour we want (`want`, `want_exit`) and is an
-`xfail(strict=True)`, so it starts failing, as a reminder to drop the mark, once the fix lands.
-`message`/`exit` of such a row record what a user sees today (for the doc only).
-
 Run with: .venv/bin/python -m pytest tests/test_bad_input_sweep.py
 """
 
@@ -161,14 +156,8 @@ class Case:
     """`ingest`/`sft`/`lora` (the stage's `python -m pipelines.<stage>`), `qllm run` or `qllm generate`."""
     setup: Callable[[Path, dict[str, Path]], list[str]]
     message: str
-    """The first `error:` line ('…': any text; '{project}': the project directory). For a
-    needs-fix row: what the user sees today."""
+    """The first `error:` line ('…': any text; '{project}': the project directory)."""
     exit: int | str
-    fix: str = ""
-    """Needs-fix rows: what is wrong with today's behaviour."""
-    want: str = ""
-    """Needs-fix rows: a regex the first `error:` line must match once fixed."""
-    want_exit: int | None = None
 
 
 CASES = [
@@ -473,23 +462,15 @@ def new_project(root: Path) -> Path:
     return project
 
 
-def _param(case: Case):
-    marks = [pytest.mark.xfail(strict=True, reason=f"needs fix: {case.fix}")] if case.fix else []
-    return pytest.param(case, id=case.id, marks=marks)
-
-
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_bad_input(case: Case, tmp_path, tracking_store, capsys, monkeypatch, no_pipeline_start, request):
     project = new_project(tmp_path)
     args = case.setup(project, request.getfixturevalue("models") if case.group == "models" else {})
     monkeypatch.chdir(project)
     before = snapshot(project)
     code, line = invoke(case, args, capsys)
-    if case.fix:
-        assert (code, bool(re.search(case.want, line))) == (case.want_exit, True), f"still: {code}: {line}"
-    else:
-        assert code == case.exit, line
-        assert matches(line, case.message, project), line
+    assert code == case.exit, line
+    assert matches(line, case.message, project), line
     after = snapshot(project)
     assert after == before, f"left behind: {sorted(set(after) - set(before))}; removed: {sorted(set(before) - set(after))}"
 
@@ -584,16 +565,15 @@ def _code(text: str) -> str:
 def doc_row(case: Case) -> str:
     message = case.message.replace("{project}", "<project>")
     shown = message if message.startswith("(") else _code(message)
-    status = f"**needs fix**: {case.fix}" if case.fix else "ok"
     test = f"[`test_bad_input[{case.id}]`](../tests/test_bad_input_sweep.py)"
-    return f"| {case.what} | {ENTRY_LABELS[case.entry]} | {shown} | {case.exit} | {status} | {test} |"
+    return f"| {case.what} | {ENTRY_LABELS[case.entry]} | {shown} | {case.exit} | {test} |"
 
 
 def render_tables() -> str:
     """The tables of docs/BAD_INPUTS.md (print this to update the doc after changing a case)."""
     out = []
     for group, title in GROUPS.items():
-        out += [f"### {title}", "", "| bad input | where | what you see (first line) | exit | status | test |", "|---|---|---|---|---|---|"]
+        out += [f"### {title}", "", "| bad input | where | what you see (first line) | exit | test |", "|---|---|---|---|---|"]
         out += [doc_row(c) for c in CASES if c.group == group]
         out.append("")
     return "\n".join(out)

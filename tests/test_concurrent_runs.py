@@ -23,29 +23,8 @@ from tests.conftest import make_project, run
 
 # --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------
 
-TOY_DVC_YAML = """\
-stages:
-  a:
-    cmd: python -m toy.a
-    deps: [src/a.txt]
-    params: [a]
-    outs: [data/a]
-  b:
-    cmd: python -m toy.b
-    deps: [data/a]
-    params: [b]
-    outs: [data/b.txt]
-"""
-
-
-def test_the_same_stage_in_two_workspaces_at_once_runs_once(tmp_path):
-    root = tmp_path / "toy"
-    (root / "src").mkdir(parents=True)
-    (root / "src/a.txt").write_text("x")
-    (root / "dvc.yaml").write_text(TOY_DVC_YAML)
-    (root / "params.yaml").write_text("a:\n  n: 2\nb:\n  m: 1\n")
-    run(["git", "init", "-q"], root)
-    run([sys.executable, "-m", "dvc", "init", "-q"], root)
+def test_the_same_stage_in_two_workspaces_at_once_runs_once(toy):
+    root = toy  # the toy DAG (tests/conftest.py)
     # Same `a`, different `b`: two workspaces that share stage `a`'s inputs.
     workspaces = [workspace.prepare(root, {"a": {"n": 2}, "b": {"m": m}}) for m in (2, 3)]
     executed: list[Path] = []

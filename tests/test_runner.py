@@ -11,23 +11,6 @@ import yaml
 from pipelines import runner, workspace
 from tests.conftest import run
 
-DVC_YAML = """\
-stages:
-  a:
-    cmd: python -m toy.a
-    deps: [src/a.txt]
-    params: [a]
-    outs: [data/a]
-  b:
-    cmd: python -m toy.b
-    deps: [data/a]
-    params: [b]
-    outs: [data/b.txt]
-    metrics:
-      - data/metrics/b.json:
-          cache: false
-"""
-
 
 class Toy:
     """Stage bodies for the toy DAG; counts executions so tests can tell ran from cached."""
@@ -46,19 +29,6 @@ class Toy:
             (root / "data/b.txt").write_text(text.upper() * params["b"]["m"])
             (root / "data/metrics").mkdir(parents=True, exist_ok=True)
             (root / "data/metrics/b.json").write_text(f'{{"len": {len(text)}}}')
-
-
-@pytest.fixture
-def toy(tmp_path):
-    root = tmp_path / "toy"
-    (root / "src").mkdir(parents=True)
-    (root / "src/a.txt").write_text("x")
-    (root / "dvc.yaml").write_text(DVC_YAML)
-    (root / "params.yaml").write_text("a:\n  n: 2\nb:\n  m: 1\n")
-    run(["git", "init", "-q"], root)
-    run([sys.executable, "-m", "dvc", "init", "-q"], root)
-    yield root
-    runner.close(root)
 
 
 def reproduce_all(root: Path, toy: Toy) -> dict[str, tuple[str, str]]:
