@@ -1,12 +1,13 @@
 """Held-out quality of DPO against its SFT starting point, over several DPO seeds.
 
-    python -m benchmarks.dpo_quality --project DIR [--seeds 0 1 2]
+    python -m benchmarks.dpo_quality --project DIR [--seeds 0 1 2] [--set dpo.KEY=VALUE ...]
 
 DIR is a project after `qllm run` (it needs data/models/sft, data/ref_logprobs,
 data/prepared/chat, data/tokenized). Runs the `dpo` stage's code with the project's params.yaml
 once per seed (the seed changes the data order) and evaluates each result like `evaluate` does:
 held-out exact match of greedy answers, and the held-out DPO reward accuracy. Prints SFT's exact
-match, then each seed and the mean and standard deviation.
+match, then each seed and the mean and standard deviation. `--set` overrides DPO settings the way
+`qllm run --set` does (the reference pass is the project's, so only `dpo.*` keys make sense).
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--project", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="dpo.KEY=VALUE")
     args = parser.parse_args(argv)
     root = args.project.resolve()
-    params, _ = config.load(root)
+    not_dpo = [o for o in args.overrides if not o.startswith("dpo.")]
+    if not_dpo:
+        parser.error(f"--set {not_dpo[0]}: only dpo.* settings can change here (the reference pass is the project's)")
+    params, _ = config.load(root, overrides=args.overrides)
     questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
     evaluate = params.evaluate.model_copy(update={"models": ["dpo"]})
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,14 +1,17 @@
 """DPO step time with cached reference log-probs vs running the reference model every step.
 
-    python -m benchmarks.dpo_reference [--steps 30] [--trials 3]
+    python -m benchmarks.dpo_reference [--steps 30] [--trials 3] [--hidden-size H --layers L]
 
 Same process, same model (params.yaml `pretrain.model`, vocabulary 2048), same pairs (batches of
 16 prompt+answer pairs of ~48 tokens, the size of the sample data's), same loop
-(`pipelines.training.train` with `pipelines.dpo.dpo_loss`). "cached" reads the reference
+(`pipelines.training.train` with `pipelines.dpo.dpo_loss`), for three policies: params.yaml's
+`dpo` settings (`default`: a LoRA adapter on the last layer), all weights, and LoRA on every layer. "cached" reads the reference
 log-probs from the batch, as the `dpo` stage does with `data/ref_logprobs/`; "live" computes them
 every step with a frozen copy of the starting model (full fine-tuning) or with the adapter
 disabled (LoRA). Trials alternate; the first steps of each are warm-up. Prints the median step
-time of each and the ratio cached/live (expected <= 0.75).
+time of each and the ratio cached/live (expected <= 0.75). `--hidden-size`/`--layers` scale the
+model up (intermediate size 4x hidden, heads of 64) to see the ratio where compute, not per-step
+overhead, dominates.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ from pipelines.config import DpoParams
 from pipelines.models import build_llama
 
 WARMUP = 3
+# policy -> changes to params.yaml's `dpo` section ("default": none, i.e. what `make run` trains)
+POLICIES = {
+    "default": {},
+    "all-weights": {"adapter": "none"},
+    "lora-every-layer": {"adapter": "lora", "lora": {"layers_to_transform": []}},
+}
 
 
 def synthetic_pairs(n: int, vocab: int, prompt_len: int = 40, answer_len: int = 8) -> list[preference_data.Pair]:
@@ -53,22 +62,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--hidden-size", type=int, help="default: params.yaml pretrain.model")
+    parser.add_argument("--layers", type=int, help="default: params.yaml pretrain.model")
+    parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     args = parser.parse_args(argv)
 
     params, _ = config.load(Path(__file__).resolve().parents[1])
     vocab = 2048
     cfg = params.dpo.train.model_copy(update={"max_steps": args.steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0, "log_every": 10})
     pairs = synthetic_pairs(256, vocab)
-    base = build_llama(params.pretrain.model, _Vocab(vocab), max_positions=256, seed=0)
+    model = params.pretrain.model
+    if args.hidden_size:
+        heads = max(1, args.hidden_size // 64)
+        model = model.model_copy(update={"hidden_size": args.hidden_size, "intermediate_size": 4 * args.hidden_size, "num_heads": heads, "num_kv_heads": heads})
+    if args.layers:
+        model = model.model_copy(update={"num_layers": args.layers})
+    base = build_llama(model, _Vocab(vocab), max_positions=256, seed=0)
     print(f"policy {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters, {cfg.micro_batch_size} pairs/step, "
           f"{args.steps - WARMUP} timed steps x {args.trials} trials, precision {cfg.precision}")
-    for adapter in ("none", "lora"):
-        dpo_params = DpoParams(adapter=adapter, lora={"trainable_tokens": []}, train=cfg)
+    for name in args.policies:
+        dpo_params = params.dpo.model_copy(update={"train": cfg})
+        changes = POLICIES[name]
+        if "lora" in changes:
+            changes = {**changes, "lora": dpo_params.lora.model_copy(update=changes["lora"])}
+        dpo_params = dpo_params.model_copy(update=changes)
         cached, live = [], []
         for _ in range(args.trials):
             for mode in ("cached", "live"):
                 policy = copy.deepcopy(base)
-                if adapter == "lora":
+                if dpo_params.adapter == "lora":
                     policy = lora.wrap(dpo_params.lora, "dpo.lora")(policy, None)
 
                     def reference(batch, policy=policy):
@@ -84,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                 loss_fn = dpo.dpo_loss(dpo_params, None if mode == "cached" else reference)
                 (cached if mode == "cached" else live).append(step_seconds(policy, loss_fn, pairs, cfg))
         ratio = statistics.median(cached) / statistics.median(live)
-        print(f"adapter={adapter}: cached {1000 * statistics.median(cached):.1f} ms/step, live reference "
+        layers = dpo_params.lora.layers_to_transform or "all"
+        print(f"{name} (adapter={dpo_params.adapter}{f', layers {layers}' if dpo_params.adapter == 'lora' else ''}): "
+              f"cached {1000 * statistics.median(cached):.1f} ms/step, live reference "
               f"{1000 * statistics.median(live):.1f} ms/step, ratio {ratio:.3f} (expected <= 0.75)")
     return 0
 

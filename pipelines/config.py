@@ -292,6 +292,9 @@ class LoraAdapterParams(Section):
     bias: Literal["none", "all", "lora_only"] = "none"
     use_rslora: bool = False
     """Rank-stabilised scaling alpha/sqrt(r), which keeps update size comparable across ranks."""
+    layers_to_transform: list[int] = Field(default_factory=list)
+    """Decoder layers to adapt (PEFT `layers_to_transform`); negative indices count from the end
+    (`[-1]`: the last layer only); empty: every layer."""
     trainable_tokens: list[str] = Field(default_factory=lambda: ["<|im_start|>", "<|im_end|>"])
     """Tokens whose embedding rows are trained too (PEFT `trainable_token_indices`): the chat
     markers a pretrained base has never seen, so the model can learn to end its turn."""
@@ -305,6 +308,12 @@ class LoraParams(FinetuneParams, LoraAdapterParams):
     allocation: Literal["quantum_opt", "uniform"] = "quantum_opt"
     """`quantum_opt`: target modules and per-module ranks from the `quantum_opt` stage (its
     `data/quantum_opt/allocation.json`); `uniform`: rank `r` on every `target_modules` entry."""
+
+    @model_validator(mode="after")
+    def _layers_with_allocation(self) -> LoraParams:
+        if self.allocation == "quantum_opt" and self.layers_to_transform:
+            raise ValueError("layers_to_transform applies to allocation: uniform; the quantum_opt allocation chooses the modules of every layer itself")
+        return self
 
 
 class ProbeLoraParams(FinetuneParams):

@@ -4,8 +4,9 @@
 
 Same data, masking, packing and loop as `sft` (`pipelines.finetune`); only the model wrapper
 differs: `peft.get_peft_model` with a `LoraConfig` built from `lora.*` (r, lora_alpha,
-lora_dropout, target_modules, rank_pattern/alpha_pattern, bias, use_rslora) plus the embedding
-rows of `lora.trainable_tokens` (the chat markers, which the pretrained base has never seen).
+lora_dropout, target_modules, layers_to_transform, rank_pattern/alpha_pattern, bias, use_rslora)
+plus the embedding rows of `lora.trainable_tokens` (the chat markers, which the pretrained base
+has never seen).
 
 With `lora.allocation: quantum_opt` (the default) the targeted modules and their ranks come from
 `data/quantum_opt/allocation.json` (`apply_allocation`); `uniform` uses rank `r` on every
@@ -58,6 +59,20 @@ def check_targets(model: torch.nn.Module, params: LoraAdapterParams, section: st
                 raise QllmError(f"{section}.{field}: {key!r} matches no linear module of the model (its linear modules are: {', '.join(short)})")
 
 
+def layer_indices(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora") -> list[int] | None:
+    """`layers_to_transform` as PEFT wants it (non-negative, sorted), or None for every layer;
+    negative entries count from the end, and an index outside the model is an error."""
+    if not params.layers_to_transform:
+        return None
+    count = model.config.num_hidden_layers
+    resolved = set()
+    for index in params.layers_to_transform:
+        if not -count <= index < count:
+            raise QllmError(f"{section}.layers_to_transform: {index} is outside the model's {count} layers (0..{count - 1}, or -{count}..-1 from the end)")
+        resolved.add(index % count)
+    return sorted(resolved)
+
+
 def token_ids(tokenizer, tokens: list[str], section: str = "lora") -> list[int]:
     """Vocabulary ids of `lora.trainable_tokens`; an unknown token is an error."""
     ids = []
@@ -69,7 +84,8 @@ def token_ids(tokenizer, tokens: list[str], section: str = "lora") -> list[int]:
     return ids
 
 
-def lora_config(params: LoraAdapterParams, trainable_token_ids: list[int] = ()):
+def lora_config(params: LoraAdapterParams, trainable_token_ids: list[int] = (), layers: list[int] | None = None):
+    """PEFT's `LoraConfig` for `params`; `layers` are the resolved `layers_to_transform`."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -81,6 +97,7 @@ def lora_config(params: LoraAdapterParams, trainable_token_ids: list[int] = ()):
         alpha_pattern=dict(params.alpha_pattern),
         bias=params.bias,
         use_rslora=params.use_rslora,
+        layers_to_transform=layers,
         trainable_token_indices={"embed_tokens": list(trainable_token_ids)} if trainable_token_ids else None,
         task_type="CAUSAL_LM",
     )
@@ -93,7 +110,8 @@ def wrap(params: LoraAdapterParams, section: str = "lora"):
         from peft import get_peft_model
 
         check_targets(model, params, section)
-        return get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens, section)))
+        layers = layer_indices(model, params, section)
+        return get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens, section), layers))
 
     return apply
 

@@ -75,3 +75,18 @@ def test_dpo_with_a_lora_adapter_reuses_the_lora_code(workspace):
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params)
     assert metrics["trainable_parameters"] < metrics["total_parameters"] * 0.2
     assert (root / "data/models/dpo/adapter_config.json").exists() and (root / "data/models/dpo/merged/config.json").exists()
+
+
+def test_dpo_on_the_last_layer_leaves_the_earlier_layers_as_sft_made_them(workspace):
+    """The default `dpo.lora.layers_to_transform: [-1]`: the merged policy differs from SFT in
+    the last decoder layer only (embeddings, earlier layers and norms are bit-identical)."""
+    from safetensors.torch import load_file
+
+    root, _ = workspace
+    params = DpoParams(adapter="lora", train=TRAIN, lora={"r": 2, "trainable_tokens": [], "layers_to_transform": [-1]})
+    dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params)
+    sft = load_file(root / "data/models/sft/model.safetensors")
+    merged = load_file(root / "data/models/dpo/merged/model.safetensors")
+    changed = sorted(name for name in sft if not (sft[name] == merged[name]).all())
+    assert changed and all(name.startswith("model.layers.1.") for name in changed)  # the tiny model has 2 layers
+    assert {name.rsplit(".", 2)[-2] for name in changed} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

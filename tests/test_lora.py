@@ -40,6 +40,28 @@ def test_rank_pattern_sets_per_module_ranks(tiny_base):
     assert parameter_counts(wrapped(tiny_base, params))["trainable_parameters"] == 2 * 64 + 4 * 64  # layer 0 rank 2, layer 1 rank 4
 
 
+@pytest.mark.parametrize(("layers", "adapted"), [([-1], [1]), ([0], [0]), ([-2, 1], [0, 1]), ([], [0, 1])])
+def test_layers_to_transform_adapts_only_those_layers(tiny_base, layers, adapted):
+    # 2 layers; negative indices count from the end
+    model = wrapped(tiny_base, lora_params(tiny_base, allocation="uniform", layers_to_transform=layers, trainable_tokens=[]))
+    with_adapters = sorted({int(name.split(".layers.")[1].split(".")[0]) for name, _ in model.named_parameters() if "lora_A" in name})
+    assert with_adapters == adapted
+    per_layer = 4 * (32 + 32) + 3 * (32 + 64)
+    assert parameter_counts(model)["trainable_parameters"] == 4 * per_layer * len(adapted)
+    assert model.peft_config["default"].layers_to_transform == (adapted if layers else None)
+
+
+@pytest.mark.parametrize("index", [2, -3])
+def test_layer_outside_the_model_is_a_clear_error(tiny_base, index):
+    with pytest.raises(QllmError, match=rf"lora.layers_to_transform: {index} is outside the model's 2 layers \(0..1, or -2..-1 from the end\)"):
+        wrapped(tiny_base, lora_params(tiny_base, allocation="uniform", layers_to_transform=[index]))
+
+
+def test_layers_to_transform_needs_the_uniform_allocation(tiny_base):
+    with pytest.raises(ValueError, match="layers_to_transform applies to allocation: uniform"):
+        lora_params(tiny_base, layers_to_transform=[-1])
+
+
 @pytest.mark.parametrize(("field", "value"), [("target_modules", ["q_projx"]), ("rank_pattern", {"layers.9.mlp.up_proj": 2})])
 def test_targets_that_match_nothing_are_a_clear_error(tiny_base, field, value):
     params = lora_params(tiny_base, **{field: value})
