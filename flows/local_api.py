@@ -5,6 +5,11 @@ the same uvicorn command and environment), minus importing the whole server pack
 process first — that import alone costs well over a second, and on a no-change run start-up is
 nearly all the time there is. The server boots in its subprocess while this process imports and
 checks what it needs; it listens on 127.0.0.1 only and is stopped when the run ends.
+
+The server migrates the Prefect database (PREFECT_HOME) as it starts. Two `qllm run`s starting at
+once on a new database would migrate it together, and one server dies ("Online migration expected
+to match one row"); so a file lock in PREFECT_HOME is held from starting the server until it
+answers, and a second run's server starts once the first one's has migrated.
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ class LocalApi:
         import prefect
         from prefect.settings import get_current_settings
 
+        from pipelines.workspace import file_lock
+
+        self._starting = contextlib.ExitStack()  # released by wait() once the server answers
+        home = Path(get_current_settings().home).expanduser()
+        self._starting.enter_context(file_lock(home / ".qllm-api-start.lock", f"the Prefect database in {home} (another run's API is starting)"))
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         env = {
@@ -74,12 +84,20 @@ class LocalApi:
             "--factory", "prefect.server.api.server:create_app",
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
         ]  # fmt: skip
-        self.process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        try:
+            self.process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        except BaseException:
+            self._starting.close()
+            raise
 
     def wait(self, timeout: float = 120.0) -> None:
-        wait_http(f"{self.url}/health", self.process, "the temporary Prefect server", timeout, poll=0.05)
+        try:
+            wait_http(f"{self.url}/health", self.process, "the temporary Prefect server", timeout, poll=0.05)
+        finally:
+            self._starting.close()
 
     def stop(self) -> None:
+        self._starting.close()  # never waited for (the run failed before its flow started)
         self.process.terminate()
         try:
             self.process.wait(timeout=5)

@@ -1,0 +1,69 @@
+"""The temporary Prefect API of `qllm run`: two runs starting at once share one new database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# In a fresh interpreter: PREFECT_HOME must be set before Prefect reads its settings.
+SCRIPT = """
+import threading
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+from prefect.settings import get_current_settings
+
+from flows.local_api import LocalApi
+
+lock = Path(get_current_settings().home) / ".qllm-api-start.lock"
+
+# 1. The start lock is held from starting the server until it answers, then released.
+api = LocalApi()
+try:
+    FileLock(str(lock)).acquire(timeout=0)
+    print("held while starting: no")
+except Timeout:
+    print("held while starting: yes")
+api.wait()
+probe = FileLock(str(lock))
+probe.acquire(timeout=0)
+probe.release()
+print("released once answering: yes")
+api.stop()
+
+# 2. Two servers starting together on a database neither has migrated yet.
+Path(get_current_settings().home, "prefect.db").unlink()
+apis, errors = [], []
+
+def start():
+    started = LocalApi()
+    apis.append(started)
+    try:
+        started.wait()
+    except Exception as exc:
+        errors.append(str(exc))
+
+threads = [threading.Thread(target=start) for _ in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+for started in apis:
+    started.stop()
+print("errors:", errors)
+"""
+
+
+def test_runs_starting_together_migrate_the_prefect_database_one_at_a_time(tmp_path):
+    """Without the lock the second part failed 1 run in 3 here ("the temporary Prefect server
+    exited with code 3": both servers migrating the new database), which is how
+    test_two_qllm_runs_at_once_from_cold once failed."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["held while starting: yes", "released once answering: yes", "errors: []"], done.stdout + done.stderr[-3000:]
