@@ -76,10 +76,27 @@ def close(root: Path | str) -> None:
             repo.close()
 
 
+_imports_lock = threading.Lock()
+
+
+def warm_imports() -> None:
+    """Resolve the transformers and PEFT names the stages use, one thread at a time.
+
+    transformers 5 resolves its top-level names lazily (`_LazyModule`), and two threads resolving
+    them at once can fail with "cannot import name 'AutoModelForCausalLM' from 'transformers'"
+    (PEFT, which imports transformers, likewise). Stages run side by side in Prefect worker
+    threads, so each calls this before it starts; after the first call it costs a lock.
+    """
+    with _imports_lock:
+        from peft import LoraConfig, PeftModel, get_peft_model  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: F401
+
+
 def run_in_process(root: Path, name: str, parent_run_id: str | None) -> None:
     """Execute `pipelines.<name>` in this process (what `python -m pipelines.<name>` runs)."""
     from pipelines import stage
 
+    warm_imports()
     module = importlib.import_module(dag.stages(root)[name].module)
     stage.execute(module.NAME, module._body, root, parent_run_id=parent_run_id)
 

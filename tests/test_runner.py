@@ -90,3 +90,43 @@ def test_override_workspace_shares_the_cache_and_leaves_params_yaml(toy):
     assert (toy / "params.yaml").read_bytes() == before and (toy / "data/b.txt").read_text() == "XX"
     assert workspace.project_root(ws) == toy.resolve()
     assert workspace.prepare(toy, yaml.safe_load(before)) == toy.resolve()  # no overrides: the project itself
+
+
+THREADS_IMPORTING = """
+import threading
+from pipelines import runner
+
+barrier, errors = threading.Barrier(4), []
+
+def stage(i):  # what run_in_process does first, then what the stage modules import
+    barrier.wait()
+    try:
+        runner.warm_imports()
+        if i % 2:
+            from transformers import AutoModelForCausalLM
+        else:
+            from peft import get_peft_model
+            from transformers import AutoTokenizer
+    except Exception as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=stage, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("errors:", errors)
+"""
+
+
+def test_stages_starting_together_in_threads_import_transformers_safely():
+    """transformers 5 resolves its names lazily and not thread-safely: without `warm_imports`
+    this script failed 5 of 5 times here ("cannot import name 'AutoModel' from 'transformers'"),
+    which is how `dpo` once died starting beside `lora` in `qllm run`. A fresh interpreter each
+    time, since the race is only on first import."""
+    import subprocess
+
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", THREADS_IMPORTING], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().endswith("errors: []"), done.stdout[-2000:]
