@@ -192,7 +192,8 @@ def generate(capsys, project: Path, model: str, prompt: str, *options: str) -> t
     return qllm(capsys, "generate", "--model", model, "--prompt", prompt, *options, "--project-dir", str(project))
 
 
-def test_generate_from_a_model_directory(runs, project, capsys):
+def test_generate_from_a_model_directory(runs, project, capsys, monkeypatch):
+    monkeypatch.chdir(project)  # a relative --model is looked up in the current directory first
     question = "Where does Tovik live?"
     code, greedy, err = generate(capsys, project, "data/models/sft", question, "--max-new-tokens", "6")
     assert code == 0, err
@@ -209,7 +210,8 @@ def test_generate_from_a_model_directory(runs, project, capsys):
     assert generation.generate(model, tokenizer, question, max_new_tokens=6) == greedy.strip()
 
 
-def test_generate_from_the_registry_is_the_registered_model(runs, project, capsys):
+def test_generate_from_the_registry_is_the_registered_model(runs, project, capsys, monkeypatch):
+    monkeypatch.chdir(project)  # a relative --model is looked up in the current directory first
     question = "What is 2 plus 3?"
     code, registered, err = generate(capsys, project, "models:/qllm/1", question, "--max-new-tokens", "6")
     assert code == 0, err
