@@ -192,8 +192,16 @@ def generate(capsys, project: Path, model: str, prompt: str, *options: str) -> t
     return qllm(capsys, "generate", "--model", model, "--prompt", prompt, *options, "--project-dir", str(project))
 
 
-def test_generate_from_a_model_directory(runs, project, capsys, monkeypatch):
-    monkeypatch.chdir(project)  # a relative --model is looked up in the current directory first
+@pytest.fixture
+def in_project(project, monkeypatch) -> Path:
+    """Run from the project: a relative --model is looked up in the current directory first, so
+    a data/ in the checkout the tests run from must not shadow the project's models."""
+    monkeypatch.chdir(project)
+    return project
+
+
+def test_generate_from_a_model_directory(runs, in_project, capsys):
+    project = in_project
     question = "Where does Tovik live?"
     code, greedy, err = generate(capsys, project, "data/models/sft", question, "--max-new-tokens", "6")
     assert code == 0, err
@@ -210,8 +218,8 @@ def test_generate_from_a_model_directory(runs, project, capsys, monkeypatch):
     assert generation.generate(model, tokenizer, question, max_new_tokens=6) == greedy.strip()
 
 
-def test_generate_from_the_registry_is_the_registered_model(runs, project, capsys, monkeypatch):
-    monkeypatch.chdir(project)  # a relative --model is looked up in the current directory first
+def test_generate_from_the_registry_is_the_registered_model(runs, in_project, capsys):
+    project = in_project
     question = "What is 2 plus 3?"
     code, registered, err = generate(capsys, project, "models:/qllm/1", question, "--max-new-tokens", "6")
     assert code == 0, err
