@@ -271,6 +271,9 @@ CASES = [
     Case("params-unknown-section", "params", "a section `pretrian:` (typo of `pretrain`; line 13)", "qllm run",
          params_file(BASE + "pretrian:\n  train:\n    lr: 0.1\n"),
          "error: params.yaml:13: pretrian: unknown key (expected one of: …, pretrain, …)", 2),
+    Case("params-layers-with-quantum-allocation", "params", "`lora.layers_to_transform: [-1]` with `allocation: quantum_opt`", "qllm run",
+         params_file(BASE + "  layers_to_transform: [-1]\n"),
+         "error: params.yaml:11: lora: layers_to_transform applies to allocation: uniform; the quantum_opt allocation chooses the modules of every layer itself", 2),
     Case("params-duplicate-key", "params", "`pretrain.train.lr` given twice (`0.002` on line 6, `0.5` on line 9)", "qllm run",
          params_file(BASE.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    lr: 0.5\n")),
          "error: {project}/params.yaml:9: pretrain.train.lr: duplicate key (first given on line 6)", 2),
@@ -366,6 +369,9 @@ CASES = [
     Case("lora-unknown-target-module", "models", "`lora.target_modules: [q_prj]` (typo)", "lora",
          finetune("lora", "models/good", "good", extra="  target_modules: [q_prj]\n  allocation: uniform\n"),
          "error: lora: lora.target_modules: 'q_prj' matches no linear module of the model (its linear modules are: …q_proj…)", 1),
+    Case("lora-layer-outside-the-model", "models", "`lora.layers_to_transform: [7]` on a 2-layer model", "lora",
+         finetune("lora", "models/good", "good", extra="  layers_to_transform: [7]\n  allocation: uniform\n"),
+         "error: lora: lora.layers_to_transform: 7 is outside the model's 2 layers (0..1, or -2..-1 from the end)", 1),
 ]
 
 
