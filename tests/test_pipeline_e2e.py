@@ -246,7 +246,7 @@ def test_uniform_lora_rank_reruns_only_lora_and_downstream(first, project):
 def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):
     from flows.pipeline import pipeline
 
-    for beta in ("0.05", "0.2"):  # both differ from params.yaml (0.5): real overrides
+    for beta in ("0.05", "0.2"):  # both differ from params.yaml (1.0): real overrides
         summary = pipeline(overrides=[f"dpo.beta={beta}"], project_dir=str(project))
         status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
         assert [n for n, (st, _) in status.items() if st == "ran"] == ["dpo", "evaluate", "register"], status
