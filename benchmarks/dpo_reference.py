@@ -27,7 +27,6 @@ import torch
 
 from benchmarks.train_throughput import _Vocab
 from pipelines import config, dpo, lora, preference_data, training
-from pipelines.config import DpoParams
 from pipelines.models import build_llama
 
 WARMUP = 3

@@ -52,7 +52,11 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
+START_LOCK = ".qllm-api-start.lock"  # in PREFECT_HOME, held while a run's API starts and migrates
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -69,8 +73,8 @@ class LocalApi:
 
         self._starting = contextlib.ExitStack()  # released by wait() once the server answers
         home = Path(get_current_settings().home).expanduser()
-        self._starting.enter_context(file_lock(home / ".qllm-api-start.lock", f"the Prefect database in {home} (another run's API is starting)"))
-        self.port = _free_port()
+        self._starting.enter_context(file_lock(home / START_LOCK, f"the Prefect database in {home} (another run's API is starting)"))
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         env = {
             **os.environ,

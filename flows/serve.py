@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from flows.local_api import wait_http
+from flows.local_api import free_port, wait_http
 from pipelines.errors import QllmError
 
 STATE_DIR = ".qllm/serve"
@@ -52,9 +52,7 @@ def _port(preferred: int) -> int:
     """`preferred` if it is free, else (or for 0) any free port."""
     if preferred and _free(preferred):
         return preferred
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return free_port()
 
 
 def service_env(root: Path, prefect_url: str | None = None) -> dict[str, str]:
@@ -111,12 +109,10 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
         services["mlflow-ui"] = {"pid": ui.pid, "url": f"http://127.0.0.1:{mlflow_port}", "log": str(log)}
         wait_http(f"http://127.0.0.1:{mlflow_port}/health", ui, "the MLflow UI", timeout, hint=f"; see {log}")
     except BaseException:
-        _stop_all(services)
+        _stop_all(services)  # nothing is left running, so no record: `make stop` must not kill reused PIDs
         raise
-    finally:
-        if services:
-            state.mkdir(parents=True, exist_ok=True)
-            (state / RECORD).write_text(json.dumps({"prefect_api_url": prefect_url, "services": services}, indent=2) + "\n")
+    state.mkdir(parents=True, exist_ok=True)
+    (state / RECORD).write_text(json.dumps({"prefect_api_url": prefect_url, "services": services}, indent=2) + "\n")
     return read_record(root)
 
 

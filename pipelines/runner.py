@@ -89,7 +89,13 @@ def warm_imports() -> None:
     """
     with _imports_lock:
         from peft import LoraConfig, PeftModel, get_peft_model  # noqa: F401
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: F401
+        from transformers import (  # noqa: F401
+            AutoModelForCausalLM,
+            AutoTokenizer,
+            LlamaConfig,
+            LlamaForCausalLM,
+            PreTrainedTokenizerFast,
+        )
 
 
 def run_in_process(root: Path, name: str, parent_run_id: str | None) -> None:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 
 import numpy as np
 import pytest
 import torch
 
+from flows.local_api import free_port
 from pipelines import distributed, training
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import TrainParams
@@ -65,14 +65,8 @@ def _worker(rank: int, world: int, port: int, out: str, strategy: str = "ddp", m
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     single, single_weights = _run()
 
@@ -116,7 +110,7 @@ def test_fsdp_two_processes_match_one_and_resume(tmp_path):
     """`strategy: fsdp`: the same curve and full weights as 1 process; checkpoints hold the full
     weights and optimizer state, and a 2-rank FSDP run resumed from step 4 ends where the
     uninterrupted single-process run does."""
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(tmp_path), "fsdp"), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path), "fsdp"), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     single, single_weights = _run()
     for saved in ranks:
@@ -132,7 +126,7 @@ def test_fsdp_two_processes_match_one_and_resume(tmp_path):
     resumed = tmp_path / "resumed"
     earlier = max(p for p in (tmp_path / "checkpoints").glob("step-*") if p.name != "step-00000008")
     shutil.copytree(earlier, resumed / "checkpoints" / earlier.name)
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(resumed), "fsdp"), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(resumed), "fsdp"), nprocs=2, join=True)
     again = torch.load(resumed / "rank0.pt", weights_only=False)
     np.testing.assert_allclose(np.array(again["result"]["history"]["train"]), np.array(single["history"]["train"]), rtol=LOSS_RTOL)
     for name, tensor in single_weights.items():

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
 
 # In a fresh interpreter: PREFECT_HOME must be set before Prefect reads its settings.
 SCRIPT = """
@@ -17,9 +16,9 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 from prefect.settings import get_current_settings
 
-from flows.local_api import LocalApi
+from flows.local_api import START_LOCK, LocalApi
 
-lock = Path(get_current_settings().home) / ".qllm-api-start.lock"
+lock = Path(get_current_settings().home) / START_LOCK
 
 # 1. The start lock is held from starting the server until it answers, then released.
 api = LocalApi()

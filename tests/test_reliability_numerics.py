@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from flows.local_api import free_port
 from pipelines import preflight, tracking, training
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import TrainParams
@@ -191,12 +191,6 @@ def test_shipped_params_default_to_no_skips_and_no_checkpointing():
 # --- MLflow tracking preflight --------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def health_server():
     """A local HTTP server whose /health answers with the status in `server.status`."""
@@ -208,7 +202,7 @@ def health_server():
             self.wfile.write(b"OK")
 
         def log_message(self, *args):
-            pass
+            """No request lines on stderr: the test output is about the preflight, not the server."""
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.status = 200
