@@ -66,10 +66,12 @@ def pipeline(
         finally:
             runner.close(ws)
         stages = [_stage_summary(name, state) for name, state in states.items()]
+        # Only what this run scheduled: a `--until` run must not report an earlier run's results.
+        registered = _registered(ws) if "register" in futures else None
         summary = {
             "stages": stages,
             "mlflow_run_id": parent.run_id,
-            "model_version": _registered_version(ws) if "register" in futures else None,
+            "model_version": registered["version"] if registered else None,
             "workspace": str(ws),
             "seconds": round(time.perf_counter() - started, 3),
         }
@@ -77,7 +79,7 @@ def pipeline(
         if (ws / "dvc.lock").exists():
             parent.log_artifact(ws / "dvc.lock")  # hashes of every input and output after the run
         parent.log_metrics({f"stage_seconds/{s['name']}": s["seconds"] for s in stages if s["seconds"] is not None})
-        _publish_artifacts(ws, summary)
+        _publish_artifacts(summary, evaluation_rows(ws) if "evaluate" in futures else [], registered)
         failed = [s for s in stages if s["status"] not in ("ran", "cached")]
         if failed:
             # Re-raise the first failure so the flow run (and the MLflow parent run) fail with it.
@@ -99,11 +101,10 @@ def _stage_summary(name: str, state) -> dict:
     return {"name": name, "status": "failed" if state.is_failed() else "not run", "reason": state.message or state.name, "seconds": None, "outs": {}}
 
 
-def _registered_version(ws: Path) -> str | None:
+def _registered(ws: Path) -> dict | None:
+    """The register stage's record (`version`, `model_uri`, `alias`, `reason`), if it wrote one."""
     record = ws / "data" / "register" / "registered.json"
-    if not record.exists():
-        return None
-    return json.loads(record.read_text())["version"]
+    return json.loads(record.read_text()) if record.exists() else None
 
 
 def evaluation_rows(ws: Path) -> list[dict]:
@@ -137,13 +138,10 @@ def _cell(value, spec: str = ".4f") -> str:
     return format(value, spec) if isinstance(value, float) else str(value)
 
 
-def _publish_artifacts(ws: Path, summary: dict) -> None:
+def _publish_artifacts(summary: dict, rows: list[dict], registered: dict | None) -> None:
     """Prefect artifacts of the run: the evaluation table and a markdown summary."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    rows = evaluation_rows(ws)
     if rows:
         create_table_artifact(key="qllm-evaluation", table=rows, description="Held-out evaluation of every model of the run")
-    record = ws / "data" / "register" / "registered.json"
-    registered = json.loads(record.read_text()) if record.exists() else None
     create_markdown_artifact(key="qllm-run-summary", markdown=summary_markdown(summary, rows, registered), description="qllm pipeline run")
