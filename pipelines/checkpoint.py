@@ -12,10 +12,6 @@ Layout (one directory per checkpoint, written to a temporary name and renamed wh
 Only the newest `keep_last` checkpoints and the best one are kept. A checkpoint whose manifest is
 missing or whose checksums do not match (a crash mid-write, a truncated file) is skipped with a
 warning and the previous one is used.
-
-Whoever tracks the run can ask to be called before each checkpoint of a directory is written
-(`before_save`): `pipelines.stage` flushes its buffered MLflow metrics there, so when a checkpoint
-exists, MLflow already holds every metric up to its step and a resumed run loses none.
 """
 
 from __future__ import annotations
@@ -27,9 +23,6 @@ import os
 import random
 import shutil
 import tempfile
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,23 +35,6 @@ log = logging.getLogger("qllm.checkpoint")
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
-
-_before_save: dict[Path, Callable[[], None]] = {}
-_before_save_lock = threading.Lock()
-
-
-@contextmanager
-def before_save(directory: Path | str, callback: Callable[[], None]) -> Iterator[None]:
-    """Call `callback()` before every checkpoint written to `directory` inside the block."""
-    key = Path(directory).resolve()
-    with _before_save_lock:
-        _before_save[key] = callback
-    try:
-        yield
-    finally:
-        with _before_save_lock:
-            _before_save.pop(key, None)
-
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
@@ -132,9 +108,6 @@ class CheckpointManager:
         """Write `step-<step>` atomically, mark it best if asked, prune old ones."""
         from safetensors.torch import save_file
 
-        callback = _before_save.get(self.directory.resolve())
-        if callback is not None:
-            callback()
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"step-{step:08d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=self.directory))

@@ -118,11 +118,6 @@ def _execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pa
         )
         if checkpoints is not None:
             write_json(checkpoints / RUN_RECORD, {"run_id": tracker.run_id, "store": _store_id(root)})
-            from pipelines import checkpoint  # torch: only for training stages
-
-            # Flushed before each checkpoint: MLflow then holds every metric up to the step a
-            # resumed run starts after.
-            stack.enter_context(checkpoint.before_save(checkpoints, tracker.flush))
         tracker.log_params({name: params})
         for dep, md5 in digests.items():
             if not dep.endswith(".py"):

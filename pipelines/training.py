@@ -352,6 +352,8 @@ def train(
     With `checkpoints`, resumes from the newest valid checkpoint there (weights, optimizer,
     schedule, RNG, data position, loop state) and saves every `cfg.checkpoint_every` steps and at
     every new best validation loss. With early stopping on, the best weights are restored at the end.
+    `tracker` (`log_metrics`, `flush`) is flushed before each checkpoint is written, so the tracking
+    store holds every metric up to the checkpoint's step and a resumed run loses none.
 
     SIGTERM/SIGINT (main thread) finish the current step, save a checkpoint and raise
     `TrainingInterrupted`; a rerun resumes from it.
@@ -446,6 +448,8 @@ def _train(
             distributed.gather_into(net, model)
         snap = snapshot() if fsdp or main else None
         if main:
+            if tracker is not None:
+                tracker.flush()
             checkpoints.save(state.step, model, snap, best=best)
     progress = tqdm(total=cfg.max_steps, initial=state.step, desc=desc, unit="step", disable=None if main else True, mininterval=1.0, dynamic_ncols=True)
     window_tokens, window_start = 0, time.perf_counter()

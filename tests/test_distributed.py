@@ -41,6 +41,9 @@ class RecordingTracker:
     def log_metrics(self, metrics, step=None):
         self.calls.append((step, dict(metrics)))
 
+    def flush(self):
+        """Calls are recorded as they come: nothing is buffered."""
+
 
 def _run(checkpoint_dir=None, tracker=None, strategy="ddp", max_steps=8) -> tuple[dict, dict]:
     data, val = rows(), rows(8, seed=1)
