@@ -137,9 +137,9 @@ def _artifact_yaml(client: Any, run_id: str, path: str) -> dict | None:
 def _stage_runs(client: Any, run: Any) -> dict[str, str | None]:
     """`{stage: run that produced its outputs}` for a pipeline run: from its `dvc.lock` artifact,
     else (a run that failed before logging it) the stage runs it started."""
-    lock = _artifact_yaml(client, run.info.run_id, lineage.LOCK_FILE)
-    if lock and lock.get("stages"):
-        return lineage.stage_runs(client, lock["stages"], run.info.run_id)
+    stages = lineage.artifact_lock(client, run.info.run_id)
+    if stages:
+        return lineage.stage_runs(client, stages, run.info.run_id)
     children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
     return {child.data.tags.get("qllm.stage", child.info.run_name): child.info.run_id for child in children}
 

@@ -267,7 +267,7 @@ def for_model(uri: str, root: Path | str = ".") -> dict[str, Any]:
     parent_run_id = tags.get("mlflow.parent_run_id") or run.data.tags.get("mlflow.parentRunId")
     final_stage = run.data.tags.get("qllm.stage", "register")
     artifact = tags.get("qllm.lineage", ARTIFACT)
-    parent_lock = _artifact_lock(client, parent_run_id)
+    parent_lock = artifact_lock(client, parent_run_id)
     trail = _load_artifact(client, version.run_id, artifact)
     if trail is not None:
         source = f"{artifact} of run {version.run_id}"
@@ -309,7 +309,7 @@ def _load_artifact(client: Any, run_id: str, path: str) -> dict[str, Any] | None
     return json.loads(text) if text is not None else None
 
 
-def _artifact_lock(client: Any, run_id: str | None) -> dict[str, dict] | None:
+def artifact_lock(client: Any, run_id: str | None) -> dict[str, dict] | None:
     """The `dvc.lock` a pipeline run logged at its end (None when it has none)."""
     text = artifact_text(client, run_id, LOCK_FILE) if run_id else None
     return (yaml.safe_load(text) or {}).get("stages") or {} if text is not None else None
