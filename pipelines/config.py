@@ -201,8 +201,11 @@ class TrainParams(Section):
     beta2: float = Field(0.95, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, ge=0)
     """Gradient clipping threshold; 0 disables clipping."""
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """Autocast dtype; bf16 uses AMX on recent CPUs, fp16 (CUDA only) adds a grad scaler."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Autocast dtype. `auto`: bf16 on CUDA devices and CPUs with bf16 matrix units (AMX,
+    AVX512-BF16), fp16 on older CUDA devices, fp32 elsewhere (`pipelines.precision`); the resolved
+    value is logged and written to the stage's metrics. fp16 (CUDA only) adds a grad scaler; bf16 on
+    a CPU without bf16 units is emulated, many times slower than fp32 (a warning says by how much)."""
     eval_every: int = Field(100, ge=0)
     """Validate every N steps (0: only at the end)."""
     eval_batches: int = Field(20, ge=0)

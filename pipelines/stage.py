@@ -72,6 +72,8 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
     """
     root = Path(root).resolve()
     params = config.load_section(name, root)
+    if _trains(params):
+        params = _resolve_precision(name, params)
     if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.distributed
         return _execute_distributed(name, body, root, params, parent_run_id)
     return _execute(name, body, root, params, parent_run_id)
@@ -125,13 +127,30 @@ def _execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pa
         tracker.set_tags({f"qllm.dep.{dep}": md5 for dep, md5 in digests.items()})
         ctx = StageContext(name=name, root=root, params=params, tracker=tracker, fingerprint=fingerprint, log=log)
         metrics = body(ctx) or {}
-        metrics = {**metrics, "seconds": round(time.perf_counter() - started, 3)}
+        metrics = {**metrics, **({"precision": params.train.precision} if _trains(params) else {}),
+                   "seconds": round(time.perf_counter() - started, 3)}
         tracker.log_metrics({k: v for k, v in config.flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         metrics_file = f"{METRICS_DIR}/{name}.json"
         if metrics_file in ctx.spec.metrics:
             write_json(root / metrics_file, {**metrics, "mlflow_run_id": tracker.run_id})
             tracker.log_artifact(root / metrics_file)
     return metrics
+
+
+def _resolve_precision(name: str, params: Any) -> Any:
+    """`train.precision: auto` -> the precision this device trains in (`pipelines.precision`); an
+    explicit one is kept (bf16 on a CPU that emulates it warns once). The stage then runs, logs and
+    fingerprints the resolved value, and its metrics file records it as `precision`."""
+    from pipelines import precision  # torch: only for training stages
+
+    requested = params.train.precision
+    resolved = precision.resolve(requested, name)
+    if requested == "auto":
+        cap = precision.capability()
+        logging.getLogger(f"qllm.{name}").info(
+            "precision auto -> %s (%s, native bf16: %s)", resolved, cap.device, "yes" if cap.bf16_native else "no"
+        )
+    return params.model_copy(update={"train": params.train.model_copy(update={"precision": resolved})})
 
 
 def _trains(params: Any) -> bool:

@@ -11,7 +11,7 @@ A method differs only in what it hands the loop:
   for a skipped non-finite batch), `"step_end"`, `"eval"`
 
 The loop owns the rest: AdamW with no-decay groups, warmup + cosine/linear schedule, gradient
-accumulation, clipping, bf16 autocast (AMX on CPU), progress bar, MLflow metrics, checkpoints and
+accumulation, clipping, autocast in the precision the device supports (`auto`), progress bar, MLflow metrics, checkpoints and
 exact resume, early stopping, optional gradient checkpointing, and two guards that turn a crash into
 an actionable message:
 
@@ -42,6 +42,7 @@ from pipelines import distributed
 from pipelines.checkpoint import CheckpointManager, rng_state, set_rng_state
 from pipelines.config import TrainParams
 from pipelines.errors import QllmError, clear_stop, request_stop, stop_requested
+from pipelines.precision import resolve as resolve_precision
 
 log = logging.getLogger("qllm.training")
 
@@ -185,7 +186,10 @@ def lr_multiplier(step: int, cfg: TrainParams) -> float:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16/fp16 autocast (weights and optimizer stay fp32); a no-op for fp32."""
+    """bf16/fp16 autocast (weights and optimizer stay fp32); a no-op for fp32; `auto` as resolved
+    for this device (`pipelines.precision`)."""
+    if precision == "auto":
+        precision = resolve_precision(precision)
     if precision == "fp32":
         return contextlib.nullcontext()
     if precision == "fp16" and device.type != "cuda":
@@ -366,6 +370,8 @@ def train(
     (`distributed.shard`); checkpoints gather its full weights and optimizer state on rank 0, and
     at the end every rank's `model` gets the full trained weights.
     """
+    if cfg.precision == "auto":  # stages resolve it before (pipelines.stage); direct callers get the same choice
+        cfg = cfg.model_copy(update={"precision": resolve_precision(cfg.precision, desc)})
     with _StopSignals() as stop_signals:
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, callbacks=callbacks,
                       desc=desc, stop_signals=stop_signals)  # fmt: skip
