@@ -1,0 +1,131 @@
+"""`precision: auto`: the choice per device with the hardware mocked, the warning for emulated bf16,
+and how stages and the loop use the resolved value."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pipelines import precision
+from pipelines.config import TrainParams
+
+
+@pytest.fixture(autouse=True)
+def fresh_capability():
+    precision.capability.cache_clear()
+    precision.cpu_bf16_slowdown.cache_clear()
+    precision._warned.clear()
+    yield
+    precision.capability.cache_clear()
+    precision.cpu_bf16_slowdown.cache_clear()
+    precision._warned.clear()
+
+
+def _cpu(monkeypatch, *, amx=False, avx512_bf16=False, onednn_bf16=True, slowdown=0.2):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(precision, "_device_type", lambda: "cpu")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
+    monkeypatch.setattr(precision, "cpu_bf16_slowdown", lambda: slowdown)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"amx": True}, "bf16"),  # Sapphire Rapids and newer
+        ({"avx512_bf16": True}, "bf16"),  # Cooper Lake, Zen 4
+        ({}, "fp32"),  # AVX2-only (most laptops, EPYC before Zen 4), AVX-512 without BF16
+        ({"amx": True, "onednn_bf16": False}, "fp32"),  # ONEDNN_MAX_CPU_ISA capped below bf16
+        ({"avx512_bf16": True, "slowdown": 60.0}, "fp32"),  # flags present but the probe says emulated
+    ],
+)
+def test_auto_on_cpu(monkeypatch, flags, expected):
+    _cpu(monkeypatch, **flags)
+    assert precision.resolve("auto") == expected
+    assert precision.capability().auto == expected
+    assert precision.capability().bf16_native is (expected == "bf16")
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, "bf16"), (False, "fp16")])
+def test_auto_on_cuda(monkeypatch, native, expected):
+    monkeypatch.setattr(precision, "_device_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native)
+    assert precision.resolve("auto") == expected
+
+
+def test_auto_on_mps_is_fp32(monkeypatch):
+    monkeypatch.setattr(precision, "_device_type", lambda: "mps")
+    assert precision.resolve("auto") == "fp32"
+
+
+def test_explicit_precisions_are_kept(monkeypatch):
+    _cpu(monkeypatch, amx=True)
+    assert [precision.resolve(p) for p in ("bf16", "fp16", "fp32")] == ["bf16", "fp16", "fp32"]
+    with pytest.raises(ValueError, match="precision must be one of auto, bf16, fp16, fp32, not 'fp8'"):
+        precision.resolve("fp8")
+
+
+def test_explicit_bf16_on_emulating_cpu_warns_once_with_the_slowdown(monkeypatch, caplog):
+    _cpu(monkeypatch, slowdown=78.0)
+    with caplog.at_level(logging.WARNING, logger="qllm.precision"):
+        assert precision.resolve("bf16", "sft") == "bf16"
+        assert precision.resolve("bf16", "lora") == "bf16"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "sft: precision bf16 on a CPU without bf16 matrix units" in warnings[0]
+    assert "took 78x as long as fp32 here; precision auto would choose fp32" in warnings[0]
+
+
+def test_no_warning_where_bf16_is_native(monkeypatch, caplog):
+    _cpu(monkeypatch, avx512_bf16=True)
+    with caplog.at_level(logging.WARNING, logger="qllm.precision"):
+        precision.resolve("bf16")
+    assert not caplog.records
+
+
+def test_measured_probe_is_a_positive_ratio():
+    """The real probe on this machine: a finite ratio, and the thread count is restored."""
+    threads = torch.get_num_threads()
+    ratio = precision.cpu_bf16_slowdown()
+    assert 0 < ratio < 1000
+    assert torch.get_num_threads() == threads
+
+
+def test_autocast_follows_the_resolution(monkeypatch):
+    from pipelines import training
+
+    _cpu(monkeypatch)  # no bf16 units: auto is fp32, autocast a no-op
+    with training.autocast(torch.device("cpu"), "auto"):
+        assert not torch.is_autocast_enabled("cpu")
+    precision.capability.cache_clear()
+    _cpu(monkeypatch, amx=True)
+    with training.autocast(torch.device("cpu"), "auto"):
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_default_is_auto_and_params_yaml_uses_it():
+    import yaml
+
+    from tests.conftest import REPO
+
+    assert TrainParams().precision == "auto"
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert {name: section["train"]["precision"] for name, section in data.items() if isinstance(section, dict) and "train" in section} == {
+        name: "auto" for name in ("pretrain", "sft", "probe_lora", "lora", "dpo")
+    }
+
+
+def test_stage_resolves_and_records_precision(monkeypatch):
+    from pipelines import stage
+    from pipelines.config import FinetuneParams
+
+    _cpu(monkeypatch)
+    params = FinetuneParams()
+    resolved = stage._resolve_precision("sft", params)
+    assert params.train.precision == "auto"
+    assert resolved.train.precision == "fp32"
+    assert resolved.model_copy(update={"train": params.train}) == params  # only the precision changed
