@@ -447,6 +447,10 @@ class RegisterParams(Section):
 warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows', category=UserWarning)
 
 
+class ProbeDeviceParams(Section):
+    """`probe_device` has no settings: it records the machine (see `pipelines/probe_device.py`)."""
+
+
 class Params(Section):
     """The whole `params.yaml`: one section per stage."""
 
@@ -455,6 +459,7 @@ class Params(Section):
     prepare_data: PrepareDataParams = PrepareDataParams()
     train_tokenizer: TrainTokenizerParams = TrainTokenizerParams()
     tokenize: TokenizeParams = TokenizeParams()
+    probe_device: ProbeDeviceParams = ProbeDeviceParams()
     pretrain: PretrainParams = PretrainParams()
     sft: SftParams = SftParams()
     probe_lora: ProbeLoraParams = ProbeLoraParams()

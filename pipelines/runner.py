@@ -123,6 +123,8 @@ def reproduce(
         (stage,) = repo.stage.collect(f"{dag.DVC_FILE}:{name}")
         if not force and not stage.changed():
             return _outcome(stage, "cached", "up-to-date", started)
+        if stage.always_changed:  # probe_device: reads the machine in milliseconds, never cached, trains nothing
+            execute = run_in_process
         stage.remove_outs(ignore_remove=False, force=False)
         restored = not force and _restore(repo, stage)
         if not restored:

@@ -61,6 +61,12 @@ def mlflow_template_db(tmp_path_factory) -> Path:
     return path
 
 
+def dvc_up_to_date(status_output: str) -> bool:
+    """`dvc status` reports nothing stale: at most `probe_device`, which DVC reruns every time
+    (`always_changed`: it reads the machine; unchanged bytes leave everything downstream cached)."""
+    return status_output.strip() in ("Data and pipelines are up to date.", "probe_device:\n\talways changed")
+
+
 def run(cmd: list[str], cwd: Path, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, check=check, capture_output=True, text=True, **kwargs)
 

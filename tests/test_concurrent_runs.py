@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from pipelines import dag, runner, workspace
-from tests.conftest import make_project, run
+from tests.conftest import dvc_up_to_date, make_project, run
 
 # --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------
 
@@ -92,12 +92,12 @@ def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypat
             statuses[stage["name"]].append((stage["status"], stage["reason"]))
     assert list(statuses) == dag.order(project)
     for name, pair in statuses.items():
-        expected = [("ran", "executed")] * 2 if name in ("evaluate", "register") else [("cached", "run-cache"), ("ran", "executed")]
+        expected = [("ran", "executed")] * 2 if name in ("probe_device", "evaluate", "register") else [("cached", "run-cache"), ("ran", "executed")]
         assert sorted(pair) == expected, (name, pair)
 
     # Each workspace is consistent: outputs match its dvc.lock, shared outputs are the same bytes.
     checks = [subprocess.Popen([sys.executable, "-m", "dvc", "status"], cwd=ws, stdout=subprocess.PIPE, text=True) for ws in wss]
-    assert all("Data and pipelines are up to date." in check.communicate(timeout=120)[0] for check in checks)
+    assert all(dvc_up_to_date(check.communicate(timeout=120)[0]) for check in checks)
     locks = [yaml.safe_load((ws / "dvc.lock").read_text())["stages"] for ws in wss]
     for name in statuses:
         if name not in ("evaluate", "register"):
@@ -116,7 +116,7 @@ def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypat
         ran = sorted(s["name"] for s in result["stages"] if s["status"] == "ran")
         assert sorted(r.data.tags["qllm.stage"] for r in children) == ran
         assert {r.info.status for r in children} == {"FINISHED"}
-    assert len(runs) == 2 + len(statuses) + 2  # parents + one run per shared stage + evaluate/register twice
+    assert len(runs) == 2 + len(statuses) + 3  # parents + one run per shared stage + probe_device/evaluate/register twice
 
     # The registry: one version per run, each with the alias its gate decided.
     versions = sorted(r["model_version"] for r in results)

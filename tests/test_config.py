@@ -80,7 +80,7 @@ def test_negative_learning_rate_is_rejected_with_line(tmp_path):
     [
         ("tokenize:\n  seq_len: 1.5\n", "tokenize.seq_len: Input should be a valid integer"),
         ("tokenize:\n  seq_len: true\n", "tokenize.seq_len: expected a number, got a boolean"),
-        ("pretrain:\n  train:\n    precision: fp8\n", "pretrain.train.precision: Input should be 'bf16', 'fp16' or 'fp32'"),
+        ("pretrain:\n  train:\n    precision: fp8\n", "pretrain.train.precision: Input should be 'auto', 'bf16', 'fp16' or 'fp32'"),
         ("ingest:\n  sources: []\n", "ingest.sources: List should have at least 1 item"),
         ("ingest:\n  sources:\n    - {path: a, kind: audio}\n", "ingest.sources.0.kind: Input should be 'text', 'chat' or 'preference'"),
         ("bogus_stage: {}\n", "bogus_stage: unknown key (expected one of: dpo, evaluate, generate, ingest"),

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pipelines import dag, tracking
-from tests.conftest import make_project, run
+from tests.conftest import dvc_up_to_date, make_project, run
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[1]))
 
@@ -57,6 +57,38 @@ def test_first_run_runs_every_stage_in_dag_order(first, project):
     assert 0 < lora["trainable_fraction"] < 0.2 and lora["steps"] == 6
 
 
+def test_precision_auto_is_resolved_recorded_and_tracked(first, project):
+    from pipelines import precision
+
+    cap = precision.capability()
+    assert json.loads((project / "data/device.json").read_text()) == cap.as_dict()
+    for name in ("pretrain", "sft", "probe_lora", "lora", "dpo"):
+        assert json.loads((project / f"data/metrics/{name}.json").read_text())["precision"] == cap.auto
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    assert {d["path"] for d in lock["pretrain"]["deps"]} >= {"data/device.json"}  # another machine kind reruns training
+    client = mlflow_client(project)
+    run_id = json.loads((project / "data/metrics/sft.json").read_text())["mlflow_run_id"]
+    assert client.get_run(run_id).data.params["sft.train.precision"] == cap.auto
+
+
+def test_another_kind_of_machine_makes_training_stale(first, project):
+    """What probe_device would write on a machine where `auto` means the other precision: DVC then
+    finds every training stage (and what follows) stale, and nothing before them."""
+    device = project / "data/device.json"
+    saved = device.read_bytes()
+    mine = json.loads(saved)
+    other = mine | {"bf16_native": not mine["bf16_native"], "auto": "fp32" if mine["auto"] == "bf16" else "bf16"}
+    try:
+        device.write_text(json.dumps(other, indent=2, sort_keys=True) + "\n")
+        status = run([sys.executable, "-m", "dvc", "status"], project).stdout
+        stale = {line.rstrip(":") for line in status.splitlines() if line and not line[0].isspace()}
+        assert stale >= {"pretrain", "sft", "probe_lora", "lora", "dpo"}, status
+        assert not stale & {"generate", "ingest", "prepare_data", "train_tokenizer", "tokenize"}, status
+    finally:
+        device.write_bytes(saved)
+    assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], project).stdout)
+
+
 def test_outputs_are_hugging_face_directories(first, project):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,14 +103,16 @@ def test_rerun_is_all_cache_hits_and_dvc_agrees(first, project):
     from flows.pipeline import pipeline
 
     second = pipeline(project_dir=str(project))
-    assert [(s["name"], s["status"], s["reason"]) for s in second["stages"]] == [(n, "cached", "up-to-date") for n in STAGES]
+    # probe_device always runs (it reads the machine); its output is the same bytes, so nothing else does
+    assert [(s["name"], s["status"], s["reason"]) for s in second["stages"]] == [
+        (n, "ran", "executed") if n == "probe_device" else (n, "cached", "up-to-date") for n in STAGES
+    ]
     assert second["seconds"] < 10
     assert second["model_version"] == "1"  # register is cached: no new version
-    status = run([sys.executable, "-m", "dvc", "status"], project).stdout
-    assert "Data and pipelines are up to date." in status
+    assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], project).stdout)
     repro = run([sys.executable, "-m", "dvc", "repro"], project)
-    assert "Data and pipelines are up to date." in repro.stdout + repro.stderr
-    assert all(f"Stage '{n}' didn't change" in repro.stdout + repro.stderr for n in STAGES)
+    assert "Running stage 'probe_device'" in repro.stdout
+    assert all(f"Stage '{n}' didn't change" in repro.stdout + repro.stderr for n in STAGES if n != "probe_device")
 
 
 def test_mlflow_parent_run_with_one_child_per_stage(first, project):
@@ -98,7 +132,7 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     # Input datasets carry the DVC md5 as digest: MLflow and dvc.lock name the same bytes.
     outs = lock_outs(project)
     inputs = {d.dataset.name: d.dataset.digest for d in pretrain.inputs.dataset_inputs}
-    assert inputs == {"data/tokenized": outs["data/tokenized"], "data/tokenizer": outs["data/tokenizer"]}
+    assert inputs == {d: outs[d] for d in ("data/device.json", "data/tokenized", "data/tokenizer")}
     assert json.loads((project / "data/metrics/pretrain.json").read_text())["mlflow_run_id"] == pretrain.info.run_id
 
 
@@ -196,12 +230,13 @@ def test_override_runs_in_a_workspace_and_reuses_upstream(first, project):
     summary = pipeline(overrides=["evaluate.max_new_tokens=2"], project_dir=str(project))
     status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
     upstream = STAGES[: STAGES.index("evaluate")]
-    assert all(status[n] == ("cached", "run-cache") for n in upstream), status
+    assert all(status[n] == ("cached", "run-cache") for n in upstream if n != "probe_device"), status
+    assert status["probe_device"] == ("ran", "executed")
     assert status["evaluate"] == ("ran", "executed") and status["register"] == ("ran", "executed")
     assert summary["workspace"].startswith(str(project / ".qllm" / "runs"))
     assert summary["model_version"] == "2"
     assert (project / "params.yaml").read_bytes() == params_before
-    assert "Data and pipelines are up to date." in run([sys.executable, "-m", "dvc", "status"], project).stdout
+    assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], project).stdout)
 
 
 def test_quantum_allocation_drives_lora(first, project):
@@ -224,7 +259,7 @@ def test_changing_the_solver_reruns_from_quantum_opt(first, project):
 
     summary = pipeline(overrides=["quantum_opt.solver=milp"], project_dir=str(project))
     status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
-    assert [n for n, (st, _) in status.items() if st == "ran"] == ["quantum_opt", "lora", "evaluate", "register"], status
+    assert [n for n, (st, _) in status.items() if st == "ran"] == ["probe_device", "quantum_opt", "lora", "evaluate", "register"], status
     assert status["probe_lora"] == ("cached", "run-cache")
     metrics = json.loads((Path(summary["workspace"]) / "data/metrics/quantum_opt.json").read_text())
     assert metrics["solver"] == "milp" and metrics["gap_to_milp"] == 0.0
@@ -235,7 +270,7 @@ def test_uniform_lora_rank_reruns_only_lora_and_downstream(first, project):
 
     summary = pipeline(overrides=["lora.allocation=uniform", "lora.r=2"], project_dir=str(project))
     ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
-    assert ran == ["lora", "evaluate", "register"]
+    assert ran == ["probe_device", "lora", "evaluate", "register"]
     trainable = json.loads((Path(summary["workspace"]) / "data/metrics/lora.json").read_text())["trainable_parameters"]
     quantum = json.loads((project / "data/metrics/lora.json").read_text())["trainable_parameters"]
     cost = json.loads((project / "data/quantum_opt/allocation.json").read_text())["cost"]
@@ -249,7 +284,7 @@ def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):
     for beta in ("0.05", "0.2"):  # both differ from params.yaml (1.0): real overrides
         summary = pipeline(overrides=[f"dpo.beta={beta}"], project_dir=str(project))
         status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
-        assert [n for n, (st, _) in status.items() if st == "ran"] == ["dpo", "evaluate", "register"], status
+        assert [n for n, (st, _) in status.items() if st == "ran"] == ["probe_device", "dpo", "evaluate", "register"], status
         # the reference pass (and everything before it) comes from DVC's run-cache
         assert status["ref_logprobs"] == status["sft"] == status["pretrain"] == ("cached", "run-cache")
         dpo_metrics = json.loads((Path(summary["workspace"]) / "data/metrics/dpo.json").read_text())
@@ -275,7 +310,7 @@ def test_cli_prints_one_line_per_stage_and_writes_the_summary(first, project, tm
     result = cli(project, "run", "--summary-json", str(tmp_path / "summary.json"))
     assert result.returncode == 0, result.stderr
     lines = [line.split() for line in result.stdout.splitlines() if line.split() and line.split()[0] in STAGES]
-    assert [(name, status) for name, status, _ in lines] == [(n, "cached") for n in STAGES]
+    assert [(name, status) for name, status, _ in lines] == [(n, "ran" if n == "probe_device" else "cached") for n in STAGES]
     assert all(float(seconds) >= 0 for _, _, seconds in lines)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(s["name"], s["status"]) for s in summary["stages"]] == [(n, "cached") for n in STAGES]
@@ -314,7 +349,7 @@ def test_dvc_exp_run_reruns_only_evaluate_and_register(first, project):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     ran = [n for n in STAGES if f"Running stage '{n}'" in output]
-    assert ran == ["evaluate", "register"], output
+    assert ran == ["probe_device", "evaluate", "register"], output
 
 
 def test_sweep_runs_each_override_set_sharing_upstream(first, project):
@@ -325,7 +360,7 @@ def test_sweep_runs_each_override_set_sharing_upstream(first, project):
     assert len(summaries) == 2 and summaries[0]["workspace"] != summaries[1]["workspace"]
     for summary in summaries:
         status = {s["name"]: s["status"] for s in summary["stages"]}
-        assert [n for n, st in status.items() if st == "ran"] == ["dpo", "evaluate", "register"], status
+        assert [n for n, st in status.items() if st == "ran"] == ["probe_device", "dpo", "evaluate", "register"], status
 
 
 def test_from_stage_reruns_only_downstream(first, project):
@@ -333,5 +368,5 @@ def test_from_stage_reruns_only_downstream(first, project):
 
     summary = pipeline(from_stage="evaluate", force=["evaluate", "register"], project_dir=str(project))
     status = {s["name"]: s["status"] for s in summary["stages"]}
-    assert [n for n, st in status.items() if st == "ran"] == ["evaluate", "register"]
-    assert all(status[n] == "cached" for n in STAGES if n not in ("evaluate", "register"))
+    assert [n for n, st in status.items() if st == "ran"] == ["probe_device", "evaluate", "register"]
+    assert all(status[n] == "cached" for n in STAGES if n not in ("probe_device", "evaluate", "register"))

@@ -1,0 +1,48 @@
+"""Record what this machine trains with, so DVC reruns training where `precision: auto` would differ.
+
+    python -m pipelines.probe_device   # what dvc.yaml runs (always: `always_changed: true`); writes data/device.json
+
+`precision: auto` (the default of every training stage) resolves per machine: bf16 where the device
+has bf16 matrix units, fp32 on other CPUs, fp16 on older CUDA devices (`pipelines.precision`). A
+stage trained in bf16 is not the stage another machine would train in fp32, so the resolution has
+to be part of what DVC calls "the same inputs", or a `dvc pull`/run-cache hit would hand one
+machine's result to a machine that would have computed something else.
+
+DVC's idiom for state outside the repository is a stage with `always_changed: true` whose output
+the dependent stages list as a dependency: it runs on every `dvc repro`/`qllm run` (tens of
+milliseconds), and when its output has the same bytes as last time nothing downstream is stale.
+The output holds only what changes the numbers (device kind, whether bf16 is native, what `auto`
+means here), not the CPU model or a timing, so two machines of the same kind share their caches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelines import stage
+from pipelines.outputs import write_json
+
+NAME = "probe_device"
+OUT = "data/device.json"
+
+
+def run(out: Path) -> dict:
+    from pipelines import precision  # torch: imported when the stage runs, not when it is listed
+
+    cap = precision.capability().as_dict()
+    write_json(out, cap)
+    return cap
+
+
+def _body(ctx: stage.StageContext) -> dict:
+    cap = run(ctx.path(OUT))
+    ctx.log.info("device %s, native bf16: %s -> precision auto is %s", cap["device"], "yes" if cap["bf16_native"] else "no", cap["auto"])
+    return cap
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
