@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -116,16 +118,42 @@ def wrap(params: LoraAdapterParams, section: str = "lora"):
     return apply
 
 
+# PEFT keeps these as sets and writes them in set order, which changes with PYTHONHASHSEED.
+SET_FIELDS = ("target_modules", "exclude_modules")
+
+
+@contextmanager
+def named_base(model, name: str) -> Iterator[None]:
+    """Within the block the base model's `name_or_path` is `name`: PEFT's model card (README.md:
+    `base_model` and the `base_model:adapter:` tag) records it, and it is this run's absolute path.
+    (The adapter config's `base_model_name_or_path` stays: PEFT's save reads the base config there.)"""
+    base = model.get_base_model()
+    own_name, config_name = base.name_or_path, base.config.name_or_path
+    base.name_or_path = base.config.name_or_path = name
+    try:
+        yield
+    finally:
+        base.name_or_path, base.config.name_or_path = own_name, config_name
+
+
 def save(params: LoraAdapterParams, base_for_users: str, merge: bool = True):
-    """Write the adapter directory (and, with `merge`, `merged/`) recording `base_for_users`."""
+    """Write the adapter directory (and, with `merge`, `merged/`) recording `base_for_users`.
+
+    The same adapter gives the same bytes in any directory and process: the base is named as
+    users name it (a path relative to the project), not by this run's absolute path, and the
+    module lists PEFT holds as sets are written sorted.
+    """
 
     def write(model, tokenizer, directory: Path) -> None:
-        model.save_pretrained(directory)
+        with named_base(model, base_for_users):
+            model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
-        # Record the base as users name it (a path relative to the project), not this run's path.
         adapter_config = directory / "adapter_config.json"
         settings = json.loads(adapter_config.read_text())
         settings["base_model_name_or_path"] = base_for_users
+        for field in SET_FIELDS:
+            if isinstance(settings.get(field), list):
+                settings[field] = sorted(settings[field])
         adapter_config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         if merge:
             merged = model.merge_and_unload()

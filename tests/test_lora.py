@@ -95,6 +95,22 @@ def test_adapter_round_trip_and_merge(tiny_base, tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "data/models/pretrain"
 
 
+def test_adapter_files_name_no_local_path_and_no_set_order(tiny_base, tmp_path):
+    """The model card and adapter_config.json are the same bytes in any directory and process:
+    PEFT would write the base's absolute path into README.md and `target_modules` in set order."""
+    import json
+
+    model = wrapped(tiny_base, lora_params(tiny_base, target_modules=["v_proj", "q_proj", "up_proj", "k_proj", "o_proj"]))
+    lora.save(lora_params(tiny_base), "data/models/pretrain", merge=False)(model, load_tokenizer(tiny_base / "model"), tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert str(tiny_base) not in card
+    assert "base_model: data/models/pretrain" in card and "base_model:adapter:data/models/pretrain" in card
+    settings = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert settings["target_modules"] == ["k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert settings["base_model_name_or_path"] == "data/models/pretrain"
+    assert model.get_base_model().name_or_path == str(tiny_base / "model")  # the live model keeps its path
+
+
 def test_sft_trains_all_weights_and_lowers_the_loss(tiny_base, tmp_path):
     params = SftParams(base_model=str(tiny_base / "model"), train=TRAIN.model_copy(update={"max_steps": 12, "eval_every": 12}))
     metrics = sft.run(tiny_base / "chat", tmp_path / "sft", params)
