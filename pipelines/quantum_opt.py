@@ -67,8 +67,10 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
     if not chosen:
         raise QllmError(f"quantum_opt: the budget ({budget} parameters) is below the cheapest adapter; no module gets a rank "
                         "(raise quantum_opt.budget/budget_rank or use lora.allocation: uniform)")
+    # allocation.json is a DVC output: the same scores give the same bytes (the solve time goes to
+    # the metrics file as solve_seconds; module lists sorted, the JSON key-sorted)
     record = {
-        **allocation.as_dict(),
+        **{k: v for k, v in allocation.as_dict().items() if k != "wall_seconds"},
         "lam": params.lam,
         "target_modules": sorted(chosen),
         "rank_pattern": dict(sorted(chosen.items())),
