@@ -1,0 +1,111 @@
+"""Quality and time of the pretrain -> sft defaults, over seeds and precisions, on one machine.
+
+    python -m benchmarks.default_quality --project DIR [--seeds 0 1 2] [--precisions fp32 bf16]
+        [--set pretrain.train.max_steps=300 ...] [--label NAME] [--jsonl FILE]
+
+DIR is a project after `qllm run --until tokenize` (it needs data/tokenized, data/tokenizer and
+data/prepared/chat). For every precision and seed this runs the `pretrain` and `sft` stages' code
+with the project's params.yaml plus `--set` (the seed sets both stages' `train.seed`), then scores
+the SFT model as `evaluate` does (greedy held-out exact match). Prints one line per run and, per
+precision, mean +- standard deviation and the range: the spread, not the best run. `--jsonl`
+appends every run as a JSON line (for the tables in benchmarks/RESULTS.md).
+
+Choosing defaults: run it with the candidate `--set`s on both CPU kinds (an AVX2-only CPU, or an
+AMX/AVX512-BF16 one with `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` to imitate it: check
+with `python -c "from pipelines import precision; print(precision.cpu_bf16_slowdown())"` that bf16
+became slow), and both precisions where the machine has bf16 natively.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pipelines import config, precision, pretrain, sft
+from pipelines.evaluate import evaluate_model, heldout_questions
+
+
+def _with(section, seed: int, precision_name: str):
+    train = section.train.model_copy(update={"seed": seed, "precision": precision_name, "checkpoint_every": 0})
+    return section.model_copy(update={"train": train})
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def one_run(root: Path, params, seed: int, precision_name: str, questions, work: Path) -> dict:
+    pre_params = _with(params.pretrain, seed, precision_name)
+    sft_params = _with(params.sft, seed, precision_name)
+    pre_out, sft_out = work / "pretrain", work / "sft"
+    started = time.perf_counter()
+    pre = pretrain.run(root / pretrain.TOKENIZED, root / pretrain.TOKENIZER, pre_out, pre_params, None)
+    pre_seconds = time.perf_counter() - started
+    sft_params = sft_params.model_copy(update={"base_model": str(pre_out)})
+    started = time.perf_counter()
+    tuned = sft.run(root / sft.CHAT, sft_out, sft_params)
+    sft_seconds = time.perf_counter() - started
+    evaluate = params.evaluate.model_copy(update={"models": ["sft"]})
+    result = evaluate_model(sft_out, root, root / "data/tokenized", questions, work / "eval", evaluate)
+    return {
+        "seed": seed,
+        "precision": precision_name,
+        "pretrain_val_perplexity": round(pre["val/perplexity"], 4),
+        "sft_val_loss": round(tuned.get("val/loss", float("nan")), 4),
+        "sft_exact_match": round(result["exact_match"], 4),
+        "pretrain_seconds": round(pre_seconds, 1),
+        "sft_seconds": round(sft_seconds, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--project", type=Path, required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--precisions", nargs="+", default=["auto"], choices=precision.PRECISIONS)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--label", default="", help="a name for this setting in the output")
+    parser.add_argument("--jsonl", type=Path, help="append each run as a JSON line")
+    args = parser.parse_args(argv)
+    root = args.project.resolve()
+    params, _ = config.load(root, overrides=args.overrides)
+    questions = heldout_questions(root / sft.CHAT, params.evaluate.max_questions)
+    machine = {"cpu": cpu_name(), "bf16_slowdown": round(precision.cpu_bf16_slowdown(), 3), "threads": torch.get_num_threads()}
+    print(f"{args.label or 'setting'}: {' '.join(args.overrides) or 'params.yaml'}; {machine}")
+    runs: dict[str, list[dict]] = {}
+    for name in args.precisions:
+        resolved = precision.resolve(name)
+        for seed in args.seeds:
+            with tempfile.TemporaryDirectory() as tmp:
+                row = one_run(root, params, seed, resolved, questions, Path(tmp))
+            row |= {"label": args.label, "overrides": args.overrides, **machine}
+            runs.setdefault(resolved, []).append(row)
+            print(json.dumps(row), flush=True)
+            if args.jsonl:
+                with args.jsonl.open("a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(row) + "\n")
+    for name, rows in runs.items():
+        summary = []
+        for key in ("pretrain_val_perplexity", "sft_exact_match", "pretrain_seconds", "sft_seconds"):
+            values = [r[key] for r in rows]
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            summary.append(f"{key} {statistics.mean(values):.4g} +- {sd:.2g} [{min(values):.4g}, {max(values):.4g}]")
+        print(f"{args.label or 'setting'} {name} ({len(rows)} seeds): " + "; ".join(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
