@@ -178,8 +178,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
         "value": value,
         "previous_champion": decision.champion_version,
         "model_uri": f"models:/{params.model_name}/{model_version}",
-        "run_id": run_id,
-    }
+    }  # no MLflow run id: a DVC output holds no per-run identifier (the version knows its run)
     with atomic_dir(out) as tmp:
         write_json(tmp / "registered.json", record)
     return record
