@@ -39,7 +39,6 @@ def _cpu(monkeypatch, *, amx=False, avx512_bf16=False, onednn_bf16=True, slowdow
         ({"avx512_bf16": True}, "bf16"),  # Cooper Lake, Zen 4
         ({}, "fp32"),  # AVX2-only (most laptops, EPYC before Zen 4), AVX-512 without BF16
         ({"amx": True, "onednn_bf16": False}, "fp32"),  # ONEDNN_MAX_CPU_ISA capped below bf16
-        ({"avx512_bf16": True, "slowdown": 60.0}, "fp32"),  # flags present but the probe says emulated
     ],
 )
 def test_auto_on_cpu(monkeypatch, flags, expected):
@@ -87,11 +86,8 @@ def test_no_warning_where_bf16_is_native(monkeypatch, caplog):
 
 
 def test_measured_probe_is_a_positive_ratio():
-    """The real probe on this machine: a finite ratio, and the thread count is restored."""
-    threads = torch.get_num_threads()
-    ratio = precision.cpu_bf16_slowdown()
-    assert 0 < ratio < 1000
-    assert torch.get_num_threads() == threads
+    """The real probe (used only in the warning): a finite, positive ratio on this machine."""
+    assert 0 < precision.cpu_bf16_slowdown() < 10_000
 
 
 def test_autocast_follows_the_resolution(monkeypatch):
