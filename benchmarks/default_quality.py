@@ -1,14 +1,16 @@
 """Quality and time of the pretrain -> sft defaults, over seeds and precisions, on one machine.
 
     python -m benchmarks.default_quality --project DIR [--seeds 0 1 2] [--precisions fp32 bf16]
-        [--set pretrain.train.max_steps=300 ...] [--label NAME] [--jsonl FILE]
+        [--set pretrain.train.max_steps=300 ...] [--label NAME] [--jsonl FILE] [--cache DIR]
 
 DIR is a project after `qllm run --until tokenize` (it needs data/tokenized, data/tokenizer and
 data/prepared/chat). For every precision and seed this runs the `pretrain` and `sft` stages' code
 with the project's params.yaml plus `--set` (the seed sets both stages' `train.seed`), then scores
 the SFT model as `evaluate` does (greedy held-out exact match). Prints one line per run and, per
 precision, mean +- standard deviation and the range: the spread, not the best run. `--jsonl`
-appends every run as a JSON line (for the tables in benchmarks/RESULTS.md).
+appends every run as a JSON line (for the tables in benchmarks/RESULTS.md). `--cache DIR` keeps each
+pretrained model under DIR, named by its params, seed and precision, and reuses it: sweeps over `sft.*`
+settings then pretrain once per seed and precision.
 
 Choosing defaults: run it with the candidate `--set`s on both CPU kinds (an AVX2-only CPU, or an
 AMX/AVX512-BF16 one with `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` to imitate it: check
@@ -28,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from pipelines import config, precision, pretrain, sft
+from pipelines import config, dag, precision, pretrain, sft
+from pipelines.outputs import read_json, write_json
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 
@@ -47,13 +50,22 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def one_run(root: Path, params, seed: int, precision_name: str, questions, work: Path) -> dict:
+def one_run(root: Path, params, seed: int, precision_name: str, questions, work: Path, cache: Path | None = None) -> dict:
     pre_params = _with(params.pretrain, seed, precision_name)
     sft_params = _with(params.sft, seed, precision_name)
     pre_out, sft_out = work / "pretrain", work / "sft"
+    if cache is not None:
+        key = config.digest({"params": config.to_plain(pre_params), "data": dag.dvc_md5(root / pretrain.TOKENIZED)})[:16]
+        pre_out = cache / f"pretrain-{key}"
     started = time.perf_counter()
-    pre = pretrain.run(root / pretrain.TOKENIZED, root / pretrain.TOKENIZER, pre_out, pre_params, None)
-    pre_seconds = time.perf_counter() - started
+    if (pre_out / "metrics.json").exists():
+        pre = read_json(pre_out / "metrics.json")
+    else:
+        pre = pretrain.run(root / pretrain.TOKENIZED, root / pretrain.TOKENIZER, pre_out, pre_params, None)
+        pre.pop("history", None)
+        if cache is not None:
+            write_json(pre_out / "metrics.json", pre)
+    pre_seconds = pre["train_seconds"]
     sft_params = sft_params.model_copy(update={"base_model": str(pre_out)})
     started = time.perf_counter()
     tuned = sft.run(root / sft.CHAT, sft_out, sft_params)
@@ -67,6 +79,7 @@ def one_run(root: Path, params, seed: int, precision_name: str, questions, work:
         "sft_val_loss": round(tuned.get("val/loss", float("nan")), 4),
         "sft_exact_match": round(result["exact_match"], 4),
         "pretrain_seconds": round(pre_seconds, 1),
+        "sft_steps": tuned["steps"],
         "sft_seconds": round(sft_seconds, 1),
     }
 
@@ -79,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--label", default="", help="a name for this setting in the output")
     parser.add_argument("--jsonl", type=Path, help="append each run as a JSON line")
+    parser.add_argument("--cache", type=Path, help="keep and reuse pretrained models here")
     args = parser.parse_args(argv)
     root = args.project.resolve()
     params, _ = config.load(root, overrides=args.overrides)
@@ -90,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         resolved = precision.resolve(name)
         for seed in args.seeds:
             with tempfile.TemporaryDirectory() as tmp:
-                row = one_run(root, params, seed, resolved, questions, Path(tmp))
+                row = one_run(root, params, seed, resolved, questions, Path(tmp), args.cache)
             row |= {"label": args.label, "overrides": args.overrides, **machine}
             runs.setdefault(resolved, []).append(row)
             print(json.dumps(row), flush=True)
