@@ -1,9 +1,20 @@
-"""The one exception type users see without a traceback, and the stop request training honours."""
+"""The one exception type users see without a traceback, and the stop request training honours.
+
+A stop request is process-wide: the first SIGTERM/SIGINT (or Prefect's SIGTERM bridge, or a lost
+Prefect API, through `ask_stop`) sets it, every training loop in the process (in any thread)
+finishes its step, saves a checkpoint and raises, and no new stage starts. A second signal
+interrupts at once (`interrupt_training`): the newest checkpoint stays.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class QllmError(Exception):
@@ -11,26 +22,99 @@ class QllmError(Exception):
     message naming the file, line or key, with a non-zero exit code and no traceback."""
 
 
-_stop_signal: int | None = None
-"""Set by `request_stop`: every training loop in the process stops after its current step."""
+class StopRequested(QllmError):
+    """Work ended because a stop was requested (SIGTERM, SIGINT, a Prefect cancellation): training
+    checkpointed its last finished step, or the stage did not start; a rerun continues."""
+
+
+class InterruptedAtOnce(StopRequested):
+    """Raised inside a training thread by a second stop signal (`interrupt_training`)."""
+
+    def __init__(self, *args: object) -> None:  # raised by class (PyThreadState_SetAsyncExc): no arguments
+        super().__init__(*(args or ("interrupted at once by a second stop signal; the newest checkpoint stays: "
+                                    "rerun the same command to resume from it",)))  # fmt: skip
+
+
+_stop: tuple[str, int | None] | None = None
+"""(reason, signal number) once a stop was requested: every training loop in the process stops
+after its current step."""
+
+_training_threads: set[int] = set()
+_lock = threading.Lock()
 
 
 def request_stop(signum: int, frame=None) -> None:
-    """A SIGTERM/SIGINT handler: ask running training loops to checkpoint and stop (a second signal
-    interrupts at once). Training installs it while it runs in the main thread; `qllm run`
-    installs it for the whole run, whose stages train in Prefect's task threads."""
-    global _stop_signal
-    if _stop_signal is not None:
+    """The SIGTERM/SIGINT handler: the first signal asks running training loops to checkpoint and
+    stop; a second one interrupts at once (KeyboardInterrupt here, `InterruptedAtOnce` in training
+    threads). Training installs it while it runs in the main thread; `qllm run` installs it for
+    the whole run, whose stages train in Prefect's task threads."""
+    if _stop is not None:
+        interrupt_training()
         raise KeyboardInterrupt
-    _stop_signal = signum
-    logging.getLogger("qllm").warning("%s received: training stops after the current step, with a checkpoint", signal.Signals(signum).name)
+    ask_stop(signal.Signals(signum).name, signum)
 
 
-def stop_requested() -> int | None:
-    """The signal that asked training to stop, if any."""
-    return _stop_signal
+def ask_stop(reason: str, signum: int | None = None) -> None:
+    """Request the stop (without the second-signal rule): `reason` names it in every message,
+    e.g. "SIGTERM" or "the Prefect API exited"."""
+    global _stop
+    if _stop is not None:
+        return
+    _stop = (reason, signum)
+    logging.getLogger("qllm").warning("%s: training stops after the current step, with a checkpoint; no new stage starts", reason)
+
+
+def stop_requested() -> str | None:
+    """Why training was asked to stop ("SIGTERM", "SIGINT", ...), if it was."""
+    return None if _stop is None else _stop[0]
+
+
+def stop_signal() -> int | None:
+    """The signal that asked training to stop, if a signal did."""
+    return None if _stop is None else _stop[1]
 
 
 def clear_stop() -> None:
-    global _stop_signal
-    _stop_signal = None
+    global _stop
+    _stop = None
+
+
+@contextmanager
+def training_thread() -> Iterator[None]:
+    """Mark the calling thread as running a training loop while the block runs, so that a second
+    stop signal can interrupt it (`interrupt_training`) even when it is not the main thread."""
+    ident = threading.get_ident()
+    with _lock:
+        _training_threads.add(ident)
+    try:
+        yield
+    finally:
+        with _lock:
+            _training_threads.discard(ident)
+
+
+def interrupt_training() -> int:
+    """Raise `InterruptedAtOnce` in every training thread but the calling one, at its next Python
+    instruction (as Prefect's own thread timeouts do); returns how many were interrupted. Only the
+    main thread receives signals, so this is how a second signal reaches stages that train in
+    worker threads. The newest checkpoint stays (each is renamed into place only when complete)."""
+    with _lock:
+        targets = [t for t in _training_threads if t != threading.get_ident()]
+    for ident in targets:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(InterruptedAtOnce))
+    return len(targets)
+
+
+def stop_when_parent_dies(reason: str = "the parent process (dvc repro) exited") -> None:
+    """Ask for a stop (`ask_stop(reason)`) when the parent process dies (Linux: PR_SET_PDEATHSIG),
+    so that a stage run by `dvc repro` checkpoints and stops when dvc is killed: dvc passes no
+    SIGTERM on to its stage (Ctrl-C reaches both through the terminal's process group).
+
+    The kernel sends the parent-death signal again each time the orphan is handed to another
+    thread of the dying parent, so it is SIGUSR1 with an idempotent handler, not SIGTERM (whose
+    second delivery would interrupt the checkpoint). Call from the main thread. Elsewhere: nothing.
+    """
+    if sys.platform != "linux":
+        return
+    signal.signal(signal.SIGUSR1, lambda signum, frame: ask_stop(reason, signal.SIGTERM))
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGUSR1)  # 1 = PR_SET_PDEATHSIG

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines import config, dag, tracking, workspace
-from pipelines.errors import QllmError
+from pipelines.errors import QllmError, stop_when_parent_dies
 from pipelines.outputs import read_json, write_json
 
 METRICS_DIR = "data/metrics"
@@ -182,7 +182,13 @@ def _unfinished_run(root: Path, checkpoints: Path) -> str | None:
 
 
 def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[str] | None = None) -> int:
-    """Command-line entry of a stage (`python -m pipelines.<name> [--root DIR]`)."""
+    """Command-line entry of a stage (`python -m pipelines.<name> [--root DIR]`).
+
+    Under `dvc repro` (which sets DVC_STAGE) the stage also stops, with a checkpoint, when dvc is
+    killed: dvc passes no SIGTERM on to the command it runs (`pipelines.errors.stop_when_parent_dies`).
+    """
+    if os.environ.get("DVC_STAGE"):
+        stop_when_parent_dies()
     parser = argparse.ArgumentParser(prog=f"python -m pipelines.{name}", description=f"Run the {name} stage.")
     parser.add_argument("--root", default=".", help="project (or run workspace) directory; default: cwd")
     args = parser.parse_args(argv)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config import flatten
+from pipelines.errors import StopRequested, stop_requested
 from pipelines.workspace import project_root
 
 log = logging.getLogger("qllm.tracking")
@@ -211,7 +212,8 @@ def run(
     resume_run_id: str | None = None,
 ) -> Iterator[Tracker]:
     """Start an MLflow run (child of `parent_run_id` or `$QLLM_PARENT_RUN_ID`), yield its tracker,
-    and end it FINISHED, or FAILED if the block raises.
+    and end it FINISHED, or FAILED if the block raises (KILLED if a stop request ended it:
+    `pipelines.errors`).
 
     With `resume_run_id`, continue that run instead (a stage resumed from its checkpoint): it is
     set back to RUNNING, moved under the current parent run, tagged `qllm.resumes` (how many
@@ -231,14 +233,48 @@ def run(
     else:
         created = mlflow_client.create_run(experiment_id(root), tags={k: str(v) for k, v in all_tags.items()}, run_name=name)
         tracker = Tracker(mlflow_client, created.info.run_id)
+    with _open_lock:
+        _open[tracker.run_id] = (mlflow_client, name)
     try:
         yield tracker
-    except BaseException:
+    except BaseException as exc:
         tracker.flush()
-        mlflow_client.set_terminated(tracker.run_id, "FAILED")
+        mlflow_client.set_terminated(tracker.run_id, _failed_status(exc))
         raise
+    finally:
+        with _open_lock:
+            _open.pop(tracker.run_id, None)
     tracker.flush()
     mlflow_client.set_terminated(tracker.run_id, "FINISHED")
+
+
+_open: dict[str, tuple[Any, str]] = {}
+"""Runs of this process that `run` has started and not ended yet: run id -> (client, name)."""
+_open_lock = threading.Lock()
+
+
+def _failed_status(exc: BaseException) -> str:
+    """KILLED for a run a stop request ended (a stop signal's exception, or Prefect's termination
+    signal while a stop is requested), FAILED for any other error."""
+    stopped = isinstance(exc, (StopRequested, KeyboardInterrupt))
+    return "KILLED" if stopped or (stop_requested() is not None and not isinstance(exc, Exception)) else "FAILED"
+
+
+def open_runs() -> dict[str, str]:
+    """The MLflow runs this process has open: run id -> run name ("pipeline" or a stage)."""
+    with _open_lock:
+        return {run_id: name for run_id, (_, name) in _open.items()}
+
+
+def end_open_runs(status: str = "FAILED") -> list[str]:
+    """End every run this process still has open with `status` (the process is about to exit
+    without unwinding them, e.g. its Prefect API is gone); returns their ids."""
+    with _open_lock:
+        runs = list(_open.items())
+        _open.clear()
+    for run_id, (mlflow_client, _) in runs:
+        mlflow_client.set_terminated(run_id, status)
+    return [run_id for run_id, _ in runs]
 
 
 def _continue(mlflow_client: Any, run_id: str, tags: dict[str, Any]) -> Tracker:

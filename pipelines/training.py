@@ -41,7 +41,7 @@ import torch
 from pipelines import distributed
 from pipelines.checkpoint import CheckpointManager, rng_state, set_rng_state
 from pipelines.config import TrainParams
-from pipelines.errors import QllmError, clear_stop, request_stop, stop_requested
+from pipelines.errors import QllmError, StopRequested, clear_stop, request_stop, stop_requested, training_thread
 from pipelines.precision import resolve as resolve_precision
 
 log = logging.getLogger("qllm.training")
@@ -54,19 +54,27 @@ class NonFiniteLossError(QllmError):
     """Training produced a NaN/inf loss or gradient norm (more often than `skip_nonfinite` allows)."""
 
 
-class TrainingInterrupted(QllmError):
+class TrainingInterrupted(StopRequested):
     """SIGTERM or SIGINT during training: the step in progress was finished and checkpointed."""
 
 
 class _StopSignals:
-    """SIGTERM/SIGINT -> `request_stop` while training in the main thread (only the main thread can
-    install handlers); the previous handlers come back afterwards."""
+    """The stop request while training (`pipelines.errors`).
+
+    In the main thread (`python -m pipelines.<stage>`, `dvc repro`), SIGTERM/SIGINT -> `request_stop`
+    (only the main thread can install handlers); the previous handlers come back afterwards. In a
+    worker thread (a Prefect task: `qllm run`, a deployment) the process's entry point turns signals
+    into the same process-wide request (the CLI's handler; Prefect's SIGTERM bridge, caught by the
+    pipeline flow); `train` registers the thread (`training_thread`), so that a second signal
+    interrupts it at once.
+    """
 
     def __init__(self) -> None:
         self._previous: dict[int, Any] = {}
 
     @property
-    def received(self) -> int | None:
+    def received(self) -> str | None:
+        """Why training was asked to stop ("SIGTERM", ...), if it was."""
         return stop_requested()
 
     def __enter__(self) -> _StopSignals:
@@ -359,8 +367,9 @@ def train(
     `tracker` (`log_metrics`, `flush`) is flushed before each checkpoint is written, so the tracking
     store holds every metric up to the checkpoint's step and a resumed run loses none.
 
-    SIGTERM/SIGINT (main thread) finish the current step, save a checkpoint and raise
-    `TrainingInterrupted`; a rerun resumes from it.
+    A stop request (SIGTERM/SIGINT, in any thread: `pipelines.errors`) finishes the current step,
+    saves a checkpoint and raises `TrainingInterrupted`; a rerun resumes from it. A second signal
+    interrupts at once (the newest checkpoint stays).
 
     Under an initialised process group of W > 1 ranks (`pipelines.distributed`), the model is
     trained as DDP: each rank runs `cfg.grad_accum_steps / W` micro-batches of its shard of
@@ -372,7 +381,7 @@ def train(
     """
     if cfg.precision == "auto":  # stages resolve it before (pipelines.stage); direct callers get the same choice
         cfg = cfg.model_copy(update={"precision": resolve_precision(cfg.precision, desc)})
-    with _StopSignals() as stop_signals:
+    with training_thread(), _StopSignals() as stop_signals:
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, callbacks=callbacks,
                       desc=desc, stop_signals=stop_signals)  # fmt: skip
 
@@ -562,7 +571,7 @@ def _train(
             stop = distributed.any_rank(stop, device)
         if stop and state.step < cfg.max_steps:
             progress.close()
-            name = signal.Signals(stop_signals.received).name if stop_signals.received is not None else "a stop signal on another rank"
+            name = stop_signals.received or "a stop signal on another rank"
             if checkpoints is None:
                 raise TrainingInterrupted(f"{desc}: {name} at step {state.step}; no checkpoint directory, so a rerun starts over")
             if not saved:

@@ -8,7 +8,6 @@ idempotent I/O step, and a failed stage leaves nothing that looks finished to re
 from __future__ import annotations
 
 import functools
-import signal
 from pathlib import Path
 
 from prefect import Task, task
@@ -16,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from pipelines import runner
-from pipelines.errors import QllmError, stop_requested
+from pipelines.errors import QllmError, StopRequested, stop_requested
 
 
 def _refuse_to_run(root: Path, name: str, parent_run_id: str | None) -> None:
@@ -25,8 +24,8 @@ def _refuse_to_run(root: Path, name: str, parent_run_id: str | None) -> None:
 
 
 def _reproduce(workspace: str, name: str, parent_run_id: str | None = None, force: bool = False, cached_only: bool = False):
-    if (signum := stop_requested()) is not None:
-        raise QllmError(f"{name}: not started ({signal.Signals(signum).name} received); rerun to continue where the run stopped")
+    if (reason := stop_requested()) is not None:  # a stop signal (or a lost Prefect API) arrived: no new stage starts
+        raise StopRequested(f"{name}: not started ({reason}); rerun to continue where the run stopped")
     if cached_only:  # upstream of from_stage: restore from DVC's caches or fail, never train
         outcome = runner.reproduce(Path(workspace), name, parent_run_id=parent_run_id, execute=_refuse_to_run)
     else:
