@@ -9,7 +9,8 @@
 unreachable `MLFLOW_TRACKING_URI` server fails in seconds) before anything starts, runs the
 Prefect flow `qllm-pipeline` locally (Prefect's ephemeral API; set PREFECT_API_URL to use a
 server), and prints one line per stage: `NAME ran|cached SECONDS`. The exit code is non-zero when
-a stage fails.
+a stage fails: 1, or 128 + the signal number (143 for SIGTERM, 130 for SIGINT) when a stop signal
+ended the run (training checkpointed its last step: rerun the same command to resume).
 
 After a run:
 
@@ -32,7 +33,7 @@ import threading
 from pathlib import Path
 
 from pipelines import config, dag, preflight
-from pipelines.errors import QllmError, clear_stop, request_stop
+from pipelines.errors import QllmError, ask_stop, clear_stop, request_stop, stop_requested, stop_signal
 
 
 def _open_tracking(root: Path) -> None:
@@ -54,6 +55,48 @@ def _print_summary(summary: dict) -> None:
     print(f"mlflow run {summary['mlflow_run_id']}  ({summary['seconds']:.1f}s)")
 
 
+def _sigterm(signum: int, frame=None) -> None:
+    """The CLI's SIGTERM handler: a stop request, as for SIGINT (`request_stop`).
+
+    While the flow runs, Prefect's engine owns SIGTERM: its handler raises `TerminationSignal` in
+    the flow, which stops the stages (`flows.pipeline.stop_stages_on_termination`; a second SIGTERM
+    there interrupts them at once). Once Prefect has torn the flow down, it passes the signal on to
+    the handler it replaced, this one, and re-raises `TerminationSignal`: that stop is already
+    honoured, so it is not counted as a second signal.
+    """
+    if stop_requested() is not None:
+        return
+    request_stop(signum, frame)
+
+
+def _api_lost(returncode: int, pid: int) -> None:
+    """The temporary Prefect API died during the run (`LocalApi.watch`, in its watch thread).
+
+    Nothing can be reported without it and Prefect's client would retry every call with back-off
+    for minutes, so the run ends here: training stages stop after their current step with a
+    checkpoint (as for a stop signal), every MLflow run still open is ended FAILED, and the process
+    exits 1 with one error line.
+    """
+    import time
+
+    from prefect.settings import PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW, temporary_settings
+
+    from pipelines import tracking
+
+    with temporary_settings({PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW: "ignore"}):  # this thread has no flow run
+        ask_stop("the Prefect API exited")
+    deadline = time.monotonic() + 30.0  # a training step and its checkpoint (other stages ignore the stop)
+    while time.monotonic() < deadline and any(name != "pipeline" for name in tracking.open_runs().values()):
+        time.sleep(0.1)
+    ended = tracking.end_open_runs("FAILED")
+    print(f"error: the temporary Prefect API (pid {pid}) exited with code {returncode} during the run, so the run stopped: "
+          "training stages saved a checkpoint after their current step (see the log above)"
+          + (f"; MLflow runs ended FAILED: {', '.join(ended)}" if ended else "") + ". Rerun the same command to resume.",
+          file=sys.stderr, flush=True)  # fmt: skip
+    sys.stdout.flush()
+    os._exit(1)  # Prefect's engine cannot finish without its API; its retries would hold the process for minutes
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     root = Path(args.project_dir).resolve()
     # Fail fast on bad params or an unknown stage: before Prefect, MLflow or any stage starts.
@@ -66,6 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     preflight.check_tracking(root)
 
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "qllm")
+    from prefect.exceptions import TerminationSignal
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.local_api import prefect_api
@@ -81,20 +125,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         settings = {}
         if api is not None:
             api.wait()
+            api.watch(_api_lost)
             settings = {PREFECT_API_URL: api.url}
         # First SIGTERM/Ctrl-C: training stages checkpoint after their current step and stop, no new
-        # stage starts; a second one interrupts at once.
-        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        # stage starts; a second one interrupts at once (see _sigterm for how Prefect takes part).
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm), signal.SIGINT: signal.signal(signal.SIGINT, request_stop)}
+        state = None
         try:
             with temporary_settings(updates=settings):
                 state = pipeline(
                     overrides=args.set, params_files=args.params, until=args.until, force=args.force, project_dir=str(root),
                     from_stage=args.from_stage, return_state=True,
                 )  # fmt: skip
+        except TerminationSignal:  # Prefect ended the flow on SIGTERM, after its stages stopped
+            pass
+        except KeyboardInterrupt:  # a second signal
+            print("error: interrupted at once by a second signal; the newest checkpoints stay: rerun the same command "
+                  "to resume from them", file=sys.stderr)  # fmt: skip
+            return 130
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            if api is not None:
+                api.unwatch()  # the flow is over: a server that dies now only shortens the log upload
+            stopped, signum = stop_requested(), stop_signal()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             clear_stop()
+    exit_code = 128 + signum if signum is not None else 1
+    if state is None:
+        print(f"error: stopped by {stopped or 'SIGTERM'}: training stages saved a checkpoint after their current step (see the log "
+              "above); rerun the same command to resume", file=sys.stderr)  # fmt: skip
+        return exit_code
     if not state.is_completed():
         try:
             state.result()
@@ -102,7 +162,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
         except Exception as exc:  # noqa: BLE001 - the traceback is already in the Prefect log above
             print(f"error: pipeline failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return exit_code
     summary = state.result()
     _print_summary(summary)
     if args.summary_json:

@@ -10,6 +10,9 @@ The server migrates the Prefect database (PREFECT_HOME) as it starts. Two `qllm 
 once on a new database would migrate it together, and one server dies ("Online migration expected
 to match one row"); so a file lock in PREFECT_HOME is held from starting the server until it
 answers, and a second run's server starts once the first one's has migrated.
+
+If the server dies during the run, Prefect's client would retry each call with back-off for
+minutes; `LocalApi.watch` notices within half a second, so `qllm run` can end with a clear error.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -72,6 +76,7 @@ class LocalApi:
         from pipelines.workspace import file_lock
 
         self._starting = contextlib.ExitStack()  # released by wait() once the server answers
+        self._unwatched = threading.Event()
         home = Path(get_current_settings().home).expanduser()
         self._starting.enter_context(file_lock(home / START_LOCK, f"the Prefect database in {home} (another run's API is starting)"))
         self.port = free_port()
@@ -89,7 +94,12 @@ class LocalApi:
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
         ]  # fmt: skip
         try:
-            self.process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            # Its own session: Ctrl-C (SIGINT to the terminal's process group) or a SIGTERM to the run's
+            # group must reach the run, which stops its stages and still needs the API to report that;
+            # the server goes when the run stops it or dies (PR_SET_PDEATHSIG, Linux only: elsewhere it
+            # stays in the group, so that it cannot outlive a killed run).
+            self.process = subprocess.Popen(command, env=env, start_new_session=sys.platform == "linux",
+                                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # fmt: skip
         except BaseException:
             self._starting.close()
             raise
@@ -100,7 +110,23 @@ class LocalApi:
         finally:
             self._starting.close()
 
+    def watch(self, on_exit: Callable[[int, int], None], poll: float = 0.5) -> None:
+        """Call `on_exit(returncode, pid)`, in a daemon thread, if the server exits before
+        `unwatch()` or `stop()`."""
+
+        def check() -> None:
+            while not self._unwatched.wait(poll):
+                if self.process.poll() is not None:
+                    on_exit(self.process.returncode, self.process.pid)
+                    return
+
+        threading.Thread(target=check, name="qllm-api-watch", daemon=True).start()
+
+    def unwatch(self) -> None:
+        self._unwatched.set()
+
     def stop(self) -> None:
+        self.unwatch()
         self._starting.close()  # never waited for (the run failed before its flow started)
         self.process.terminate()
         try:

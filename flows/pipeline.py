@@ -6,20 +6,61 @@ The task graph is read from `dvc.yaml` (the one definition of the DAG); each tas
 stages it depends on, so independent branches run concurrently. Params (with overrides) are
 validated before any stage starts. One MLflow parent run spans the flow run; every stage that runs
 logs a child run under it.
+
+SIGTERM (a `kill`, a Prefect cancellation, an orchestrator stopping the pod) reaches the flow the
+way Prefect delivers it: while a flow runs, Prefect's engine owns SIGTERM and raises
+`TerminationSignal` in the flow's thread. The flow hands it to its stages as a stop request
+(`stop_stages_on_termination`): training stages finish their step, save a checkpoint and stop, no
+new stage starts; then the signal goes on to Prefect, which marks the run Crashed (or Cancelled
+for a cancellation) and ends the process as it intends.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
-from pipelines import config, dag, preflight, runner, tracking, workspace
+from pipelines import config, dag, errors, preflight, runner, tracking, workspace
 from tasks.stages import stage_task
+
+
+@contextmanager
+def stop_stages_on_termination(wait: Callable[[], object]) -> Iterator[None]:
+    """Turn Prefect's `TerminationSignal` (its SIGTERM bridge) into the stop request the stages
+    honour, and call `wait` (for the submitted stages) before it goes on to Prefect.
+
+    Prefect's own answer to SIGTERM cancels task runs that have not started and then waits for
+    the running ones (`ThreadPoolTaskRunner.cancel_all`), which only a stop request can shorten:
+    a training stage in a worker thread sees no signal. A second SIGTERM (or SIGINT) while waiting
+    interrupts the training threads at once; the newest checkpoints stay.
+    """
+    try:
+        yield
+    except TerminationSignal as exc:
+        errors.ask_stop(signal_name(exc.signal), exc.signal)
+        logging.getLogger("qllm").warning("waiting for the running stages to stop (a second signal interrupts them at once)")
+        try:
+            wait()
+        except TerminationSignal:  # (a second SIGINT: the CLI's handler interrupts them itself)
+            errors.interrupt_training()
+            raise
+        raise
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 @flow(name="qllm-pipeline", log_prints=True, validate_parameters=True)
@@ -57,12 +98,13 @@ def pipeline(
         parent.log_artifact(ws / config.PARAMS_FILE)  # the effective params of this run
         futures = {}
         try:
-            fresh = None if from_stage is None else {from_stage} | dag.downstream(ws, from_stage)
-            for name in dag.order(ws, until):
-                waits = [futures[up] for up in dag.upstream(ws, name) if up in futures]
-                cached_only = fresh is not None and name not in fresh
-                futures[name] = stage_task(name).submit(str(ws), name, parent.run_id, name in (force or []), cached_only, wait_for=waits)
-            states = {name: future.wait() or future.state for name, future in futures.items()}
+            with stop_stages_on_termination(lambda: [future.wait() for future in futures.values()]):
+                fresh = None if from_stage is None else {from_stage} | dag.downstream(ws, from_stage)
+                for name in dag.order(ws, until):
+                    waits = [futures[up] for up in dag.upstream(ws, name) if up in futures]
+                    cached_only = fresh is not None and name not in fresh
+                    futures[name] = stage_task(name).submit(str(ws), name, parent.run_id, name in (force or []), cached_only, wait_for=waits)
+                states = {name: future.wait() or future.state for name, future in futures.items()}
         finally:
             runner.close(ws)
         stages = [_stage_summary(name, state) for name, state in states.items()]
@@ -79,7 +121,8 @@ def pipeline(
         if (ws / "dvc.lock").exists():
             parent.log_artifact(ws / "dvc.lock")  # hashes of every input and output after the run
         parent.log_metrics({f"stage_seconds/{s['name']}": s["seconds"] for s in stages if s["seconds"] is not None})
-        _publish_artifacts(summary, evaluation_rows(ws) if "evaluate" in futures else [], registered)
+        if errors.stop_requested() is None:  # a stopped run publishes no results (and its Prefect API may be gone)
+            _publish_artifacts(summary, evaluation_rows(ws) if "evaluate" in futures else [], registered)
         failed = [s for s in stages if s["status"] not in ("ran", "cached")]
         if failed:
             # Re-raise the first failure so the flow run (and the MLflow parent run) fail with it.

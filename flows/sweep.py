@@ -13,13 +13,14 @@ DVC's run-cache and runs only what its overrides change (for a DPO beta sweep: `
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextvars
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, stop_stages_on_termination
 from pipelines import config, dag
 from pipelines.errors import QllmError
 
@@ -74,7 +75,8 @@ def sweep(
 
     with ThreadPoolExecutor(max_workers=max_parallel) as pool:  # each thread keeps this flow as parent
         futures = [pool.submit(contextvars.copy_context().run, one, item) for item in runs]
-        summaries = [future.result() for future in futures]
+        with stop_stages_on_termination(lambda: concurrent.futures.wait(futures)):  # SIGTERM: the subflows' stages stop first
+            summaries = [future.result() for future in futures]
     for item, summary in zip(sweep, summaries, strict=True):
         ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
         logger.info("%s: ran %s; model version %s", " ".join(item), ", ".join(ran) or "nothing", summary["model_version"])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,57 @@ def test_from_stage_refuses_to_train_upstream(served):
     # a new pretrain lr: nothing upstream of dpo is cached for it, so the run must fail, not train
     result = deployment_run(env, project, "qllm-pipeline/from-stage", "overrides=[\"pretrain.train.lr=0.0123\"]")
     assert result.returncode != 0 and "Failed" in result.stdout, result.stdout + result.stderr
+
+
+def flow_run_state(env: dict, project: Path, flow_run_id: str) -> str:
+    inspected = subprocess.run([PREFECT, "flow-run", "inspect", flow_run_id, "--output", "json"], cwd=project, env=env,
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert inspected.returncode == 0, inspected.stdout + inspected.stderr
+    return json.loads(inspected.stdout)["state"]["type"]
+
+
+def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(served):
+    """`prefect flow-run cancel`: the worker signals the cancel intent, then SIGTERMs the flow-run
+    process; Prefect's engine raises TerminationSignal in the flow, which stops pretrain after its
+    step with a checkpoint before the run is marked Cancelled (the worker waits 30 s, then SIGKILLs)."""
+    from mlflow import MlflowClient
+
+    project, record, env = served
+    worker_log = Path(record["services"]["prefect-worker"]["log"])
+    seen = worker_log.stat().st_size
+    params = ["until=pretrain", 'overrides=["pretrain.train.max_steps=200"]']
+    started = subprocess.run([PREFECT, "deployment", "run", "qllm-pipeline/default", *[a for p in params for a in ("--param", p)]],
+                             cwd=project, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert started.returncode == 0, started.stdout + started.stderr
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
+
+    def new_log() -> str:
+        with open(worker_log, "rb") as log:
+            log.seek(seen)
+            return log.read().decode(errors="replace")
+
+    deadline = time.monotonic() + 240
+    while not re.search(r"pretrain step \d+/200", new_log()):
+        assert time.monotonic() < deadline, new_log()[-3000:]
+        assert flow_run_state(env, project, flow_run_id) not in ("COMPLETED", "FAILED", "CRASHED"), new_log()[-3000:]
+        time.sleep(0.2)
+    cancelled = subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], cwd=project, env=env, capture_output=True, text=True, timeout=60)
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    asked = time.monotonic()
+    while flow_run_state(env, project, flow_run_id) != "CANCELLED":
+        assert time.monotonic() - asked < 60, new_log()[-3000:]
+        time.sleep(0.5)
+    stopped = re.search(r"pretrain: SIGTERM at step (\d+): checkpoint saved in (\S+);", new_log())
+    assert stopped and int(stopped.group(1)) < 200, new_log()[-3000:]
+    assert (Path(stopped.group(2)) / f"step-{int(stopped.group(1)):08d}" / "manifest.json").exists()
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("qllm").experiment_id
+    (parent,) = client.search_runs([experiment], f"tags.`qllm.prefect_flow_run_id` = '{flow_run_id}'")
+    (pretrain,) = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and tags.`qllm.stage` = 'pretrain'")
+    assert (parent.info.status, pretrain.info.status) == ("KILLED", "KILLED")
+
+    seen = worker_log.stat().st_size
+    rerun = deployment_run(env, project, "qllm-pipeline/default", *params)
+    assert rerun.returncode == 0 and "Completed" in rerun.stdout, rerun.stdout + rerun.stderr
+    assert f"pretrain: resumed from step {stopped.group(1)}" in new_log(), new_log()[-3000:]

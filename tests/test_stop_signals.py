@@ -1,0 +1,198 @@
+"""Stop signals and a lost Prefect API through the real entry points, in real processes.
+
+Each test copies one tiny project whose stages before `pretrain` ran once (in-process), with
+pretrain long enough (200 steps) that a signal lands mid-training, and waits for a training log
+line before acting:
+
+- `qllm run` + SIGTERM: Prefect's engine owns SIGTERM while the flow runs; the flow hands it to
+  the stages, so pretrain finishes its step, checkpoints and stops; the process exits 143 within
+  seconds, the MLflow runs are KILLED, and the same command resumes (`resumed from step`);
+- `qllm run` whose temporary Prefect API dies: the run stops within seconds with one clear error
+  instead of retrying for minutes;
+- `dvc repro` + SIGTERM to dvc (which passes no signal on to its stage): the stage learns that its
+  parent died, checkpoints and stops, and the next `dvc repro` resumes.
+
+The deployment + worker + `prefect flow-run cancel` case is in tests/test_deployments.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines import dag, runner
+from tests.conftest import make_project
+
+MAX_STEPS = 200
+PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 50}}}
+QLLM = str(Path(sys.executable).parent / "qllm")
+TRAINING = re.compile(r"pretrain step \d+/")
+
+
+def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path):
+    """As under `qllm run`: training in a worker thread, signals handled in the main thread. The
+    first signal asks for a stop; the second, arriving mid-step, raises `InterruptedAtOnce` in the
+    training thread without finishing that step: the newest checkpoint (step 2) stays."""
+    import threading
+
+    from pipelines import errors, training
+    from pipelines.checkpoint import CheckpointManager
+    from tests.test_training import cfg, collate, rows, tiny_model
+
+    in_step_3, outcome = threading.Event(), {}
+
+    def stall(event, state, metrics):  # step 3 never ends on its own
+        if event == "gradients" and state.step == 2:
+            in_step_3.set()
+            while True:
+                time.sleep(0.01)
+
+    def train():
+        try:
+            training.train(tiny_model(), training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
+                           cfg(checkpoint_every=1), checkpoints=CheckpointManager(tmp_path, 5), callbacks=[stall])  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        assert in_step_3.wait(60)
+        errors.request_stop(signal.SIGTERM)  # first: training would stop after this step...
+        with pytest.raises(KeyboardInterrupt):
+            errors.request_stop(signal.SIGTERM)  # ...second: at once
+        thread.join(30)
+    finally:
+        errors.clear_stop()
+    assert not thread.is_alive()
+    assert isinstance(outcome["error"], errors.InterruptedAtOnce) and "newest checkpoint stays" in str(outcome["error"])
+    assert [c.step for c in CheckpointManager(tmp_path, 5).list()] == [1, 2]
+    assert errors.interrupt_training() == 0  # the thread left the training loop
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, mlflow_template_db) -> Path:
+    """A tiny project (pretrain: 200 steps) with every stage before pretrain run and in dvc.lock."""
+    root = make_project(tmp_path_factory.mktemp("stop") / "base", mlflow_template_db, PRETRAIN)
+    try:
+        for name in [name for name in dag.order(root, "pretrain") if name != "pretrain"]:
+            runner.reproduce(root, name)
+    finally:
+        runner.close(root)
+    return root
+
+
+def start(root: Path, command: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_log(process: subprocess.Popen, log: Path, pattern: re.Pattern, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pattern.search(log.read_text(errors="replace")):
+            return
+        if process.poll() is not None:
+            pytest.fail(f"exited ({process.returncode}) before {pattern.pattern!r}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    process.kill()
+    pytest.fail(f"timed out waiting for {pattern.pattern!r}:\n{log.read_text()[-3000:]}")
+
+
+def exit_within(process: subprocess.Popen, seconds: float, log: Path) -> tuple[int, float]:
+    started = time.monotonic()
+    try:
+        returncode = process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"still running {seconds:.0f}s after the signal:\n{log.read_text()[-3000:]}")
+    return returncode, time.monotonic() - started
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in root.glob(".qllm/checkpoints/pretrain/*/step-*") if p.name[5:].isdigit())
+
+
+def run_statuses(root: Path) -> dict[str, str]:
+    """The newest MLflow run's status per run name (stage or "pipeline")."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("qllm").experiment_id], order_by=["attributes.start_time ASC"])
+    return {run.info.run_name: run.info.status for run in runs}
+
+
+def test_sigterm_to_qllm_run_checkpoints_stops_and_the_rerun_resumes(base, tmp_path):
+    root = shutil.copytree(base, tmp_path / "project", symlinks=True)
+    log = tmp_path / "run.log"
+    process = start(root, [QLLM, "run", "--until", "pretrain"], log)
+    wait_for_log(process, log, TRAINING)
+    process.send_signal(signal.SIGTERM)
+    returncode, seconds = exit_within(process, 60, log)
+    text = log.read_text()
+    assert returncode == 128 + signal.SIGTERM, text[-3000:]
+    stopped = re.search(r"pretrain: SIGTERM at step (\d+): checkpoint saved in", text)
+    assert stopped and int(stopped.group(1)) < MAX_STEPS, text[-3000:]
+    assert "error: stopped by SIGTERM" in text
+    assert max(checkpoint_steps(root)) == int(stopped.group(1))  # the step in progress finished and was saved
+    assert not (root / "data/models/pretrain").exists()
+    statuses = run_statuses(root)
+    assert statuses["pretrain"] == "KILLED" and statuses["pipeline"] == "KILLED", statuses
+
+    rerun = subprocess.run([QLLM, "run", "--until", "pretrain"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    assert f"pretrain: resumed from step {stopped.group(1)}" in rerun.stderr, rerun.stderr[-3000:]
+    assert run_statuses(root)["pretrain"] == "FINISHED" and (root / "data/models/pretrain").exists()
+    print(f"exited {seconds:.1f}s after SIGTERM")
+
+
+def test_qllm_run_ends_with_a_clear_error_when_its_prefect_api_dies(base, tmp_path):
+    root = shutil.copytree(base, tmp_path / "project", symlinks=True)
+    log = tmp_path / "run.log"
+    process = start(root, [QLLM, "run", "--until", "pretrain"], log)
+    wait_for_log(process, log, TRAINING)
+    (api,) = [pid for pid in children(process.pid) if "uvicorn" in Path(f"/proc/{pid}/cmdline").read_text()]
+    os.kill(api, signal.SIGKILL)
+    returncode, seconds = exit_within(process, 60, log)
+    text = log.read_text()
+    assert returncode == 1, text[-3000:]
+    assert f"error: the temporary Prefect API (pid {api}) exited with code -9 during the run, so the run stopped" in text, text[-3000:]
+    assert re.search(r"pretrain: the Prefect API exited at step \d+: checkpoint saved in", text), text[-3000:]
+    assert checkpoint_steps(root) and run_statuses(root)["pretrain"] == "KILLED"
+    assert run_statuses(root)["pipeline"] in ("KILLED", "FAILED")
+    print(f"exited {seconds:.1f}s after the API died")
+
+
+@pytest.mark.slow  # about a minute: dvc repro twice
+def test_sigterm_to_dvc_repro_stops_its_stage_with_a_checkpoint(base, tmp_path):
+    root = shutil.copytree(base, tmp_path / "project", symlinks=True)
+    log = tmp_path / "repro.log"
+    dvc = [sys.executable, "-m", "dvc", "repro", "pretrain"]
+    process = start(root, dvc, log)
+    wait_for_log(process, log, TRAINING)
+    stage = children(process.pid)  # the stage command (`$SHELL -c` execs it)
+    process.send_signal(signal.SIGTERM)  # to dvc only, as `kill PID` does
+    exit_within(process, 30, log)
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in stage) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = log.read_text()
+    stopped = re.search(r"pretrain: the parent process \(dvc repro\) exited at step (\d+): checkpoint saved in", text)
+    assert stopped, text[-3000:]
+    assert max(checkpoint_steps(root)) == int(stopped.group(1))
+
+    rerun = subprocess.run(dvc, cwd=root, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    assert f"pretrain: resumed from step {stopped.group(1)}" in rerun.stdout + rerun.stderr
