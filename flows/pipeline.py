@@ -46,6 +46,9 @@ def stop_stages_on_termination(wait: Callable[[], object]) -> Iterator[None]:
     try:
         yield
     except TerminationSignal as exc:
+        if errors.stop_requested() is not None:  # a second signal (the first was SIGINT, or a lost API)
+            errors.interrupt_training()
+            raise
         errors.ask_stop(signal_name(exc.signal), exc.signal)
         logging.getLogger("qllm").warning("waiting for the running stages to stop (a second signal interrupts them at once)")
         try:

@@ -80,10 +80,13 @@ def test_from_stage_refuses_to_train_upstream(served):
 
 
 def flow_run_state(env: dict, project: Path, flow_run_id: str) -> str:
-    inspected = subprocess.run([PREFECT, "flow-run", "inspect", flow_run_id, "--output", "json"], cwd=project, env=env,
-                               capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert inspected.returncode == 0, inspected.stdout + inspected.stderr
-    return json.loads(inspected.stdout)["state"]["type"]
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        return client.read_flow_run(UUID(flow_run_id)).state.type.value
 
 
 def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(served):
