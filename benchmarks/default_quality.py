@@ -68,7 +68,7 @@ def one_run(root: Path, params, seed: int, precision_name: str, questions, work:
     pre_seconds = pre["train_seconds"]
     sft_params = sft_params.model_copy(update={"base_model": str(pre_out)})
     started = time.perf_counter()
-    tuned = sft.run(root / sft.CHAT, sft_out, sft_params)
+    tuned = sft.run(root / sft.CHAT, sft_out, sft_params, checkpoint_dir=work / "sft-checkpoints")  # best-weight restore with early stopping
     sft_seconds = time.perf_counter() - started
     evaluate = params.evaluate.model_copy(update={"models": ["sft"]})
     result = evaluate_model(sft_out, root, root / "data/tokenized", questions, work / "eval", evaluate)
@@ -79,7 +79,7 @@ def one_run(root: Path, params, seed: int, precision_name: str, questions, work:
         "sft_val_loss": round(tuned.get("val/loss", float("nan")), 4),
         "sft_exact_match": round(result["exact_match"], 4),
         "pretrain_seconds": round(pre_seconds, 1),
-        "sft_steps": tuned["steps"],
+        "sft_steps": tuned["steps"], "sft_best_step": tuned["best_step"],
         "sft_seconds": round(sft_seconds, 1),
     }
 

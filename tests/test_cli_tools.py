@@ -256,7 +256,7 @@ def test_compare_last_two_pipeline_runs(runs, project, capsys):
 
     code, out, _ = qllm(capsys, "compare", "--last", "2", "--all", "--json", "--project-dir", str(project))
     everything = json.loads(out)
-    assert everything["params"]["pretrain.train.lr"] == ["0.002", "0.002"]
+    assert everything["params"]["pretrain.train.lr"] == ["0.003", "0.003"]
     lora_loss = everything["metrics"]["lora/val/loss"]  # the second run restored lora from the cache
     assert lora_loss[0] is not None and lora_loss[0] == lora_loss[1]
 

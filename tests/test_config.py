@@ -35,13 +35,13 @@ def test_shipped_params_validate_and_spell_out_every_key():
     # DVC sees every value a stage depends on.
     missing = [m for m in unset_fields(params) if not m.startswith("ingest.sources.")]
     assert missing == []
-    assert data["pretrain"]["train"]["lr"] == params.pretrain.train.lr == 0.002
+    assert data["pretrain"]["train"]["lr"] == params.pretrain.train.lr == 0.003
 
 
 def test_tiny_profile_overlays_params():
     params, data = config.load(REPO, overlays=[REPO / "params" / "tiny.yaml"])
     assert params.pretrain.model.hidden_size == 32
-    assert params.pretrain.train.lr == 0.002  # untouched keys keep params.yaml's values
+    assert params.pretrain.train.lr == 0.003  # untouched keys keep params.yaml's values
     assert data["tokenize"]["seq_len"] == 64
 
 

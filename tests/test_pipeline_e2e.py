@@ -125,7 +125,7 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     assert sorted(r.data.tags["qllm.stage"] for r in children) == sorted(STAGES)
     by_stage = {r.data.tags["qllm.stage"]: r for r in children}
     pretrain = by_stage["pretrain"]
-    assert pretrain.data.params["pretrain.train.lr"] == "0.002" and pretrain.data.params["pretrain.model.hidden_size"] == "32"
+    assert pretrain.data.params["pretrain.train.lr"] == "0.003" and pretrain.data.params["pretrain.model.hidden_size"] == "32"
     losses = client.get_metric_history(pretrain.info.run_id, "train/loss")
     assert [m.step for m in losses] == list(range(2, 13, 2))  # log_every 2 over 12 steps
     assert client.get_metric_history(pretrain.info.run_id, "val/loss")
@@ -259,7 +259,13 @@ def test_changing_the_solver_reruns_from_quantum_opt(first, project):
 
     summary = pipeline(overrides=["quantum_opt.solver=milp"], project_dir=str(project))
     status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
-    assert [n for n, (st, _) in status.items() if st == "ran"] == ["probe_device", "quantum_opt", "lora", "evaluate", "register"], status
+    ran = [n for n, (st, _) in status.items() if st == "ran"]
+    assert ran[:3] == ["probe_device", "quantum_opt", "lora"], status
+    # Outputs are byte-stable: when MILP picks the allocation sa picked, lora trains the same adapter,
+    # bytes and all, and DVC finds evaluate and register up to date; otherwise they rerun.
+    lock = lambda root: {o["path"]: o["md5"] for o in yaml.safe_load((root / "dvc.lock").read_text())["stages"]["lora"]["outs"]}  # noqa: E731
+    same_adapter = lock(Path(summary["workspace"]))["data/models/lora"] == lock(project)["data/models/lora"]
+    assert ran[3:] == ([] if same_adapter else ["evaluate", "register"]), status
     assert status["probe_lora"] == ("cached", "run-cache")
     metrics = json.loads((Path(summary["workspace"]) / "data/metrics/quantum_opt.json").read_text())
     assert metrics["solver"] == "milp" and metrics["gap_to_milp"] == 0.0
