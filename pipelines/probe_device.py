@@ -24,6 +24,9 @@ from pipelines.outputs import write_json
 
 NAME = "probe_device"
 OUT = "data/device.json"
+TRACKED = False
+"""No MLflow run: the stage runs on every pipeline run and `dvc repro` and trains nothing; what it
+finds is in every training stage's params (`<stage>.train.precision`) and metrics (`precision`)."""
 
 
 def run(out: Path) -> dict:
@@ -41,7 +44,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, _body, argv, tracked=TRACKED)
 
 
 if __name__ == "__main__":

@@ -102,9 +102,11 @@ def run_in_process(root: Path, name: str, parent_run_id: str | None) -> None:
     """Execute `pipelines.<name>` in this process (what `python -m pipelines.<name>` runs)."""
     from pipelines import stage
 
-    warm_imports()
     module = importlib.import_module(dag.stages(root)[name].module)
-    stage.execute(module.NAME, module._body, root, parent_run_id=parent_run_id)
+    tracked = getattr(module, "TRACKED", True)
+    if tracked:  # an untracked stage (probe_device) reads the machine: no transformers, no MLflow run
+        warm_imports()
+    stage.execute(module.NAME, module._body, root, parent_run_id=parent_run_id, tracked=tracked)
 
 
 def reproduce(

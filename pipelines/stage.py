@@ -56,7 +56,9 @@ def dependency_digests(root: Path, spec: dag.Stage) -> dict[str, str]:
     return {dep: dag.dvc_md5(root / dep) for dep in spec.deps if (root / dep).exists()}
 
 
-def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path | str = ".", parent_run_id: str | None = None) -> dict[str, Any]:
+def execute(
+    name: str, body: Callable[[StageContext], dict[str, Any]], root: Path | str = ".", parent_run_id: str | None = None, tracked: bool = True
+) -> dict[str, Any]:
     """Run one stage: validate params, open its MLflow run, call `body`, write its metrics JSON.
 
     The fingerprint (params section + DVC md5 of every dependency) names the checkpoint directory,
@@ -69,6 +71,9 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
     stage relaunches itself under torchrun and waits, then returns the metrics its rank 0 wrote.
     Under torchrun, every rank runs `body`; rank 0 alone holds the checkpoint lock, opens the MLflow
     run and writes the metrics file (the other ranks get a tracker that logs nothing).
+
+    `tracked=False` (probe_device, which runs on every pipeline run and trains nothing) opens no
+    MLflow run: its metrics file records `mlflow_run_id: null`.
     """
     root = Path(root).resolve()
     params = config.load_section(name, root)
@@ -76,7 +81,7 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
         params = _resolve_precision(name, params)
     if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.distributed
         return _execute_distributed(name, body, root, params, parent_run_id)
-    return _execute(name, body, root, params, parent_run_id)
+    return _execute(name, body, root, params, parent_run_id, tracked)
 
 
 def _distributed():
@@ -102,7 +107,9 @@ def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any
     return body(ctx) or {}
 
 
-def _execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, parent_run_id: str | None) -> dict[str, Any]:
+def _execute(
+    name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, parent_run_id: str | None, tracked: bool = True
+) -> dict[str, Any]:
     log = logging.getLogger(f"qllm.{name}")
     started = time.perf_counter()
     spec = dag.stages(root)[name]
@@ -115,8 +122,10 @@ def _execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pa
         if checkpoints is not None:
             stack.enter_context(workspace.checkpoint_lock(checkpoints))
             resume_run_id = _unfinished_run(root, checkpoints)
-        tracker = stack.enter_context(
-            tracking.run(name, root, tags=tags, parent_run_id=parent_run_id, resume_run_id=resume_run_id)
+        tracker = (
+            stack.enter_context(tracking.run(name, root, tags=tags, parent_run_id=parent_run_id, resume_run_id=resume_run_id))
+            if tracked
+            else tracking.Tracker(None, None)
         )
         if checkpoints is not None:
             write_json(checkpoints / RUN_RECORD, {"run_id": tracker.run_id, "store": _store_id(root)})
@@ -181,7 +190,7 @@ def _unfinished_run(root: Path, checkpoints: Path) -> str | None:
     return run_id if status is not None and status != "FINISHED" else None
 
 
-def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[str] | None = None) -> int:
+def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[str] | None = None, tracked: bool = True) -> int:
     """Command-line entry of a stage (`python -m pipelines.<name> [--root DIR]`).
 
     Under `dvc repro` (which sets DVC_STAGE) the stage also stops, with a checkpoint, when dvc is
@@ -194,7 +203,7 @@ def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[s
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        execute(name, body, args.root)
+        execute(name, body, args.root, tracked=tracked)
     except QllmError as exc:
         print(f"error: {name}: {exc}", file=sys.stderr)
         return 1
