@@ -41,13 +41,11 @@ def _with(section, seed: int, precision_name: str):
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    """`model name` of /proc/cpuinfo (Linux), else what `platform` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown"
 
 
 def one_run(root: Path, params, seed: int, precision_name: str, questions, work: Path, cache: Path | None = None) -> dict:
