@@ -138,7 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     from_stage=args.from_stage, return_state=True,
                 )  # fmt: skip
         except TerminationSignal:  # Prefect ended the flow on SIGTERM, after its stages stopped
-            pass
+            state = None  # no flow state to read: reported below as a stop, with the exit code of the signal
         except KeyboardInterrupt:  # a second signal
             print("error: interrupted at once by a second signal; the newest checkpoints stay: rerun the same command "
                   "to resume from them", file=sys.stderr)  # fmt: skip
