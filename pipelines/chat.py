@@ -9,19 +9,128 @@ training answers instead of reusing what pretraining stored: held-out facts drop
 The template marks assistant turns with `{% generation %}` so
 `tokenizer.apply_chat_template(..., return_assistant_tokens_mask=True)` gives the completion-only
 loss mask directly (the closing `<|im_end|>` is trained, so the model learns to stop).
+
+Base models bring their own templates, and those of Qwen2.5, Llama 3, Mistral, Gemma and Phi-3
+have no `{% generation %}` markers. For them the assistant spans are found as axolotl and
+LLaMA-Factory do, by rendering the conversation turn by turn: the text an assistant turn adds is
+`render(turns[:i+1])` minus `render(turns[:i], add_generation_prompt=True)`, trailing whitespace
+after its end-of-turn token left out. That needs every partial rendering to be a prefix of the
+whole conversation; a template that rewrites earlier turns (e.g. drops past reasoning) is a
+`ChatTemplateError` naming the turn. Tokens are marked from the full rendering's character
+offsets with transformers' own rule for the markers (a token overlapping a span is trained), so a
+template with markers and the same template without them train exactly the same tokens.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
+import numpy as np
+
+from pipelines.errors import QllmError
+
 _TEMPLATE_LOCK = threading.Lock()
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class ChatTemplateError(QllmError):
+    """The tokenizer's chat template cannot give completion-only masks for a conversation."""
+
+
+def chat_template_of(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: transformers uses "default"
+        template = template.get("default")
+    if not template:
+        name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise ChatTemplateError(f"{name}: no chat template (tokenizer_config.json has no `chat_template`); chats cannot be rendered")
+    return template
+
+
+def has_generation_marks(tokenizer) -> bool:
+    """Does the chat template mark assistant text with `{% generation %}`?"""
+    return bool(GENERATION_MARK.search(chat_template_of(tokenizer)))
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    if not messages:
+        return ""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+_NEXT_TURN = {"role": "user", "content": "\x00"}  # what follows a turn, to see where the turn ends
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    mismatch = next((i for i in range(n) if a[i] != b[i]), n)
+    return mismatch
+
+
+def _token_boundary(tokenizer, text: str, end: int) -> int:
+    """`end` moved back to the end of the last token of `text` that ends by `end`: the two
+    renderings may share the first characters of different special tokens (`<|` of Phi-3's
+    `<|endoftext|>` and `<|user|>`)."""
+    if end >= len(text):
+        return end
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return max((stop for _, stop in offsets if stop <= end), default=0)
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int, int]]]:
+    """The rendered conversation and `(start, end, turn)` character spans of its assistant turns,
+    found by rendering turn by turn (see the module docstring). `turn` is the message index.
+
+    A turn starts where `render(turns[:i], add_generation_prompt=True)` ends and ends where the
+    renderings of `turns[:i+1]` with and without a following user turn part (so text a template
+    writes only after the last turn, e.g. Phi-3's closing `<|endoftext|>`, is not an answer),
+    trailing whitespace left out.
+    """
+    full = _render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        after = _render(tokenizer, messages[: i + 1])
+        end = _token_boundary(tokenizer, after, _common_prefix(after, _render(tokenizer, [*messages[: i + 1], _NEXT_TURN])))
+        if end <= len(before) and i == len(messages) - 1:
+            end = len(after)  # the template rewrites a turn once another follows: the last one is whole
+        end = len(after[:end].rstrip())
+        if not after.startswith(before) or not full.startswith(after[:end]) or end < len(before):
+            raise ChatTemplateError(
+                f"chat template: rendering turns 1-{i + 1} is not a prefix of the whole conversation "
+                f"(turn {i + 1}, {message.get('role')}): the template rewrites earlier turns, so the "
+                "assistant tokens cannot be found; use a template with {% generation %} markers"
+            )
+        if end > len(before):
+            spans.append((len(before), end, i))
+    return full, spans
+
+
+def _mask_from_offsets(offsets, spans: list[tuple[int, int, int]]) -> np.ndarray:
+    """Tokens whose characters overlap a span (transformers' rule for `{% generation %}`)."""
+    starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
+    ends = np.maximum(np.asarray([o[1] for o in offsets], dtype=np.int64), starts + 1)
+    mask = np.zeros(len(offsets), dtype=bool)
+    for start, end, _ in spans:
+        mask |= (starts < end) & (ends > start)
+    return mask
+
+
+def _untrained_turns(messages: list[dict]) -> bool:
+    return any(m.get("role") == "assistant" and m.get("weight", 1) == 0 for m in messages)
 
 
 def render_with_assistant_mask(tokenizer, messages: list[dict]) -> dict:
     """`input_ids` and `assistant_masks` of a conversation rendered with the chat template.
+
+    Templates with `{% generation %}` markers give the mask directly; others through
+    `assistant_spans`. Assistant turns with `"weight": 0` (OpenAI's fine-tuning format: context,
+    not a target) are left out of the mask either way.
 
     transformers caches each compiled template and shares it between threads, and the tracker
     behind `{% generation %}` belongs to the template: two threads rendering at once fail with
@@ -29,7 +138,45 @@ def render_with_assistant_mask(tokenizer, messages: list[dict]) -> dict:
     tokenize side by side). Rendering is cheap next to training, so one lock serialises it.
     """
     with _TEMPLATE_LOCK:
-        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        if has_generation_marks(tokenizer):
+            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            if not _untrained_turns(messages):
+                return out
+            full, spans = assistant_spans(tokenizer, messages)
+            marked = np.asarray(out["assistant_masks"], dtype=bool)
+        else:
+            full, spans = assistant_spans(tokenizer, messages)
+            marked = None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ChatTemplateError(f"{tokenizer.name_or_path}: completion-only masks without {{% generation %}} markers need a fast tokenizer (tokenizer.json)")
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    skipped = [s for s in spans if messages[s[2]].get("weight", 1) == 0]
+    kept = [s for s in spans if messages[s[2]].get("weight", 1) != 0]
+    mask = _mask_from_offsets(encoded["offset_mapping"], kept) if marked is None else marked & ~_mask_from_offsets(encoded["offset_mapping"], skipped)
+    return {"input_ids": list(encoded["input_ids"]), "assistant_masks": mask.astype(int).tolist()}
+
+
+def end_of_turn_token(tokenizer) -> int | None:
+    """The special token that closes an assistant turn in the chat template (`<|im_end|>`,
+    `<|eot_id|>`, `<end_of_turn>`, `<|end|>`, `</s>`...), or None when the template has none."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    from jinja2 import TemplateError
+
+    try:
+        with _TEMPLATE_LOCK:
+            full, spans = assistant_spans(tokenizer, probe)
+    except (ChatTemplateError, TemplateError, ValueError):  # no template, or one that rejects the probe
+        return None
+    if not spans:
+        return None
+    start, end, _ = spans[-1]
+    tail = full[start:end]
+    tail = tail[tail.rfind("ok") + 2 :].strip()
+    if not tail:
+        return None
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return ids[0] if ids and ids[0] in special else None
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"

@@ -69,6 +69,10 @@ class GenerateParams(Section):
     """Share of arithmetic questions held out of SFT/DPO (their facts stay in pretraining)."""
     qa_in_pretrain: bool = True
     """Also write plain `Question: … Answer: …` lines (training entities and arithmetic) into pretraining text."""
+    qa_renderings: int = Field(1, ge=1)
+    """With `qa_in_pretrain`, how often each training fact is asked in the pretraining text (in
+    random wordings). Seeing the question form often enough in pretraining is what lets SFT
+    answer about held-out people (benchmarks/RESULTS.md, issue 13)."""
     preference_errors: Literal["copy", "confusion", "value"] = "copy"
     """How each preference pair's rejected answer is wrong: `copy` (a weak model repeating the
     person's name or a number from the question), `confusion` (another true fact about the same

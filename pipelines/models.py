@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.chat import IM_END
+from pipelines.chat import IM_END, end_of_turn_token
 from pipelines.config import ModelParams
 from pipelines.errors import QllmError
 
@@ -33,9 +33,11 @@ def device() -> torch.device:
 
 
 def stop_token_ids(tokenizer) -> list[int]:
-    """Generation stops at the end of an assistant turn or at end of text."""
-    ids = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
-    return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
+    """Generation stops at the end of an assistant turn (the chat template's end-of-turn token,
+    e.g. `<|im_end|>`, Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`) or at end of text."""
+    ids = [end_of_turn_token(tokenizer), tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
+    unique = dict.fromkeys(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+    return list(unique)
 
 
 def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int):

@@ -315,9 +315,10 @@ def _sum_documents(rng: random.Random, world: World, renderings: int) -> list[st
     return [" ".join(chunk) for chunk in _chunks(rng, sentences, *ARITH_SENTENCES_PER_DOC)]
 
 
-def _qa_documents(rng: random.Random, train_facts: list[Fact]) -> list[str]:
-    """Each training fact once as `Question: …` / `Answer: …` lines, a few facts per document."""
-    pairs = [f"Question: {fact.question(rng)}\nAnswer: {fact.answer}" for fact in train_facts]
+def _qa_documents(rng: random.Random, train_facts: list[Fact], renderings: int) -> list[str]:
+    """Each training fact `renderings` times as `Question: …` / `Answer: …` lines (a wording
+    drawn each time), a few facts per document."""
+    pairs = [f"Question: {fact.question(rng)}\nAnswer: {fact.answer}" for fact in train_facts for _ in range(renderings)]
     rng.shuffle(pairs)
     return ["\n".join(chunk) for chunk in _chunks(rng, pairs, *QA_PAIRS_PER_DOC)]
 
@@ -326,7 +327,7 @@ def _pretrain(rng: random.Random, world: World, params: GenerateParams) -> list[
     documents = [bio for entity in world.entities for bio in _bios(rng, entity, params.bios_per_entity)]
     documents += _sum_documents(rng, world, params.sum_renderings)
     if params.qa_in_pretrain:
-        documents += _qa_documents(rng, facts(world, heldout=False))
+        documents += _qa_documents(rng, facts(world, heldout=False), params.qa_renderings)
     rng.shuffle(documents)
     return documents
 

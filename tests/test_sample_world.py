@@ -178,6 +178,16 @@ def test_qa_lines_cover_training_facts_only(sample):
         assert answer == "Answer: " + expected_answer(world, question.removeprefix("Question: "), kind)
 
 
+def test_qa_renderings_asks_each_training_fact_that_often_and_leaves_the_chats_alone(tmp_path, sample):
+    out, _, world = sample
+    write_sample(tmp_path, SMALL.model_copy(update={"qa_renderings": 3}))
+    once = [line for doc in documents(out) if doc.startswith("Question:") for line in doc.split("\n")[1::2]]
+    thrice = [line for doc in documents(tmp_path) if doc.startswith("Question:") for line in doc.split("\n")[1::2]]
+    assert len(thrice) == 3 * len(once) and sorted(thrice) == sorted(once * 3)
+    for name in ("chat_train", "chat_heldout", "preference_train", "preference_heldout"):
+        assert (tmp_path / FILES[name]).read_bytes() == (out / FILES[name]).read_bytes()
+
+
 def test_qa_in_pretrain_false_leaves_out_the_qa_documents(tmp_path):
     counts = write_sample(tmp_path, SMALL.model_copy(update={"qa_in_pretrain": False}))
     assert not [doc for doc in documents(tmp_path) if "Question:" in doc]

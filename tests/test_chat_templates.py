@@ -1,0 +1,126 @@
+"""Completion-only masks with any chat template: the base model's own template, with or without
+`{% generation %}` markers, for multi-turn chats, system prompts, preference pairs and prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipelines import chat, chat_data, preference_data
+from pipelines.chat_data import IGNORE
+from pipelines.models import load_tokenizer, stop_token_ids
+from tests.chat_families import FAMILIES, Family, tokenizer_for
+from tests.conftest import CHATS
+
+TEXTS = [m["content"] for c in CHATS for m in c] * 5 + ["You are a helpful assistant.", "Answer with one word."]
+SYSTEM_CHAT = CHATS[0]  # system, user, assistant
+MULTI_TURN = CHATS[6]  # user, assistant, user, assistant
+WEIGHTED = [
+    {"role": "user", "content": "What is 1 plus 2?"},
+    {"role": "assistant", "content": "4", "weight": 0},  # context (a wrong answer the user corrects), not a target
+    {"role": "user", "content": "No. What is 1 plus 2?"},
+    {"role": "assistant", "content": "3"},
+]
+
+
+def trained_pieces(tokenizer, example) -> list[str]:
+    """The trained tokens decoded, one string per contiguous run."""
+    mask = example.labels != IGNORE
+    runs, current = [], []
+    for token, on in zip(example.input_ids, mask, strict=True):
+        if on:
+            current.append(int(token))
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(r) for r in runs]
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f.name)
+def family(request) -> tuple[Family, object]:
+    return request.param, tokenizer_for(request.param, TEXTS)
+
+
+def test_trained_tokens_are_exactly_the_answers_and_their_end_of_turn_token(family):
+    fam, tokenizer = family
+    assert not chat.has_generation_marks(tokenizer)
+    examples, stats = chat_data.encode(tokenizer, [SYSTEM_CHAT, MULTI_TURN, WEIGHTED], max_len=512)
+    assert stats.examples == 3 and stats.dropped_no_target == 0
+    answers = [trained_pieces(tokenizer, e) for e in examples]
+    eot = fam.end_of_turn
+    # Templates that trim put no space in front of the answer; ChatML/Phi-3 keep the content as is.
+    assert [[p.strip() for p in a] for a in answers] == [[f"Pelora{eot}"], [f"3{eot}", f"3{eot}"], [f"3{eot}"]]
+    # Nothing of the prompt: the system prompt and the questions are never trained.
+    for pieces in answers:
+        assert not any(word in "".join(pieces) for word in ("Where", "plus", "Answer", "assistant", "user", "model", "INST"))
+
+
+def test_end_of_turn_token_is_found_and_stops_generation(family):
+    fam, tokenizer = family
+    eot = tokenizer.convert_tokens_to_ids(fam.end_of_turn)
+    assert chat.end_of_turn_token(tokenizer) == eot
+    assert stop_token_ids(tokenizer)[0] == eot and tokenizer.eos_token_id in stop_token_ids(tokenizer)
+
+
+def test_preference_pairs_score_only_the_answer(family):
+    fam, tokenizer = family
+    frame = pd.DataFrame({"id": ["p0"], "prompt": ['[{"role": "user", "content": "Where does Tovik live?"}]'], "chosen": ["Pelora"], "rejected": ["Dunmar"]})
+    (pair,), dropped = preference_data.encode_pairs(tokenizer, frame, max_length=256)
+    assert sum(dropped.values()) == 0
+    assert tokenizer.decode(pair.chosen_ids[pair.prompt_length :]).strip() == f"Pelora{fam.end_of_turn}"
+    assert tokenizer.decode(pair.rejected_ids[pair.prompt_length :]).strip() == f"Dunmar{fam.end_of_turn}"
+    # The prompt part is what evaluation renders with add_generation_prompt=True.
+    prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": "Where does Tovik live?"}], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(pair.chosen_ids[: pair.prompt_length]) == prompt_text.rstrip(" ") or tokenizer.decode(
+        pair.chosen_ids[: pair.prompt_length]
+    ).startswith(prompt_text.rstrip())
+
+
+def test_marker_less_template_trains_as_many_tokens_as_the_marker_template(tiny_base):
+    marked = load_tokenizer(tiny_base / "model")
+    assert chat.has_generation_marks(marked)
+    unmarked = load_tokenizer(tiny_base / "model")
+    unmarked.chat_template = chat.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert not chat.has_generation_marks(unmarked)
+    chats = [*CHATS, WEIGHTED]
+    with_marks, stats_marks = chat_data.encode(marked, chats, max_len=512)
+    without, stats_plain = chat_data.encode(unmarked, chats, max_len=512)
+    assert stats_marks.target_tokens == stats_plain.target_tokens > 0
+    for a, b in zip(with_marks, without, strict=True):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.labels, b.labels)
+    # weight 0 is honoured with the markers too: only the second answer of WEIGHTED is trained
+    assert trained_pieces(marked, with_marks[-1]) == [" 3<|im_end|>"]
+
+
+class RewritingTemplate:
+    """Drops the content of earlier assistant turns (as reasoning templates drop past thoughts)."""
+
+    template = (
+        "{%- for message in messages %}{%- if message['role'] == 'assistant' and not loop.last %}"
+        "{{- '<|im_start|>assistant\n<|im_end|>\n' }}{%- else %}"
+        "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+    )
+
+
+def test_template_that_rewrites_earlier_turns_is_a_clear_error_naming_the_turn():
+    from tests.chat_families import CHATML
+
+    tokenizer = tokenizer_for(CHATML, TEXTS)
+    tokenizer.chat_template = RewritingTemplate.template
+    chat_data.encode(tokenizer, [SYSTEM_CHAT], max_len=512)  # one assistant turn: fine
+    with pytest.raises(chat.ChatTemplateError, match=r"turns 1-2 is not a prefix .*\(turn 2, assistant\)"):
+        chat_data.encode(tokenizer, [MULTI_TURN], max_len=512)
+
+
+def test_tokenizer_without_a_chat_template_is_a_clear_error():
+    from tests.chat_families import CHATML
+
+    tokenizer = tokenizer_for(CHATML, TEXTS)
+    tokenizer.chat_template = None
+    with pytest.raises(chat.ChatTemplateError, match="no chat template"):
+        chat_data.encode(tokenizer, [SYSTEM_CHAT], max_len=512)
