@@ -263,8 +263,10 @@ class FinetuneParams(Section):
     """Instruction tuning on chat records (shared by `sft` and `lora`: one code path)."""
 
     base_model: str = "data/models/pretrain"
-    """The model to start from: a `save_pretrained` directory or a hub name. Only the default is a
-    DVC dependency in dvc.yaml; another path is not tracked (a warning says so)."""
+    """The model to start from. The default is the pipeline's base: the model `pretrain` trained,
+    or, with `base_model.name` set, that model (`pretrain` then writes a pointer to it). Another
+    directory or hub name here is not a DVC dependency (a warning says so): set `base_model.name`
+    instead."""
     loss_on: Literal["assistant", "all"] = "assistant"
     """Train on assistant tokens only (completion-only loss) or on every token."""
     packing: bool = True
@@ -451,6 +453,25 @@ class RegisterParams(Section):
 warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows', category=UserWarning)
 
 
+class BaseModelParams(Section):
+    """Where the fine-tuning stages start from (README "Fine-tune your own model")."""
+
+    name: str | None = None
+    """None: the model `pretrain` trains here from scratch. Otherwise a hub id (`Qwen/Qwen2.5-0.5B`)
+    or a `save_pretrained` directory (relative to the project): `train_tokenizer` then takes its
+    tokenizer, `pretrain` trains nothing, and sft, probe_lora, lora, dpo, evaluate and register
+    use it with its own tokenizer and chat template."""
+    revision: str | None = None
+    """Hub only: a branch, tag or commit; resolved to the commit it names (in data/base_model.json),
+    so a new revision reruns everything downstream. None: the hub's default branch."""
+
+    @model_validator(mode="after")
+    def _revision_needs_a_name(self) -> BaseModelParams:
+        if self.revision is not None and self.name is None:
+            raise ValueError("revision is set but name is not (a revision names a version of a hub model)")
+        return self
+
+
 class ProbeDeviceParams(Section):
     """`probe_device` has no settings: it records the machine (see `pipelines/probe_device.py`)."""
 
@@ -464,6 +485,7 @@ class Params(Section):
     train_tokenizer: TrainTokenizerParams = TrainTokenizerParams()
     tokenize: TokenizeParams = TokenizeParams()
     probe_device: ProbeDeviceParams = ProbeDeviceParams()
+    base_model: BaseModelParams = BaseModelParams()
     pretrain: PretrainParams = PretrainParams()
     sft: SftParams = SftParams()
     probe_lora: ProbeLoraParams = ProbeLoraParams()

@@ -180,8 +180,13 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
 
 
 def _body(ctx: stage.StageContext) -> dict:
+    from pipelines import base_model
+
     declared = ctx.params.base_model
     finetune.resolve_base(ctx, TRACKED_BASE)
+    record = base_model.pointed(ctx.params.base_model)
+    if record is not None:  # fine-tuning mode: the adapter names the user's base, as they name it
+        declared = record["name"]
     if ctx.params.allocation == "quantum_opt":
         allocation = read_json(ctx.path(ALLOCATION))
         ctx.params = apply_allocation(ctx.params, allocation)

@@ -105,7 +105,15 @@ def _check_tokenizer_files(path: Path | str) -> None:
         raise QllmError(f"{path}: no tokenizer (tokenizer.json / tokenizer_config.json missing)")
 
 
-def _check_model_files(path: Path | str) -> Path | None:
+def _follow(path: Path | str) -> Path | str:
+    """A pointer directory (`data/models/pretrain` when `pretrain` trained nothing) stands for the
+    base model it names (`pipelines.base_model`)."""
+    from pipelines.base_model import follow
+
+    return follow(path)
+
+
+def check_model_files(path: Path | str) -> Path | None:
     local = local_model_dir(path)
     if local is not None and not (local / "config.json").exists():
         raise QllmError(f"{path}: no config.json (not a save_pretrained model directory)")
@@ -116,6 +124,7 @@ def load_tokenizer(path: Path | str):
     """Load the tokenizer of a model directory (or a tokenizer directory, or a hub name)."""
     from transformers import AutoTokenizer
 
+    path = _follow(path)
     _check_tokenizer_files(path)
     try:
         return AutoTokenizer.from_pretrained(str(path))
@@ -128,7 +137,8 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    local = _check_model_files(path)
+    path = _follow(path)
+    local = check_model_files(path)
     try:
         with CONSTRUCTION:
             return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
@@ -153,7 +163,8 @@ def check_vocabulary(model, tokenizer, path: Path | str) -> None:
 
 def load_model_and_tokenizer(path: Path | str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) of one model directory (or hub name), checked to match each other."""
-    _check_model_files(path)  # what is missing, before the slow part
+    path = _follow(path)
+    check_model_files(path)  # what is missing, before the slow part
     _check_tokenizer_files(path)
     model = load_causal_lm(path, dtype)
     tokenizer = load_tokenizer(path)

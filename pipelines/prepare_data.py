@@ -61,7 +61,7 @@ def _dumps(value: Any) -> str:
 
 
 def _normalize_messages(raw: str, form: str) -> str:
-    messages = [{"role": m["role"], "content": cleaning.normalize_text(m["content"], form)} for m in json.loads(raw)]
+    messages = [{**m, "content": cleaning.normalize_text(m["content"], form)} for m in json.loads(raw)]
     return _dumps([m for m in messages if m["role"] != "system" or m["content"]])
 
 

@@ -20,7 +20,7 @@ from pipelines import distributed, packed, stage, training
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import PretrainParams
 from pipelines.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
-from pipelines.outputs import atomic_dir, read_json
+from pipelines.outputs import atomic_dir, read_json, write_json
 
 NAME = "pretrain"
 TOKENIZED = "data/tokenized"
@@ -75,7 +75,23 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     }
 
 
+def point_to_base(out: Path, record: dict) -> dict:
+    """Fine-tuning mode: no model is trained; the output is a pointer to the base model
+    (`pipelines.base_model`) that the later stages load through."""
+    from pipelines.base_model import POINTER
+
+    with atomic_dir(out) as tmp:
+        write_json(tmp / POINTER, record)
+    return {"trained": False, "steps": 0}
+
+
 def _body(ctx: stage.StageContext) -> dict:
+    from pipelines import base_model
+
+    record = base_model.current(ctx.root)
+    if record["name"] is not None:
+        ctx.log.info("pretrain: nothing to train, the base model is %s (base_model.name)", record["name"])
+        return point_to_base(ctx.path(OUT), record)
     metrics = run(ctx.path(TOKENIZED), ctx.path(TOKENIZER), ctx.path(OUT), ctx.params, ctx.checkpoint_dir, ctx.tracker)
     ctx.log.info(
         "pretrained %d parameters for %d steps: val/loss %.4f (perplexity %.2f, vocabulary %d), %d tokens/s",

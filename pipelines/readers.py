@@ -6,7 +6,13 @@
 
 Every record kind is a DataFrame of `str` columns (`COLUMNS`): `id, source, split` plus
 `text` (text), `messages` (chat: a JSON list of {role, content}) or `prompt` (a JSON message list
-ending with a user turn), `chosen`, `rejected` (preference). A chat needs an assistant turn; a
+ending with a user turn), `chosen`, `rejected` (preference). The layouts people have are
+recognised from their keys (`LAYOUTS`), no `columns` map needed: chats as OpenAI `messages` (with
+per-message `name` and `weight`: 0 marks an assistant turn that is context, not a target),
+ShareGPT `conversations` (`from`/`value`, `human`/`gpt`/`system`), `prompt`/`completion`, Alpaca
+`instruction`/`input`/`output` and Dolly `instruction`/`context`/`response`; preferences with a
+`prompt`, or without one (TRL's implicit prompt: `chosen`/`rejected` conversations; Anthropic
+HH-RLHF: `\n\nHuman:`/`\n\nAssistant:` transcripts), whose shared turns become the prompt. A chat needs an assistant turn; a
 held-out chat (`split: test`) must end with one, the reference answer `evaluate` scores. Anything
 wrong with the input is a `ReaderError` naming the file, the 1-based line (JSONL, text, CSV) or
 the 0-based record index (JSON, Parquet, hf), and what was expected.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -351,7 +358,19 @@ def _message_list(value: Any, label: str) -> list[dict[str, str]]:
             raise _Bad(f"'content' must be a string, got {_type_name(content)} {at}")
         if role == "system" and index > 0:
             raise _Bad(f"a system message may only come first {at}")
-        messages.append({"role": role, "content": content})
+        kept = {"role": role, "content": content}
+        if "name" in message and message["name"] is not None:  # OpenAI: a participant's name (templates may use it)
+            name = _plain(message["name"])
+            if not isinstance(name, str):
+                raise _Bad(f"'name' must be a string, got {_type_name(name)} {at}")
+            kept["name"] = name
+        if "weight" in message and message["weight"] is not None:  # OpenAI: 0 = context, not trained
+            weight = _plain(message["weight"])
+            if role != "assistant" or weight not in (0, 1) or isinstance(weight, bool):
+                raise _Bad(f"'weight' must be 0 or 1 on an assistant message, got {weight!r} on a {role} message {at}")
+            if weight == 0:
+                kept["weight"] = 0
+        messages.append(kept)
     return messages
 
 
@@ -370,6 +389,8 @@ def _chat(messages: list[dict[str, str]]) -> tuple[str]:
         raise _Bad(f"a system message may only come first (found at position {roles.index('system', 1)} of the chat)")
     if "assistant" not in roles:
         raise _Bad("no assistant message (a chat needs at least one assistant turn)")
+    if all(m.get("weight", 1) == 0 for m in messages if m["role"] == "assistant"):
+        raise _Bad("every assistant message has weight 0 (nothing to train on)")
     return (_dump(messages),)
 
 
@@ -401,6 +422,43 @@ def _chat_alpaca(record: dict[str, Any]) -> tuple[str]:
         raise _Bad(f"'input' must be a string, got {_type_name(extra)}")
     user = instruction + ("\n\n" + extra if extra else "")
     return _chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}])
+
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
+
+
+def _chat_sharegpt(record: dict[str, Any]) -> tuple[str]:
+    """ShareGPT/Vicuna: `conversations` of `{from, value}` turns (`human`/`gpt`/`system`; some
+    exports use `{role, content}` there, which is read as messages)."""
+    value = _plain(record["conversations"])
+    if not isinstance(value, list):
+        raise _Bad(f"'conversations' must be a list of {{from, value}} turns, got {_type_name(value)}")
+    turns = []
+    for index, turn in enumerate(value):
+        at = f"in conversations[{index}]"
+        if not isinstance(turn, dict):
+            raise _Bad(f"expected a {{from, value}} object, got {_type_name(turn)} {at}")
+        if "from" not in turn and "role" in turn:
+            turns.append(turn)
+            continue
+        if "from" not in turn or "value" not in turn:
+            raise _Bad(f"missing {'from' if 'from' not in turn else 'value'!r} {at}")
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise _Bad(f"unknown speaker 'from': {turn['from']!r} (expected human, gpt or system) {at}")
+        turns.append({"role": role, "content": turn["value"], **({"weight": turn["weight"]} if "weight" in turn else {})})
+    return _chat(_message_list(turns, "conversations"))
+
+
+def _chat_dolly(record: dict[str, Any]) -> tuple[str]:
+    """databricks-dolly: `instruction`, optional `context` (joined after a blank line), `response`."""
+    instruction, response = _string(record, "instruction"), _string(record, "response")
+    context = record.get("context")
+    if context is not None and not isinstance(context, str):
+        raise _Bad(f"'context' must be a string, got {_type_name(context)}")
+    user = instruction + ("\n\n" + context if context and context.strip() else "")
+    return _chat([{"role": "user", "content": user}, {"role": "assistant", "content": response}])
 
 
 def _prompt(value: Any) -> list[dict[str, str]]:
@@ -435,15 +493,55 @@ def _preference(record: dict[str, Any]) -> tuple[str, str, str]:
     )
 
 
+HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant): ?")
+
+
+def _hh_transcript(text: str, label: str) -> list[dict[str, str]]:
+    """Anthropic HH-RLHF: `\n\nHuman: …\n\nAssistant: …` as messages."""
+    parts = HH_TURN.split(text)
+    if len(parts) < 3:
+        raise _Bad(f"{label!r} is not a transcript of '\\n\\nHuman:' / '\\n\\nAssistant:' turns (HH-RLHF layout)")
+    if parts[0].strip():
+        raise _Bad(f"{label!r} has text before its first 'Human:' turn")
+    return [{"role": "user" if who == "Human" else "assistant", "content": said.strip()} for who, said in zip(parts[1::2], parts[2::2], strict=True)]
+
+
+def _conversation(value: Any, label: str) -> list[dict[str, str]]:
+    messages = _hh_transcript(value, label) if isinstance(value, str) else _message_list(value, label)
+    if not messages or messages[-1]["role"] != "assistant":
+        last = messages[-1]["role"] if messages else "nothing"
+        raise _Bad(f"{label!r} must end with an assistant turn, the answer (it ends with {last})")
+    return messages
+
+
+def _preference_implicit(record: dict[str, Any]) -> tuple[str, str, str]:
+    """No `prompt`: `chosen` and `rejected` are whole conversations (TRL's implicit prompt, as
+    message lists) or transcripts (HH-RLHF); what they share before the last turn is the prompt."""
+    chosen, rejected = _conversation(record["chosen"], "chosen"), _conversation(record["rejected"], "rejected")
+    prompt, other = chosen[:-1], rejected[:-1]
+    if prompt != other:
+        turn = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
+        raise _Bad(
+            f"'chosen' and 'rejected' have different prompts: they differ at turn {turn + 1} "
+            f"(an implicit-prompt pair shares every turn but the final answer)"
+        )
+    return (_dump(_prompt(prompt)), chosen[-1]["content"], rejected[-1]["content"])
+
+
 # Per kind, the accepted layouts in priority order: (fields it needs, how it becomes the kind's fields).
 LAYOUTS: dict[str, tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple[str, ...]]], ...]] = {
     "text": ((("text",), _text_record),),
     "chat": (
         (("messages",), _chat_messages),
+        (("conversations",), _chat_sharegpt),
         (("prompt", "completion"), _chat_prompt_completion),
         (("instruction", "output"), _chat_alpaca),
+        (("instruction", "response"), _chat_dolly),
     ),
-    "preference": ((("prompt", "chosen", "rejected"), _preference),),
+    "preference": (
+        (("prompt", "chosen", "rejected"), _preference),
+        (("chosen", "rejected"), _preference_implicit),
+    ),
 }
 
 

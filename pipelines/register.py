@@ -79,6 +79,12 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None, prefect
         tags[f"dvc.{path}"] = md5
     for section, values in (yaml.safe_load((root / "params.yaml").read_text()) or {}).items():
         tags[f"params.{section}"] = json.dumps(values, sort_keys=True)
+    from pipelines import base_model
+
+    record = base_model.current(root)
+    tags["qllm.base_model"] = base_model.display_name(record) if record["name"] is not None else "pretrained here"
+    if record.get("md5"):
+        tags["qllm.base_model.md5"] = record["md5"]
     if parent_run_id:
         tags["mlflow.parent_run_id"] = parent_run_id
     prefect_flow_run_id = prefect_flow_run_id or os.environ.get(tracking.PREFECT_RUN_ENV)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipelines import stage
+from pipelines import stage, workspace
 from pipelines.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
 from pipelines.config import TrainTokenizerParams
 from pipelines.errors import QllmError
@@ -85,7 +85,29 @@ def run(prepared: Path, out: Path, params: TrainTokenizerParams) -> dict[str, fl
     }
 
 
+def use_base(base_dir: Path, prepared: Path, out: Path, name: str) -> dict[str, float]:
+    """Fine-tuning mode (`base_model.name` set): save the base model's tokenizer, chat template
+    included, instead of training one; report its compression on the validation text."""
+    from pipelines.models import load_tokenizer
+
+    tokenizer = load_tokenizer(base_dir)
+    if tokenizer.eos_token_id is None:
+        raise QllmError(f"base_model.name={name!r}: its tokenizer has no EOS token (tokenize separates documents with it)")
+    with atomic_dir(out) as tmp:
+        tokenizer.save_pretrained(tmp)
+    validation = pd.read_parquet(prepared / "text" / "validation.parquet", columns=["text"])["text"].tolist()
+    n_tokens = sum(len(ids) for ids in tokenizer(validation, add_special_tokens=False)["input_ids"]) if validation else 0
+    return {"vocab_size": len(tokenizer), "chars_per_token": round(sum(map(len, validation)) / max(n_tokens, 1), 4), "trained": False}
+
+
 def _body(ctx: stage.StageContext) -> dict:
+    from pipelines import base_model
+
+    record = base_model.current(ctx.root)
+    if record["name"] is not None:
+        metrics = use_base(base_model.location(record, workspace.project_root(ctx.root)), ctx.path(PREPARED), ctx.path(OUT), record["name"])
+        ctx.log.info("tokenizer: the base model's (%s, %d tokens), not trained", record["name"], metrics["vocab_size"])
+        return metrics
     metrics = run(ctx.path(PREPARED), ctx.path(OUT), ctx.params)
     ctx.log.info(
         "tokenizer: %d tokens, %.2f chars/token on validation text (trained on %d texts in %.1fs)",

@@ -98,7 +98,7 @@ def tokenizer_for(family: Family, texts: list[str], vocab_size: int = 400):
                                    chat_template=family.template)
 
 
-def save_base_model(family: Family, texts: list[str], out: Path, max_positions: int = 256) -> Path:
+def save_base_model(family: Family, texts: list[str], out: Path, max_positions: int = 256, seed: int = 0) -> Path:
     """A tiny random Llama with the family's tokenizer, as a `save_pretrained` directory: what a
     user passes as `base_model.name`."""
     import torch
@@ -108,7 +108,7 @@ def save_base_model(family: Family, texts: list[str], out: Path, max_positions: 
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

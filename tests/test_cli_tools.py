@@ -17,7 +17,7 @@ import yaml
 
 from flows.cli import main
 from pipelines import compare, dag, generation, lineage
-from tests.conftest import make_project
+from tests.conftest import ALWAYS_CHANGED, make_project
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_build_matches_dvc_lock_back_to_the_raw_data(runs, project):
     for entry in trail["stages"][1:]:
         produced = json.loads((project / f"data/metrics/{entry['stage']}.json").read_text())["mlflow_run_id"]
         assert entry["mlflow_run_id"] == produced
-        if entry["stage"] == "probe_device":  # untracked: it runs on every pipeline run and trains nothing
+        if entry["stage"] in ALWAYS_CHANGED:  # untracked: they run on every pipeline run and train nothing
             assert produced is None
             continue
         assert client.get_run(produced).data.tags["qllm.stage"] == entry["stage"]
@@ -139,7 +139,7 @@ def test_lineage_of_registered_versions_matches_their_dvc_lock(runs, project, ca
     first = {s["stage"]: s for s in versions["1"]["stages"]}
     second = {s["stage"]: s for s in versions["2"]["stages"]}
     # Version 2 reused every upstream output (DVC run-cache): same producing runs; evaluate reran
-    # (probe_device, which reruns every time, has no MLflow run: None in both).
+    # (probe_device and base_model, which rerun every time, have no MLflow run: None in both).
     for name in first:
         same = name not in ("evaluate", "register")
         assert (first[name]["mlflow_run_id"] == second[name]["mlflow_run_id"]) is same, name

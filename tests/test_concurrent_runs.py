@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from pipelines import dag, runner, workspace
-from tests.conftest import dvc_up_to_date, make_project, run
+from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 
 # --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------
 
@@ -92,7 +92,7 @@ def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypat
             statuses[stage["name"]].append((stage["status"], stage["reason"]))
     assert list(statuses) == dag.order(project)
     for name, pair in statuses.items():
-        expected = [("ran", "executed")] * 2 if name in ("probe_device", "evaluate", "register") else [("cached", "run-cache"), ("ran", "executed")]
+        expected = [("ran", "executed")] * 2 if name in (*ALWAYS_CHANGED, "evaluate", "register") else [("cached", "run-cache"), ("ran", "executed")]
         assert sorted(pair) == expected, (name, pair)
 
     # Each workspace is consistent: outputs match its dvc.lock, shared outputs are the same bytes.
@@ -101,7 +101,7 @@ def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypat
     locks = [yaml.safe_load((ws / "dvc.lock").read_text())["stages"] for ws in wss]
     for name in statuses:
         if name not in ("evaluate", "register"):
-            # probe_device ran in both: its output is the same bytes, its metrics file (timing) is not
+            # probe_device and base_model ran in both: their outputs are the same bytes, their metrics files (timing) are not
             outs = [[o for o in lock[name]["outs"] if not o["path"].startswith("data/metrics/")] for lock in locks]
             assert outs[0] == outs[1], name
 
@@ -115,10 +115,10 @@ def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypat
     for result in results:
         assert parents[result["mlflow_run_id"]].info.status == "FINISHED"
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == result["mlflow_run_id"]]
-        ran = sorted(s["name"] for s in result["stages"] if s["status"] == "ran" and s["name"] != "probe_device")
+        ran = sorted(s["name"] for s in result["stages"] if s["status"] == "ran" and s["name"] not in ALWAYS_CHANGED)
         assert sorted(r.data.tags["qllm.stage"] for r in children) == ran
         assert {r.info.status for r in children} == {"FINISHED"}
-    assert len(runs) == 2 + len(statuses) - 1 + 2  # parents + one run per shared stage (probe_device has none) + evaluate/register twice
+    assert len(runs) == 2 + len(statuses) - len(ALWAYS_CHANGED) + 2  # parents + one run per shared stage (the always-changed ones have none) + evaluate/register twice
 
     # The registry: one version per run, each with the alias its gate decided.
     versions = sorted(r["model_version"] for r in results)

@@ -75,7 +75,7 @@ def test_order_until_and_sources():
     assert order[0] == "generate" and order[-1] == "register"
     for name in order:
         assert all(order.index(up) < order.index(name) for up in dag.upstream(REPO, name))
-    assert dag.order(REPO, until="tokenize") == ["generate", "ingest", "prepare_data", "train_tokenizer", "tokenize"]
+    assert dag.order(REPO, until="tokenize") == ["generate", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize"]
     assert set(dag.upstream(REPO, "tokenize")) == {"prepare_data", "train_tokenizer"}
     assert "data/sources" in dag.source_paths(REPO) and "data/sample" not in dag.source_paths(REPO)
     with pytest.raises(dag.DagError, match="unknown stage 'nope'"):

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pipelines import dag, tracking
-from tests.conftest import dvc_up_to_date, make_project, run
+from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[1]))
 
@@ -103,16 +103,17 @@ def test_rerun_is_all_cache_hits_and_dvc_agrees(first, project):
     from flows.pipeline import pipeline
 
     second = pipeline(project_dir=str(project))
-    # probe_device always runs (it reads the machine); its output is the same bytes, so nothing else does
+    # probe_device and base_model always run (they read the machine and the base); their outputs
+    # are the same bytes, so nothing else does
     assert [(s["name"], s["status"], s["reason"]) for s in second["stages"]] == [
-        (n, "ran", "executed") if n == "probe_device" else (n, "cached", "up-to-date") for n in STAGES
+        (n, "ran", "executed") if n in ALWAYS_CHANGED else (n, "cached", "up-to-date") for n in STAGES
     ]
     assert second["seconds"] < 10
     assert second["model_version"] == "1"  # register is cached: no new version
     assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], project).stdout)
     repro = run([sys.executable, "-m", "dvc", "repro"], project)
-    assert "Running stage 'probe_device'" in repro.stdout
-    assert all(f"Stage '{n}' didn't change" in repro.stdout + repro.stderr for n in STAGES if n != "probe_device")
+    assert all(f"Running stage '{n}'" in repro.stdout for n in ALWAYS_CHANGED)
+    assert all(f"Stage '{n}' didn't change" in repro.stdout + repro.stderr for n in STAGES if n not in ALWAYS_CHANGED)
 
 
 def test_mlflow_parent_run_with_one_child_per_stage(first, project):
@@ -122,7 +123,7 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["qllm.kind"] == "pipeline"
     children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(r.data.tags["qllm.stage"] for r in children) == sorted(n for n in STAGES if n != "probe_device")  # untracked
+    assert sorted(r.data.tags["qllm.stage"] for r in children) == sorted(n for n in STAGES if n not in ALWAYS_CHANGED)  # untracked
     by_stage = {r.data.tags["qllm.stage"]: r for r in children}
     pretrain = by_stage["pretrain"]
     assert pretrain.data.params["pretrain.train.lr"] == "0.003" and pretrain.data.params["pretrain.model.hidden_size"] == "32"
@@ -132,7 +133,7 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     # Input datasets carry the DVC md5 as digest: MLflow and dvc.lock name the same bytes.
     outs = lock_outs(project)
     inputs = {d.dataset.name: d.dataset.digest for d in pretrain.inputs.dataset_inputs}
-    assert inputs == {d: outs[d] for d in ("data/device.json", "data/tokenized", "data/tokenizer")}
+    assert inputs == {d: outs[d] for d in ("data/base_model.json", "data/device.json", "data/tokenized", "data/tokenizer")}
     assert json.loads((project / "data/metrics/pretrain.json").read_text())["mlflow_run_id"] == pretrain.info.run_id
 
 
@@ -230,8 +231,8 @@ def test_override_runs_in_a_workspace_and_reuses_upstream(first, project):
     summary = pipeline(overrides=["evaluate.max_new_tokens=2"], project_dir=str(project))
     status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
     upstream = STAGES[: STAGES.index("evaluate")]
-    assert all(status[n] == ("cached", "run-cache") for n in upstream if n != "probe_device"), status
-    assert status["probe_device"] == ("ran", "executed")
+    assert all(status[n] == ("cached", "run-cache") for n in upstream if n not in ALWAYS_CHANGED), status
+    assert all(status[n] == ("ran", "executed") for n in ALWAYS_CHANGED)
     assert status["evaluate"] == ("ran", "executed") and status["register"] == ("ran", "executed")
     assert summary["workspace"].startswith(str(project / ".qllm" / "runs"))
     assert summary["model_version"] == "2"
@@ -260,12 +261,12 @@ def test_changing_the_solver_reruns_from_quantum_opt(first, project):
     summary = pipeline(overrides=["quantum_opt.solver=milp"], project_dir=str(project))
     status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
     ran = [n for n, (st, _) in status.items() if st == "ran"]
-    assert ran[:3] == ["probe_device", "quantum_opt", "lora"], status
+    assert ran[:4] == ["base_model", "probe_device", "quantum_opt", "lora"], status
     # Outputs are byte-stable: when MILP picks the allocation sa picked, lora trains the same adapter,
     # bytes and all, and DVC finds evaluate and register up to date; otherwise they rerun.
     lock = lambda root: {o["path"]: o["md5"] for o in yaml.safe_load((root / "dvc.lock").read_text())["stages"]["lora"]["outs"]}  # noqa: E731
     same_adapter = lock(Path(summary["workspace"]))["data/models/lora"] == lock(project)["data/models/lora"]
-    assert ran[3:] == ([] if same_adapter else ["evaluate", "register"]), status
+    assert ran[4:] == ([] if same_adapter else ["evaluate", "register"]), status
     assert status["probe_lora"] == ("cached", "run-cache")
     metrics = json.loads((Path(summary["workspace"]) / "data/metrics/quantum_opt.json").read_text())
     assert metrics["solver"] == "milp" and metrics["gap_to_milp"] == 0.0
@@ -276,7 +277,7 @@ def test_uniform_lora_rank_reruns_only_lora_and_downstream(first, project):
 
     summary = pipeline(overrides=["lora.allocation=uniform", "lora.r=2"], project_dir=str(project))
     ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
-    assert ran == ["probe_device", "lora", "evaluate", "register"]
+    assert ran == ["base_model", "probe_device", "lora", "evaluate", "register"]
     trainable = json.loads((Path(summary["workspace"]) / "data/metrics/lora.json").read_text())["trainable_parameters"]
     quantum = json.loads((project / "data/metrics/lora.json").read_text())["trainable_parameters"]
     cost = json.loads((project / "data/quantum_opt/allocation.json").read_text())["cost"]
@@ -290,7 +291,7 @@ def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):
     for beta in ("0.05", "0.2"):  # both differ from params.yaml (1.0): real overrides
         summary = pipeline(overrides=[f"dpo.beta={beta}"], project_dir=str(project))
         status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
-        assert [n for n, (st, _) in status.items() if st == "ran"] == ["probe_device", "dpo", "evaluate", "register"], status
+        assert [n for n, (st, _) in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "evaluate", "register"], status
         # the reference pass (and everything before it) comes from DVC's run-cache
         assert status["ref_logprobs"] == status["sft"] == status["pretrain"] == ("cached", "run-cache")
         dpo_metrics = json.loads((Path(summary["workspace"]) / "data/metrics/dpo.json").read_text())
@@ -316,7 +317,7 @@ def test_cli_prints_one_line_per_stage_and_writes_the_summary(first, project, tm
     result = cli(project, "run", "--summary-json", str(tmp_path / "summary.json"))
     assert result.returncode == 0, result.stderr
     lines = [line.split() for line in result.stdout.splitlines() if line.split() and line.split()[0] in STAGES]
-    assert [(name, status) for name, status, _ in lines] == [(n, "ran" if n == "probe_device" else "cached") for n in STAGES]
+    assert [(name, status) for name, status, _ in lines] == [(n, "ran" if n in ALWAYS_CHANGED else "cached") for n in STAGES]
     assert all(float(seconds) >= 0 for _, _, seconds in lines)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(s["name"], s["status"]) for s in summary["stages"]] == [(name, status) for name, status, _ in lines]
@@ -355,7 +356,7 @@ def test_dvc_exp_run_reruns_only_evaluate_and_register(first, project):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     ran = [n for n in STAGES if f"Running stage '{n}'" in output]
-    assert ran == ["probe_device", "evaluate", "register"], output
+    assert ran == ["base_model", "probe_device", "evaluate", "register"], output
 
 
 def test_sweep_runs_each_override_set_sharing_upstream(first, project):
@@ -366,7 +367,7 @@ def test_sweep_runs_each_override_set_sharing_upstream(first, project):
     assert len(summaries) == 2 and summaries[0]["workspace"] != summaries[1]["workspace"]
     for summary in summaries:
         status = {s["name"]: s["status"] for s in summary["stages"]}
-        assert [n for n, st in status.items() if st == "ran"] == ["probe_device", "dpo", "evaluate", "register"], status
+        assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "evaluate", "register"], status
 
 
 def test_from_stage_reruns_only_downstream(first, project):
@@ -374,5 +375,5 @@ def test_from_stage_reruns_only_downstream(first, project):
 
     summary = pipeline(from_stage="evaluate", force=["evaluate", "register"], project_dir=str(project))
     status = {s["name"]: s["status"] for s in summary["stages"]}
-    assert [n for n, st in status.items() if st == "ran"] == ["probe_device", "evaluate", "register"]
-    assert all(status[n] == "cached" for n in STAGES if n not in ("probe_device", "evaluate", "register"))
+    assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "evaluate", "register"]
+    assert all(status[n] == "cached" for n in STAGES if n not in (*ALWAYS_CHANGED, "evaluate", "register"))

@@ -219,7 +219,7 @@ def test_read_100k_jsonl_lines_fast(tmp_path):
 def test_chat_from_messages(tmp_path):
     conversation = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi", "name": "dropped"},
+        {"role": "user", "content": "Hi", "name": "ann", "tool_calls": None},  # OpenAI's name is kept, other keys are not
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "More?"},
         {"role": "assistant", "content": "No."},
@@ -227,7 +227,7 @@ def test_chat_from_messages(tmp_path):
     path = write(tmp_path, "c.jsonl", jsonl([{"messages": conversation, "id": "c1"}]))
     frame = read(tmp_path, path, "chat")
     assert list(frame.columns) == ["id", "source", "split", "messages"]
-    assert messages(frame) == [[{"role": m["role"], "content": m["content"]} for m in conversation]]
+    assert messages(frame) == [[{"role": m["role"], "content": m["content"], **({"name": m["name"]} if "name" in m else {})} for m in conversation]]
 
 
 def test_chat_from_prompt_completion_strings_and_lists(tmp_path):
@@ -269,6 +269,46 @@ def test_chat_from_parquet_json_csv_and_hf(tmp_path):
     assert messages(read(tmp_path, alpaca, "chat")) == [chat("Do it", "done"), chat("Add\n\n1 2", "3")]
 
 
+def test_chat_from_sharegpt_with_roles_mapped_and_the_system_turn_first(tmp_path):
+    records = [
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Where?"}, {"from": "gpt", "value": "Here."},
+                           {"from": "human", "value": "Sure?"}, {"from": "gpt", "value": "Yes."}]},
+        {"id": "x", "conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]},
+    ]
+    frame = read(tmp_path, save_hf(tmp_path, "sharegpt", records), "chat")  # HF datasets hold them as arrays
+    assert messages(frame) == [
+        [{"role": "system", "content": "Be brief."}, *chat("Where?", "Here."), *chat("Sure?", "Yes.")],
+        chat("q", "a"),
+    ]
+    bad = write(tmp_path, "s.jsonl", jsonl([{"conversations": [{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}]}]))
+    assert error(tmp_path, bad, "chat") == "data/sources/s.jsonl:1: unknown speaker 'from': 'robot' (expected human, gpt or system) in conversations[1]"
+    late = write(tmp_path, "l.jsonl", jsonl([{"conversations": [{"from": "human", "value": "q"}, {"from": "system", "value": "s"}, {"from": "gpt", "value": "a"}]}]))
+    assert error(tmp_path, late, "chat") == "data/sources/l.jsonl:1: a system message may only come first in conversations[1]"
+
+
+def test_chat_from_dolly_joins_a_non_empty_context(tmp_path):
+    records = [
+        {"instruction": "Summarise.", "context": "A long text.", "response": "Short.", "category": "summarization"},
+        {"instruction": "Say hi.", "context": "", "response": "Hi.", "category": "open_qa"},
+    ]
+    frame = read(tmp_path, write(tmp_path, "dolly.jsonl", jsonl(records)), "chat")
+    assert messages(frame) == [chat("Summarise.\n\nA long text.", "Short."), chat("Say hi.", "Hi.")]
+
+
+def test_openai_messages_keep_weight_zero_turns_and_names(tmp_path):
+    record = {"messages": [
+        {"role": "user", "content": "1 + 2?", "name": "ann"}, {"role": "assistant", "content": "4", "weight": 0},
+        {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "3", "weight": 1},
+    ]}
+    (kept,) = messages(read(tmp_path, write(tmp_path, "o.jsonl", jsonl([record])), "chat"))
+    assert kept == [{"role": "user", "content": "1 + 2?", "name": "ann"}, {"role": "assistant", "content": "4", "weight": 0},
+                    {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "3"}]
+    on_user = write(tmp_path, "u.jsonl", jsonl([{"messages": [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a"}]}]))
+    assert error(tmp_path, on_user, "chat") == "data/sources/u.jsonl:1: 'weight' must be 0 or 1 on an assistant message, got 0 on a user message in messages[0]"
+    nothing = write(tmp_path, "n.jsonl", jsonl([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}]))
+    assert error(tmp_path, nothing, "chat") == "data/sources/n.jsonl:1: every assistant message has weight 0 (nothing to train on)"
+
+
 def test_numpy_message_arrays_become_plain_lists():
     array = np.array([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], dtype=object)
     assert readers._message_list(array, "messages") == chat("q", "a")
@@ -307,6 +347,40 @@ def test_preference_conversational(tmp_path):
     frame = read(tmp_path, write(tmp_path, "p.jsonl", jsonl(records)), "preference")
     assert [json.loads(p) for p in frame["prompt"]] == [prompt, [{"role": "user", "content": "Q"}]]
     assert frame[["chosen", "rejected"]].values.tolist() == [["yes", "no"], ["long answer", "short"]]
+
+
+HH = "\n\nHuman: Where is Pelora?\n\nAssistant: In the north.\n\nHuman: Sure?\n\nAssistant: "
+
+
+def test_preference_from_hh_rlhf_transcripts_shares_the_prefix_as_prompt(tmp_path):
+    frame = read(tmp_path, write(tmp_path, "hh.jsonl", jsonl([{"chosen": HH + "Yes, by the river.", "rejected": HH + "No idea."}])), "preference")
+    assert json.loads(frame["prompt"].iloc[0]) == [*chat("Where is Pelora?", "In the north."), {"role": "user", "content": "Sure?"}]
+    assert frame[["chosen", "rejected"]].values.tolist() == [["Yes, by the river.", "No idea."]]
+
+
+def test_preference_with_an_implicit_prompt_trl_layout(tmp_path):
+    system = {"role": "system", "content": "S"}
+    record = {"chosen": [system, *chat("Q", "good")], "rejected": [system, *chat("Q", "bad")]}
+    frame = read(tmp_path, write(tmp_path, "t.jsonl", jsonl([record])), "preference")
+    assert json.loads(frame["prompt"].iloc[0]) == [system, {"role": "user", "content": "Q"}]
+    assert frame[["chosen", "rejected"]].values.tolist() == [["good", "bad"]]
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"chosen": HH + "Yes.", "rejected": HH.replace("north", "south") + "No."},
+         "'chosen' and 'rejected' have different prompts: they differ at turn 2 (an implicit-prompt pair shares every turn but the final answer)"),
+        ({"chosen": HH + "Yes.\n\nHuman: Thanks!", "rejected": HH + "No."}, "'chosen' must end with an assistant turn, the answer (it ends with user)"),
+        ({"chosen": "Yes.", "rejected": "No."}, "'chosen' is not a transcript of '\\n\\nHuman:' / '\\n\\nAssistant:' turns (HH-RLHF layout)"),
+        ({"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}, "'prompt' is an empty message list"),
+        ({"chosen": chat("Q", "a"), "rejected": chat("Other", "b")},
+         "'chosen' and 'rejected' have different prompts: they differ at turn 1 (an implicit-prompt pair shares every turn but the final answer)"),
+    ],
+)
+def test_bad_implicit_prompt_pairs_name_the_line_and_the_problem(tmp_path, record, message):
+    path = write(tmp_path, "p.jsonl", jsonl([{"chosen": HH + "a", "rejected": HH + "b"}, record]))
+    assert error(tmp_path, path, "preference") == f"data/sources/p.jsonl:2: {message}"
 
 
 def test_preference_from_parquet_csv_json_and_hf(tmp_path):
@@ -372,7 +446,8 @@ def test_error_missing_field_in_jsonl_names_the_line(tmp_path):
     chat_path = write(tmp_path, "c.jsonl", jsonl([{"question": "q"}]))
     assert error(tmp_path, chat_path, "chat") == (
         "data/sources/c.jsonl:1: missing field 'messages' required for kind 'chat' (found: question; map yours with "
-        "columns: {messages: <name>}; kind 'chat' also accepts prompt + completion or instruction + output)"
+        "columns: {messages: <name>}; kind 'chat' also accepts conversations or prompt + completion or "
+        "instruction + output or instruction + response)"
     )
     half = write(tmp_path, "h.jsonl", jsonl([{"prompt": "q"}]))
     assert "h.jsonl:1: missing field 'completion' required for kind 'chat'" in error(tmp_path, half, "chat")

@@ -32,7 +32,7 @@ import yaml
 from pipelines import dag, runner
 from tests.conftest import make_project, run
 
-UPSTREAM = ["generate", "ingest", "prepare_data", "train_tokenizer", "tokenize", "probe_device"]
+UPSTREAM = ["generate", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
 MAX_STEPS = 40  # the kill lands after step 10: 25+ steps left, >0.5 s even at ~20 ms/step
 PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 5, "keep_checkpoints": 3}}}
 MODEL = "data/models/pretrain"
