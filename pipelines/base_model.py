@@ -67,10 +67,9 @@ def hub_snapshot(name: str, revision: str | None) -> Path:
 
 def resolve(params: BaseModelParams, root: Path) -> dict[str, Any]:
     """What `OUT` records: the name as given and what identifies its content."""
-    from pipelines import dag, models
-
     if params.name is None:
         return {"name": None}
+    from pipelines import dag, models  # torch and transformers: only for a base model
     local = _local(params.name, root)
     if local is not None:
         if params.revision is not None:

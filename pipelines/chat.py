@@ -159,6 +159,8 @@ def render_with_assistant_mask(tokenizer, messages: list[dict]) -> dict:
 def end_of_turn_token(tokenizer) -> int | None:
     """The special token that closes an assistant turn in the chat template (`<|im_end|>`,
     `<|eot_id|>`, `<end_of_turn>`, `<|end|>`, `</s>`...), or None when the template has none."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     from jinja2 import TemplateError
 

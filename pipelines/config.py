@@ -53,6 +53,11 @@ class GenerateParams(Section):
 
     enabled: bool = True
     """Write the sample data set to `data/sample/` (set false when you only use your own data)."""
+    corpus: Literal["synthetic", "real_text"] = "synthetic"
+    """`synthetic`: the invented world below (what measures held-out exact match). `real_text`: real
+    language available offline, the CPython documentation for pretraining and the ChatterBot corpus
+    for chats and preferences (`pipelines/real_text.py`; the settings below then do not apply but
+    `seed`)."""
     seed: int = 0
     """Seed of the world and of every rendering choice; same seed, same bytes."""
     n_entities: int = Field(60, ge=4, le=10_000)

@@ -3,7 +3,8 @@
     python -m pipelines.generate          # what dvc.yaml runs; writes data/sample/
 
 Writes `pretrain.txt`, `chat_{train,heldout}.jsonl`, `preference_{train,heldout}.jsonl` and
-`world.json` (see `pipelines/sample_world.py`). With `generate.enabled: false` it writes only a
+`world.json` (see `pipelines/sample_world.py`), or with `generate.corpus: real_text` the same files
+from real text that ships in packages (`pipelines/real_text.py`). With `generate.enabled: false` it writes only a
 README, so the stage stays in the graph while `ingest` reads your own data.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines import sample_world, stage
+from pipelines import real_text, sample_world, stage
 from pipelines.config import GenerateParams
 from pipelines.errors import QllmError
 from pipelines.outputs import atomic_dir
@@ -43,7 +44,10 @@ def run(out: Path, params: GenerateParams) -> dict[str, int]:
             counts = dict.fromkeys(sample_world.COUNT_KEYS, 0)
         else:
             try:
-                counts = sample_world.write_sample(tmp, params)
+                if params.corpus == "real_text":
+                    counts = real_text.write_sample(tmp, params.seed)
+                else:
+                    counts = sample_world.write_sample(tmp, params)
             except sample_world.WorldError as exc:
                 raise QllmError(f"params.yaml: generate: {exc}") from None
     return counts

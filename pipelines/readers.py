@@ -338,7 +338,8 @@ def _string(record: dict[str, Any], field: str) -> str:
 
 
 def _message_list(value: Any, label: str) -> list[dict[str, str]]:
-    """Validate a list of {role, content} messages; returns copies with only role and content."""
+    """Validate a list of {role, content} messages; returns copies with role and content (and
+    OpenAI's `name` and `weight: 0` where given), other keys left out."""
     if isinstance(value, (np.ndarray, tuple)):
         value = list(value)
     if not isinstance(value, list):

@@ -69,6 +69,11 @@ def test_the_registered_version_names_its_base(first, project):
     version = client.get_model_version("qllm", first["model_version"])
     assert version.tags["qllm.base_model"] == BASE
     assert version.tags["qllm.base_model.md5"] == dag.dvc_md5(project / BASE)
+    from pipelines import lineage
+
+    trail = {s["stage"]: s for s in lineage.build(project)["stages"]}
+    assert trail["base_model"]["params"] == {"name": BASE, "revision": None}
+    assert trail["pretrain"]["deps"]["data/base_model.json"] == dag.dvc_md5(project / "data/base_model.json")
 
 
 def test_unchanged_base_keeps_everything_cached_and_a_changed_one_reruns_downstream(first, project):
