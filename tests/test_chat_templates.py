@@ -10,7 +10,7 @@ import pytest
 from pipelines import chat, chat_data, preference_data
 from pipelines.chat_data import IGNORE
 from pipelines.models import load_tokenizer, stop_token_ids
-from tests.chat_families import FAMILIES, Family, tokenizer_for
+from tests.chat_families import FAMILIES, Family, save_base_model, tokenizer_for
 from tests.conftest import CHATS
 
 TEXTS = [m["content"] for c in CHATS for m in c] * 5 + ["You are a helpful assistant.", "Answer with one word."]
@@ -124,3 +124,23 @@ def test_tokenizer_without_a_chat_template_is_a_clear_error():
     tokenizer.chat_template = None
     with pytest.raises(chat.ChatTemplateError, match="no chat template"):
         chat_data.encode(tokenizer, [SYSTEM_CHAT], max_len=512)
+
+
+def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp_path):
+    """SFT from a small random model of each family (its own tokenizer and template), then a
+    greedy answer to a held-out prompt rendered with `add_generation_prompt`."""
+    from pipelines import evaluate, sft
+    from pipelines.config import SftParams, TrainParams
+    from pipelines.models import load_model_and_tokenizer
+
+    fam, _ = family
+    base = save_base_model(fam, TEXTS, tmp_path / "base")
+    train = TrainParams(max_steps=2, micro_batch_size=4, warmup_steps=0, eval_every=0, eval_batches=1, checkpoint_every=0, precision="fp32")
+    metrics = sft.run(tiny_base / "chat", tmp_path / "sft", SftParams(base_model=str(base), train=train))
+    assert metrics["steps"] == 2 and metrics["data/train_dropped_no_target"] == 0
+    assert metrics["data/train_examples"] == len(CHATS) and metrics["data/train_target_tokens"] > len(CHATS)
+    model, tokenizer = load_model_and_tokenizer(tmp_path / "sft")
+    assert tokenizer.chat_template == fam.template  # the fine-tuned model keeps the base's template
+    assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids(fam.end_of_turn)
+    (answer,) = evaluate.generate_answers(model, tokenizer, [[{"role": "user", "content": "Where does Tovik live?"}]], max_new_tokens=3, batch_size=1)
+    assert isinstance(answer, str) and fam.end_of_turn not in answer
