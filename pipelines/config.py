@@ -316,8 +316,21 @@ class LoraAdapterParams(Section):
     """Also write the adapter merged into the base as a full model (`<out>/merged/`)."""
 
 
-class LoraParams(FinetuneParams, LoraAdapterParams):
-    """LoRA instruction tuning: the `sft` procedure with adapters (fields of both parents)."""
+class QuantizationParams(Section):
+    """A quantized, frozen base under full-precision adapters (QLoRA; `pipelines/quantize.py`)."""
+
+    quantization: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
+    """`nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and x86 CPUs from bitsandbytes 0.48); `int8`:
+    LLM.int8(); `fp8`: CUDA compute capability 8.9+ only; `none`: the base as it is."""
+    double_quant: bool = True
+    """4-bit only: quantize the per-block scales too (QLoRA's double quantization)."""
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """dtype the 4-bit weights are dequantized to for each matmul; `auto`: the stage's
+    `train.precision` as resolved on this machine."""
+
+
+class LoraParams(FinetuneParams, LoraAdapterParams, QuantizationParams):
+    """LoRA instruction tuning: the `sft` procedure with adapters (fields of all parents)."""
 
     allocation: Literal["quantum_opt", "uniform"] = "quantum_opt"
     """`quantum_opt`: target modules and per-module ranks from the `quantum_opt` stage (its

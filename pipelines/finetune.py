@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import chat_data, distributed, training
+from pipelines import chat_data, distributed, quantize, training
 from pipelines.chat import parse_messages
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import FinetuneParams
@@ -38,6 +38,16 @@ def resolve_base(ctx, tracked: str) -> None:
         ctx.params = ctx.params.model_copy(update={"base_model": str(ctx.root / base)})
     if base != tracked:
         ctx.log.warning("%s.base_model=%s is not a dependency in dvc.yaml: DVC will not notice when it changes", ctx.name, base)
+
+
+def quantization_config(params: FinetuneParams, section: str):
+    """transformers' quantization config for the base (`quantization` of a stage that trains
+    adapters), checked against this device and library; None for a full-precision base."""
+    name = getattr(params, "quantization", "none")
+    if name == "none":
+        return None
+    quantize.check(name, device(), section)
+    return quantize.config(name, params.double_quant, quantize.compute_dtype(params.compute_dtype, params.train.precision))
 
 
 def conversations(chat_dir: Path, split: str) -> list[list[dict]]:
@@ -78,13 +88,24 @@ def run(
 ) -> dict[str, Any]:
     """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`."""
     cfg = params.train
-    model, tokenizer = load_model_and_tokenizer(params.base_model)
+    qconfig = quantization_config(params, desc)
+    model, tokenizer = load_model_and_tokenizer(params.base_model, quantization=qconfig)
+    if qconfig is not None:
+        quantize.check_model(model, params.quantization, device(), desc)
+        quantize.keep_standard_layout(model)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)  # adapter initialisation is random: make it a function of the seed
-        model = wrap(model, tokenizer).to(device())
+        if qconfig is not None:  # QLoRA: norms and embeddings in fp32, input gradients on; placed by from_pretrained
+            from peft import prepare_model_for_kbit_training
+
+            model = wrap(prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing), tokenizer)
+        else:
+            model = wrap(model, tokenizer).to(device())
     counts = parameter_counts(model)
+    if qconfig is not None:
+        counts |= quantize.linear_weight_bytes(model)
     counts["trainable_fraction"] = round(counts["trainable_parameters"] / counts["total_parameters"], 6)
     log.info("%s: %d of %d parameters trainable (%.2f%%)", desc, counts["trainable_parameters"], counts["total_parameters"], 100 * counts["trainable_fraction"])
     if tracker is not None:

@@ -136,12 +136,16 @@ def named_base(model, name: str) -> Iterator[None]:
         base.name_or_path, base.config.name_or_path = own_name, config_name
 
 
-def save(params: LoraAdapterParams, base_for_users: str, merge: bool = True):
+def save(params: LoraAdapterParams, base_for_users: str, merge: bool = True, quantized_base: tuple[str, object] | None = None):
     """Write the adapter directory (and, with `merge`, `merged/`) recording `base_for_users`.
 
     The same adapter gives the same bytes in any directory and process: the base is named as
     users name it (a path relative to the project), not by this run's absolute path, and the
     module lists PEFT holds as sets are written sorted.
+
+    `quantized_base` (QLoRA: the base's source and its quantization config): `merged/` is then a
+    normal full-precision model, the adapter merged into the dequantized base, that is into the
+    weights the adapter was trained against (`merged_from_quantized`).
     """
 
     def write(model, tokenizer, directory: Path) -> None:
@@ -156,10 +160,25 @@ def save(params: LoraAdapterParams, base_for_users: str, merge: bool = True):
                 settings[field] = sorted(settings[field])
         adapter_config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         if merge:
-            merged = model.merge_and_unload()
+            merged = model.merge_and_unload() if quantized_base is None else merged_from_quantized(*quantized_base, directory)
             save_pretrained(merged, tokenizer, directory / MERGED, max_length=merged.config.max_position_embeddings)
 
     return write
+
+
+def merged_from_quantized(source: str, quantization, adapter_dir: Path) -> torch.nn.Module:
+    """The adapter in `adapter_dir` merged into the dequantized base: the base quantized again
+    from `source` (deterministic, and in bitsandbytes' standard layout: on AVX512-BF16 CPUs a
+    4-bit weight that has run inference is repacked for the CPU kernel, and dequantizing that
+    gives garbage), dequantized to full precision, then merged. Lossy against the full-precision
+    base by the quantization error, not against the model that was trained (benchmarks/RESULTS.md)."""
+    from peft import PeftModel
+
+    from pipelines.models import CONSTRUCTION, load_causal_lm
+
+    with CONSTRUCTION:
+        base = load_causal_lm(source, quantization=quantization).dequantize().to(torch.float32)
+        return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
 
 
 def apply_allocation(params: LoraParams, allocation: dict) -> LoraParams:
@@ -174,8 +193,11 @@ def apply_allocation(params: LoraParams, allocation: dict) -> LoraParams:
 
 
 def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str = TRACKED_BASE) -> dict:
+    qconfig = finetune.quantization_config(params, NAME)
+    quantized_base = (params.base_model, qconfig) if qconfig is not None else None
     return finetune.run(
-        chat_dir, out, params, wrap=wrap(params), save=save(params, base_for_users, params.merge), tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME
+        chat_dir, out, params, wrap=wrap(params), save=save(params, base_for_users, params.merge, quantized_base), tracker=tracker,
+        checkpoint_dir=checkpoint_dir, desc=NAME,
     )
 
 

@@ -132,8 +132,10 @@ def load_tokenizer(path: Path | str):
         raise QllmError(f"{path}: cannot load a tokenizer ({exc})") from None
 
 
-def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32):
-    """Load a causal LM (`save_pretrained` directory or hub name) in `dtype` for training/eval."""
+def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantization=None):
+    """Load a causal LM (`save_pretrained` directory or hub name) in `dtype` for training/eval;
+    with a transformers quantization config (`pipelines.quantize.config`), straight into 4/8 bits
+    on this process's device."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
@@ -141,7 +143,9 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32):
     local = check_model_files(path)
     try:
         with CONSTRUCTION:
-            return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            if quantization is None:
+                return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, quantization_config=quantization, device_map={"": device()})
     except (OSError, ValueError) as exc:
         raise QllmError(f"{path}: cannot load a causal language model ({exc})") from None
     except SafetensorError as exc:  # a cut or corrupt .safetensors file (copy interrupted, disk full)
@@ -161,12 +165,12 @@ def check_vocabulary(model, tokenizer, path: Path | str) -> None:
         )
 
 
-def load_model_and_tokenizer(path: Path | str, dtype: torch.dtype = torch.float32):
+def load_model_and_tokenizer(path: Path | str, dtype: torch.dtype = torch.float32, quantization=None):
     """(model, tokenizer) of one model directory (or hub name), checked to match each other."""
     path = _follow(path)
     check_model_files(path)  # what is missing, before the slow part
     _check_tokenizer_files(path)
-    model = load_causal_lm(path, dtype)
+    model = load_causal_lm(path, dtype, quantization)
     tokenizer = load_tokenizer(path)
     check_vocabulary(model, tokenizer, path)
     return model, tokenizer

@@ -1,0 +1,161 @@
+"""Quantized backbones for adapter training (QLoRA): the base frozen in 4 or 8 bits, adapters in
+full precision.
+
+    lora:
+      quantization: nf4        # none | nf4 | fp4 | int8 | fp8
+      double_quant: true       # 4-bit: quantize the per-block scales too (QLoRA's double quantization)
+      compute_dtype: auto      # auto: the stage's precision (bf16 where native, else fp32)
+
+4- and 8-bit weights come from bitsandbytes through transformers' `BitsAndBytesConfig`, on CUDA
+and, since bitsandbytes 0.48, on x86 CPUs too (its CPU backend; 0.50.2 is the version tested
+here: NF4/FP4 and LLM.int8() matmuls run, dequantizing on the fly, so a CPU step is slower than
+in bf16/fp32, see benchmarks/RESULTS.md). The model is then prepared with PEFT's
+`prepare_model_for_kbit_training` (layer norms and embeddings in fp32, input gradients on) before
+the adapters are added. `fp8` is CUDA-only (compute capability 8.9 or newer: Ada, Hopper), through
+transformers' `FineGrainedFP8Config`; anywhere else it is a clear error, as is a missing or too old
+bitsandbytes.
+
+Quantization is deterministic, so a resumed run re-quantizes the base from its source and loads
+only the adapter and optimizer state from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipelines.errors import QllmError
+
+QUANTIZATIONS = ("none", "nf4", "fp4", "int8", "fp8")
+MIN_BNB_CPU = (0, 48)
+"""bitsandbytes releases before 0.48 have no CPU backend for 4-/8-bit matmuls."""
+FP8_CAPABILITY = (8, 9)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def compute_dtype(name: str, precision: str) -> torch.dtype:
+    """`auto` follows the stage's resolved precision (`train.precision`)."""
+    return DTYPES[precision if name == "auto" else name]
+
+
+def check(quantization: str, device: torch.device, section: str = "lora") -> None:
+    """A clear `QllmError` when this device or library cannot do `quantization`."""
+    if quantization == "none":
+        return
+    if quantization == "fp8":
+        if device.type != "cuda":
+            raise QllmError(f"{section}.quantization: fp8 needs a CUDA device of compute capability 8.9 or newer (Ada, Hopper); this machine trains on {device.type}; use nf4 or int8")
+        capability = torch.cuda.get_device_capability(device)
+        if tuple(capability) < FP8_CAPABILITY:
+            raise QllmError(f"{section}.quantization: fp8 needs compute capability 8.9 or newer; {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; use nf4 or int8")
+        return
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise QllmError(f"{section}.quantization: {quantization} needs bitsandbytes (pip install 'bitsandbytes>=0.48'); or set {section}.quantization: none") from None
+    if device.type == "cpu" and _version(bitsandbytes.__version__) < MIN_BNB_CPU:
+        raise QllmError(
+            f"{section}.quantization: bitsandbytes {bitsandbytes.__version__} has no CPU backend for {quantization} "
+            "(4-/8-bit on CPU needs bitsandbytes >= 0.48: pip install -U 'bitsandbytes>=0.48')"
+        )
+
+
+CPU_BLOCK = 64
+"""bitsandbytes' 4-bit CPU kernel reshapes each weight into blocks of 64 input features."""
+
+
+def check_model(model: torch.nn.Module, quantization: str, device: torch.device, section: str = "lora") -> None:
+    """4-bit on the CPU: every quantized linear layer needs a multiple of `CPU_BLOCK` input
+    features (bitsandbytes' CPU inference kernel fails on others: real models all qualify, the
+    tiny test models of params/tiny.yaml do not)."""
+    if quantization not in ("nf4", "fp4") or device.type != "cpu":
+        return
+    for name, module in model.named_modules():
+        if type(module).__name__ == "Linear4bit" and module.in_features % CPU_BLOCK:
+            raise QllmError(
+                f"{section}.quantization: {quantization} on the CPU needs linear layers with a multiple of {CPU_BLOCK} input features "
+                f"(bitsandbytes' CPU kernel); {name} has {module.in_features}: use a larger model, int8, or quantization: none"
+            )
+
+
+def keep_standard_layout(model: torch.nn.Module) -> torch.nn.Module:
+    """Stop bitsandbytes from repacking 4-bit weights for its AVX512-BF16 CPU inference kernel.
+
+    On such CPUs a `Linear4bit` run in eval mode without gradients (validation, generation)
+    rewrites its weight into a CPU-only layout for good. Training steps after a validation then
+    run another kernel than a run resumed from a checkpoint (which loads the standard layout), so
+    resuming would not be exact, and dequantizing the repacked weight gives garbage. Kept in the
+    standard layout, train, eval and resume all use one kernel."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def config(quantization: str, double_quant: bool, dtype: torch.dtype) -> Any:
+    """transformers' quantization config for `from_pretrained`, or None for `none`."""
+    if quantization == "none":
+        return None
+    if quantization == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        return FineGrainedFP8Config()
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=dtype)
+
+
+def linear_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes held by the decoder's linear weights (quantized or not, block scales included) and by
+    every other parameter (embeddings, norms, adapters)."""
+    linear = other = 0
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if "lm_head" in name or ".lora_" in name:  # the output head (kept in full precision) and the adapters are not the backbone
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or id(weight) in seen or not _is_linear(module):
+            continue
+        seen.add(id(weight))
+        linear += weight.numel() * weight.element_size() + _quant_state_bytes(weight)
+    for parameter in model.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            other += parameter.numel() * parameter.element_size()
+    return {"linear_weight_bytes": linear, "other_parameter_bytes": other}
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt", "FP8Linear")
+
+
+def _quant_state_bytes(weight: torch.Tensor) -> int:
+    """Per-block scales of a 4-bit weight (bitsandbytes keeps them beside the packed weight)."""
+    state = getattr(weight, "quant_state", None)
+    if state is None:
+        scb = getattr(weight, "SCB", None)
+        return int(scb.numel() * scb.element_size()) if isinstance(scb, torch.Tensor) else 0
+    total = state.absmax.numel() * state.absmax.element_size()
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        total += nested.absmax.numel() * nested.absmax.element_size() + nested.code.numel() * nested.code.element_size()
+    return int(total)
+
+
+def dequantized(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every quantized linear layer replaced by a plain one holding its
+    dequantized weight (what the adapters were trained against), for merging."""
+    if hasattr(model, "dequantize") and getattr(model, "is_quantized", False):
+        return model.dequantize()
+    return model

@@ -1,0 +1,142 @@
+"""QLoRA: a 4-/8-bit frozen base under full-precision adapters (bitsandbytes, here on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from pipelines import lora, quantize
+from pipelines.config import LoraParams, TrainParams
+from pipelines.errors import QllmError
+
+bnb = pytest.importorskip("bitsandbytes")  # a declared dependency; skipped only in a bare checkout
+
+TRAIN = TrainParams(max_steps=4, micro_batch_size=4, warmup_steps=1, lr=0.01, eval_every=2, eval_batches=1, checkpoint_every=2,
+                    keep_checkpoints=3, precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def qbase(tiny_base, tmp_path_factory):
+    """tiny_base's chats and tokenizer with a model whose linear layers take 64 inputs or more
+    (bitsandbytes' 4-bit CPU kernel works in blocks of 64 input features)."""
+    from pipelines.config import ModelParams
+    from pipelines.models import build_llama, load_tokenizer, save_pretrained
+
+    root = tmp_path_factory.mktemp("qbase")
+    tokenizer = load_tokenizer(tiny_base / "model")
+    model = build_llama(ModelParams(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2), tokenizer, max_positions=128, seed=0)
+    save_pretrained(model, tokenizer, root / "model", max_length=128)
+    (root / "chat").symlink_to(tiny_base / "chat")
+    return root
+
+
+def params(base, quantization="nf4", **kw) -> LoraParams:
+    return LoraParams(base_model=str(base / "model"), allocation="uniform", quantization=quantization, r=4, lora_alpha=8,
+                      lora_dropout=0.0, train=kw.pop("train", TRAIN), **kw)
+
+
+# ------------------------------------------------------------------------ capability and config
+
+
+def test_fp8_needs_a_recent_cuda_device(monkeypatch):
+    with pytest.raises(QllmError, match=r"lora.quantization: fp8 needs a CUDA device of compute capability 8.9 or newer .* trains on cpu; use nf4 or int8"):
+        quantize.check("fp8", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(QllmError, match=r"fp8 needs compute capability 8.9 or newer; NVIDIA A100 has 8.0"):
+        quantize.check("fp8", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    quantize.check("fp8", torch.device("cuda"))  # H100: fine
+
+
+def test_missing_or_old_bitsandbytes_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(QllmError, match=r"dpo.lora.quantization: nf4 needs bitsandbytes \(pip install 'bitsandbytes>=0.48'\)"):
+        quantize.check("nf4", torch.device("cpu"), "dpo.lora")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
+    monkeypatch.setattr(bnb, "__version__", "0.45.5")
+    with pytest.raises(QllmError, match=r"bitsandbytes 0.45.5 has no CPU backend for int8 .*>= 0.48"):
+        quantize.check("int8", torch.device("cpu"))
+    quantize.check("int8", torch.device("cuda"))  # the CUDA backend has been there all along
+
+
+def test_4bit_on_cpu_needs_64_input_features_a_clear_error(tiny_base, tmp_path):
+    with pytest.raises(QllmError, match=r"lora.quantization: nf4 on the CPU needs linear layers with a multiple of 64 input features .*model.layers.0.self_attn.q_proj has 32"):
+        lora.run(tiny_base / "chat", tmp_path / "out", params(tiny_base, "nf4"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantization_configs(monkeypatch):
+    nf4 = quantize.config("nf4", True, torch.bfloat16)
+    assert nf4.load_in_4bit and nf4.bnb_4bit_quant_type == "nf4" and nf4.bnb_4bit_use_double_quant and nf4.bnb_4bit_compute_dtype == torch.bfloat16
+    assert quantize.config("fp4", False, torch.float32).bnb_4bit_quant_type == "fp4"
+    assert quantize.config("int8", True, torch.float32).load_in_8bit
+    assert type(quantize.config("fp8", True, torch.bfloat16)).__name__ == "FineGrainedFP8Config"
+    assert quantize.config("none", True, torch.float32) is None
+    assert quantize.compute_dtype("auto", "bf16") == torch.bfloat16 and quantize.compute_dtype("auto", "fp32") == torch.float32
+    assert quantize.compute_dtype("fp16", "fp32") == torch.float16
+
+
+# ----------------------------------------------------------------------- training on the CPU
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_qlora_trains_adapters_on_a_quantized_frozen_base(qbase, tmp_path, quantization):
+    metrics = lora.run(qbase / "chat", tmp_path / "out", params(qbase, quantization), checkpoint_dir=tmp_path / "ckpt")
+    assert metrics["steps"] == 4 and np.isfinite(metrics["val/loss"])
+    # the backbone's linear weights: 4 bits (plus block scales) or 8 bits against 16 in bf16
+    ceiling = {"nf4": 0.36, "int8": 0.6}[quantization]  # nf4: 0.25 + block scales, which 64x64 matrices make heavy (0.27 at real sizes)
+    bf16_bytes = 2 * sum(m.weight.numel() for n, m in _full_linears(qbase))
+    assert metrics["linear_weight_bytes"] <= ceiling * bf16_bytes
+    adapter = load_file(str(tmp_path / "out/adapter_model.safetensors"))
+    assert adapter and all("lora_" in k or "trainable_tokens_delta" in k for k in adapter)  # adapters and the chat-marker rows only
+    config = json.loads((tmp_path / "out/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "data/models/pretrain"
+
+
+def _full_linears(qbase):
+    from pipelines.models import load_causal_lm
+
+    model = load_causal_lm(qbase / "model")
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")]
+
+
+def test_merged_qlora_is_a_normal_model_equal_to_the_trained_one(qbase, tmp_path):
+    """merge: the adapter goes into the dequantized base, the weights it was trained against."""
+    from peft import PeftModel
+
+    from pipelines.models import load_causal_lm, load_model_and_tokenizer
+
+    lora.run(qbase / "chat", tmp_path / "out", params(qbase, "nf4", compute_dtype="fp32"))
+    merged, _ = load_model_and_tokenizer(tmp_path / "out/merged")
+    assert all(type(m) is not bnb.nn.Linear4bit for m in merged.modules())  # a plain model
+    assert not hasattr(merged.config, "quantization_config")
+    qconfig = quantize.config("nf4", True, torch.float32)
+    trained = PeftModel.from_pretrained(load_causal_lm(qbase / "model", quantization=qconfig), str(tmp_path / "out")).eval()
+    naive = PeftModel.from_pretrained(load_causal_lm(qbase / "model"), str(tmp_path / "out")).merge_and_unload()  # into the fp32 base
+    ids = torch.arange(3, 40).reshape(1, -1)
+    with torch.no_grad():
+        expected, got, other = trained(ids).logits, merged(ids).logits, naive(ids).logits
+    # bitsandbytes' CPU inference kernel computes in bf16 (hence not 1e-6); merging into the
+    # full-precision base instead misses by the quantization error, an order of magnitude more
+    gap, naive_gap = float((got - expected).abs().max()), float((other - expected).abs().max())
+    assert gap < 0.01 and gap < naive_gap / 10, (gap, naive_gap)
+
+
+def test_qlora_resumes_exactly_from_its_adapter_checkpoint(qbase, tmp_path, caplog):
+    straight = lora.run(qbase / "chat", tmp_path / "a", params(qbase, "nf4", merge=False), checkpoint_dir=tmp_path / "ca")
+    lora.run(qbase / "chat", tmp_path / "b", params(qbase, "nf4", merge=False), checkpoint_dir=tmp_path / "cb")
+    shutil.rmtree(tmp_path / "b")
+    shutil.rmtree(tmp_path / "cb/step-00000004")  # as if killed after the step-2 checkpoint
+    with caplog.at_level("INFO", logger="qllm.training"):
+        resumed = lora.run(qbase / "chat", tmp_path / "b", params(qbase, "nf4", merge=False), checkpoint_dir=tmp_path / "cb")
+    assert "lora: resumed from step 2" in caplog.text and straight["steps"] == resumed["steps"] == 4
+    a = load_file(str(tmp_path / "a/adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b/adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)  # the base re-quantized to the same bits
