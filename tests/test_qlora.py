@@ -140,3 +140,18 @@ def test_qlora_resumes_exactly_from_its_adapter_checkpoint(qbase, tmp_path, capl
     a = load_file(str(tmp_path / "a/adapter_model.safetensors"))
     b = load_file(str(tmp_path / "b/adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)  # the base re-quantized to the same bits
+
+
+def test_qlora_in_fine_tuning_mode_loads_the_pointed_base_straight_into_4_bits(qbase, tmp_path):
+    """`base_model.name` set: lora's base is the pointer `pretrain` writes; it is followed and the
+    model it names is quantized as it loads."""
+    from pipelines import base_model, dag
+
+    pointer = tmp_path / "project/data/models/pretrain"
+    pointer.mkdir(parents=True)
+    record = {"name": str(qbase / "model"), "kind": "local", "md5": dag.dvc_md5(qbase / "model")}
+    (pointer / base_model.POINTER).write_text(json.dumps(record))
+    two = TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0, "checkpoint_every": 0})
+    metrics = lora.run(qbase / "chat", tmp_path / "out", LoraParams(base_model=str(pointer), allocation="uniform", quantization="nf4", r=4, train=two))
+    assert metrics["steps"] == 2 and metrics["linear_weight_bytes"] < metrics["other_parameter_bytes"]
+    assert (tmp_path / "out/merged/model.safetensors").exists()

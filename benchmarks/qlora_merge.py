@@ -1,0 +1,35 @@
+"""How lossy is merging a QLoRA adapter: into the dequantized base (what lora.merge writes) vs into the original
+full-precision base. Usage: PYTHONPATH=. python benchmarks/qlora_merge.py PROJECT BASE_DIR (PROJECT: after `qllm run --until tokenize`)."""
+import json, sys, tempfile, torch
+from pathlib import Path
+from peft import PeftModel
+from pipelines import config, lora, quantize
+from pipelines.config import LoraParams, TrainParams
+from pipelines.evaluate import evaluate_model, heldout_questions
+from pipelines.models import load_causal_lm, save_pretrained, load_tokenizer
+root = Path(sys.argv[1]); base = sys.argv[2]
+params, _ = config.load(root)
+questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
+with tempfile.TemporaryDirectory() as tmp:
+    tmp = Path(tmp)
+    train = TrainParams(seed=0, max_steps=150, micro_batch_size=16, warmup_steps=10, lr=0.003, eval_every=0, checkpoint_every=0, precision="bf16")
+    p = LoraParams(base_model=base, allocation="uniform", r=8, lora_alpha=16, quantization="nf4", train=train)
+    lora.run(root / "data/prepared/chat", tmp / "q", p)
+    qconfig = quantize.config("nf4", True, torch.bfloat16)
+    trained = quantize.keep_standard_layout(PeftModel.from_pretrained(load_causal_lm(base, quantization=qconfig), str(tmp / "q")).eval())
+    naive = PeftModel.from_pretrained(load_causal_lm(base), str(tmp / "q")).merge_and_unload()
+    save_pretrained(naive, load_tokenizer(tmp / "q"), tmp / "naive")
+    merged = load_causal_lm(tmp / "q/merged")
+    ids = torch.tensor([load_tokenizer(tmp / "q")("Where does Tovik live? He lives in Pelora with a cat.")["input_ids"]])
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            t = trained(ids).logits.float()
+        m, n = merged(ids).logits, naive(ids).logits
+    scale = float(t.abs().mean())
+    out = {"mean_abs_logit": round(scale, 4),
+           "dequantized_merge_max_abs_diff": round(float((m - t).abs().max()), 4), "dequantized_merge_mean_abs_diff": round(float((m - t).abs().mean()), 5),
+           "fp_base_merge_max_abs_diff": round(float((n - t).abs().max()), 4), "fp_base_merge_mean_abs_diff": round(float((n - t).abs().mean()), 5)}
+    for name, d in (("dequantized_merge", tmp / "q"), ("fp_base_merge", tmp / "naive")):
+        r = evaluate_model(d, root, root / "data/tokenized", questions, tmp / f"e-{name}", params.evaluate)
+        out[f"{name}_exact_match"] = r["exact_match"]
+    print(json.dumps(out))
