@@ -287,7 +287,20 @@ class SftParams(FinetuneParams):
     pass
 
 
-class LoraAdapterParams(Section):
+class QuantizationParams(Section):
+    """A quantized, frozen base under full-precision adapters (QLoRA; `pipelines/quantize.py`)."""
+
+    quantization: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
+    """`nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and x86 CPUs from bitsandbytes 0.48); `int8`:
+    LLM.int8(); `fp8`: CUDA compute capability 8.9+ only; `none`: the base as it is."""
+    double_quant: bool = True
+    """4-bit only: quantize the per-block scales too (QLoRA's double quantization)."""
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """dtype the 4-bit weights are dequantized to for each matmul; `auto`: the stage's
+    `train.precision` as resolved on this machine."""
+
+
+class LoraAdapterParams(QuantizationParams):
     """PEFT LoRA adapter settings (the `lora` stage, and `dpo.lora` when `dpo.adapter: lora`)."""
 
     r: int = Field(4, ge=1)
@@ -316,20 +329,7 @@ class LoraAdapterParams(Section):
     """Also write the adapter merged into the base as a full model (`<out>/merged/`)."""
 
 
-class QuantizationParams(Section):
-    """A quantized, frozen base under full-precision adapters (QLoRA; `pipelines/quantize.py`)."""
-
-    quantization: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
-    """`nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and x86 CPUs from bitsandbytes 0.48); `int8`:
-    LLM.int8(); `fp8`: CUDA compute capability 8.9+ only; `none`: the base as it is."""
-    double_quant: bool = True
-    """4-bit only: quantize the per-block scales too (QLoRA's double quantization)."""
-    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """dtype the 4-bit weights are dequantized to for each matmul; `auto`: the stage's
-    `train.precision` as resolved on this machine."""
-
-
-class LoraParams(FinetuneParams, LoraAdapterParams, QuantizationParams):
+class LoraParams(FinetuneParams, LoraAdapterParams):
     """LoRA instruction tuning: the `sft` procedure with adapters (fields of all parents)."""
 
     allocation: Literal["quantum_opt", "uniform"] = "quantum_opt"
@@ -405,6 +405,12 @@ class RefLogprobsParams(Section):
     (counted per reason in the metrics) or stop with an error naming the example."""
     batch_size: int = Field(32, ge=1)
     """Pairs per forward pass."""
+    quantization: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
+    """The SFT model quantized as `dpo.lora.quantization` quantizes it (QLoRA DPO): the reference
+    must be the model DPO starts from, so the two must be equal (checked)."""
+    double_quant: bool = True
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """As in `dpo.lora`; `auto` here is fp32 (the reference pass scores in fp32)."""
 
 
 class DpoParams(Section):
@@ -513,6 +519,17 @@ class Params(Section):
     dpo: DpoParams = DpoParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
+
+    @model_validator(mode="after")
+    def _reference_quantized_like_the_policy(self) -> Params:
+        policy = self.dpo.lora.quantization if self.dpo.adapter == "lora" else "none"
+        if policy != self.ref_logprobs.quantization:
+            raise ValueError(
+                f"ref_logprobs.quantization is {self.ref_logprobs.quantization!r} but DPO starts from the SFT model quantized as "
+                f"{policy!r} (dpo.adapter: {self.dpo.adapter}, dpo.lora.quantization: {self.dpo.lora.quantization}); the reference "
+                "must be the model DPO starts from: set both to the same value"
+            )
+        return self
 
 
 # ----------------------------------------------------------------------------- loading & merging

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import distributed, lora, preference_data, stage, training
+from pipelines import distributed, lora, preference_data, quantize, stage, training
 from pipelines.checkpoint import CheckpointManager
 from pipelines.config import DpoParams
 from pipelines.errors import QllmError
@@ -95,16 +95,24 @@ def load_pairs(ref_dir: Path, split: str) -> list[preference_data.Pair]:
 def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, checkpoint_dir: Path | None = None) -> dict:
     cfg = params.train
     reference = read_json(ref_dir / "meta.json")["reference"]  # the model the reference pass used
-    model, tokenizer = load_for_inference(root / reference, root)
+    qconfig = quantize.from_params(params.lora, cfg.precision, "dpo.lora") if params.adapter == "lora" else None
+    model, tokenizer = load_for_inference(root / reference, root) if qconfig is None else quantize.load(root / reference, qconfig, "dpo.lora")
     train_pairs, val_pairs, heldout_pairs = (load_pairs(ref_dir, s) for s in ("train", "validation", "test"))
     if not train_pairs:
         raise QllmError(f"{ref_dir / 'train.parquet'}: no preference pairs to train on")
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)
+        if qconfig is not None:  # QLoRA: placed by from_pretrained; norms and embeddings in fp32, input gradients on
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
         if params.adapter == "lora":
             model = lora.wrap(params.lora, "dpo.lora")(model, tokenizer)
-        model = model.to(device())
+        if qconfig is None:
+            model = model.to(device())
     counts = parameter_counts(model)
+    if qconfig is not None:
+        counts |= quantize.linear_weight_bytes(model)
     if tracker is not None:
         tracker.log_params({f"dpo.{k}": v for k, v in counts.items()} | {"dpo.reference": reference})
 
@@ -126,7 +134,8 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output
         with atomic_dir(out) as tmp, CONSTRUCTION:
             if params.adapter == "lora":
-                lora.save(params.lora, reference, params.lora.merge)(model.cpu(), tokenizer, tmp)
+                quantized_base = (str(root / reference), qconfig) if qconfig is not None else None
+                lora.save(params.lora, reference, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
             else:
                 save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
             training.write_history(history, tmp)

@@ -43,11 +43,7 @@ def resolve_base(ctx, tracked: str) -> None:
 def quantization_config(params: FinetuneParams, section: str):
     """transformers' quantization config for the base (`quantization` of a stage that trains
     adapters), checked against this device and library; None for a full-precision base."""
-    name = getattr(params, "quantization", "none")
-    if name == "none":
-        return None
-    quantize.check(name, device(), section)
-    return quantize.config(name, params.double_quant, quantize.compute_dtype(params.compute_dtype, params.train.precision))
+    return quantize.from_params(params, params.train.precision, section)
 
 
 def conversations(chat_dir: Path, split: str) -> list[list[dict]]:
@@ -89,10 +85,7 @@ def run(
     """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`."""
     cfg = params.train
     qconfig = quantization_config(params, desc)
-    model, tokenizer = load_model_and_tokenizer(params.base_model, quantization=qconfig)
-    if qconfig is not None:
-        quantize.check_model(model, params.quantization, device(), desc)
-        quantize.keep_standard_layout(model)
+    model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
     with CONSTRUCTION:

@@ -47,6 +47,29 @@ def compute_dtype(name: str, precision: str) -> torch.dtype:
     return DTYPES[precision if name == "auto" else name]
 
 
+def from_params(params: Any, precision: str, section: str) -> Any:
+    """The quantization config a stage's section asks for (`quantization`, `double_quant`,
+    `compute_dtype`), checked against this device and library; None for a full-precision base."""
+    name = getattr(params, "quantization", "none")
+    if name == "none":
+        return None
+    from pipelines.models import device
+
+    check(name, device(), section)
+    return config(name, params.double_quant, compute_dtype(params.compute_dtype, precision))
+
+
+def load(path: Any, qconfig: Any, section: str):
+    """(model, tokenizer) of a base loaded straight into `qconfig`'s bits, checked, and kept in
+    bitsandbytes' standard layout (`keep_standard_layout`)."""
+    from pipelines.models import device, load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(path, quantization=qconfig)
+    name = "nf4" if getattr(qconfig, "load_in_4bit", False) else "int8"
+    check_model(model, name, device(), section)
+    return keep_standard_layout(model), tokenizer
+
+
 def check(quantization: str, device: torch.device, section: str = "lora") -> None:
     """A clear `QllmError` when this device or library cannot do `quantization`."""
     if quantization == "none":

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import preference_data, stage
+from pipelines import preference_data, quantize, stage
 from pipelines.config import RefLogprobsParams
 from pipelines.models import load_for_inference
 from pipelines.outputs import atomic_dir, write_json
@@ -44,7 +44,8 @@ def score(model, pairs: list[preference_data.Pair], pad_id: int, batch_size: int
 
 
 def run(root: Path, reference: Path, preferences: Path, out: Path, params: RefLogprobsParams) -> dict:
-    model, tokenizer = load_for_inference(reference, root)
+    qconfig = quantize.from_params(params, "fp32", "ref_logprobs")  # QLoRA DPO: the SFT model in the bits DPO trains on
+    model, tokenizer = load_for_inference(reference, root) if qconfig is None else quantize.load(reference, qconfig, "ref_logprobs")
     max_length = params.max_length or model.config.max_position_embeddings
     metrics: dict = {"max_length": max_length}
     started = time.perf_counter()

@@ -33,6 +33,7 @@ def qbase(tiny_base, tmp_path_factory):
     model = build_llama(ModelParams(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2), tokenizer, max_positions=128, seed=0)
     save_pretrained(model, tokenizer, root / "model", max_length=128)
     (root / "chat").symlink_to(tiny_base / "chat")
+    (root / "preference").symlink_to(tiny_base / "preference")
     return root
 
 
@@ -155,3 +156,47 @@ def test_qlora_in_fine_tuning_mode_loads_the_pointed_base_straight_into_4_bits(q
     metrics = lora.run(qbase / "chat", tmp_path / "out", LoraParams(base_model=str(pointer), allocation="uniform", quantization="nf4", r=4, train=two))
     assert metrics["steps"] == 2 and metrics["linear_weight_bytes"] < metrics["other_parameter_bytes"]
     assert (tmp_path / "out/merged/model.safetensors").exists()
+
+
+def test_qlora_dpo_starts_from_the_reference_it_was_scored_against(qbase, tmp_path, monkeypatch):
+    """ref_logprobs and dpo.lora both quantize the SFT model (to nf4): at step 1 the policy is the
+    reference, so the loss is log 2; the merged model is a plain one."""
+    import math
+
+    from pipelines import dpo, ref_logprobs
+    from pipelines.config import DpoParams, RefLogprobsParams
+
+    shutil.copytree(qbase / "model", tmp_path / "data/models/sft")
+    ref = ref_logprobs.run(tmp_path, tmp_path / "data/models/sft", qbase / "preference", tmp_path / "data/ref_logprobs",
+                           RefLogprobsParams(quantization="nf4", compute_dtype="fp32"))
+    assert ref["train"]["pairs"] == 6
+    first = []
+    real = dpo.dpo_loss
+
+    def recording(params, reference=None):
+        fn = real(params, reference)
+
+        def loss_fn(model, batch):
+            loss, metrics = fn(model, batch)
+            first.append(float(loss.detach()))
+            return loss, metrics
+
+        return loss_fn
+
+    monkeypatch.setattr(dpo, "dpo_loss", recording)
+    train = TRAIN.model_copy(update={"micro_batch_size": 2, "eval_every": 0, "checkpoint_every": 0, "weight_decay": 0.0})
+    params = DpoParams(beta=0.1, loss_type="sigmoid", adapter="lora", train=train,
+                       lora={"r": 2, "trainable_tokens": [], "quantization": "nf4", "compute_dtype": "fp32"})
+    metrics = dpo.run(tmp_path, tmp_path / "data/ref_logprobs", tmp_path / "data/models/dpo", params)
+    assert first[0] == pytest.approx(math.log(2), abs=1e-3) and metrics["steps"] == 4
+    assert metrics["linear_weight_bytes"] > 0
+    merged = json.loads((tmp_path / "data/models/dpo/merged/config.json").read_text())
+    assert "quantization_config" not in merged
+
+
+def test_reference_and_policy_must_be_quantized_alike(tmp_path):
+    from pipelines import config
+
+    (tmp_path / "params.yaml").write_text("ingest:\n  sources:\n    - {path: a.txt, kind: text}\ndpo:\n  adapter: lora\n  lora:\n    quantization: nf4\n")
+    with pytest.raises(config.ParamsError, match=r"ref_logprobs.quantization is 'none' but DPO starts from the SFT model quantized as 'nf4'"):
+        config.load(tmp_path)
