@@ -212,3 +212,25 @@ def toy(tmp_path):
     run([sys.executable, "-m", "dvc", "init", "-q"], root)
     yield root
     runner.close(root)
+
+
+def record_dpo_losses(monkeypatch) -> list[tuple[float, dict]]:
+    """Patch `pipelines.dpo.dpo_loss` so that every loss DPO computes (training steps,
+    validation, held-out) is appended, as `(loss, metrics)`, to the list returned."""
+    from pipelines import dpo
+
+    seen: list[tuple[float, dict]] = []
+    real = dpo.dpo_loss
+
+    def recording(params, reference=None):
+        fn = real(params, reference)
+
+        def loss_fn(model, batch):
+            loss, metrics = fn(model, batch)
+            seen.append((float(loss.detach()), metrics))
+            return loss, metrics
+
+        return loss_fn
+
+    monkeypatch.setattr(dpo, "dpo_loss", recording)
+    return seen

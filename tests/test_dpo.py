@@ -10,6 +10,7 @@ import pytest
 
 from pipelines import dpo, preference_data, ref_logprobs
 from pipelines.config import DpoParams, RefLogprobsParams, TrainParams
+from tests.conftest import record_dpo_losses
 
 TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=2, log_every=1,
                     checkpoint_every=0, precision="fp32", weight_decay=0.0)
@@ -42,21 +43,7 @@ def test_dpo_starts_at_log2_and_never_runs_the_reference(workspace, monkeypatch)
         return original(model, batch)
 
     monkeypatch.setattr(preference_data, "sequence_logps", counting)
-    first_losses = []
-    real_loss = dpo.dpo_loss
-
-    def recording(params, reference=None):
-        fn = real_loss(params, reference)
-
-        def loss_fn(model, batch):
-            loss, metrics = fn(model, batch)
-            if not first_losses:
-                first_losses.append((float(loss.detach()), metrics))
-            return loss, metrics
-
-        return loss_fn
-
-    monkeypatch.setattr(dpo, "dpo_loss", recording)
+    first_losses = record_dpo_losses(monkeypatch)
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(beta=0.1, train=TRAIN))
     # Step 1: the policy *is* the reference, so every pair's logits are 0 and the loss is log 2.
     loss, step_metrics = first_losses[0]

@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 from pipelines import lora, quantize
 from pipelines.config import LoraParams, TrainParams
 from pipelines.errors import QllmError
+from tests.conftest import record_dpo_losses
 
 bnb = pytest.importorskip("bitsandbytes")  # a declared dependency; skipped only in a bare checkout
 
@@ -170,25 +171,12 @@ def test_qlora_dpo_starts_from_the_reference_it_was_scored_against(qbase, tmp_pa
     ref = ref_logprobs.run(tmp_path, tmp_path / "data/models/sft", qbase / "preference", tmp_path / "data/ref_logprobs",
                            RefLogprobsParams(quantization="nf4", compute_dtype="fp32"))
     assert ref["train"]["pairs"] == 6
-    first = []
-    real = dpo.dpo_loss
-
-    def recording(params, reference=None):
-        fn = real(params, reference)
-
-        def loss_fn(model, batch):
-            loss, metrics = fn(model, batch)
-            first.append(float(loss.detach()))
-            return loss, metrics
-
-        return loss_fn
-
-    monkeypatch.setattr(dpo, "dpo_loss", recording)
+    first = record_dpo_losses(monkeypatch)
     train = TRAIN.model_copy(update={"micro_batch_size": 2, "eval_every": 0, "checkpoint_every": 0, "weight_decay": 0.0})
     params = DpoParams(beta=0.1, loss_type="sigmoid", adapter="lora", train=train,
                        lora={"r": 2, "trainable_tokens": [], "quantization": "nf4", "compute_dtype": "fp32"})
     metrics = dpo.run(tmp_path, tmp_path / "data/ref_logprobs", tmp_path / "data/models/dpo", params)
-    assert first[0] == pytest.approx(math.log(2), abs=1e-3) and metrics["steps"] == 4
+    assert first[0][0] == pytest.approx(math.log(2), abs=1e-3) and metrics["steps"] == 4
     assert metrics["linear_weight_bytes"] > 0
     merged = json.loads((tmp_path / "data/models/dpo/merged/config.json").read_text())
     assert "quantization_config" not in merged
