@@ -343,7 +343,7 @@ class LoraParams(FinetuneParams, LoraAdapterParams):
         return self
 
 
-class ProbeLoraParams(FinetuneParams):
+class ProbeLoraParams(FinetuneParams, QuantizationParams):
     """A short SFT run that records every candidate LoRA module's gradients (for `quantum_opt`)."""
 
     target_modules: list[str] = Field(

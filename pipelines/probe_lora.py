@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines import chat_data, distributed, finetune, stage, training
+from pipelines import chat_data, distributed, finetune, quantize, stage, training
 from pipelines.config import ProbeLoraParams
 from pipelines.errors import QllmError
 from pipelines.models import CONSTRUCTION, device, load_model_and_tokenizer
@@ -69,7 +69,75 @@ class GradientRecorder:
                 self.energies[name].append(float(grad.pow(2).sum()))
 
 
-def scores(recorder: GradientRecorder, ranks: list[int]) -> dict:
+class ActivationGradientRecorder:
+    """The same record for a quantized, frozen base, whose weights have no `.grad`: each step's
+    weight gradient of module m is computed from its input x and output gradient g,
+    `∇W_m = Σ_tokens g xᵀ` (what autograd would accumulate into a full-precision weight)."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module]):
+        self.modules = modules
+        self.accumulated = {name: torch.zeros(m.out_features, m.in_features) for name, m in modules.items()}
+        self.energies: dict[str, list[float]] = {name: [] for name in modules}
+        self.step = {name: torch.zeros(m.out_features, m.in_features) for name, m in modules.items()}
+        self.handles = [module.register_forward_hook(self._hook(name)) for name, module in modules.items()]
+
+    def _hook(self, name: str):
+        def forward(module, inputs, output):
+            if not output.requires_grad:
+                return
+            x = inputs[0].detach()
+
+            def backward(grad: torch.Tensor) -> None:
+                g = grad.reshape(-1, grad.shape[-1]).float()
+                self.step[name] += g.T @ x.reshape(-1, x.shape[-1]).float()
+
+            output.register_hook(backward)
+
+        return forward
+
+    def end_step(self) -> None:
+        for name, grad in self.step.items():
+            self.accumulated[name] += grad
+            self.energies[name].append(float(grad.pow(2).sum()))
+            grad.zero_()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def probe_quantized(model: torch.nn.Module, modules: dict[str, torch.nn.Module], batches, cfg) -> tuple[ActivationGradientRecorder, dict]:
+    """`cfg.max_steps` steps of `cfg.grad_accum_steps` micro-batches through a frozen quantized
+    base: gradients are recorded, nothing is updated (a 4-/8-bit base cannot be), so every step
+    measures the base that LoRA will start from."""
+    from tqdm.auto import tqdm
+
+    from pipelines.errors import StopRequested, stop_requested
+
+    recorder = ActivationGradientRecorder(modules)
+    model.enable_input_require_grads()  # backward reaches every layer although no weight trains
+    model.train()
+    losses = []
+    iterator = iter(batches)
+    try:
+        for _ in tqdm(range(cfg.max_steps), desc=f"{NAME} (quantized base)", disable=not distributed.is_main()):
+            total = 0.0
+            for _ in range(cfg.grad_accum_steps):
+                batch = training.to_device(next(iterator), device())
+                with training.autocast(device(), cfg.precision):
+                    loss, _ = chat_data.chat_loss(model, batch)
+                (loss / cfg.grad_accum_steps).backward()
+                total += float(loss.detach()) / cfg.grad_accum_steps
+            recorder.end_step()
+            losses.append(total)
+            if stop_requested():
+                raise StopRequested(f"{NAME}: {stop_requested()} after {len(losses)} of {cfg.max_steps} probe steps (nothing to resume: a rerun probes again)")
+    finally:
+        recorder.close()
+    return recorder, {"steps": len(losses), "train_loss": losses[-1] if losses else float("nan")}
+
+
+def scores(recorder, ranks: list[int]) -> dict:
     """Values, costs and redundancies from the recorded gradients (see the module docstring)."""
     total = sum(float(g.pow(2).sum()) for g in recorder.accumulated.values())
     if not total > 0:
@@ -94,15 +162,21 @@ def scores(recorder: GradientRecorder, ranks: list[int]) -> dict:
 
 def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dict:
     cfg = params.train
-    model, tokenizer = load_model_and_tokenizer(params.base_model)
+    qconfig = finetune.quantization_config(params, NAME)
+    model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, NAME)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
-    with CONSTRUCTION:
-        model = model.to(device())
-    recorder = GradientRecorder(candidate_modules(model, params.target_modules))
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_data.collate(train_rows, tokenizer.pad_token_id, params.packing))
-    result = training.train(model, chat_data.chat_loss, batches, cfg, tracker=tracker, callbacks=[recorder], desc=NAME)
-    result.pop("history")  # the probe's weights and curves are thrown away
+    if qconfig is not None:  # QLoRA: gradients at the frozen quantized base (see probe_quantized)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        recorder, result = probe_quantized(model, candidate_modules(model, params.target_modules), batches, cfg)
+    else:
+        with CONSTRUCTION:
+            model = model.to(device())
+        recorder = GradientRecorder(candidate_modules(model, params.target_modules))
+        result = training.train(model, chat_data.chat_loss, batches, cfg, tracker=tracker, callbacks=[recorder], desc=NAME)
+        result.pop("history")  # the probe's weights and curves are thrown away
     table = scores(recorder, params.ranks)
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output
         with atomic_dir(out) as tmp:

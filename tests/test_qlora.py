@@ -188,3 +188,38 @@ def test_reference_and_policy_must_be_quantized_alike(tmp_path):
     (tmp_path / "params.yaml").write_text("ingest:\n  sources:\n    - {path: a.txt, kind: text}\ndpo:\n  adapter: lora\n  lora:\n    quantization: nf4\n")
     with pytest.raises(config.ParamsError, match=r"ref_logprobs.quantization is 'none' but DPO starts from the SFT model quantized as 'nf4'"):
         config.load(tmp_path)
+
+
+def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qbase, tmp_path):
+    """The probe's gradients of a frozen 4-bit base come from activations and output gradients;
+    they match what autograd gives the same model with its weights dequantized to full precision."""
+    from pipelines import probe_lora
+    from pipelines.config import ProbeLoraParams
+    from pipelines.models import load_causal_lm
+
+    train = TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0, "checkpoint_every": 0, "micro_batch_size": 4})
+    params = ProbeLoraParams(base_model=str(qbase / "model"), ranks=[1, 2], target_modules=["q_proj", "down_proj"], train=train,
+                             quantization="nf4", compute_dtype="fp32")
+    metrics = probe_lora.run(qbase / "chat", tmp_path / "probe", params)
+    table = json.loads((tmp_path / "probe/scores.json").read_text())
+    assert metrics["steps"] == 2 and table["steps"] == 2 and len(table["values"]) == 4  # 2 layers x 2 modules
+    assert abs(sum(m["energy_share"] for m in table["modules"].values()) - 1) < 1e-6
+    # the same steps on the dequantized model with real weight gradients give the same shares
+    qconfig = quantize.config("nf4", True, torch.float32)
+    reference = load_causal_lm(qbase / "model", quantization=qconfig).dequantize().float()
+    modules = probe_lora.candidate_modules(reference, params.target_modules)
+    recorder = probe_lora.GradientRecorder(modules)
+    from pipelines import chat_data, finetune, training
+    from pipelines.models import load_tokenizer
+
+    tokenizer = load_tokenizer(qbase / "model")
+    rows, _, _ = finetune.build_rows(tokenizer, qbase / "chat", params, 128)
+    batches = iter(training.Batches(len(rows), 4, train.seed, chat_data.collate(rows, tokenizer.pad_token_id, True)))
+    for _ in range(2):
+        reference.zero_grad()
+        loss, _ = chat_data.chat_loss(reference, next(batches))
+        loss.backward()
+        recorder("gradients", None, {})
+    expected = probe_lora.scores(recorder, [1, 2])
+    for name, shape in table["modules"].items():
+        assert shape["energy_share"] == pytest.approx(expected["modules"][name]["energy_share"], rel=1e-3), name
