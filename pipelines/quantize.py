@@ -60,13 +60,11 @@ def from_params(params: Any, precision: str, section: str) -> Any:
 
 
 def load(path: Any, qconfig: Any, section: str):
-    """(model, tokenizer) of a base loaded straight into `qconfig`'s bits, checked, and kept in
+    """(model, tokenizer) of a base loaded straight into `qconfig`'s bits and kept in
     bitsandbytes' standard layout (`keep_standard_layout`)."""
-    from pipelines.models import device, load_model_and_tokenizer
+    from pipelines.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(path, quantization=qconfig)
-    name = "nf4" if getattr(qconfig, "load_in_4bit", False) else "int8"
-    check_model(model, name, device(), section)
     return keep_standard_layout(model), tokenizer
 
 
@@ -92,24 +90,6 @@ def check(quantization: str, device: torch.device, section: str = "lora") -> Non
         )
 
 
-CPU_BLOCK = 64
-"""bitsandbytes' 4-bit CPU kernel reshapes each weight into blocks of 64 input features."""
-
-
-def check_model(model: torch.nn.Module, quantization: str, device: torch.device, section: str = "lora") -> None:
-    """4-bit on the CPU: every quantized linear layer needs a multiple of `CPU_BLOCK` input
-    features (bitsandbytes' CPU inference kernel fails on others: real models all qualify, the
-    tiny test models of params/tiny.yaml do not)."""
-    if quantization not in ("nf4", "fp4") or device.type != "cpu":
-        return
-    for name, module in model.named_modules():
-        if type(module).__name__ == "Linear4bit" and module.in_features % CPU_BLOCK:
-            raise QllmError(
-                f"{section}.quantization: {quantization} on the CPU needs linear layers with a multiple of {CPU_BLOCK} input features "
-                f"(bitsandbytes' CPU kernel); {name} has {module.in_features}: use a larger model, int8, or quantization: none"
-            )
-
-
 def keep_standard_layout(model: torch.nn.Module) -> torch.nn.Module:
     """Stop bitsandbytes from repacking 4-bit weights for its AVX512-BF16 CPU inference kernel.
 
@@ -117,7 +97,8 @@ def keep_standard_layout(model: torch.nn.Module) -> torch.nn.Module:
     rewrites its weight into a CPU-only layout for good. Training steps after a validation then
     run another kernel than a run resumed from a checkpoint (which loads the standard layout), so
     resuming would not be exact, and dequantizing the repacked weight gives garbage. Kept in the
-    standard layout, train, eval and resume all use one kernel."""
+    standard layout, train, eval and resume all use one kernel. (The repacking also fails outright
+    on layers narrower than 64 inputs, so without it tiny test models quantize too.)"""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False

@@ -399,10 +399,6 @@ CASES = [
          finetune("lora", "models/good", "good", extra="  quantization: fp8\n  allocation: uniform\n"),
          "error: lora: lora.quantization: fp8 needs a CUDA device of compute capability 8.9 or newer (Ada, Hopper); "
          "this machine trains on cpu; use nf4 or int8", 1),
-    Case("lora-nf4-narrow-layers-on-cpu", "models", "`lora.quantization: nf4` on the CPU with a model of hidden size 32", "lora",
-         finetune("lora", "models/good", "good", extra="  quantization: nf4\n  allocation: uniform\n"),
-         "error: lora: lora.quantization: nf4 on the CPU needs linear layers with a multiple of 64 input features "
-         "(bitsandbytes' CPU kernel); model.layers.0.self_attn.q_proj has 32: use a larger model, int8, or quantization: none", 1),
 ]
 
 

@@ -24,8 +24,8 @@ TRAIN = TrainParams(max_steps=4, micro_batch_size=4, warmup_steps=1, lr=0.01, ev
 
 @pytest.fixture(scope="module")
 def qbase(tiny_base, tmp_path_factory):
-    """tiny_base's chats and tokenizer with a model whose linear layers take 64 inputs or more
-    (bitsandbytes' 4-bit CPU kernel works in blocks of 64 input features)."""
+    """tiny_base's chats and tokenizer with a model of 64-wide layers: one 4-bit block per row, so
+    the backbone-bytes figures mean something."""
     from pipelines.config import ModelParams
     from pipelines.models import build_llama, load_tokenizer, save_pretrained
 
@@ -68,10 +68,11 @@ def test_missing_or_old_bitsandbytes_says_what_to_install(monkeypatch):
     quantize.check("int8", torch.device("cuda"))  # the CUDA backend has been there all along
 
 
-def test_4bit_on_cpu_needs_64_input_features_a_clear_error(tiny_base, tmp_path):
-    with pytest.raises(QllmError, match=r"lora.quantization: nf4 on the CPU needs linear layers with a multiple of 64 input features .*model.layers.0.self_attn.q_proj has 32"):
-        lora.run(tiny_base / "chat", tmp_path / "out", params(tiny_base, "nf4"))
-    assert not (tmp_path / "out").exists()
+def test_4bit_trains_and_validates_a_model_with_32_wide_layers(tiny_base, tmp_path):
+    """bitsandbytes' repacked CPU inference layout fails on layers narrower than 64 inputs; kept
+    in the standard layout, the tiny test model trains and validates in 4 bits too."""
+    metrics = lora.run(tiny_base / "chat", tmp_path / "out", params(tiny_base, "nf4"))
+    assert metrics["steps"] == 4 and np.isfinite(metrics["val/loss"]) and (tmp_path / "out/merged/config.json").exists()
 
 
 def test_quantization_configs(monkeypatch):
