@@ -306,6 +306,19 @@ def test_until_stops_after_the_stage(first, project):
     assert summary["stages"][-1]["status"] == "ran" and summary["model_version"] is None
 
 
+def test_qlora_in_the_sample_pipeline_reruns_only_lora_and_what_follows(first, project):
+    from flows.pipeline import pipeline
+
+    summary = pipeline(overrides=["lora.quantization=nf4"], project_dir=str(project))
+    status = {s["name"]: s["status"] for s in summary["stages"]}
+    assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "lora", "evaluate", "register"], status
+    ws = Path(summary["workspace"])
+    lora_metrics = json.loads((ws / "data/metrics/lora.json").read_text())
+    assert 0 < lora_metrics["linear_weight_bytes"] and lora_metrics["steps"] == 6
+    assert "quantization_config" not in json.loads((ws / "data/models/lora/merged/config.json").read_text())  # merged: a plain model
+    assert 0 <= json.loads((ws / "data/metrics/evaluate.json").read_text())["lora"]["exact_match"] <= 1
+
+
 def cli(project: Path, *args: str) -> subprocess.CompletedProcess:
     from prefect.settings import PREFECT_API_URL
 
