@@ -102,14 +102,9 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         raise QllmError(f"{ref_dir / 'train.parquet'}: no preference pairs to train on")
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)
-        if qconfig is not None:  # QLoRA: placed by from_pretrained; norms and embeddings in fp32, input gradients on
-            from peft import prepare_model_for_kbit_training
-
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
         if params.adapter == "lora":
             model = lora.wrap(params.lora, "dpo.lora")(model, tokenizer)
-        if qconfig is None:
-            model = model.to(device())
     counts = parameter_counts(model)
     if qconfig is not None:
         counts |= quantize.linear_weight_bytes(model)

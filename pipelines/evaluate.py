@@ -103,6 +103,7 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     # Similar lengths together: less padding per batch. Answers are put back in input order.
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     answers: list[str] = [""] * len(texts)
+    stop = stop_token_ids(tokenizer)  # renders the template: once, not per batch
     model.eval()
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
@@ -112,7 +113,7 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
             **encoded,
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=stop_token_ids(tokenizer),
+            eos_token_id=stop,
             pad_token_id=tokenizer.pad_token_id,
         )
         new_tokens = output[:, encoded["input_ids"].shape[1] :]

@@ -40,12 +40,6 @@ def resolve_base(ctx, tracked: str) -> None:
         ctx.log.warning("%s.base_model=%s is not a dependency in dvc.yaml: DVC will not notice when it changes", ctx.name, base)
 
 
-def quantization_config(params: FinetuneParams, section: str):
-    """transformers' quantization config for the base (`quantization` of a stage that trains
-    adapters), checked against this device and library; None for a full-precision base."""
-    return quantize.from_params(params, params.train.precision, section)
-
-
 def conversations(chat_dir: Path, split: str) -> list[list[dict]]:
     frame = pd.read_parquet(chat_dir / f"{split}.parquet", columns=["messages"])
     return [parse_messages(m) for m in frame["messages"]]
@@ -84,18 +78,13 @@ def run(
 ) -> dict[str, Any]:
     """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`."""
     cfg = params.train
-    qconfig = quantization_config(params, desc)
+    qconfig = quantize.from_params(params, cfg.precision, desc)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)  # adapter initialisation is random: make it a function of the seed
-        if qconfig is not None:  # QLoRA: norms and embeddings in fp32, input gradients on; placed by from_pretrained
-            from peft import prepare_model_for_kbit_training
-
-            model = wrap(prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing), tokenizer)
-        else:
-            model = wrap(model, tokenizer).to(device())
+        model = wrap(quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing), tokenizer)
     counts = parameter_counts(model)
     if qconfig is not None:
         counts |= quantize.linear_weight_bytes(model)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines import finetune, stage
+from pipelines import finetune, quantize, stage
 from pipelines.config import LoraAdapterParams, LoraParams
 from pipelines.errors import QllmError
 from pipelines.models import save_pretrained
@@ -193,7 +193,7 @@ def apply_allocation(params: LoraParams, allocation: dict) -> LoraParams:
 
 
 def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str = TRACKED_BASE) -> dict:
-    qconfig = finetune.quantization_config(params, NAME)
+    qconfig = quantize.from_params(params, params.train.precision, NAME)
     quantized_base = (params.base_model, qconfig) if qconfig is not None else None
     return finetune.run(
         chat_dir, out, params, wrap=wrap(params), save=save(params, base_for_users, params.merge, quantized_base), tracker=tracker,

@@ -162,7 +162,7 @@ def scores(recorder, ranks: list[int]) -> dict:
 
 def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dict:
     cfg = params.train
-    qconfig = finetune.quantization_config(params, NAME)
+    qconfig = quantize.from_params(params, params.train.precision, NAME)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, NAME)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)

@@ -68,6 +68,19 @@ def load(path: Any, qconfig: Any, section: str):
     return keep_standard_layout(model), tokenizer
 
 
+def for_adapters(model: torch.nn.Module, qconfig: Any, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Before adapters go on: a quantized base gets PEFT's `prepare_model_for_kbit_training`
+    (norms and embeddings in fp32, input gradients on; `from_pretrained` already placed it); a
+    full-precision one moves to this process's device."""
+    if qconfig is None:
+        from pipelines.models import device
+
+        return model.to(device())
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+
+
 def check(quantization: str, device: torch.device, section: str = "lora") -> None:
     """A clear `QllmError` when this device or library cannot do `quantization`."""
     if quantization == "none":
