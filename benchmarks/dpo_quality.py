@@ -17,8 +17,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipelines import config, dpo
-from pipelines.config import EvaluateParams
+from pipelines.core import config
+from pipelines import dpo
+from pipelines.core.config import EvaluateParams
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 

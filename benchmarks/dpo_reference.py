@@ -4,7 +4,7 @@
 
 Same process, same model (params.yaml `pretrain.model`, vocabulary 2048), same pairs (batches of
 16 prompt+answer pairs of ~48 tokens, the size of the sample data's), same loop
-(`pipelines.training.train` with `pipelines.dpo.dpo_loss`), for three policies: params.yaml's
+(`pipelines.core.training.train` with `pipelines.dpo.dpo_loss`), for three policies: params.yaml's
 `dpo` settings (`default`: a LoRA adapter on the last layer), all weights, and LoRA on every layer. "cached" reads the reference
 log-probs from the batch, as the `dpo` stage does with `data/ref_logprobs/`; "live" computes them
 every step with a frozen copy of the starting model (full fine-tuning) or with the adapter
@@ -26,8 +26,10 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import _Vocab
-from pipelines import config, dpo, lora, preference_data, training
-from pipelines.models import build_llama
+from pipelines.core import config, preference_data, training
+from pipelines import dpo
+from pipelines.core import adapters
+from pipelines.core.models import build_llama
 
 WARMUP = 3
 # policy -> changes to params.yaml's `dpo` section ("default": none, i.e. what `make run` trains)
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in ("cached", "live"):
                 policy = copy.deepcopy(base)
                 if dpo_params.adapter == "lora":
-                    policy = lora.wrap(dpo_params.lora, "dpo.lora")(policy, None)
+                    policy = adapters.wrap(dpo_params.lora, "dpo.lora")(policy, None)
 
                     def reference(batch, policy=policy):
                         with policy.disable_adapter(), training.autocast(torch.device("cpu"), cfg.precision):

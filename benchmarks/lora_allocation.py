@@ -24,7 +24,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipelines import config, lora, quantum, quantum_opt
+from pipelines.core import config, quantum
+from pipelines import lora, quantum_opt
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 

@@ -28,8 +28,9 @@ from pathlib import Path
 def one(args: argparse.Namespace) -> dict:
     import torch
 
-    from pipelines import config, lora, precision
-    from pipelines.config import LoraParams, TrainParams
+    from pipelines.core import config, precision
+    from pipelines import lora
+    from pipelines.core.config import LoraParams, TrainParams
 
     base, work = Path(args.base), Path(args.work)
     train = TrainParams(seed=args.seed, max_steps=args.steps, micro_batch_size=16, warmup_steps=max(1, args.steps // 15), lr=0.003,
@@ -43,8 +44,8 @@ def one(args: argparse.Namespace) -> dict:
            "linear_weight_bytes": metrics.get("linear_weight_bytes"), "total_parameters": metrics["total_parameters"],
            "trainable_parameters": metrics["trainable_parameters"], "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     if args.quantization == "none":
-        from pipelines.models import load_causal_lm
-        from pipelines.quantize import linear_weight_bytes
+        from pipelines.core.models import load_causal_lm
+        from pipelines.core.quantize import linear_weight_bytes
 
         row["linear_weight_bytes"] = linear_weight_bytes(load_causal_lm(base, dtype=torch.bfloat16))["linear_weight_bytes"]
     if args.project:
@@ -65,8 +66,8 @@ def random_base(size: str, out: Path) -> Path:
 
     import pandas as pd
 
-    from pipelines.config import ModelParams
-    from pipelines.models import build_llama, save_pretrained
+    from pipelines.core.config import ModelParams
+    from pipelines.core.models import build_llama, save_pretrained
     from pipelines.train_tokenizer import train as train_tokenizer
 
     chats = [[{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": str(a + b)}] for a in range(10) for b in range(10)]

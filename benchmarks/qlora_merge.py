@@ -3,10 +3,11 @@ full-precision base. Usage: PYTHONPATH=. python benchmarks/qlora_merge.py PROJEC
 import json, sys, tempfile, torch
 from pathlib import Path
 from peft import PeftModel
-from pipelines import config, lora, quantize
-from pipelines.config import LoraParams, TrainParams
+from pipelines.core import config, quantize
+from pipelines import lora
+from pipelines.core.config import LoraParams, TrainParams
 from pipelines.evaluate import evaluate_model, heldout_questions
-from pipelines.models import load_causal_lm, save_pretrained, load_tokenizer
+from pipelines.core.models import load_causal_lm, save_pretrained, load_tokenizer
 root = Path(sys.argv[1]); base = sys.argv[2]
 params, _ = config.load(root)
 questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines import config, training
-from pipelines.models import build_llama
+from pipelines.core import config, training
+from pipelines.core.models import build_llama
 
 WARMUP = 3
 
@@ -58,7 +58,7 @@ def bare_loop(model, rows: np.ndarray, batch_size: int, steps: int, lr: float) -
 
 
 def shared_loop(model, rows: np.ndarray, cfg: config.TrainParams) -> float:
-    """`pipelines.training.train` (schedule, clipping, metrics, progress bar); timed tokens/s."""
+    """`pipelines.core.training.train` (schedule, clipping, metrics, progress bar); timed tokens/s."""
     marks: list[float] = []
     training.train(
         model,

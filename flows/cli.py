@@ -32,15 +32,16 @@ import sys
 import threading
 from pathlib import Path
 
-from pipelines import config, dag, preflight
-from pipelines.errors import QllmError, ask_stop, clear_stop, request_stop, stop_requested, stop_signal
+from pipelines.core import config, dag
+from flows import preflight
+from pipelines.core.errors import QllmError, ask_stop, clear_stop, request_stop, stop_requested, stop_signal
 
 
 def _open_tracking(root: Path) -> None:
     """Import DVC and open the MLflow store (cached) while the Prefect API boots."""
     import dvc.repo  # noqa: F401
 
-    from pipelines import tracking
+    from pipelines.core import tracking
 
     tracking.client(root)
 
@@ -81,7 +82,7 @@ def _api_lost(returncode: int, pid: int) -> None:
 
     from prefect.settings import PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW, temporary_settings
 
-    from pipelines import tracking
+    from pipelines.core import tracking
 
     with temporary_settings({PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW: "ignore"}):  # this thread has no flow run
         ask_stop("the Prefect API exited")
@@ -177,7 +178,7 @@ def _quiet_downloads() -> None:
 
 def cmd_lineage(args: argparse.Namespace) -> int:
     _quiet_downloads()
-    from pipelines import lineage
+    from flows import lineage
 
     trail = lineage.for_model(args.model_uri, Path(args.project_dir).resolve())
     print(json.dumps(trail, indent=2) if args.json else lineage.render(trail))
@@ -188,7 +189,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     _quiet_downloads()
-    from pipelines import generation
+    from flows import generation
 
     model, tokenizer = generation.load(args.model, Path(args.project_dir).resolve())
     text = generation.generate(
@@ -200,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     _quiet_downloads()
-    from pipelines import compare
+    from flows import compare
 
     runs = compare.load_runs(Path(args.project_dir).resolve(), args.run_ids, args.last)
     compared = compare.table(runs, all_keys=args.all)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 
 def wait_http(url: str, process: subprocess.Popen, what: str, timeout: float, poll: float = 0.2, hint: str = "") -> None:
@@ -73,7 +73,7 @@ class LocalApi:
         import prefect
         from prefect.settings import get_current_settings
 
-        from pipelines.workspace import file_lock
+        from pipelines.core.workspace import file_lock
 
         self._starting = contextlib.ExitStack()  # released by wait() once the server answers
         self._unwatched = threading.Event()

@@ -29,7 +29,8 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
-from pipelines import config, dag, errors, preflight, runner, tracking, workspace
+from pipelines.core import config, dag, errors, runner, tracking, workspace
+from flows import preflight
 from tasks.stages import stage_task
 
 

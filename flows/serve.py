@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from flows.local_api import free_port, wait_http
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 STATE_DIR = ".qllm/serve"
 RECORD = "services.json"

@@ -21,8 +21,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows.pipeline import pipeline, stop_stages_on_termination
-from pipelines import config, dag
-from pipelines.errors import QllmError
+from pipelines.core import config, dag
+from pipelines.core.errors import QllmError
 
 
 def shared_stages(root: Path, override_sets: list[list[str]]) -> list[str]:

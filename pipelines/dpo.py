@@ -7,7 +7,7 @@ with all weights trainable (`dpo.adapter: none`) or with a LoRA adapter built by
 code (`dpo.adapter: lora`, settings in `dpo.lora`). Each step runs the policy once over the
 concatenated chosen and rejected sequences; the reference log-probabilities come from
 `data/ref_logprobs/`, so the reference model is never run here. The loss is
-`pipelines.losses.preference_loss` (`dpo.loss_type`, `dpo.beta`, `dpo.label_smoothing`), plus
+`pipelines.core.losses.preference_loss` (`dpo.loss_type`, `dpo.beta`, `dpo.label_smoothing`), plus
 `dpo.sft_weight` times the chosen answers' per-token NLL (RPO) when it is set.
 
 Logged per step and on validation (`val/...`) with the names TRL uses: `rewards/chosen`,
@@ -25,13 +25,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import distributed, lora, preference_data, quantize, stage, training
-from pipelines.checkpoint import CheckpointManager
-from pipelines.config import DpoParams
-from pipelines.errors import QllmError
-from pipelines.losses import preference_loss, reward_metrics
-from pipelines.models import CONSTRUCTION, device, load_for_inference, parameter_counts, save_pretrained
-from pipelines.outputs import atomic_dir, read_json, write_json
+from pipelines.core import adapters, distributed, preference_data, quantize, stage, training
+from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core.config import DpoParams
+from pipelines.core.errors import QllmError
+from pipelines.core.losses import preference_loss, reward_metrics
+from pipelines.core.models import CONSTRUCTION, device, load_for_inference, parameter_counts, save_pretrained
+from pipelines.core.outputs import atomic_dir, read_json, write_json
 
 NAME = "dpo"
 REF = "data/ref_logprobs"
@@ -104,7 +104,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         torch.manual_seed(cfg.seed)
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
         if params.adapter == "lora":
-            model = lora.wrap(params.lora, "dpo.lora")(model, tokenizer)
+            model = adapters.wrap(params.lora, "dpo.lora")(model, tokenizer)
     counts = parameter_counts(model)
     if qconfig is not None:
         counts |= quantize.linear_weight_bytes(model)
@@ -130,7 +130,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         with atomic_dir(out) as tmp, CONSTRUCTION:
             if params.adapter == "lora":
                 quantized_base = (str(root / reference), qconfig) if qconfig is not None else None
-                lora.save(params.lora, reference, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
+                adapters.save(params.lora, reference, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
             else:
                 save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
             training.write_history(history, tmp)

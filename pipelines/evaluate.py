@@ -36,12 +36,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import losses, packed, plots, preference_data, stage, training
-from pipelines.chat import normalize_answer, parse_messages, split_last_answer
-from pipelines.config import EvaluateParams
-from pipelines.errors import QllmError
-from pipelines.models import load_for_inference, stop_token_ids
-from pipelines.outputs import atomic_dir, read_json
+from pipelines.core import losses, packed, plots, preference_data, stage, training
+from pipelines.core.chat import normalize_answer, parse_messages, split_last_answer
+from pipelines.core.config import EvaluateParams
+from pipelines.core.errors import QllmError
+from pipelines.core.models import load_for_inference, stop_token_ids
+from pipelines.core.outputs import atomic_dir, read_json
 
 NAME = "evaluate"
 MODELS = "data/models"

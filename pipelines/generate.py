@@ -3,8 +3,8 @@
     python -m pipelines.generate          # what dvc.yaml runs; writes data/sample/
 
 Writes `pretrain.txt`, `chat_{train,heldout}.jsonl`, `preference_{train,heldout}.jsonl` and
-`world.json` (see `pipelines/sample_world.py`), or with `generate.corpus: real_text` the same files
-from real text that ships in packages (`pipelines/real_text.py`). With `generate.enabled: false` it writes only a
+`world.json` (see `pipelines/core/sample_world.py`), or with `generate.corpus: real_text` the same files
+from real text that ships in packages (`pipelines/core/real_text.py`). With `generate.enabled: false` it writes only a
 README, so the stage stays in the graph while `ingest` reads your own data.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines import real_text, sample_world, stage
-from pipelines.config import GenerateParams
-from pipelines.errors import QllmError
-from pipelines.outputs import atomic_dir
+from pipelines.core import real_text, sample_world, stage
+from pipelines.core.config import GenerateParams
+from pipelines.core.errors import QllmError
+from pipelines.core.outputs import atomic_dir
 
 NAME = "generate"
 OUT = "data/sample"

@@ -4,7 +4,7 @@
 
 Writes `data/ingested/text.parquet`, `chat.parquet` and `preference.parquet` (always all three;
 a kind without sources is an empty file with the kind's columns), in source order. The record
-kinds and accepted input layouts are described in `pipelines/readers.py`.
+kinds and accepted input layouts are described in `pipelines/core/readers.py`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import pandas as pd
 
-from pipelines import stage
-from pipelines.config import IngestParams, SourceParams
-from pipelines.outputs import atomic_dir
-from pipelines.readers import COLUMNS, empty_frame, read_source, source_name
+from pipelines.core import stage
+from pipelines.core.config import IngestParams, SourceParams
+from pipelines.core.outputs import atomic_dir
+from pipelines.core.readers import COLUMNS, empty_frame, read_source, source_name
 
 NAME = "ingest"
 OUT_DIR = "data/ingested"

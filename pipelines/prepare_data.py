@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipelines import cleaning, stage
-from pipelines.config import PrepareDataParams
-from pipelines.errors import QllmError
-from pipelines.outputs import atomic_dir
+from pipelines.core import cleaning, stage
+from pipelines.core.config import PrepareDataParams
+from pipelines.core.errors import QllmError
+from pipelines.core.outputs import atomic_dir
 
 NAME = "prepare_data"
 IN_DIR = "data/ingested"

@@ -3,7 +3,7 @@
     python -m pipelines.pretrain       # what dvc.yaml runs; writes data/models/pretrain/
 
 The model is built from `pretrain.model` (`LlamaConfig` + `LlamaForCausalLM`, vocabulary from the
-tokenizer) and trained by the shared loop in `pipelines.training`. Checkpoints go to
+tokenizer) and trained by the shared loop in `pipelines.core.training`. Checkpoints go to
 `.qllm/checkpoints/pretrain/<fingerprint>/`, outside the stage output, so a killed run resumes
 and a changed stage starts afresh. The output is a `save_pretrained` directory.
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines import distributed, packed, stage, training
-from pipelines.checkpoint import CheckpointManager
-from pipelines.config import PretrainParams
-from pipelines.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
-from pipelines.outputs import atomic_dir, read_json, write_json
+from pipelines.core import distributed, packed, stage, training
+from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core.config import PretrainParams
+from pipelines.core.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
+from pipelines.core.outputs import atomic_dir, read_json, write_json
 
 NAME = "pretrain"
 TOKENIZED = "data/tokenized"
@@ -78,7 +78,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
 def point_to_base(out: Path, record: dict) -> dict:
     """Fine-tuning mode: no model is trained; the output is a pointer to the base model
     (`pipelines.base_model`) that the later stages load through."""
-    from pipelines.base_model import POINTER
+    from pipelines.core.model_source import POINTER
 
     with atomic_dir(out) as tmp:
         write_json(tmp / POINTER, record)
@@ -86,9 +86,9 @@ def point_to_base(out: Path, record: dict) -> dict:
 
 
 def _body(ctx: stage.StageContext) -> dict:
-    from pipelines import base_model
+    from pipelines.core import model_source
 
-    record = base_model.current(ctx.root)
+    record = model_source.current(ctx.root)
     if record["name"] is not None:
         ctx.log.info("pretrain: nothing to train, the base model is %s (base_model.name)", record["name"])
         return point_to_base(ctx.path(OUT), record)

@@ -3,7 +3,7 @@
     python -m pipelines.probe_device   # what dvc.yaml runs (always: `always_changed: true`); writes data/device.json
 
 `precision: auto` (the default of every training stage) resolves per machine: bf16 where the device
-has bf16 matrix units, fp32 on other CPUs, fp16 on older CUDA devices (`pipelines.precision`). A
+has bf16 matrix units, fp32 on other CPUs, fp16 on older CUDA devices (`pipelines.core.precision`). A
 stage trained in bf16 is not the stage another machine would train in fp32, so the resolution has
 to be part of what DVC calls "the same inputs", or a `dvc pull`/run-cache hit would hand one
 machine's result to a machine that would have computed something else.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines import stage
-from pipelines.outputs import write_json
+from pipelines.core import stage
+from pipelines.core.outputs import write_json
 
 NAME = "probe_device"
 OUT = "data/device.json"
@@ -30,7 +30,7 @@ finds is in every training stage's params (`<stage>.train.precision`) and metric
 
 
 def run(out: Path) -> dict:
-    from pipelines import precision  # torch: imported when the stage runs, not when it is listed
+    from pipelines.core import precision  # torch: imported when the stage runs, not when it is listed
 
     cap = precision.capability().as_dict()
     write_json(out, cap)

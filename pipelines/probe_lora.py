@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines import chat_data, distributed, finetune, quantize, stage, training
-from pipelines.config import ProbeLoraParams
-from pipelines.errors import QllmError
-from pipelines.models import CONSTRUCTION, device, load_model_and_tokenizer
-from pipelines.outputs import atomic_dir, write_json
+from pipelines.core import chat_data, distributed, finetune, quantize, stage, training
+from pipelines.core.config import ProbeLoraParams
+from pipelines.core.errors import QllmError
+from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer
+from pipelines.core.outputs import atomic_dir, write_json
 
 NAME = "probe_lora"
 CHAT = "data/prepared/chat"
@@ -112,7 +112,7 @@ def probe_quantized(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
     measures the base that LoRA will start from."""
     from tqdm.auto import tqdm
 
-    from pipelines.errors import StopRequested, stop_requested
+    from pipelines.core.errors import StopRequested, stop_requested
 
     recorder = ActivationGradientRecorder(modules)
     model.enable_input_require_grads()  # backward reaches every layer although no weight trains

@@ -19,10 +19,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import preference_data, quantize, stage
-from pipelines.config import RefLogprobsParams
-from pipelines.models import load_for_inference
-from pipelines.outputs import atomic_dir, write_json
+from pipelines.core import preference_data, quantize, stage
+from pipelines.core.config import RefLogprobsParams
+from pipelines.core.models import load_for_inference
+from pipelines.core.outputs import atomic_dir, write_json
 
 NAME = "ref_logprobs"
 REFERENCE = "data/models/sft"

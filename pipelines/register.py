@@ -29,12 +29,12 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import dag, lineage, stage, tracking, workspace
-from pipelines.config import RegisterParams
-from pipelines.errors import QllmError
-from pipelines.models import load_for_inference
-from pipelines.outputs import atomic_dir, read_json, write_json
-from pipelines.workspace import project_root
+from pipelines.core import dag, lineage, stage, tracking, workspace
+from pipelines.core.config import RegisterParams
+from pipelines.core.errors import QllmError
+from pipelines.core.models import load_for_inference
+from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.workspace import project_root
 
 NAME = "register"
 MODELS = "data/models"
@@ -79,10 +79,10 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None, prefect
         tags[f"dvc.{path}"] = md5
     for section, values in (yaml.safe_load((root / "params.yaml").read_text()) or {}).items():
         tags[f"params.{section}"] = json.dumps(values, sort_keys=True)
-    from pipelines import base_model
+    from pipelines.core import model_source
 
-    record = base_model.current(root)
-    tags["qllm.base_model"] = base_model.display_name(record) if record["name"] is not None else "pretrained here"
+    record = model_source.current(root)
+    tags["qllm.base_model"] = model_source.display_name(record) if record["name"] is not None else "pretrained here"
     if record.get("md5"):
         tags["qllm.base_model.md5"] = record["md5"]
     if parent_run_id:

@@ -3,7 +3,7 @@
     python -m pipelines.tokenize       # what dvc.yaml runs; writes data/tokenized/
 
 Documents are encoded in batches by the Rust tokenizer, joined with EOS separators and cut into
-`seq_len`-token rows stored in the format of `pipelines.packed` (`train.bin`, `validation.bin`,
+`seq_len`-token rows stored in the format of `pipelines.core.packed` (`train.bin`, `validation.bin`,
 `meta.json`). The tail shorter than one sequence is dropped (counted in the metrics).
 """
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pipelines import packed, stage
-from pipelines.config import TokenizeParams
-from pipelines.errors import QllmError
-from pipelines.outputs import atomic_dir
+from pipelines.core import packed, stage
+from pipelines.core.config import TokenizeParams
+from pipelines.core.errors import QllmError
+from pipelines.core.outputs import atomic_dir
 
 NAME = "tokenize"
 TEXT = "data/prepared/text"

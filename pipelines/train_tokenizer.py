@@ -3,7 +3,7 @@
     python -m pipelines.train_tokenizer      # what dvc.yaml runs; writes data/tokenizer/
 
 The result is a `PreTrainedTokenizerFast` directory (`AutoTokenizer.from_pretrained` loads it)
-with the ChatML special tokens and chat template of `pipelines.chat`, so SFT, DPO and evaluation
+with the ChatML special tokens and chat template of `pipelines.core.chat`, so SFT, DPO and evaluation
 all use `apply_chat_template`. Byte-level BPE never produces unknown tokens.
 """
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipelines import stage, workspace
-from pipelines.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
-from pipelines.config import TrainTokenizerParams
-from pipelines.errors import QllmError
-from pipelines.outputs import atomic_dir
+from pipelines.core import stage, workspace
+from pipelines.core.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
+from pipelines.core.config import TrainTokenizerParams
+from pipelines.core.errors import QllmError
+from pipelines.core.outputs import atomic_dir
 
 NAME = "train_tokenizer"
 PREPARED = "data/prepared"
@@ -88,7 +88,7 @@ def run(prepared: Path, out: Path, params: TrainTokenizerParams) -> dict[str, fl
 def use_base(base_dir: Path, prepared: Path, out: Path, name: str) -> dict[str, float]:
     """Fine-tuning mode (`base_model.name` set): save the base model's tokenizer, chat template
     included, instead of training one; report its compression on the validation text."""
-    from pipelines.models import load_tokenizer
+    from pipelines.core.models import load_tokenizer
 
     tokenizer = load_tokenizer(base_dir)
     if tokenizer.eos_token_id is None:
@@ -101,11 +101,11 @@ def use_base(base_dir: Path, prepared: Path, out: Path, name: str) -> dict[str, 
 
 
 def _body(ctx: stage.StageContext) -> dict:
-    from pipelines import base_model
+    from pipelines.core import model_source
 
-    record = base_model.current(ctx.root)
+    record = model_source.current(ctx.root)
     if record["name"] is not None:
-        metrics = use_base(base_model.location(record, workspace.project_root(ctx.root)), ctx.path(PREPARED), ctx.path(OUT), record["name"])
+        metrics = use_base(model_source.location(record, workspace.project_root(ctx.root)), ctx.path(PREPARED), ctx.path(OUT), record["name"])
         ctx.log.info("tokenizer: the base model's (%s, %d tokens), not trained", record["name"], metrics["vocab_size"])
         return metrics
     metrics = run(ctx.path(PREPARED), ctx.path(OUT), ctx.params)

@@ -87,7 +87,7 @@ def make_project(dest: Path, mlflow_db: Path, params_overlay: dict | None = None
     With `tiny`, params.yaml is the shipped one merged with params/tiny.yaml (and `params_overlay`),
     so the whole pipeline runs in seconds in the project itself (no run workspace).
     """
-    from pipelines.config import deep_merge
+    from pipelines.core.config import deep_merge
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in PROJECT_FILES:
@@ -154,8 +154,8 @@ def tiny_base(tmp_path_factory):
 
     import pandas as pd
 
-    from pipelines.config import ModelParams
-    from pipelines.models import build_llama, save_pretrained
+    from pipelines.core.config import ModelParams
+    from pipelines.core.models import build_llama, save_pretrained
     from pipelines.train_tokenizer import train
 
     root = tmp_path_factory.mktemp("tiny_base")
@@ -201,7 +201,7 @@ stages:
 def toy(tmp_path):
     """A git + DVC project with a two-stage toy DAG (`a` -> `b`) and no stage code: tests pass
     the stage bodies to `runner.reproduce(..., execute=...)`."""
-    from pipelines import runner
+    from pipelines.core import runner
 
     root = tmp_path / "toy"
     (root / "src").mkdir(parents=True)

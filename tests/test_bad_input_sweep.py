@@ -408,7 +408,7 @@ CASES = [
 @pytest.fixture(scope="session")
 def models(tiny_base, tmp_path_factory) -> dict[str, Path]:
     """Model directories with one defect each, made from the tiny model, plus prepared chats."""
-    from pipelines.models import load_causal_lm, load_tokenizer, save_pretrained
+    from pipelines.core.models import load_causal_lm, load_tokenizer, save_pretrained
 
     root = tmp_path_factory.mktemp("bad_models")
     good = tiny_base / "model"
@@ -536,7 +536,7 @@ def test_a_duplicate_key_in_a_params_overlay_names_the_overlay(tmp_path, capsys,
 def test_evaluate_skips_held_out_chats_without_a_final_answer_and_counts_them(tmp_path, caplog):
     """Chats of the split `evaluate` reads that do not end with an assistant turn are skipped with
     a warning naming them; with none left, a clear error instead of a KeyError."""
-    from pipelines.errors import QllmError
+    from pipelines.core.errors import QllmError
     from pipelines.evaluate import heldout_questions
 
     def split_file(split: str, chats: dict[str, dict]) -> None:
@@ -558,7 +558,7 @@ def test_evaluate_skips_held_out_chats_without_a_final_answer_and_counts_them(tm
 
 @pytest.mark.parametrize("value", ["gpt2", "HuggingFaceTB/SmolLM2-135M", "Qwen/Qwen2.5-0.5B-Instruct"])
 def test_a_hub_id_is_not_taken_for_a_missing_directory(value, tmp_path, monkeypatch):
-    from pipelines.models import local_model_dir
+    from pipelines.core.models import local_model_dir
 
     monkeypatch.chdir(tmp_path)
     assert local_model_dir(value) is None
@@ -566,8 +566,8 @@ def test_a_hub_id_is_not_taken_for_a_missing_directory(value, tmp_path, monkeypa
 
 @pytest.mark.parametrize("value", ["data/models/nope", "./nope", "a/b/c", "/no/such/model", "../nope"])
 def test_a_missing_local_path_is_a_missing_directory(value, tmp_path, monkeypatch):
-    from pipelines.errors import QllmError
-    from pipelines.models import local_model_dir
+    from pipelines.core.errors import QllmError
+    from pipelines.core.models import local_model_dir
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(QllmError, match="no such model directory"):

@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import torch
 
-from pipelines import chat_data
-from pipelines.chat_data import IGNORE
-from pipelines.models import load_causal_lm, load_tokenizer
+from pipelines.core import chat_data
+from pipelines.core.chat_data import IGNORE
+from pipelines.core.models import load_causal_lm, load_tokenizer
 from tests.conftest import CHATS
 
 

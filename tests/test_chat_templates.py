@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipelines import chat, chat_data, preference_data
-from pipelines.chat_data import IGNORE
-from pipelines.models import load_tokenizer, stop_token_ids
+from pipelines.core import chat, chat_data, preference_data
+from pipelines.core.chat_data import IGNORE
+from pipelines.core.models import load_tokenizer, stop_token_ids
 from tests.chat_families import FAMILIES, Family, save_base_model, tokenizer_for
 from tests.conftest import CHATS
 
@@ -130,8 +130,8 @@ def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp
     """SFT from a small random model of each family (its own tokenizer and template), then a
     greedy answer to a held-out prompt rendered with `add_generation_prompt`."""
     from pipelines import evaluate, sft
-    from pipelines.config import SftParams, TrainParams
-    from pipelines.models import load_model_and_tokenizer
+    from pipelines.core.config import SftParams, TrainParams
+    from pipelines.core.models import load_model_and_tokenizer
 
     fam, _ = family
     base = save_base_model(fam, TEXTS, tmp_path / "base")

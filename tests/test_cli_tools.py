@@ -16,7 +16,9 @@ import pytest
 import yaml
 
 from flows.cli import main
-from pipelines import compare, dag, generation, lineage
+from flows import lineage as registry_lineage
+from pipelines.core import dag, lineage
+from flows import compare, generation
 from tests.conftest import ALWAYS_CHANGED, make_project
 
 
@@ -156,9 +158,9 @@ def test_lineage_rebuilt_from_the_pipeline_runs_dvc_lock_agrees(runs, project):
     """Versions registered without lineage.json: the chain rebuilt from the pipeline run's dvc.lock
     artifact and the stage runs' md5 tags is the one the register stage logged."""
     client = mlflow_client(project)
-    logged = lineage.for_model("models:/qllm/2", project)
-    lock = yaml.safe_load(lineage.artifact_text(client, logged["parent_run_id"], "dvc.lock"))["stages"]
-    rebuilt = lineage.from_lock(client, lock, "register", logged["parent_run_id"])
+    logged = registry_lineage.for_model("models:/qllm/2", project)
+    lock = yaml.safe_load(registry_lineage.artifact_text(client, logged["parent_run_id"], "dvc.lock"))["stages"]
+    rebuilt = registry_lineage.from_lock(client, lock, "register", logged["parent_run_id"])
     keys = ("stage", "mlflow_run_id", "deps", "outs", "params")
     assert [{k: s[k] for k in keys} for s in rebuilt["stages"]] == [{k: s[k] for k in keys} for s in logged["stages"]]
 
@@ -275,7 +277,7 @@ def test_compare_last_two_pipeline_runs(runs, project, capsys):
 
 
 def test_compare_stage_runs_by_id_prefix(runs, project, capsys):
-    first, second = (lineage.for_model(f"models:/qllm/{v}", project) for v in (1, 2))
+    first, second = (registry_lineage.for_model(f"models:/qllm/{v}", project) for v in (1, 2))
     ids = [next(s["mlflow_run_id"] for s in trail["stages"] if s["stage"] == "evaluate") for trail in (first, second)]
     code, out, err = qllm(capsys, "compare", ids[0][:8], ids[1], "--json", "--project-dir", str(project))
     assert code == 0, err

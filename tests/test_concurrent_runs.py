@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import dag, runner, workspace
+from pipelines.core import dag, runner, workspace
 from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 
 # --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------

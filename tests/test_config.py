@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from pipelines import config
-from pipelines.config import ParamsError
+from pipelines.core import config
+from pipelines.core.config import ParamsError
 
 REPO = Path(__file__).resolve().parents[1]
 

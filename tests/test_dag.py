@@ -8,33 +8,40 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import dag
-from pipelines.config import Params
+from pipelines.core import dag
+from pipelines.core.config import Params
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Modules that move values and files around without shaping a stage's outputs: listing them as
-# deps would rerun every stage on any edit. (config.py holds schemas; the values DVC must see are
+# Core modules that move values and files around without shaping a stage's outputs: listing them
+# as deps would rerun every stage on any edit. (config.py holds schemas; the values DVC must see are
 # all spelled out in params.yaml, which tests/test_config.py enforces.)
 # checkpoint: how training state is saved and resumed (stage.py hooks into it), never what a stage produces
 # distributed: how many processes run a stage (torchrun, rank 0's duties); the same results on 1 or N
 # precision: what `precision: auto` resolves to reaches training stages as data (data/device.json from
 #   probe_device, which lists precision.py itself), so editing it reruns probe_device, and training only if that changes
-INFRASTRUCTURE = {"config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "runner", "checkpoint", "distributed", "precision"}
+INFRASTRUCTURE = {f"core.{m}" for m in ("config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "runner", "checkpoint", "distributed", "precision")}
+
+
+def module_path(module: str) -> Path:
+    """`lora` -> pipelines/lora.py, `core.models` -> pipelines/core/models.py."""
+    return REPO / "pipelines" / f"{module.replace('.', '/')}.py"
 
 
 def pipelines_imports(module: str) -> set[str]:
-    """`pipelines.*` modules imported by `module` anywhere in its source (incl. function bodies)."""
-    tree = ast.parse((REPO / "pipelines" / f"{module}.py").read_text())
+    """`pipelines.*` modules imported by `module` anywhere in its source (incl. function bodies),
+    named relative to `pipelines` (`lora`, `core.models`)."""
+    tree = ast.parse(module_path(module).read_text())
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "pipelines":
-                found |= {alias.name for alias in node.names}
+            if node.module in ("pipelines", "pipelines.core"):
+                package = node.module.removeprefix("pipelines").lstrip(".")
+                found |= {f"{package}.{alias.name}".lstrip(".") for alias in node.names}
             elif node.module.startswith("pipelines."):
-                found.add(node.module.split(".")[1])
+                found.add(node.module.removeprefix("pipelines."))
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("pipelines.")}
+            found |= {a.name.removeprefix("pipelines.") for a in node.names if a.name.startswith("pipelines.")}
     return found
 
 
@@ -48,6 +55,9 @@ def closure(module: str) -> set[str]:
     return seen
 
 
+CORE = sorted(f"core.{p.stem}" for p in (REPO / "pipelines/core").glob("*.py") if p.stem != "__init__")
+
+
 STAGES = dag.stages(REPO)
 
 
@@ -58,12 +68,29 @@ def test_stage_module_deps_and_params_match_dvc_yaml(name):
     module = importlib.import_module(spec.module)
     assert name == module.NAME
     assert spec.params == (name,) and name in Params.model_fields
-    code_deps = {d.removeprefix("pipelines/").removesuffix(".py") for d in spec.deps if d.endswith(".py")}
+    code_deps = {d.removeprefix("pipelines/").removesuffix(".py").replace("/", ".") for d in spec.deps if d.endswith(".py")}
     assert f"pipelines/{name}.py" in spec.deps
-    needed = (closure(name) - INFRASTRUCTURE) | {name} | ({"precision"} if name == "probe_device" else set())
+    needed = (closure(name) - INFRASTRUCTURE) | {name} | ({"core.precision"} if name == "probe_device" else set())
     assert needed == code_deps, f"dvc.yaml deps of {name} should list exactly {sorted(needed)}"
     for path in spec.all_outs:
         assert path.startswith("data/")
+
+
+def test_layout_stages_on_top_core_below():
+    """pipelines/ holds exactly the dvc.yaml stages; the shared code is pipelines/core/, one level."""
+    assert {p.stem for p in (REPO / "pipelines").glob("*.py")} - {"__init__"} == set(STAGES)
+    assert [p.name for p in (REPO / "pipelines").iterdir() if p.is_dir() and p.name != "__pycache__"] == ["core"]
+    assert not [p for p in (REPO / "pipelines/core").iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_a_stage_imports_only_the_core(name):
+    assert {m for m in pipelines_imports(name) if not m.startswith("core.")} == set()
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_never_imports_a_stage(module):
+    assert {m for m in pipelines_imports(module) if not m.startswith("core.")} == set()
 
 
 def test_every_params_section_belongs_to_a_stage():
@@ -102,7 +129,7 @@ def test_layers_import_one_way():
                 names |= {a.name.split(".")[0] for a in node.names}
         return names
 
-    for path in (REPO / "pipelines").glob("*.py"):
+    for path in (REPO / "pipelines").rglob("*.py"):
         assert not imports(path) & {"prefect", "tasks", "flows"}, path.name
     for path in (REPO / "tasks").glob("*.py"):
         assert "flows" not in imports(path), path.name

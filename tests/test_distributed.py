@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from flows.local_api import free_port
-from pipelines import distributed, training
-from pipelines.checkpoint import CheckpointManager
-from pipelines.config import TrainParams
-from pipelines.errors import QllmError
+from pipelines.core import distributed, training
+from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core.config import TrainParams
+from pipelines.core.errors import QllmError
 from tests.test_training import cfg, collate, rows, tiny_model
 
 LOSS_RTOL = 1e-4

@@ -6,8 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
-from pipelines import evaluate, plots, preference_data, training
-from pipelines.models import load_for_inference
+from pipelines.core import plots, preference_data, training
+from pipelines import evaluate
+from pipelines.core.models import load_for_inference
 
 
 def test_text_similarity_by_hand():

@@ -9,10 +9,11 @@ import logging
 
 import pytest
 
-from pipelines import generate, stage
-from pipelines.config import GenerateParams
-from pipelines.errors import QllmError
-from pipelines.sample_world import COUNT_KEYS, FILES
+from pipelines.core import stage
+from pipelines import generate
+from pipelines.core.config import GenerateParams
+from pipelines.core.errors import QllmError
+from pipelines.core.sample_world import COUNT_KEYS, FILES
 
 SMALL = GenerateParams(n_entities=8, bios_per_entity=2, max_operand=3)
 

@@ -10,9 +10,10 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from pipelines import ingest, stage
-from pipelines.config import IngestParams, SourceParams
-from pipelines.readers import COLUMNS, ReaderError
+from pipelines.core import stage
+from pipelines import ingest
+from pipelines.core.config import IngestParams, SourceParams
+from pipelines.core.readers import COLUMNS, ReaderError
 
 
 def write(root: Path, relative: str, content: str) -> str:

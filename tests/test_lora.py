@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from pipelines import lora, sft
-from pipelines.config import LoraParams, SftParams, TrainParams
-from pipelines.errors import QllmError
-from pipelines.models import load_causal_lm, load_tokenizer, parameter_counts
+from pipelines.core import adapters
+from pipelines.core.config import LoraParams, SftParams, TrainParams
+from pipelines.core.errors import QllmError
+from pipelines.core.models import load_causal_lm, load_tokenizer, parameter_counts
 
 TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=2, eval_batches=1,
                     log_every=1, checkpoint_every=0, precision="fp32", weight_decay=0.0)
@@ -20,7 +21,7 @@ def lora_params(tiny_base, **kw) -> LoraParams:
 
 
 def wrapped(tiny_base, params):
-    return lora.wrap(params)(load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model"))
+    return adapters.wrap(params)(load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model"))
 
 
 def test_trainable_parameters_are_r_times_in_plus_out(tiny_base):
@@ -101,7 +102,7 @@ def test_adapter_files_name_no_local_path_and_no_set_order(tiny_base, tmp_path):
     import json
 
     model = wrapped(tiny_base, lora_params(tiny_base, target_modules=["v_proj", "q_proj", "up_proj", "k_proj", "o_proj"]))
-    lora.save(lora_params(tiny_base), "data/models/pretrain", merge=False)(model, load_tokenizer(tiny_base / "model"), tmp_path)
+    adapters.save(lora_params(tiny_base), "data/models/pretrain", merge=False)(model, load_tokenizer(tiny_base / "model"), tmp_path)
     card = (tmp_path / "README.md").read_text()
     assert str(tiny_base) not in card
     assert "base_model: data/models/pretrain" in card and "base_model:adapter:data/models/pretrain" in card

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.outputs import atomic_dir, atomic_file, read_json, write_json
+from pipelines.core.outputs import atomic_dir, atomic_file, read_json, write_json
 
 
 def test_atomic_dir_replaces_only_on_success(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import dag, tracking
+from pipelines.core import dag, tracking
 from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[1]))
@@ -58,7 +58,7 @@ def test_first_run_runs_every_stage_in_dag_order(first, project):
 
 
 def test_precision_auto_is_resolved_recorded_and_tracked(first, project):
-    from pipelines import precision
+    from pipelines.core import precision
 
     cap = precision.capability()
     assert json.loads((project / "data/device.json").read_text()) == cap.as_dict()

@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from pipelines import precision
-from pipelines.config import TrainParams
+from pipelines.core import precision
+from pipelines.core.config import TrainParams
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,7 @@ def test_measured_probe_is_a_positive_ratio():
 
 
 def test_autocast_follows_the_resolution(monkeypatch):
-    from pipelines import training
+    from pipelines.core import training
 
     _cpu(monkeypatch)  # no bf16 units: auto is fp32, autocast a no-op
     with training.autocast(torch.device("cpu"), "auto"):
@@ -116,8 +116,8 @@ def test_default_is_auto_and_params_yaml_uses_it():
 
 
 def test_stage_resolves_and_records_precision(monkeypatch):
-    from pipelines import stage
-    from pipelines.config import FinetuneParams
+    from pipelines.core import stage
+    from pipelines.core.config import FinetuneParams
 
     _cpu(monkeypatch)
     params = FinetuneParams()

@@ -9,9 +9,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines import cleaning, prepare_data, stage
-from pipelines.config import PrepareDataParams
-from pipelines.readers import COLUMNS, empty_frame
+from pipelines.core import cleaning, stage
+from pipelines import prepare_data
+from pipelines.core.config import PrepareDataParams
+from pipelines.core.readers import COLUMNS, empty_frame
 
 SPLITS = ("train", "validation", "test")
 NO_DROPS = dict.fromkeys(prepare_data.REASONS, 0)

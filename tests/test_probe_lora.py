@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pipelines import lora, probe_lora
-from pipelines.config import LoraParams, ProbeLoraParams, TrainParams
-from pipelines.errors import QllmError
-from pipelines.outputs import read_json
+from pipelines.core.config import LoraParams, ProbeLoraParams, TrainParams
+from pipelines.core.errors import QllmError
+from pipelines.core.outputs import read_json
 
 TRAIN = TrainParams(max_steps=5, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=0, log_every=1, checkpoint_every=0, precision="fp32")
 
@@ -67,7 +67,7 @@ def test_lora_applies_an_allocation_with_consistent_scaling():
 
 
 def _scores_file(path):
-    from pipelines.outputs import write_json
+    from pipelines.core.outputs import write_json
 
     modules = {"a": {"d_in": 4, "d_out": 4}, "b": {"d_in": 4, "d_out": 8}}
     write_json(path, {
@@ -81,7 +81,7 @@ def _scores_file(path):
 
 def test_quantum_opt_writes_the_allocation_and_its_reference(tmp_path):
     from pipelines import quantum_opt
-    from pipelines.config import QuantumOptParams
+    from pipelines.core.config import QuantumOptParams
 
     scores = _scores_file(tmp_path / "scores.json")
     # budget = rank 1 everywhere = 8 + 12 = 20: {a: 1, b: 1} (0.5 − λ·0.5·sqrt(0.06)) beats {b: 1} (0.2)
@@ -99,7 +99,7 @@ def test_quantum_opt_writes_the_allocation_and_its_reference(tmp_path):
 
 def test_quantum_opt_budget_below_every_adapter_is_a_clear_error(tmp_path):
     from pipelines import quantum_opt
-    from pipelines.config import QuantumOptParams
+    from pipelines.core.config import QuantumOptParams
 
     with pytest.raises(QllmError, match=r"budget \(5 parameters\) is below the cheapest adapter"):
         quantum_opt.run(_scores_file(tmp_path / "scores.json"), tmp_path / "out", QuantumOptParams(budget=5))

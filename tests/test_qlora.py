@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from pipelines import lora, quantize
-from pipelines.config import LoraParams, TrainParams
-from pipelines.errors import QllmError
+from pipelines.core import quantize
+from pipelines import lora
+from pipelines.core.config import LoraParams, TrainParams
+from pipelines.core.errors import QllmError
 from tests.conftest import record_dpo_losses
 
 bnb = pytest.importorskip("bitsandbytes")  # a declared dependency; skipped only in a bare checkout
@@ -26,8 +27,8 @@ TRAIN = TrainParams(max_steps=4, micro_batch_size=4, warmup_steps=1, lr=0.01, ev
 def qbase(tiny_base, tmp_path_factory):
     """tiny_base's chats and tokenizer with a model of 64-wide layers: one 4-bit block per row, so
     the backbone-bytes figures mean something."""
-    from pipelines.config import ModelParams
-    from pipelines.models import build_llama, load_tokenizer, save_pretrained
+    from pipelines.core.config import ModelParams
+    from pipelines.core.models import build_llama, load_tokenizer, save_pretrained
 
     root = tmp_path_factory.mktemp("qbase")
     tokenizer = load_tokenizer(tiny_base / "model")
@@ -104,7 +105,7 @@ def test_qlora_trains_adapters_on_a_quantized_frozen_base(qbase, tmp_path, quant
 
 
 def _full_linears(qbase):
-    from pipelines.models import load_causal_lm
+    from pipelines.core.models import load_causal_lm
 
     model = load_causal_lm(qbase / "model")
     return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")]
@@ -114,7 +115,7 @@ def test_merged_qlora_is_a_normal_model_equal_to_the_trained_one(qbase, tmp_path
     """merge: the adapter goes into the dequantized base, the weights it was trained against."""
     from peft import PeftModel
 
-    from pipelines.models import load_causal_lm, load_model_and_tokenizer
+    from pipelines.core.models import load_causal_lm, load_model_and_tokenizer
 
     lora.run(qbase / "chat", tmp_path / "out", params(qbase, "nf4", compute_dtype="fp32"))
     merged, _ = load_model_and_tokenizer(tmp_path / "out/merged")
@@ -148,12 +149,13 @@ def test_qlora_resumes_exactly_from_its_adapter_checkpoint(qbase, tmp_path, capl
 def test_qlora_in_fine_tuning_mode_loads_the_pointed_base_straight_into_4_bits(qbase, tmp_path):
     """`base_model.name` set: lora's base is the pointer `pretrain` writes; it is followed and the
     model it names is quantized as it loads."""
-    from pipelines import base_model, dag
+    from pipelines.core import dag
+    from pipelines.core import model_source
 
     pointer = tmp_path / "project/data/models/pretrain"
     pointer.mkdir(parents=True)
     record = {"name": str(qbase / "model"), "kind": "local", "md5": dag.dvc_md5(qbase / "model")}
-    (pointer / base_model.POINTER).write_text(json.dumps(record))
+    (pointer / model_source.POINTER).write_text(json.dumps(record))
     two = TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0, "checkpoint_every": 0})
     metrics = lora.run(qbase / "chat", tmp_path / "out", LoraParams(base_model=str(pointer), allocation="uniform", quantization="nf4", r=4, train=two))
     assert metrics["steps"] == 2 and metrics["linear_weight_bytes"] < metrics["other_parameter_bytes"]
@@ -166,7 +168,7 @@ def test_qlora_dpo_starts_from_the_reference_it_was_scored_against(qbase, tmp_pa
     import math
 
     from pipelines import dpo, ref_logprobs
-    from pipelines.config import DpoParams, RefLogprobsParams
+    from pipelines.core.config import DpoParams, RefLogprobsParams
 
     shutil.copytree(qbase / "model", tmp_path / "data/models/sft")
     ref = ref_logprobs.run(tmp_path, tmp_path / "data/models/sft", qbase / "preference", tmp_path / "data/ref_logprobs",
@@ -184,7 +186,7 @@ def test_qlora_dpo_starts_from_the_reference_it_was_scored_against(qbase, tmp_pa
 
 
 def test_reference_and_policy_must_be_quantized_alike(tmp_path):
-    from pipelines import config
+    from pipelines.core import config
 
     (tmp_path / "params.yaml").write_text("ingest:\n  sources:\n    - {path: a.txt, kind: text}\ndpo:\n  adapter: lora\n  lora:\n    quantization: nf4\n")
     with pytest.raises(config.ParamsError, match=r"ref_logprobs.quantization is 'none' but DPO starts from the SFT model quantized as 'nf4'"):
@@ -195,8 +197,8 @@ def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qb
     """The probe's gradients of a frozen 4-bit base come from activations and output gradients;
     they match what autograd gives the same model with its weights dequantized to full precision."""
     from pipelines import probe_lora
-    from pipelines.config import ProbeLoraParams
-    from pipelines.models import load_causal_lm
+    from pipelines.core.config import ProbeLoraParams
+    from pipelines.core.models import load_causal_lm
 
     train = TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0, "checkpoint_every": 0, "micro_batch_size": 4})
     params = ProbeLoraParams(base_model=str(qbase / "model"), ranks=[1, 2], target_modules=["q_proj", "down_proj"], train=train,
@@ -210,8 +212,8 @@ def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qb
     reference = load_causal_lm(qbase / "model", quantization=qconfig).dequantize().float()
     modules = probe_lora.candidate_modules(reference, params.target_modules)
     recorder = probe_lora.GradientRecorder(modules)
-    from pipelines import chat_data, finetune, training
-    from pipelines.models import load_tokenizer
+    from pipelines.core import chat_data, finetune, training
+    from pipelines.core.models import load_tokenizer
 
     tokenizer = load_tokenizer(qbase / "model")
     rows, _, _ = finetune.build_rows(tokenizer, qbase / "chat", params, 128)

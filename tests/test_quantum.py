@@ -1,4 +1,4 @@
-"""LoRA rank allocation (pipelines.quantum): the QUBO, every solver against enumeration, repair,
+"""LoRA rank allocation (pipelines.core.quantum): the QUBO, every solver against enumeration, repair,
 fallbacks and bad input. Small instances only (QAOA on <= 5 qubits); the whole file runs in seconds.
 
 Hand-checked example used below (HAND):
@@ -21,9 +21,9 @@ import dimod
 import numpy as np
 import pytest
 
-from pipelines import quantum
-from pipelines.errors import QllmError
-from pipelines.quantum import Allocation, BackendUnavailable, QuantumError, TooManyQubits, allocate_ranks, build_bqm
+from pipelines.core import quantum
+from pipelines.core.errors import QllmError
+from pipelines.core.quantum import Allocation, BackendUnavailable, QuantumError, TooManyQubits, allocate_ranks, build_bqm
 
 HAND_VALUES = {"a": {4: 0.3, 8: 0.55}, "b": {4: 0.2, 8: 0.25}}
 HAND_COSTS = {"a": {4: 40, 8: 80}, "b": {4: 60, 8: 120}}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from pipelines import generate, real_text
-from pipelines.config import GenerateParams, SourceParams
-from pipelines.readers import read_source
+from pipelines.core import real_text
+from pipelines import generate
+from pipelines.core.config import GenerateParams, SourceParams
+from pipelines.core.readers import read_source
 
 
 def test_real_text_sample_is_real_deterministic_and_ingests(tmp_path):

@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from pipelines import register
-from pipelines.config import RegisterParams
-from pipelines.errors import QllmError
+from pipelines.core.config import RegisterParams
+from pipelines.core.errors import QllmError
 
 
 @pytest.fixture

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from flows.local_api import free_port
-from pipelines import preflight, tracking, training
-from pipelines.checkpoint import CheckpointManager
-from pipelines.config import TrainParams
-from pipelines.errors import QllmError
+from pipelines.core import tracking, training
+from flows import preflight
+from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core.config import TrainParams
+from pipelines.core.errors import QllmError
 from tests.test_training import tiny_model
 
 
@@ -180,7 +181,7 @@ def test_gradient_checkpointing_trains_the_same_and_is_switched_off_after():
 def test_shipped_params_default_to_no_skips_and_no_checkpointing():
     from pathlib import Path
 
-    from pipelines import config
+    from pipelines.core import config
 
     params, _ = config.load(Path(__file__).resolve().parents[1])
     for section in ("pretrain", "sft", "probe_lora", "lora", "dpo"):

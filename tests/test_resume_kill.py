@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import dag, runner
+from pipelines.core import dag, runner
 from tests.conftest import make_project, run
 
 UPSTREAM = ["generate", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
@@ -159,7 +159,7 @@ PAUSED_STAGE = """\
 import contextlib, sys, time
 from pathlib import Path
 
-from pipelines import outputs, runner
+from pipelines.core import outputs, runner
 
 real_atomic_dir = outputs.atomic_dir
 
@@ -206,7 +206,7 @@ def test_kill9_before_the_rename_leaves_no_finished_looking_output(base, tmp_pat
 
 
 def test_the_next_write_removes_what_a_killed_atomic_file_left(tmp_path):
-    from pipelines.outputs import write_json
+    from pipelines.core.outputs import write_json
 
     (tmp_path / ".tmp-metrics.json-abc123").write_text('{"half": ')  # a killed write of metrics.json
     (tmp_path / ".tmp-other.json-def456").write_text("{}")  # another file's temporary: not ours to remove
@@ -214,7 +214,7 @@ def test_the_next_write_removes_what_a_killed_atomic_file_left(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-other.json-def456", "metrics.json"]
 
 def test_a_rerun_continues_its_unfinished_run_only_when_a_checkpoint_exists(base, tmp_path):
-    from pipelines import stage
+    from pipelines.core import stage
 
     root = copy_project(base, tmp_path / "project")
     seen: list[str] = []

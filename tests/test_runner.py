@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import runner, workspace
+from pipelines.core import runner, workspace
 from tests.conftest import run
 
 
@@ -94,7 +94,7 @@ def test_override_workspace_shares_the_cache_and_leaves_params_yaml(toy):
 
 THREADS_IMPORTING = """
 import threading
-from pipelines import runner
+from pipelines.core import runner
 
 barrier, errors = threading.Barrier(4), []
 

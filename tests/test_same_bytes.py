@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import dag
+from pipelines.core import dag
 from tests.conftest import make_project
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import dag, runner
+from pipelines.core import dag, runner
 from tests.conftest import make_project
 
 MAX_STEPS = 200
@@ -43,8 +43,8 @@ def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path
     training thread without finishing that step: the newest checkpoint (step 2) stays."""
     import threading
 
-    from pipelines import errors, training
-    from pipelines.checkpoint import CheckpointManager
+    from pipelines.core import errors, training
+    from pipelines.core.checkpoint import CheckpointManager
     from tests.test_training import cfg, collate, rows, tiny_model
 
     in_step_3, outcome = threading.Event(), {}

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines import training
-from pipelines.checkpoint import CheckpointManager
-from pipelines.config import ModelParams, TrainParams
-from pipelines.models import build_llama
+from pipelines.core import training
+from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core.config import ModelParams, TrainParams
+from pipelines.core.models import build_llama
 
 
 class FakeTokenizer:

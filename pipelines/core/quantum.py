@@ -1,6 +1,6 @@
 """LoRA rank allocation as a QUBO, solved by simulated annealing, tabu search, a MILP, D-Wave or QAOA.
 
-    from pipelines.quantum import allocate_ranks
+    from pipelines.core.quantum import allocate_ranks
     alloc = allocate_ranks(values, costs, budget, redundancy, lam=0.5, solver="sa", seed=0)
     alloc["model.layers.0.self_attn.q_proj"]   # 8 (0 = no adapter); alloc.as_dict() for JSON
 
@@ -44,7 +44,7 @@ import numpy as np
 from dwave.samplers import SimulatedAnnealingSampler, TabuSampler
 from scipy import optimize, sparse
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 log = logging.getLogger("qllm.quantum")
 

@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import flatten
-from pipelines.errors import StopRequested, stop_requested
-from pipelines.workspace import project_root
+from pipelines.core.config import flatten
+from pipelines.core.errors import StopRequested, stop_requested
+from pipelines.core.workspace import project_root
 
 log = logging.getLogger("qllm.tracking")
 
@@ -213,7 +213,7 @@ def run(
 ) -> Iterator[Tracker]:
     """Start an MLflow run (child of `parent_run_id` or `$QLLM_PARENT_RUN_ID`), yield its tracker,
     and end it FINISHED, or FAILED if the block raises (KILLED if a stop request ended it:
-    `pipelines.errors`).
+    `pipelines.core.errors`).
 
     With `resume_run_id`, continue that run instead (a stage resumed from its checkpoint): it is
     set back to RUNNING, moved under the current parent run, tagged `qllm.resumes` (how many

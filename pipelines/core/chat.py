@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 _TEMPLATE_LOCK = threading.Lock()
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -6,7 +6,7 @@
 torchrun (`torch.distributed.run`) does the process management; this module only reads what it
 sets (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`), opens the process group (`gloo` on CPU, `nccl` on CUDA)
 and answers "am I rank 0?" for the code that must run once: MLflow calls, checkpoints, outputs,
-metrics files, the progress bar. The training loop (`pipelines.training`) wraps the model in DDP,
+metrics files, the progress bar. The training loop (`pipelines.core.training`) wraps the model in DDP,
 shards the data and averages the logged metrics across ranks.
 
 `train.nproc > 1` with no `WORLD_SIZE` in the environment makes `stage.execute` call `launch`:
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 WORLD_ENV = "WORLD_SIZE"
 
@@ -113,7 +113,7 @@ def launch(module: str, root: Path, nproc: int, parent_run_id: str | None = None
     """
     import shlex
 
-    from pipelines import tracking
+    from pipelines.core import tracking
 
     env = dict(os.environ)
     if parent_run_id:

@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from pipelines import config, dag
-from pipelines.errors import QllmError
-from pipelines.outputs import read_json, write_json
+from pipelines.core import config, dag
+from pipelines.core.errors import QllmError
+from pipelines.core.outputs import read_json, write_json
 
 log = logging.getLogger("qllm.workspace")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.outputs import read_json, write_json
+from pipelines.core.outputs import read_json, write_json
 
 META = "meta.json"
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipelines import dag
+from pipelines.core import dag
 
 log = logging.getLogger("qllm.runner")
 
@@ -100,7 +100,7 @@ def warm_imports() -> None:
 
 def run_in_process(root: Path, name: str, parent_run_id: str | None) -> None:
     """Execute `pipelines.<name>` in this process (what `python -m pipelines.<name>` runs)."""
-    from pipelines import stage
+    from pipelines.core import stage
 
     module = importlib.import_module(dag.stages(root)[name].module)
     tracked = getattr(module, "TRACKED", True)
@@ -177,7 +177,7 @@ def _run_cache_key(stage) -> str | None:
 
 def _same_inputs_lock(root: Path, name: str, key: str | None) -> contextlib.AbstractContextManager:
     """Held while a stage with these exact inputs runs, by any workspace of the project."""
-    from pipelines import workspace
+    from pipelines.core import workspace
 
     if key is None:
         return contextlib.nullcontext()

@@ -1,6 +1,6 @@
 """Instruction tuning on chat records: the one code path behind `sft` and `lora`.
 
-Load the base model and tokenizer, render and mask the chats (`pipelines.chat_data`), pack them,
+Load the base model and tokenizer, render and mask the chats (`pipelines.core.chat_data`), pack them,
 wrap the model (`sft`: as is; `lora`: PEFT adapters), train with the shared loop, save. The two
 stages differ only in the `wrap` and `save` functions they pass.
 """
@@ -16,13 +16,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines import chat_data, distributed, quantize, training
-from pipelines.chat import parse_messages
-from pipelines.checkpoint import CheckpointManager
-from pipelines.config import FinetuneParams
-from pipelines.errors import QllmError
-from pipelines.models import CONSTRUCTION, device, load_model_and_tokenizer, parameter_counts
-from pipelines.outputs import atomic_dir
+from pipelines.core import chat_data, distributed, quantize, training
+from pipelines.core.chat import parse_messages
+from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core.config import FinetuneParams
+from pipelines.core.errors import QllmError
+from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer, parameter_counts
+from pipelines.core.outputs import atomic_dir
 
 log = logging.getLogger("qllm.finetune")
 

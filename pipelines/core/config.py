@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 PARAMS_FILE = "params.yaml"
 
@@ -56,7 +56,7 @@ class GenerateParams(Section):
     corpus: Literal["synthetic", "real_text"] = "synthetic"
     """`synthetic`: the invented world below (what measures held-out exact match). `real_text`: real
     language available offline, the CPython documentation for pretraining and the ChatterBot corpus
-    for chats and preferences (`pipelines/real_text.py`; the settings below then do not apply but
+    for chats and preferences (`pipelines/core/real_text.py`; the settings below then do not apply but
     `seed`)."""
     seed: int = 0
     """Seed of the world and of every rendering choice; same seed, same bytes."""
@@ -212,7 +212,7 @@ class TrainParams(Section):
     """Gradient clipping threshold; 0 disables clipping."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Autocast dtype. `auto`: bf16 on CUDA devices and CPUs with bf16 matrix units (AMX,
-    AVX512-BF16), fp16 on older CUDA devices, fp32 elsewhere (`pipelines.precision`); the resolved
+    AVX512-BF16), fp16 on older CUDA devices, fp32 elsewhere (`pipelines.core.precision`); the resolved
     value is logged and written to the stage's metrics. fp16 (CUDA only) adds a grad scaler; bf16 on
     a CPU without bf16 units is emulated, many times slower than fp32 (a warning says by how much)."""
     eval_every: int = Field(100, ge=0)
@@ -288,7 +288,7 @@ class SftParams(FinetuneParams):
 
 
 class QuantizationParams(Section):
-    """A quantized, frozen base under full-precision adapters (QLoRA; `pipelines/quantize.py`)."""
+    """A quantized, frozen base under full-precision adapters (QLoRA; `pipelines/core/quantize.py`)."""
 
     quantization: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
     """`nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and x86 CPUs from bitsandbytes 0.48); `int8`:
@@ -362,7 +362,7 @@ class ProbeLoraParams(FinetuneParams, QuantizationParams):
 
 
 class QuantumOptParams(Section):
-    """LoRA rank allocation as a QUBO over the probe's scores (see pipelines/quantum.py)."""
+    """LoRA rank allocation as a QUBO over the probe's scores (see pipelines/core/quantum.py)."""
 
     solver: Literal["exact", "sa", "tabu", "milp", "dwave", "qaoa"] = "sa"
     """`sa`/`tabu` (dwave-samplers), `milp` (scipy, exact), `exact` (enumeration, small only),

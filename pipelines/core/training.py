@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines import distributed
-from pipelines.checkpoint import CheckpointManager, rng_state, set_rng_state
-from pipelines.config import TrainParams
-from pipelines.errors import QllmError, StopRequested, clear_stop, request_stop, stop_requested, training_thread
-from pipelines.precision import resolve as resolve_precision
+from pipelines.core import distributed
+from pipelines.core.checkpoint import CheckpointManager, rng_state, set_rng_state
+from pipelines.core.config import TrainParams
+from pipelines.core.errors import QllmError, StopRequested, clear_stop, request_stop, stop_requested, training_thread
+from pipelines.core.precision import resolve as resolve_precision
 
 log = logging.getLogger("qllm.training")
 
@@ -59,7 +59,7 @@ class TrainingInterrupted(StopRequested):
 
 
 class _StopSignals:
-    """The stop request while training (`pipelines.errors`).
+    """The stop request while training (`pipelines.core.errors`).
 
     In the main thread (`python -m pipelines.<stage>`, `dvc repro`), SIGTERM/SIGINT -> `request_stop`
     (only the main thread can install handlers); the previous handlers come back afterwards. In a
@@ -195,7 +195,7 @@ def lr_multiplier(step: int, cfg: TrainParams) -> float:
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16/fp16 autocast (weights and optimizer stay fp32); a no-op for fp32; `auto` as resolved
-    for this device (`pipelines.precision`)."""
+    for this device (`pipelines.core.precision`)."""
     if precision == "auto":
         precision = resolve_precision(precision)
     if precision == "fp32":
@@ -367,11 +367,11 @@ def train(
     `tracker` (`log_metrics`, `flush`) is flushed before each checkpoint is written, so the tracking
     store holds every metric up to the checkpoint's step and a resumed run loses none.
 
-    A stop request (SIGTERM/SIGINT, in any thread: `pipelines.errors`) finishes the current step,
+    A stop request (SIGTERM/SIGINT, in any thread: `pipelines.core.errors`) finishes the current step,
     saves a checkpoint and raises `TrainingInterrupted`; a rerun resumes from it. A second signal
     interrupts at once (the newest checkpoint stays).
 
-    Under an initialised process group of W > 1 ranks (`pipelines.distributed`), the model is
+    Under an initialised process group of W > 1 ranks (`pipelines.core.distributed`), the model is
     trained as DDP: each rank runs `cfg.grad_accum_steps / W` micro-batches of its shard of
     `batches` per step (the global batch stays the same); logged losses and validation metrics
     are averaged across ranks; only rank 0 logs to `tracker`, saves checkpoints and shows progress.
@@ -379,7 +379,7 @@ def train(
     (`distributed.shard`); checkpoints gather its full weights and optimizer state on rank 0, and
     at the end every rank's `model` gets the full trained weights.
     """
-    if cfg.precision == "auto":  # stages resolve it before (pipelines.stage); direct callers get the same choice
+    if cfg.precision == "auto":  # stages resolve it before (pipelines.core.stage); direct callers get the same choice
         cfg = cfg.model_copy(update={"precision": resolve_precision(cfg.precision, desc)})
     with training_thread(), _StopSignals() as stop_signals:
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, callbacks=callbacks,

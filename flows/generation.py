@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 
 def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
@@ -33,7 +33,7 @@ def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
     root = Path(root).resolve()
     if model.startswith("models:/"):
         return _load_registered(model, root)
-    from pipelines.models import load_for_inference
+    from pipelines.core.models import load_for_inference
 
     path = Path(model)
     if not path.exists() and not path.is_absolute() and (root / path).exists():
@@ -48,7 +48,7 @@ def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
 def _load_registered(uri: str, root: Path) -> tuple[Any, Any]:
     import mlflow.transformers
 
-    from pipelines import lineage
+    from flows import lineage
 
     client = lineage.open_client(root)  # the project's registry: tracking.tracking_uri(root)
     version = lineage.model_version(client, uri)  # clear errors for unknown names, aliases, versions
@@ -84,7 +84,7 @@ def generate(
     """
     import torch
 
-    from pipelines.models import stop_token_ids
+    from pipelines.core.models import stop_token_ids
 
     if max_new_tokens < 1:
         raise QllmError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")

@@ -5,8 +5,8 @@ not, is stated in the pretraining text (paraphrased bios, arithmetic sentences),
 about held-out people and sums never appear in training chats or preferences. Answering them means
 extracting knowledge learnt in pretraining in the chat format learnt on the other facts.
 
-    from pipelines.config import GenerateParams
-    from pipelines.sample_world import write_sample
+    from pipelines.core.config import GenerateParams
+    from pipelines.core.sample_world import write_sample
     write_sample(Path("data/sample"), GenerateParams(seed=1))   # usually run by pipelines.generate
 
 Pure standard library; every random choice comes from RNGs seeded by `params.seed`, so the same
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipelines.config import GenerateParams
+    from pipelines.core.config import GenerateParams
 
 ATTRIBUTES = ("city", "color", "pet", "job")
 ARITH = "arith"

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8", "fp8")
 MIN_BNB_CPU = (0, 48)
@@ -53,7 +53,7 @@ def from_params(params: Any, precision: str, section: str) -> Any:
     name = getattr(params, "quantization", "none")
     if name == "none":
         return None
-    from pipelines.models import device
+    from pipelines.core.models import device
 
     check(name, device(), section)
     return config(name, params.double_quant, compute_dtype(params.compute_dtype, precision))
@@ -62,7 +62,7 @@ def from_params(params: Any, precision: str, section: str) -> Any:
 def load(path: Any, qconfig: Any, section: str):
     """(model, tokenizer) of a base loaded straight into `qconfig`'s bits and kept in
     bitsandbytes' standard layout (`keep_standard_layout`)."""
-    from pipelines.models import load_model_and_tokenizer
+    from pipelines.core.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(path, quantization=qconfig)
     return keep_standard_layout(model), tokenizer
@@ -73,7 +73,7 @@ def for_adapters(model: torch.nn.Module, qconfig: Any, gradient_checkpointing: b
     (norms and embeddings in fp32, input gradients on; `from_pretrained` already placed it); a
     full-precision one moves to this process's device."""
     if qconfig is None:
-        from pipelines.models import device
+        from pipelines.core.models import device
 
         return model.to(device())
     from peft import prepare_model_for_kbit_training

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from pipelines.chat import IM_END, end_of_turn_token
-from pipelines.config import ModelParams
-from pipelines.errors import QllmError
+from pipelines.core.chat import IM_END, end_of_turn_token
+from pipelines.core.config import ModelParams
+from pipelines.core.errors import QllmError
 
 # transformers builds models under process-wide patches (default dtype, meta-device creation,
 # init hooks; `PreTrainedModel.get_init_context`). Stages run in Prefect worker threads, and a
@@ -108,7 +108,7 @@ def _check_tokenizer_files(path: Path | str) -> None:
 def _follow(path: Path | str) -> Path | str:
     """A pointer directory (`data/models/pretrain` when `pretrain` trained nothing) stands for the
     base model it names (`pipelines.base_model`)."""
-    from pipelines.base_model import follow
+    from pipelines.core.model_source import follow
 
     return follow(path)
 
@@ -134,7 +134,7 @@ def load_tokenizer(path: Path | str):
 
 def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantization=None):
     """Load a causal LM (`save_pretrained` directory or hub name) in `dtype` for training/eval;
-    with a transformers quantization config (`pipelines.quantize.config`), straight into 4/8 bits
+    with a transformers quantization config (`pipelines.core.quantize.config`), straight into 4/8 bits
     on this process's device."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM

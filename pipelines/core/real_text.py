@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 DOC_CHARS = 2000
 HELDOUT_PERCENT = 10

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.chat import parse_messages, render_with_assistant_mask
-from pipelines.errors import QllmError
+from pipelines.core.chat import parse_messages, render_with_assistant_mask
+from pipelines.core.errors import QllmError
 
 PREFERENCE_CONFIG = "preference_config.json"
 """Written by `dpo` next to the policy: {"beta", "loss_type", "reference"}."""

@@ -1,6 +1,6 @@
 """Checks that run before any stage, so a run fails in seconds instead of after an hour of training.
 
-    from pipelines.preflight import check_tracking
+    from flows.preflight import check_tracking
     check_tracking(root)      # raises QllmError with what to do
 
 `check_tracking` makes sure the MLflow tracking store a run will log to can be reached:
@@ -24,8 +24,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from pipelines import tracking
-from pipelines.errors import QllmError
+from pipelines.core import tracking
+from pipelines.core.errors import QllmError
 
 PROBE_TIMEOUT_S = 5.0
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.errors import QllmError
+from pipelines.core.errors import QllmError
 
 DVC_FILE = "dvc.yaml"
 

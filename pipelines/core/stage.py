@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines import config, dag, tracking, workspace
-from pipelines.errors import QllmError, stop_when_parent_dies
-from pipelines.outputs import read_json, write_json
+from pipelines.core import config, dag, tracking, workspace
+from pipelines.core.errors import QllmError, stop_when_parent_dies
+from pipelines.core.outputs import read_json, write_json
 
 METRICS_DIR = "data/metrics"
 RUN_RECORD = "mlflow_run.json"
@@ -67,7 +67,7 @@ def execute(
     id there (`mlflow_run.json`): rerun after a crash or a kill, with a checkpoint to resume from
     and that run not FINISHED, it continues the same MLflow run instead of starting a second one.
 
-    Distributed (`pipelines.distributed`): with `train.nproc > 1` and not yet under torchrun, the
+    Distributed (`pipelines.core.distributed`): with `train.nproc > 1` and not yet under torchrun, the
     stage relaunches itself under torchrun and waits, then returns the metrics its rank 0 wrote.
     Under torchrun, every rank runs `body`; rank 0 alone holds the checkpoint lock, opens the MLflow
     run and writes the metrics file (the other ranks get a tracker that logs nothing).
@@ -79,13 +79,13 @@ def execute(
     params = config.load_section(name, root)
     if _trains(params):
         params = _resolve_precision(name, params)
-    if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.distributed
+    if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.core.distributed
         return _execute_distributed(name, body, root, params, parent_run_id)
     return _execute(name, body, root, params, parent_run_id, tracked)
 
 
 def _distributed():
-    from pipelines import distributed  # torch: only for training stages
+    from pipelines.core import distributed  # torch: only for training stages
 
     return distributed
 
@@ -147,10 +147,10 @@ def _execute(
 
 
 def _resolve_precision(name: str, params: Any) -> Any:
-    """`train.precision: auto` -> the precision this device trains in (`pipelines.precision`); an
+    """`train.precision: auto` -> the precision this device trains in (`pipelines.core.precision`); an
     explicit one is kept (bf16 on a CPU that emulates it warns once). The stage then runs, logs and
     fingerprints the resolved value, and its metrics file records it as `precision`."""
-    from pipelines import precision  # torch: only for training stages
+    from pipelines.core import precision  # torch: only for training stages
 
     requested = params.train.precision
     resolved = precision.resolve(requested, name)
@@ -194,7 +194,7 @@ def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[s
     """Command-line entry of a stage (`python -m pipelines.<name> [--root DIR]`).
 
     Under `dvc repro` (which sets DVC_STAGE) the stage also stops, with a checkpoint, when dvc is
-    killed: dvc passes no SIGTERM on to the command it runs (`pipelines.errors.stop_when_parent_dies`).
+    killed: dvc passes no SIGTERM on to the command it runs (`pipelines.core.errors.stop_when_parent_dies`).
     """
     if os.environ.get("DVC_STAGE"):
         stop_when_parent_dies()

@@ -1,7 +1,7 @@
 """Read one data source (a `SourceParams` entry of `ingest.sources`) into records of one kind.
 
-    from pipelines.config import SourceParams
-    from pipelines.readers import read_source
+    from pipelines.core.config import SourceParams
+    from pipelines.core.readers import read_source
     frame = read_source(SourceParams(path="data/sources/chats.jsonl", kind="chat"), root=Path("."))
 
 Every record kind is a DataFrame of `str` columns (`COLUMNS`): `id, source, split` plus
@@ -33,8 +33,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.config import SourceParams
-from pipelines.errors import QllmError
+from pipelines.core.config import SourceParams
+from pipelines.core.errors import QllmError
 
 
 class ReaderError(QllmError, ValueError):

@@ -3,7 +3,7 @@
 Every function here is deterministic (same input, same output, on any machine and Python run:
 no salted `hash()`), depends on the standard library and numpy only, and touches no files::
 
-    from pipelines import cleaning
+    from pipelines.core import cleaning
     cleaning.normalize_text("Caf\\u00e9\\t menu \\r\\n", "NFKC")   # -> "Café menu"
     cleaning.near_duplicates(texts, threshold=0.9)              # -> bool array, True = drop
 """

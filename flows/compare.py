@@ -24,9 +24,10 @@ from typing import Any
 
 import yaml
 
-from pipelines import lineage, tracking
-from pipelines.config import flatten
-from pipelines.errors import QllmError
+from flows import lineage
+from pipelines.core import tracking
+from pipelines.core.config import flatten
+from pipelines.core.errors import QllmError
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 MIN_PREFIX = 6

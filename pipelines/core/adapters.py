@@ -1,0 +1,162 @@
+"""LoRA adapters on a causal LM with PEFT: which modules, the config, wrapping, saving and merging.
+
+Shared by the stages that train an adapter (`lora`, and `dpo` with `dpo.lora`). `wrap(params)` and
+`save(params, ...)` return the callables `finetune.run` and the DPO loop take; the checks name the
+params section (`lora` or `dpo.lora`) in their errors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from pipelines.core.config import LoraAdapterParams
+from pipelines.core.errors import QllmError
+from pipelines.core.models import save_pretrained
+
+MERGED = "merged"
+"""Subdirectory of an adapter directory holding the merged full model (`merge: true`)."""
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def check_targets(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora") -> None:
+    """Every `target_modules` entry and `rank_pattern`/`alpha_pattern` key must match a module
+    (PEFT matches a name exactly or as a `.`-separated suffix); otherwise a clear error."""
+    names = linear_module_names(model)
+
+    def matches(key: str) -> bool:
+        return any(name == key or name.endswith(f".{key}") or re.fullmatch(rf"(.*\.)?{key}", name) for name in names)
+
+    short = sorted({name.rsplit(".", 1)[-1] for name in names if name != "lm_head"})
+    for field in ("target_modules", "rank_pattern", "alpha_pattern"):
+        for key in getattr(params, field):
+            if not matches(key):
+                raise QllmError(f"{section}.{field}: {key!r} matches no linear module of the model (its linear modules are: {', '.join(short)})")
+
+
+def layer_indices(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora") -> list[int] | None:
+    """`layers_to_transform` as PEFT wants it (non-negative, sorted), or None for every layer;
+    negative entries count from the end, and an index outside the model is an error."""
+    if not params.layers_to_transform:
+        return None
+    count = model.config.num_hidden_layers
+    resolved = set()
+    for index in params.layers_to_transform:
+        if not -count <= index < count:
+            raise QllmError(f"{section}.layers_to_transform: {index} is outside the model's {count} layers (0..{count - 1}, or -{count}..-1 from the end)")
+        resolved.add(index % count)
+    return sorted(resolved)
+
+
+def token_ids(tokenizer, tokens: list[str], section: str = "lora") -> list[int]:
+    """Vocabulary ids of `lora.trainable_tokens`; an unknown token is an error."""
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise QllmError(f"{section}.trainable_tokens: {token!r} is not in the tokenizer's vocabulary")
+        ids.append(token_id)
+    return ids
+
+
+def lora_config(params: LoraAdapterParams, trainable_token_ids: list[int] = (), layers: list[int] | None = None):
+    """PEFT's `LoraConfig` for `params`; `layers` are the resolved `layers_to_transform`."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=params.r,
+        lora_alpha=params.lora_alpha,
+        lora_dropout=params.lora_dropout,
+        target_modules=list(params.target_modules),
+        rank_pattern=dict(params.rank_pattern),
+        alpha_pattern=dict(params.alpha_pattern),
+        bias=params.bias,
+        use_rslora=params.use_rslora,
+        layers_to_transform=layers,
+        trainable_token_indices={"embed_tokens": list(trainable_token_ids)} if trainable_token_ids else None,
+        task_type="CAUSAL_LM",
+    )
+
+
+def wrap(params: LoraAdapterParams, section: str = "lora"):
+    """`(model, tokenizer) -> PeftModel` with the adapter `params` describes (validated first)."""
+
+    def apply(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
+        from peft import get_peft_model
+
+        check_targets(model, params, section)
+        layers = layer_indices(model, params, section)
+        return get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens, section), layers))
+
+    return apply
+
+
+# PEFT keeps these as sets and writes them in set order, which changes with PYTHONHASHSEED.
+SET_FIELDS = ("target_modules", "exclude_modules")
+
+
+@contextmanager
+def named_base(model, name: str) -> Iterator[None]:
+    """Within the block the base model's `name_or_path` is `name`: PEFT's model card (README.md:
+    `base_model` and the `base_model:adapter:` tag) records it, and it is this run's absolute path.
+    (The adapter config's `base_model_name_or_path` stays: PEFT's save reads the base config there.)"""
+    base = model.get_base_model()
+    own_name, config_name = base.name_or_path, base.config.name_or_path
+    base.name_or_path = base.config.name_or_path = name
+    try:
+        yield
+    finally:
+        base.name_or_path, base.config.name_or_path = own_name, config_name
+
+
+def save(params: LoraAdapterParams, base_for_users: str, merge: bool = True, quantized_base: tuple[str, object] | None = None):
+    """Write the adapter directory (and, with `merge`, `merged/`) recording `base_for_users`.
+
+    The same adapter gives the same bytes in any directory and process: the base is named as
+    users name it (a path relative to the project), not by this run's absolute path, and the
+    module lists PEFT holds as sets are written sorted.
+
+    `quantized_base` (QLoRA: the base's source and its quantization config): `merged/` is then a
+    normal full-precision model, the adapter merged into the dequantized base, that is into the
+    weights the adapter was trained against (`merged_from_quantized`).
+    """
+
+    def write(model, tokenizer, directory: Path) -> None:
+        with named_base(model, base_for_users):
+            model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        adapter_config = directory / "adapter_config.json"
+        settings = json.loads(adapter_config.read_text())
+        settings["base_model_name_or_path"] = base_for_users
+        for field in SET_FIELDS:
+            if isinstance(settings.get(field), list):
+                settings[field] = sorted(settings[field])
+        adapter_config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        if merge:
+            merged = model.merge_and_unload() if quantized_base is None else merged_from_quantized(*quantized_base, directory)
+            save_pretrained(merged, tokenizer, directory / MERGED, max_length=merged.config.max_position_embeddings)
+
+    return write
+
+
+def merged_from_quantized(source: str, quantization, adapter_dir: Path) -> torch.nn.Module:
+    """The adapter in `adapter_dir` merged into the dequantized base: the base quantized again
+    from `source` (deterministic, and in bitsandbytes' standard layout: on AVX512-BF16 CPUs a
+    4-bit weight that has run inference is repacked for the CPU kernel, and dequantizing that
+    gives garbage), dequantized to full precision, then merged. Lossy against the full-precision
+    base by the quantization error, not against the model that was trained (benchmarks/RESULTS.md)."""
+    from peft import PeftModel
+
+    from pipelines.core.models import CONSTRUCTION, load_causal_lm
+
+    with CONSTRUCTION:
+        base = load_causal_lm(source, quantization=quantization).dequantize().to(torch.float32)
+        return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
