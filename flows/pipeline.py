@@ -97,7 +97,7 @@ def pipeline(
     if ws != root:
         logger.info("overrides given: running in workspace %s (params.yaml untouched)", ws.relative_to(root))
     started = time.perf_counter()
-    with workspace.locked(ws), tracking.run("pipeline", root, tags=_run_tags(ws, root, overrides, params_files, until)) as parent:
+    with workspace.locked(ws), tracking.run("pipeline", root, tags=_run_tags(ws, root)) as parent:
         parent.log_params({"overrides": " ".join(overrides or []), "params_files": " ".join(params_files or []), "until": until or ""})
         parent.log_artifact(ws / config.PARAMS_FILE)  # the effective params of this run
         futures = {}
@@ -134,7 +134,7 @@ def pipeline(
     return summary
 
 
-def _run_tags(ws: Path, root: Path, overrides, params_files, until) -> dict[str, str]:
+def _run_tags(ws: Path, root: Path) -> dict[str, str]:
     tags = {"qllm.kind": "pipeline", "qllm.workspace": str(ws.relative_to(root)) if ws != root else "."}
     if flow_run.id:
         tags["qllm.prefect_flow_run_id"] = flow_run.id

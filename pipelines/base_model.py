@@ -46,7 +46,7 @@ def run(root: Path, out: Path, params: BaseModelParams) -> dict[str, Any]:
     return record
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     record = run(ctx.root, ctx.path(OUT), ctx.params)
     if record["name"] is None:
         ctx.log.info("base model: pretrained here (base_model.name is null)")
@@ -56,7 +56,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv, tracked=TRACKED)
+    return stage.main(NAME, body, argv, tracked=TRACKED)
 
 
 if __name__ == "__main__":

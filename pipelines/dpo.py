@@ -130,7 +130,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         with atomic_dir(out) as tmp, CONSTRUCTION:
             if params.adapter == "lora":
                 quantized_base = (str(root / reference), qconfig) if qconfig is not None else None
-                adapters.save(params.lora, reference, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
+                adapters.save(reference, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
             else:
                 save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
             training.write_history(history, tmp)
@@ -146,7 +146,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     }
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     metrics = run(ctx.root, ctx.path(REF), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir)
     ctx.log.info(
         "dpo (beta %.3g, %s): %d steps; validation rewards/accuracies %.3f; held-out rewards/accuracies %.3f, margins %.3f",
@@ -157,7 +157,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def comparison(results: dict[str, dict]) -> pd.DataFrame:
     return pd.DataFrame([{"model": name, **{c: r.get(c) for c in columns}} for name, r in results.items()])
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     out = ctx.path(OUT)
     results = run(ctx.root, ctx.path(MODELS), ctx.path(TOKENIZED), ctx.path(CHAT), out, ctx.params, ctx.path(PREFERENCES))
     for name, metrics in results.items():
@@ -258,7 +258,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

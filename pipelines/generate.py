@@ -53,14 +53,14 @@ def run(out: Path, params: GenerateParams) -> dict[str, int]:
     return counts
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     counts = run(ctx.path(OUT), ctx.params)
     ctx.log.info("wrote %s: %s", OUT, ", ".join(f"{key}={value}" for key, value in counts.items()))
     return counts
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

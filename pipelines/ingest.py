@@ -65,7 +65,7 @@ def run(root: Path, out_dir: Path, params: IngestParams) -> dict[str, Any]:
     }
 
 
-def _body(ctx: stage.StageContext) -> dict[str, Any]:
+def body(ctx: stage.StageContext) -> dict[str, Any]:
     for source in untracked_sources(ctx.params.sources, ctx.root):
         ctx.log.warning(
             "source %s: %s is not a dependency in dvc.yaml: DVC will not notice when it changes; "
@@ -83,7 +83,7 @@ def _body(ctx: stage.StageContext) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

@@ -49,12 +49,12 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
     qconfig = quantize.from_params(params, params.train.precision, NAME)
     quantized_base = (params.base_model, qconfig) if qconfig is not None else None
     return finetune.run(
-        chat_dir, out, params, wrap=adapters.wrap(params), save=adapters.save(params, base_for_users, params.merge, quantized_base), tracker=tracker,
+        chat_dir, out, params, wrap=adapters.wrap(params), save=adapters.save(base_for_users, params.merge, quantized_base), tracker=tracker,
         checkpoint_dir=checkpoint_dir, desc=NAME,
     )
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     from pipelines.core import model_source
 
     declared = ctx.params.base_model
@@ -76,7 +76,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

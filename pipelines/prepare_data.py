@@ -218,7 +218,7 @@ def run(in_dir: Path, out_dir: Path, params: PrepareDataParams) -> dict[str, Any
     return metrics
 
 
-def _body(ctx: stage.StageContext) -> dict[str, Any]:
+def body(ctx: stage.StageContext) -> dict[str, Any]:
     metrics = run(ctx.path(IN_DIR), ctx.path(OUT_DIR), ctx.params)
     for kind, counts in metrics.items():
         out = counts["out"]
@@ -239,7 +239,7 @@ def _body(ctx: stage.StageContext) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

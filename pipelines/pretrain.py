@@ -85,7 +85,7 @@ def point_to_base(out: Path, record: dict) -> dict:
     return {"trained": False, "steps": 0}
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     from pipelines.core import model_source
 
     record = model_source.current(ctx.root)
@@ -102,7 +102,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

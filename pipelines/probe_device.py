@@ -37,14 +37,14 @@ def run(out: Path) -> dict:
     return cap
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     cap = run(ctx.path(OUT))
     ctx.log.info("device %s, native bf16: %s -> precision auto is %s", cap["device"], "yes" if cap["bf16_native"] else "no", cap["auto"])
     return cap
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv, tracked=TRACKED)
+    return stage.main(NAME, body, argv, tracked=TRACKED)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     }
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     finetune.resolve_base(ctx, TRACKED_BASE)
     metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker)
     ctx.tracker.log_artifact(ctx.path(OUT) / "scores.json")
@@ -205,7 +205,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
     }
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     metrics = run(ctx.path(SCORES), ctx.path(OUT), ctx.params, ctx.tracker)
     if metrics["gap_to_milp"] is None:
         reference = "no MILP reference"
@@ -128,7 +128,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def run(root: Path, reference: Path, preferences: Path, out: Path, params: RefLo
     return metrics | {"tokens_per_second": round(tokens / max(seconds, 1e-9)), "forward_seconds": round(seconds, 3)}
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     metrics = run(ctx.root, ctx.path(REFERENCE), ctx.path(PREFERENCES), ctx.path(OUT), ctx.params)
     for split in SPLITS:
         info = metrics[split]
@@ -83,7 +83,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

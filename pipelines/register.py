@@ -87,7 +87,6 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None, prefect
         tags["qllm.base_model.md5"] = record["md5"]
     if parent_run_id:
         tags["mlflow.parent_run_id"] = parent_run_id
-    prefect_flow_run_id = prefect_flow_run_id or os.environ.get(tracking.PREFECT_RUN_ENV)
     if prefect_flow_run_id:
         tags["prefect.flow_run_id"] = prefect_flow_run_id
     return tags
@@ -190,7 +189,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
     return record
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     metrics = model_metrics(read_json(ctx.path(EVAL_METRICS)), ctx.params, EVAL_METRICS)
     parent, flow_run_id = None, None
     if ctx.tracker.enabled:
@@ -205,7 +204,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

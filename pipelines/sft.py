@@ -27,7 +27,7 @@ def run(chat_dir: Path, out: Path, params: SftParams, tracker=None, checkpoint_d
     return finetune.run(chat_dir, out, params, wrap=lambda model, tokenizer: model, save=save, tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME)
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     finetune.resolve_base(ctx, TRACKED_BASE)
     metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir)
     ctx.log.info(
@@ -39,7 +39,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def run(text_dir: Path, tokenizer_dir: Path, out: Path, params: TokenizeParams) 
     return metrics | {"tokens_per_second": round(total_tokens / max(seconds, 1e-9)), "seq_len": params.seq_len}
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     metrics = run(ctx.path(TEXT), ctx.path(TOKENIZER), ctx.path(OUT), ctx.params)
     ctx.log.info(
         "packed %d train / %d validation sequences of %d tokens (%d tokens/s)",
@@ -77,7 +77,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

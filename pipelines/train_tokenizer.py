@@ -100,7 +100,7 @@ def use_base(base_dir: Path, prepared: Path, out: Path, name: str) -> dict[str, 
     return {"vocab_size": len(tokenizer), "chars_per_token": round(sum(map(len, validation)) / max(n_tokens, 1), 4), "trained": False}
 
 
-def _body(ctx: stage.StageContext) -> dict:
+def body(ctx: stage.StageContext) -> dict:
     from pipelines.core import model_source
 
     record = model_source.current(ctx.root)
@@ -117,7 +117,7 @@ def _body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, _body, argv)
+    return stage.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

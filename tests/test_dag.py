@@ -66,7 +66,7 @@ def test_stage_module_deps_and_params_match_dvc_yaml(name):
     spec = STAGES[name]
     assert spec.cmd == f"python -m pipelines.{name}"
     module = importlib.import_module(spec.module)
-    assert name == module.NAME
+    assert name == module.NAME and callable(module.body) and callable(module.main)  # the stage contract
     assert spec.params == (name,) and name in Params.model_fields
     code_deps = {d.removeprefix("pipelines/").removesuffix(".py").replace("/", ".") for d in spec.deps if d.endswith(".py")}
     assert f"pipelines/{name}.py" in spec.deps

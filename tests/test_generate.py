@@ -58,7 +58,7 @@ def test_body_writes_under_the_root_and_returns_the_counts(tmp_path, caplog):
     log = logging.getLogger("qllm.generate.test")
     ctx = stage.StageContext(name="generate", root=tmp_path, params=SMALL, tracker=None, log=log)
     with caplog.at_level(logging.INFO, logger=log.name):
-        counts = generate._body(ctx)
+        counts = generate.body(ctx)
     assert set(counts) == set(COUNT_KEYS)
     assert (tmp_path / generate.OUT / "chat_train.jsonl").exists()
     assert f"chat_train={counts['chat_train']}" in caplog.text

@@ -139,7 +139,7 @@ def test_body_logs_each_source_and_warns_about_untracked_ones(tmp_path, caplog):
         name="ingest", root=tmp_path, params=params, tracker=None, log=logging.getLogger("test.ingest")
     )
     with caplog.at_level(logging.INFO, logger="test.ingest"):
-        metrics = ingest._body(ctx)
+        metrics = ingest.body(ctx)
     assert metrics["records"]["text"] == 3
     assert (tmp_path / "data/ingested/text.parquet").exists()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -102,7 +102,7 @@ def test_adapter_files_name_no_local_path_and_no_set_order(tiny_base, tmp_path):
     import json
 
     model = wrapped(tiny_base, lora_params(tiny_base, target_modules=["v_proj", "q_proj", "up_proj", "k_proj", "o_proj"]))
-    adapters.save(lora_params(tiny_base), "data/models/pretrain", merge=False)(model, load_tokenizer(tiny_base / "model"), tmp_path)
+    adapters.save("data/models/pretrain", merge=False)(model, load_tokenizer(tiny_base / "model"), tmp_path)
     card = (tmp_path / "README.md").read_text()
     assert str(tiny_base) not in card
     assert "base_model: data/models/pretrain" in card and "base_model:adapter:data/models/pretrain" in card

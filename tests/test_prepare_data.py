@@ -191,7 +191,7 @@ def test_body_logs_counts_and_warns_per_reason(tmp_path, caplog):
         name="prepare_data", root=tmp_path, params=params(), tracker=None, log=logging.getLogger("test.prepare")
     )
     with caplog.at_level(logging.INFO, logger="test.prepare"):
-        metrics = prepare_data._body(ctx)
+        metrics = prepare_data.body(ctx)
     assert metrics["text"]["out"]["train"] == 1
     assert (tmp_path / "data/prepared/text/train.parquet").exists()
     messages = [(r.levelname, r.getMessage()) for r in caplog.records]

@@ -117,7 +117,7 @@ def named_base(model, name: str) -> Iterator[None]:
         base.name_or_path, base.config.name_or_path = own_name, config_name
 
 
-def save(params: LoraAdapterParams, base_for_users: str, merge: bool = True, quantized_base: tuple[str, object] | None = None):
+def save(base_for_users: str, merge: bool = True, quantized_base: tuple[str, object] | None = None):
     """Write the adapter directory (and, with `merge`, `merged/`) recording `base_for_users`.
 
     The same adapter gives the same bytes in any directory and process: the base is named as

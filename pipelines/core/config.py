@@ -663,7 +663,7 @@ def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _format_errors(exc: ValidationError, data: dict[str, Any], source: str, lines: dict[tuple[str, ...], int]) -> str:
+def _format_errors(exc: ValidationError, source: str, lines: dict[tuple[str, ...], int]) -> str:
     messages = []
     for error in exc.errors():
         loc = tuple(str(part) for part in error["loc"])
@@ -690,7 +690,7 @@ def validate(data: dict[str, Any], source: str = PARAMS_FILE, text: str | None =
         return Params.model_validate(data)
     except ValidationError as exc:
         lines = _key_lines(text) if text else {}
-        raise ParamsError(_format_errors(exc, data, source, lines)) from None
+        raise ParamsError(_format_errors(exc, source, lines)) from None
 
 
 def _shown(path: Path) -> str:
@@ -719,7 +719,7 @@ def load(root: Path | str = ".", overlays: list[Path | str] = (), overrides: lis
         try:
             return Params.model_validate(data), data
         except ValidationError as exc:
-            raise ParamsError(_format_errors(exc, data, "--set", {})) from None
+            raise ParamsError(_format_errors(exc, "--set", {})) from None
     return validate(data), data
 
 

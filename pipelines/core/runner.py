@@ -106,7 +106,7 @@ def run_in_process(root: Path, name: str, parent_run_id: str | None) -> None:
     tracked = getattr(module, "TRACKED", True)
     if tracked:  # an untracked stage (probe_device) reads the machine: no transformers, no MLflow run
         warm_imports()
-    stage.execute(module.NAME, module._body, root, parent_run_id=parent_run_id, tracked=tracked)
+    stage.execute(module.NAME, module.body, root, parent_run_id=parent_run_id, tracked=tracked)
 
 
 def reproduce(

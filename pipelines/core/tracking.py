@@ -32,7 +32,6 @@ from pipelines.core.workspace import project_root
 log = logging.getLogger("qllm.tracking")
 
 PARENT_RUN_ENV = "QLLM_PARENT_RUN_ID"
-PREFECT_RUN_ENV = "QLLM_PREFECT_FLOW_RUN_ID"
 DEFAULT_EXPERIMENT = "qllm"
 
 _clients: dict[str, Any] = {}
@@ -225,9 +224,6 @@ def run(
     parent = parent_run_id or os.environ.get(PARENT_RUN_ENV)
     if parent:
         all_tags["mlflow.parentRunId"] = parent
-    prefect_run = os.environ.get(PREFECT_RUN_ENV)
-    if prefect_run:
-        all_tags["qllm.prefect_flow_run_id"] = prefect_run
     if resume_run_id:
         tracker = _continue(mlflow_client, resume_run_id, all_tags)
     else:
