@@ -24,7 +24,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipelines.core import config, quantum
+from pipelines.core import config, qubo
 from pipelines import lora, quantum_opt
 from pipelines.evaluate import evaluate_model, heldout_questions
 
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     q = params.quantum_opt
     budget = quantum_opt.budget_for(shapes, q)
     arms = {
-        "qubo": dict(quantum.allocate_ranks(values, costs, budget, redundancy, lam=q.lam, solver=q.solver, seed=q.seed, timeout=q.timeout)),
+        "qubo": dict(qubo.allocate_ranks(values, costs, budget, redundancy, lam=q.lam, solver=q.solver, seed=q.seed, timeout=q.timeout)),
         "uniform": {m: q.budget_rank for m in values},
-        "greedy": dict(quantum.greedy(values, costs, budget)),
+        "greedy": dict(qubo.greedy(values, costs, budget)),
         **{f"random-{k}": random_allocation(values, costs, budget, seed=100 + k) for k in range(args.random)},
     }
     questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, ranks in arms.items():
-            cost = quantum.total_cost(ranks, costs)
-            probe_objective = quantum.objective(ranks, values, redundancy, q.lam)
+            cost = qubo.total_cost(ranks, costs)
+            probe_objective = qubo.objective(ranks, values, redundancy, q.lam)
             losses, exact = [], []
             for seed in args.seeds:
                 run_params = lora.apply_allocation(base, {"rank_pattern": ranks})

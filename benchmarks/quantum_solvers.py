@@ -16,7 +16,7 @@ candidate ranks 4, 8, 16:
 Per size and solver: mean and max gap to the MILP optimum (% of its objective, every allocation
 scored with redundancy, greedy's too), how often the solver's chosen raw sample was feasible
 before repair and how often the result is feasible after it, and the mean wall time. `exact`
-runs where it enumerates at most `quantum.EXACT_LIMIT` allocations; `qaoa` where the BQM has at
+runs where it enumerates at most `qubo.EXACT_LIMIT` allocations; `qaoa` where the BQM has at
 most 16 variables. Prints one markdown table (for benchmarks/RESULTS.md) and notes; progress goes
 to stderr, and so do the debug lines HiGHS prints to the C-level stdout.
 """
@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 
-from pipelines.core import quantum
+from pipelines.core import qubo
 
 RANKS = (4, 8, 16)
 LAYER = [("self_attn.q_proj", "h", "h"), ("self_attn.k_proj", "h", "kv"), ("self_attn.v_proj", "h", "kv"),
@@ -64,15 +64,15 @@ def instance(modules: int, seed: int, pairs: float | None = None) -> tuple[dict,
     return values, costs, budget, redundancy
 
 
-def solve(solver: str, values: dict, costs: dict, budget: int, redundancy: dict, seed: int) -> quantum.Allocation:
+def solve(solver: str, values: dict, costs: dict, budget: int, redundancy: dict, seed: int) -> qubo.Allocation:
     if solver == "greedy":
-        return quantum.greedy(values, costs, budget)
-    return quantum.allocate_ranks(values, costs, budget, redundancy, LAM, solver=solver, seed=seed, timeout=TIMEOUT, max_qubits=MAX_QUBITS)
+        return qubo.greedy(values, costs, budget)
+    return qubo.allocate_ranks(values, costs, budget, redundancy, LAM, solver=solver, seed=seed, timeout=TIMEOUT, max_qubits=MAX_QUBITS)
 
 
 def applicable(solver: str, values: dict, num_variables: int) -> bool:
     if solver == "exact":
-        return math.prod(len(r) + 1 for r in values.values()) <= quantum.EXACT_LIMIT
+        return math.prod(len(r) + 1 for r in values.values()) <= qubo.EXACT_LIMIT
     if solver == "qaoa":
         return num_variables <= MAX_QUBITS
     return True
@@ -101,7 +101,7 @@ def run_size(modules: int, instances: int, seed: int, pairs: float | None) -> tu
     sizes, notes = [], []
     for i in range(instances):
         values, costs, budget, redundancy = instance(modules, seed + i, pairs)
-        bqm, _ = quantum.build_bqm(values, costs, budget, redundancy, LAM)
+        bqm, _ = qubo.build_bqm(values, costs, budget, redundancy, LAM)
         sizes.append(bqm.num_variables)
         reference = solve("milp", values, costs, budget, redundancy, seed + i)
         if reference.solver != "milp":
@@ -110,7 +110,7 @@ def run_size(modules: int, instances: int, seed: int, pairs: float | None) -> tu
             if not applicable(solver, values, bqm.num_variables):
                 continue
             alloc = reference if solver == "milp" else solve(solver, values, costs, budget, redundancy, seed + i)
-            score = quantum.objective(alloc, values, redundancy, LAM)
+            score = qubo.objective(alloc, values, redundancy, LAM)
             gap = (reference.objective - score) / reference.objective if reference.objective > 0 else 0.0
             raw = None if alloc.energy is None else not alloc.repaired  # milp/exact/greedy draw no samples
             runs[solver].append((gap, raw, alloc.feasible, alloc.wall_seconds))
@@ -118,7 +118,7 @@ def run_size(modules: int, instances: int, seed: int, pairs: float | None) -> tu
     rows = []
     for solver, results in runs.items():
         if not results:
-            why = f"{len(RANKS) + 1}^{modules} = {(len(RANKS) + 1) ** modules:.1e} allocations > {quantum.EXACT_LIMIT:,}" if solver == "exact" \
+            why = f"{len(RANKS) + 1}^{modules} = {(len(RANKS) + 1) ** modules:.1e} allocations > {qubo.EXACT_LIMIT:,}" if solver == "exact" \
                 else f"BQMs have {min(sizes)}-{max(sizes)} variables > max_qubits {MAX_QUBITS}"  # fmt: skip
             notes.append(f"M={modules}: {solver} not run: {why}")
             continue
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             notes += size_notes
     density = "3/M" if args.pairs is None else f"{args.pairs:g}"
     print(f"{args.instances} instances per size, ranks {RANKS}, λ = {LAM}, redundant pairs {density}, budget = rank 8 everywhere; "
-          f"sa: {quantum.SA_READS} reads x {quantum.SA_SWEEPS} sweeps; tabu: {quantum.TABU_READS} reads x {quantum.TABU_READ_MS} ms\n")  # fmt: skip
+          f"sa: {qubo.SA_READS} reads x {qubo.SA_SWEEPS} sweeps; tabu: {qubo.TABU_READS} reads x {qubo.TABU_READ_MS} ms\n")  # fmt: skip
     print("| modules | BQM variables | solver | mean gap % | max gap % | raw sample feasible % | feasible after repair % | mean wall s |")
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))

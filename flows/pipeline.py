@@ -29,7 +29,7 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
-from pipelines.core import config, dag, errors, runner, tracking, workspace
+from pipelines.core import config, dag, errors, repro, tracking, workspace
 from flows import preflight
 from tasks.stages import stage_task
 
@@ -110,7 +110,7 @@ def pipeline(
                     futures[name] = stage_task(name).submit(str(ws), name, parent.run_id, name in (force or []), cached_only, wait_for=waits)
                 states = {name: future.wait() or future.state for name, future in futures.items()}
         finally:
-            runner.close(ws)
+            repro.close(ws)
         stages = [_stage_summary(name, state) for name, state in states.items()]
         # Only what this run scheduled: a `--until` run must not report an earlier run's results.
         registered = _registered(ws) if "register" in futures else None

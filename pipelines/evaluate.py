@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 
 from pipelines.core import losses, packed, plots, preference_data, stage, training
-from pipelines.core.chat import normalize_answer, parse_messages, split_last_answer
+from pipelines.core.chat_template import normalize_answer, parse_messages, split_last_answer
 from pipelines.core.config import EvaluateParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import load_for_inference, stop_token_ids

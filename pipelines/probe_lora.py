@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import chat_data, distributed, finetune, quantize, stage, training
+from pipelines.core import adapters, chat_examples, distributed, finetune, quantize, stage, training
 from pipelines.core.config import ProbeLoraParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer
@@ -43,9 +43,9 @@ def candidate_modules(model: torch.nn.Module, suffixes: list[str]) -> dict[str, 
     found = {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name != "lm_head" and any(name == s or name.endswith(f".{s}") for s in suffixes)
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and any(adapters.module_matches(name, s) for s in suffixes)
     }
-    missing = [s for s in suffixes if not any(n == s or n.endswith(f".{s}") for n in found)]
+    missing = [s for s in suffixes if not any(adapters.module_matches(n, s) for n in found)]
     if missing:
         raise QllmError(f"probe_lora.target_modules: {missing} match no linear module of the model")
     return found
@@ -125,7 +125,7 @@ def probe_quantized(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
             for _ in range(cfg.grad_accum_steps):
                 batch = training.to_device(next(iterator), device())
                 with training.autocast(device(), cfg.precision):
-                    loss, _ = chat_data.chat_loss(model, batch)
+                    loss, _ = chat_examples.chat_loss(model, batch)
                 (loss / cfg.grad_accum_steps).backward()
                 total += float(loss.detach()) / cfg.grad_accum_steps
             recorder.end_step()
@@ -166,7 +166,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, NAME)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
-    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_data.collate(train_rows, tokenizer.pad_token_id, params.packing))
+    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing))
     if qconfig is not None:  # QLoRA: gradients at the frozen quantized base (see probe_quantized)
         for parameter in model.parameters():
             parameter.requires_grad_(False)
@@ -175,7 +175,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
         with CONSTRUCTION:
             model = model.to(device())
         recorder = GradientRecorder(candidate_modules(model, params.target_modules))
-        result = training.train(model, chat_data.chat_loss, batches, cfg, tracker=tracker, callbacks=[recorder], desc=NAME)
+        result = training.train(model, chat_examples.chat_loss, batches, cfg, tracker=tracker, callbacks=[recorder], desc=NAME)
         result.pop("history")  # the probe's weights and curves are thrown away
     table = scores(recorder, params.ranks)
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output

@@ -5,7 +5,7 @@
 Reads `data/probe_lora/scores.json` (values v[m][r], costs c[m][r], redundancies ρ[m,m']) and
 chooses at most one rank per module to maximise Σ v − λ·Σ ρ·sqrt(v·v') within the parameter
 budget B (default: rank `quantum_opt.budget_rank` on every candidate), with the solver named in
-`quantum_opt.solver` (`pipelines.core.quantum`: a `dimod` BQM for sa/tabu/exact/dwave/qaoa, scipy's MILP
+`quantum_opt.solver` (`pipelines.core.qubo`: a `dimod` BQM for sa/tabu/exact/dwave/qaoa, scipy's MILP
 as the exact reference). Also solved, for the log: the MILP optimum (so the gap of the chosen
 solver is known; in data/metrics/quantum_opt.json, with the solve time), the greedy
 value-per-parameter allocation and uniform rank `budget_rank`.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core import quantum, stage
+from pipelines.core import qubo, stage
 from pipelines.core.config import QuantumOptParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir, read_json, write_json
@@ -47,20 +47,20 @@ def budget_for(shapes: dict, params: QuantumOptParams) -> int:
 def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) -> dict:
     values, costs, redundancy, shapes = load_scores(scores_path)
     budget = budget_for(shapes, params)
-    allocation = quantum.allocate_ranks(
+    allocation = qubo.allocate_ranks(
         values, costs, budget, redundancy, lam=params.lam, solver=params.solver, seed=params.seed,
         timeout=params.timeout, max_qubits=params.max_qubits, fallback=params.fallback, num_reads=params.num_reads or None,
     )  # fmt: skip
     if params.solver == "milp" or not params.reference_timeout:
         reference = allocation if params.solver == "milp" else None
     else:
-        reference = quantum.allocate_ranks(values, costs, budget, redundancy, lam=params.lam, solver="milp",
+        reference = qubo.allocate_ranks(values, costs, budget, redundancy, lam=params.lam, solver="milp",
                                            seed=params.seed, timeout=params.reference_timeout)  # fmt: skip
-    greedy = quantum.greedy(values, costs, budget)
+    greedy = qubo.greedy(values, costs, budget)
     uniform = {m: params.budget_rank for m in values} if all(params.budget_rank in v for v in values.values()) else None
 
     def score(ranks: dict) -> float:  # every allocation on the same objective (redundancy included)
-        return quantum.objective(ranks, values, redundancy, params.lam)
+        return qubo.objective(ranks, values, redundancy, params.lam)
 
     # negative when the MILP stopped at its time limit short of what the sampler found
     gap = (reference.objective - allocation.objective) / reference.objective if reference and reference.objective > 0 else None

@@ -3,7 +3,7 @@
     python -m pipelines.train_tokenizer      # what dvc.yaml runs; writes data/tokenizer/
 
 The result is a `PreTrainedTokenizerFast` directory (`AutoTokenizer.from_pretrained` loads it)
-with the ChatML special tokens and chat template of `pipelines.core.chat`, so SFT, DPO and evaluation
+with the ChatML special tokens and chat template of `pipelines.core.chat_template`, so SFT, DPO and evaluation
 all use `apply_chat_template`. Byte-level BPE never produces unknown tokens.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from pipelines.core import stage, workspace
-from pipelines.core.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
+from pipelines.core.chat_template import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
 from pipelines.core.config import TrainTokenizerParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir

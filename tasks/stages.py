@@ -1,4 +1,4 @@
-"""One Prefect task per `dvc.yaml` stage: a thin wrapper over `pipelines.core.runner.reproduce`.
+"""One Prefect task per `dvc.yaml` stage: a thin wrapper over `pipelines.core.repro.reproduce`.
 
 A stage DVC finds up to date (or restores from its run-cache) finishes in Prefect's `Cached`
 state, so the Prefect UI and `dvc status` tell the same story. No retries: training is not an
@@ -14,7 +14,7 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
-from pipelines.core import runner
+from pipelines.core import repro
 from pipelines.core.errors import QllmError, StopRequested, stop_requested
 
 
@@ -27,9 +27,9 @@ def _reproduce(workspace: str, name: str, parent_run_id: str | None = None, forc
     if (reason := stop_requested()) is not None:  # a stop signal (or a lost Prefect API) arrived: no new stage starts
         raise StopRequested(f"{name}: not started ({reason}); rerun to continue where the run stopped")
     if cached_only:  # upstream of from_stage: restore from DVC's caches or fail, never train
-        outcome = runner.reproduce(Path(workspace), name, parent_run_id=parent_run_id, execute=_refuse_to_run)
+        outcome = repro.reproduce(Path(workspace), name, parent_run_id=parent_run_id, execute=_refuse_to_run)
     else:
-        outcome = runner.reproduce(Path(workspace), name, parent_run_id=parent_run_id, force=force)
+        outcome = repro.reproduce(Path(workspace), name, parent_run_id=parent_run_id, force=force)
     if outcome.status == "cached":
         how = "up to date" if outcome.reason == "up-to-date" else "restored from the DVC run-cache"
         return Completed(name="Cached", message=f"{name}: {how}", data=outcome.as_dict())

@@ -200,8 +200,8 @@ stages:
 @pytest.fixture
 def toy(tmp_path):
     """A git + DVC project with a two-stage toy DAG (`a` -> `b`) and no stage code: tests pass
-    the stage bodies to `runner.reproduce(..., execute=...)`."""
-    from pipelines.core import runner
+    the stage bodies to `repro.reproduce(..., execute=...)`."""
+    from pipelines.core import repro
 
     root = tmp_path / "toy"
     (root / "src").mkdir(parents=True)
@@ -211,7 +211,7 @@ def toy(tmp_path):
     run(["git", "init", "-q"], root)
     run([sys.executable, "-m", "dvc", "init", "-q"], root)
     yield root
-    runner.close(root)
+    repro.close(root)
 
 
 def record_dpo_losses(monkeypatch) -> list[tuple[float, dict]]:

@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipelines.core import chat, chat_data, preference_data
-from pipelines.core.chat_data import IGNORE
+from pipelines.core import chat_examples, chat_template, preference_data
+from pipelines.core.chat_examples import IGNORE
 from pipelines.core.models import load_tokenizer, stop_token_ids
 from tests.chat_families import FAMILIES, Family, save_base_model, tokenizer_for
 from tests.conftest import CHATS
@@ -46,8 +46,8 @@ def family(request) -> tuple[Family, object]:
 
 def test_trained_tokens_are_exactly_the_answers_and_their_end_of_turn_token(family):
     fam, tokenizer = family
-    assert not chat.has_generation_marks(tokenizer)
-    examples, stats = chat_data.encode(tokenizer, [SYSTEM_CHAT, MULTI_TURN, WEIGHTED], max_len=512)
+    assert not chat_template.has_generation_marks(tokenizer)
+    examples, stats = chat_examples.encode(tokenizer, [SYSTEM_CHAT, MULTI_TURN, WEIGHTED], max_len=512)
     assert stats.examples == 3 and stats.dropped_no_target == 0
     answers = [trained_pieces(tokenizer, e) for e in examples]
     eot = fam.end_of_turn
@@ -61,7 +61,7 @@ def test_trained_tokens_are_exactly_the_answers_and_their_end_of_turn_token(fami
 def test_end_of_turn_token_is_found_and_stops_generation(family):
     fam, tokenizer = family
     eot = tokenizer.convert_tokens_to_ids(fam.end_of_turn)
-    assert chat.end_of_turn_token(tokenizer) == eot
+    assert chat_template.end_of_turn_token(tokenizer) == eot
     assert stop_token_ids(tokenizer)[0] == eot and tokenizer.eos_token_id in stop_token_ids(tokenizer)
 
 
@@ -81,13 +81,13 @@ def test_preference_pairs_score_only_the_answer(family):
 
 def test_marker_less_template_trains_as_many_tokens_as_the_marker_template(tiny_base):
     marked = load_tokenizer(tiny_base / "model")
-    assert chat.has_generation_marks(marked)
+    assert chat_template.has_generation_marks(marked)
     unmarked = load_tokenizer(tiny_base / "model")
-    unmarked.chat_template = chat.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    assert not chat.has_generation_marks(unmarked)
+    unmarked.chat_template = chat_template.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert not chat_template.has_generation_marks(unmarked)
     chats = [*CHATS, WEIGHTED]
-    with_marks, stats_marks = chat_data.encode(marked, chats, max_len=512)
-    without, stats_plain = chat_data.encode(unmarked, chats, max_len=512)
+    with_marks, stats_marks = chat_examples.encode(marked, chats, max_len=512)
+    without, stats_plain = chat_examples.encode(unmarked, chats, max_len=512)
     assert stats_marks.target_tokens == stats_plain.target_tokens > 0
     for a, b in zip(with_marks, without, strict=True):
         np.testing.assert_array_equal(a.input_ids, b.input_ids)
@@ -112,9 +112,9 @@ def test_template_that_rewrites_earlier_turns_is_a_clear_error_naming_the_turn()
 
     tokenizer = tokenizer_for(CHATML, TEXTS)
     tokenizer.chat_template = RewritingTemplate.template
-    chat_data.encode(tokenizer, [SYSTEM_CHAT], max_len=512)  # one assistant turn: fine
-    with pytest.raises(chat.ChatTemplateError, match=r"turns 1-2 is not a prefix .*\(turn 2, assistant\)"):
-        chat_data.encode(tokenizer, [MULTI_TURN], max_len=512)
+    chat_examples.encode(tokenizer, [SYSTEM_CHAT], max_len=512)  # one assistant turn: fine
+    with pytest.raises(chat_template.ChatTemplateError, match=r"turns 1-2 is not a prefix .*\(turn 2, assistant\)"):
+        chat_examples.encode(tokenizer, [MULTI_TURN], max_len=512)
 
 
 def test_tokenizer_without_a_chat_template_is_a_clear_error():
@@ -122,8 +122,8 @@ def test_tokenizer_without_a_chat_template_is_a_clear_error():
 
     tokenizer = tokenizer_for(CHATML, TEXTS)
     tokenizer.chat_template = None
-    with pytest.raises(chat.ChatTemplateError, match="no chat template"):
-        chat_data.encode(tokenizer, [SYSTEM_CHAT], max_len=512)
+    with pytest.raises(chat_template.ChatTemplateError, match="no chat template"):
+        chat_examples.encode(tokenizer, [SYSTEM_CHAT], max_len=512)
 
 
 def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.core import dag, runner, workspace
+from pipelines.core import dag, repro, workspace
 from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 
 # --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------
@@ -38,7 +38,7 @@ def test_the_same_stage_in_two_workspaces_at_once_runs_once(toy):
     outcomes = {}
 
     def reproduce(ws: Path) -> None:
-        outcomes[ws] = runner.reproduce(ws, "a", execute=slow_a)
+        outcomes[ws] = repro.reproduce(ws, "a", execute=slow_a)
 
     threads = [threading.Thread(target=reproduce, args=(ws,)) for ws in workspaces]
     try:
@@ -49,7 +49,7 @@ def test_the_same_stage_in_two_workspaces_at_once_runs_once(toy):
             thread.join(timeout=60)
     finally:
         for ws in workspaces:
-            runner.close(ws)
+            repro.close(ws)
     assert len(executed) == 1
     assert sorted((o.status, o.reason) for o in outcomes.values()) == [("cached", "run-cache"), ("ran", "executed")]
     assert all((ws / "data/a/out.txt").read_text() == "xx" for ws in workspaces)

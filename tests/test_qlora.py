@@ -212,15 +212,15 @@ def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qb
     reference = load_causal_lm(qbase / "model", quantization=qconfig).dequantize().float()
     modules = probe_lora.candidate_modules(reference, params.target_modules)
     recorder = probe_lora.GradientRecorder(modules)
-    from pipelines.core import chat_data, finetune, training
+    from pipelines.core import chat_examples, finetune, training
     from pipelines.core.models import load_tokenizer
 
     tokenizer = load_tokenizer(qbase / "model")
     rows, _, _ = finetune.build_rows(tokenizer, qbase / "chat", params, 128)
-    batches = iter(training.Batches(len(rows), 4, train.seed, chat_data.collate(rows, tokenizer.pad_token_id, True)))
+    batches = iter(training.Batches(len(rows), 4, train.seed, chat_examples.collate(rows, tokenizer.pad_token_id, True)))
     for _ in range(2):
         reference.zero_grad()
-        loss, _ = chat_data.chat_loss(reference, next(batches))
+        loss, _ = chat_examples.chat_loss(reference, next(batches))
         loss.backward()
         recorder("gradients", None, {})
     expected = probe_lora.scores(recorder, [1, 2])

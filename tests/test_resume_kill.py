@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.core import dag, runner
+from pipelines.core import dag, repro
 from tests.conftest import make_project, run
 
 UPSTREAM = ["generate", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
@@ -44,17 +44,17 @@ def base(tmp_path_factory, mlflow_template_db) -> Path:
     root = make_project(tmp_path_factory.mktemp("resume") / "base", mlflow_template_db, PRETRAIN)
     try:
         for name in UPSTREAM:
-            runner.reproduce(root, name)
+            repro.reproduce(root, name)
     finally:
-        runner.close(root)
+        repro.close(root)
     return root
 
 
-def reproduce(root: Path, name: str, **kwargs) -> runner.StageOutcome:
+def reproduce(root: Path, name: str, **kwargs) -> repro.StageOutcome:
     try:
-        return runner.reproduce(root, name, **kwargs)
+        return repro.reproduce(root, name, **kwargs)
     finally:
-        runner.close(root)
+        repro.close(root)
 
 
 def copy_project(base: Path, dest: Path) -> Path:
@@ -159,7 +159,7 @@ PAUSED_STAGE = """\
 import contextlib, sys, time
 from pathlib import Path
 
-from pipelines.core import outputs, runner
+from pipelines.core import outputs, repro
 
 real_atomic_dir = outputs.atomic_dir
 
@@ -173,7 +173,7 @@ def paused_before_rename(path):
 
 
 outputs.atomic_dir = paused_before_rename  # before the stage module binds it
-runner.reproduce(Path.cwd(), sys.argv[1], force=True)  # what `qllm run --force STAGE` does
+repro.reproduce(Path.cwd(), sys.argv[1], force=True)  # what `qllm run --force STAGE` does
 """
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.core import dag, runner
+from pipelines.core import dag, repro
 from tests.conftest import make_project
 
 MAX_STEPS = 200
@@ -84,9 +84,9 @@ def base(tmp_path_factory, mlflow_template_db) -> Path:
     root = make_project(tmp_path_factory.mktemp("stop") / "base", mlflow_template_db, PRETRAIN)
     try:
         for name in [name for name in dag.order(root, "pretrain") if name != "pretrain"]:
-            runner.reproduce(root, name)
+            repro.reproduce(root, name)
     finally:
-        runner.close(root)
+        repro.close(root)
     return root
 
 

@@ -27,18 +27,21 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
 
 
+def module_matches(name: str, key: str) -> bool:
+    """PEFT's rule for a `target_modules` entry or a `rank_pattern`/`alpha_pattern` key: the module
+    name itself, a `.`-separated suffix of it, or a regular expression matching such a suffix."""
+    return name == key or name.endswith(f".{key}") or re.fullmatch(rf"(.*\.)?{key}", name) is not None
+
+
 def check_targets(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora") -> None:
     """Every `target_modules` entry and `rank_pattern`/`alpha_pattern` key must match a module
     (PEFT matches a name exactly or as a `.`-separated suffix); otherwise a clear error."""
     names = linear_module_names(model)
 
-    def matches(key: str) -> bool:
-        return any(name == key or name.endswith(f".{key}") or re.fullmatch(rf"(.*\.)?{key}", name) for name in names)
-
     short = sorted({name.rsplit(".", 1)[-1] for name in names if name != "lm_head"})
     for field in ("target_modules", "rank_pattern", "alpha_pattern"):
         for key in getattr(params, field):
-            if not matches(key):
+            if not any(module_matches(name, key) for name in names):
                 raise QllmError(f"{section}.{field}: {key!r} matches no linear module of the model (its linear modules are: {', '.join(short)})")
 
 

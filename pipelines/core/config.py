@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pipelines.core.errors import QllmError
 
 PARAMS_FILE = "params.yaml"
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The seven linear projections of a Llama-style block: the default LoRA targets and probe candidates."""
 
 
 class ParamsError(QllmError, ValueError):
@@ -309,7 +311,7 @@ class LoraAdapterParams(QuantizationParams):
     """Scaling numerator: updates are scaled by alpha/r (alpha/sqrt(r) with `use_rslora`)."""
     lora_dropout: float = Field(0.05, ge=0, lt=1)
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1
+        default_factory=lambda: list(ALL_PROJECTIONS), min_length=1
     )
     """Module names (suffixes) to adapt; an entry that matches no module is an error."""
     rank_pattern: dict[str, int] = Field(default_factory=dict)
@@ -347,7 +349,7 @@ class ProbeLoraParams(FinetuneParams, QuantizationParams):
     """A short SFT run that records every candidate LoRA module's gradients (for `quantum_opt`)."""
 
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1
+        default_factory=lambda: list(ALL_PROJECTIONS), min_length=1
     )
     """Candidate modules (name suffixes); every matching linear layer of every block is probed."""
     ranks: list[int] = Field(default_factory=lambda: [4, 8, 16], min_length=1)
@@ -362,7 +364,7 @@ class ProbeLoraParams(FinetuneParams, QuantizationParams):
 
 
 class QuantumOptParams(Section):
-    """LoRA rank allocation as a QUBO over the probe's scores (see pipelines/core/quantum.py)."""
+    """LoRA rank allocation as a QUBO over the probe's scores (see pipelines/core/qubo.py)."""
 
     solver: Literal["exact", "sa", "tabu", "milp", "dwave", "qaoa"] = "sa"
     """`sa`/`tabu` (dwave-samplers), `milp` (scipy, exact), `exact` (enumeration, small only),

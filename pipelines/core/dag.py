@@ -16,6 +16,13 @@ import yaml
 from pipelines.core.errors import QllmError
 
 DVC_FILE = "dvc.yaml"
+METRICS_DIR = "data/metrics"
+"""Every stage writes its metrics to `METRICS_DIR/<stage>.json` (its `dvc.yaml` `metrics` entry)."""
+
+
+def metrics_file(name: str) -> str:
+    """The metrics file of stage `name`, relative to the workspace."""
+    return f"{METRICS_DIR}/{name}.json"
 
 
 class DagError(QllmError, ValueError):

@@ -1,6 +1,6 @@
 """Instruction tuning on chat records: the one code path behind `sft` and `lora`.
 
-Load the base model and tokenizer, render and mask the chats (`pipelines.core.chat_data`), pack them,
+Load the base model and tokenizer, render and mask the chats (`pipelines.core.chat_examples`), pack them,
 wrap the model (`sft`: as is; `lora`: PEFT adapters), train with the shared loop, save. The two
 stages differ only in the `wrap` and `save` functions they pass.
 """
@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chat_data, distributed, quantize, training
-from pipelines.core.chat import parse_messages
+from pipelines.core import chat_examples, distributed, quantize, training
+from pipelines.core.chat_template import parse_messages
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import FinetuneParams
 from pipelines.core.errors import QllmError
@@ -50,7 +50,7 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
     metrics: dict[str, float] = {}
     rows = {}
     for split in ("train", "validation"):
-        examples, stats = chat_data.encode(tokenizer, conversations(chat_dir, split), max_len, params.loss_on, params.overflow)
+        examples, stats = chat_examples.encode(tokenizer, conversations(chat_dir, split), max_len, params.loss_on, params.overflow)
         metrics |= stats.as_metrics(f"data/{split}_")
         if stats.truncated or stats.dropped_too_long or stats.dropped_no_target:
             log.warning(
@@ -58,7 +58,7 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
                 split, stats.truncated + stats.dropped_too_long, max_len,
                 "truncated" if params.overflow == "truncate" else "dropped", stats.dropped_no_target,
             )
-        rows[split] = chat_data.pack(examples, max_len) if params.packing else chat_data.unpacked(examples)
+        rows[split] = chat_examples.pack(examples, max_len) if params.packing else chat_examples.unpacked(examples)
         metrics[f"data/{split}_rows"] = len(rows[split])
     if not rows["train"]:
         raise QllmError(f"{chat_dir / 'train.parquet'}: no chat example left to train on")
@@ -93,19 +93,19 @@ def run(
     if tracker is not None:
         tracker.log_params({f"{desc}.{k}": v for k, v in counts.items()})
 
-    collate_train = chat_data.collate(train_rows, tokenizer.pad_token_id, params.packing)
+    collate_train = chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing)
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, collate_train)
     val_fn = None
     if val_rows:
-        collate_val = chat_data.collate(val_rows, tokenizer.pad_token_id, params.packing)
+        collate_val = chat_examples.collate(val_rows, tokenizer.pad_token_id, params.packing)
         n_val = len(val_rows) if not cfg.eval_batches else min(len(val_rows), cfg.eval_batches * cfg.micro_batch_size)
         val_batches = [collate_val(np.arange(i, min(i + cfg.micro_batch_size, n_val))) for i in range(0, n_val, cfg.micro_batch_size)]
 
         def val_fn(m: torch.nn.Module) -> dict[str, float]:
-            return {"val/loss": training.mean_loss(m, chat_data.chat_loss, val_batches, device(), cfg.precision)}
+            return {"val/loss": training.mean_loss(m, chat_examples.chat_loss, val_batches, device(), cfg.precision)}
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
-    result = training.train(model, chat_data.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=desc)
+    result = training.train(model, chat_examples.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=desc)
     history = result.pop("history")
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output
         with atomic_dir(out) as tmp, CONSTRUCTION:  # saving may merge adapters: builds modules

@@ -30,7 +30,6 @@ from pipelines.core.errors import QllmError
 
 LOCK_FILE = "dvc.lock"
 ARTIFACT = "lineage.json"
-METRICS_DIR = "data/metrics"
 
 
 # ----------------------------------------------------------------------------- from a workspace
@@ -142,7 +141,7 @@ def _params_from_yaml(path: Path, spec: dag.Stage) -> dict[str, Any]:
 
 def _metrics_run_id(root: Path, name: str) -> str | None:
     """The run that produced the stage's outputs (its metrics file is restored with them)."""
-    path = root / METRICS_DIR / f"{name}.json"
+    path = root / dag.metrics_file(name)
     try:
         return json.loads(path.read_text(encoding="utf-8")).get("mlflow_run_id")
     except (OSError, ValueError, AttributeError):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.core.chat import IM_END, end_of_turn_token
+from pipelines.core.chat_template import IM_END, end_of_turn_token
 from pipelines.core.config import ModelParams
 from pipelines.core.errors import QllmError
 

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core.chat import parse_messages, render_with_assistant_mask
+from pipelines.core.chat_template import parse_messages, render_with_assistant_mask
 from pipelines.core.errors import QllmError
 
 PREFERENCE_CONFIG = "preference_config.json"

@@ -22,7 +22,6 @@ from pipelines.core import config, dag, tracking, workspace
 from pipelines.core.errors import QllmError, stop_when_parent_dies
 from pipelines.core.outputs import read_json, write_json
 
-METRICS_DIR = "data/metrics"
 RUN_RECORD = "mlflow_run.json"
 """In a training stage's checkpoint directory: the id of the MLflow run that writes there."""
 
@@ -90,19 +89,23 @@ def _distributed():
     return distributed
 
 
+def fingerprint(name: str, params: Any, digests: dict[str, str]) -> str:
+    """What names a stage's checkpoints: its params section and the DVC md5 of every dependency."""
+    return config.digest({"stage": name, "params": config.to_plain(params), "deps": digests})
+
+
 def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, parent_run_id: str | None) -> dict[str, Any]:
     distributed = _distributed()
     if not distributed.under_launcher():
         distributed.launch(dag.stages(root)[name].module, root, params.train.nproc, parent_run_id)
-        metrics_file = root / f"{METRICS_DIR}/{name}.json"
+        metrics_file = root / dag.metrics_file(name)
         return read_json(metrics_file) if metrics_file.exists() else {}
     distributed.setup()
     if distributed.is_main():
         return _execute(name, body, root, params, parent_run_id)
     # other ranks: the same body (they train), no lock, no MLflow run, no metrics file
     spec = dag.stages(root)[name]
-    fingerprint = config.digest({"stage": name, "params": config.to_plain(params), "deps": dependency_digests(root, spec)})
-    ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=fingerprint,
+    ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=fingerprint(name, params, dependency_digests(root, spec)),
                        log=logging.getLogger(f"qllm.{name}"))  # fmt: skip
     return body(ctx) or {}
 
@@ -114,10 +117,10 @@ def _execute(
     started = time.perf_counter()
     spec = dag.stages(root)[name]
     digests = dependency_digests(root, spec)
-    fingerprint = config.digest({"stage": name, "params": config.to_plain(params), "deps": digests})
-    tags = {"qllm.stage": name, "qllm.fingerprint": fingerprint}
+    key = fingerprint(name, params, digests)
+    tags = {"qllm.stage": name, "qllm.fingerprint": key}
     with contextlib.ExitStack() as stack:
-        checkpoints = workspace.checkpoint_dir(root, name, fingerprint) if _trains(params) else None
+        checkpoints = workspace.checkpoint_dir(root, name, key) if _trains(params) else None
         resume_run_id = None
         if checkpoints is not None:
             stack.enter_context(workspace.checkpoint_lock(checkpoints))
@@ -134,12 +137,12 @@ def _execute(
             if not dep.endswith(".py"):
                 tracker.log_dataset(dep, context="input", digest=md5, name=dep)
         tracker.set_tags({f"qllm.dep.{dep}": md5 for dep, md5 in digests.items()})
-        ctx = StageContext(name=name, root=root, params=params, tracker=tracker, fingerprint=fingerprint, log=log)
+        ctx = StageContext(name=name, root=root, params=params, tracker=tracker, fingerprint=key, log=log)
         metrics = body(ctx) or {}
         metrics = {**metrics, **({"precision": params.train.precision} if _trains(params) else {}),
                    "seconds": round(time.perf_counter() - started, 3)}
         tracker.log_metrics({k: v for k, v in config.flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        metrics_file = f"{METRICS_DIR}/{name}.json"
+        metrics_file = dag.metrics_file(name)
         if metrics_file in ctx.spec.metrics:
             write_json(root / metrics_file, {**metrics, "mlflow_run_id": tracker.run_id})
             tracker.log_artifact(root / metrics_file)

@@ -31,6 +31,7 @@ log = logging.getLogger("qllm.workspace")
 MARKER = ".qllm-workspace.json"
 RUNS_DIR = ".qllm/runs"
 CHECKPOINTS_DIR = ".qllm/checkpoints"
+LOCKS_DIR = ".qllm/locks"
 
 
 def project_root(path: Path | str = ".") -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.core import runner, workspace
+from pipelines.core import repro, workspace
 from tests.conftest import run
 
 
@@ -32,7 +32,7 @@ class Toy:
 
 
 def reproduce_all(root: Path, toy: Toy) -> dict[str, tuple[str, str]]:
-    return {name: (o.status, o.reason) for name in ("a", "b") for o in [runner.reproduce(root, name, execute=toy)]}
+    return {name: (o.status, o.reason) for name in ("a", "b") for o in [repro.reproduce(root, name, execute=toy)]}
 
 
 def dvc_status(root: Path) -> str:
@@ -68,10 +68,10 @@ def test_failed_stage_leaves_no_lock_entry_and_no_output(toy):
         raise RuntimeError("killed mid-stage")
 
     with pytest.raises(RuntimeError):
-        runner.reproduce(toy, "a", execute=broken)
+        repro.reproduce(toy, "a", execute=broken)
     assert not (toy / "dvc.lock").exists()
     stages = Toy()
-    assert runner.reproduce(toy, "a", execute=stages).status == "ran"
+    assert repro.reproduce(toy, "a", execute=stages).status == "ran"
 
 
 def test_override_workspace_shares_the_cache_and_leaves_params_yaml(toy):
@@ -83,7 +83,7 @@ def test_override_workspace_shares_the_cache_and_leaves_params_yaml(toy):
     try:
         outcomes = reproduce_all(ws, stages)
     finally:
-        runner.close(ws)
+        repro.close(ws)
     # `a` has the same inputs as in the project: restored from the shared run-cache, not rerun.
     assert outcomes == {"a": ("cached", "run-cache"), "b": ("ran", "executed")}
     assert (ws / "data/b.txt").read_text() == "XXXXXX"
@@ -94,14 +94,14 @@ def test_override_workspace_shares_the_cache_and_leaves_params_yaml(toy):
 
 THREADS_IMPORTING = """
 import threading
-from pipelines.core import runner
+from pipelines.core import repro
 
 barrier, errors = threading.Barrier(4), []
 
 def stage(i):  # what run_in_process does first, then what the stage modules import
     barrier.wait()
     try:
-        runner.warm_imports()
+        repro.warm_imports()
         if i % 2:
             from transformers import AutoModelForCausalLM
         else:

@@ -35,7 +35,6 @@ from pipelines.core import dag
 
 log = logging.getLogger("qllm.runner")
 
-LOCKS_DIR = ".qllm/locks"
 
 # One DVC Repo object per workspace, used by one thread at a time (DVC objects are not
 # thread-safe); the stage itself runs outside this lock so parallel branches can overlap.
@@ -181,7 +180,7 @@ def _same_inputs_lock(root: Path, name: str, key: str | None) -> contextlib.Abst
 
     if key is None:
         return contextlib.nullcontext()
-    path = workspace.project_root(root) / LOCKS_DIR / f"{key}.lock"
+    path = workspace.project_root(root) / workspace.LOCKS_DIR / f"{key}.lock"
     return workspace.file_lock(path, f"stage {name} with the same inputs (it runs once, then this run restores its outputs)")
 
 

@@ -1,4 +1,4 @@
-"""LoRA rank allocation (pipelines.core.quantum): the QUBO, every solver against enumeration, repair,
+"""LoRA rank allocation (pipelines.core.qubo): the QUBO, every solver against enumeration, repair,
 fallbacks and bad input. Small instances only (QAOA on <= 5 qubits); the whole file runs in seconds.
 
 Hand-checked example used below (HAND):
@@ -21,9 +21,9 @@ import dimod
 import numpy as np
 import pytest
 
-from pipelines.core import quantum
+from pipelines.core import qubo
 from pipelines.core.errors import QllmError
-from pipelines.core.quantum import Allocation, BackendUnavailable, QuantumError, TooManyQubits, allocate_ranks, build_bqm
+from pipelines.core.qubo import Allocation, BackendUnavailable, QuantumError, TooManyQubits, allocate_ranks, build_bqm
 
 HAND_VALUES = {"a": {4: 0.3, 8: 0.55}, "b": {4: 0.2, 8: 0.25}}
 HAND_COSTS = {"a": {4: 40, 8: 80}, "b": {4: 60, 8: 120}}
@@ -50,15 +50,15 @@ def brute_force(values, costs, budget, redundancy=None, lam=0.0) -> float:
     best = -1.0
     for choice in itertools.product(*[[0, *values[m]] for m in modules]):
         ranks = dict(zip(modules, choice, strict=True))
-        if quantum.total_cost(ranks, costs) <= budget:
-            best = max(best, quantum.objective(ranks, values, redundancy, lam))
+        if qubo.total_cost(ranks, costs) <= budget:
+            best = max(best, qubo.objective(ranks, values, redundancy, lam))
     return best
 
 
 def decode(p, sample: dict) -> tuple[dict, bool]:
-    """quantum._decode on one sample given as {label: 0/1}: ({module: rank}, one rank per module)."""
+    """qubo._decode on one sample given as {label: 0/1}: ({module: rank}, one rank per module)."""
     labels = list(sample)
-    k, one_rank_each = quantum._decode(p, labels, np.array([[sample[v] for v in labels]]))
+    k, one_rank_each = qubo._decode(p, labels, np.array([[sample[v] for v in labels]]))
     return p.ranks(k[0]), bool(one_rank_each[0])
 
 
@@ -69,12 +69,12 @@ def test_objective_and_cost_by_hand():
     """ranks {a: 8, b: 4}, ρ = 0.5, λ = 0.5: 0.55 + 0.2 − 0.25·sqrt(0.55·0.2) = 0.75 − 0.25·0.331662 = 0.667085;
     cost 80 + 60 = 140. With b at rank 0 the pair's penalty vanishes: 0.55."""
     red = {("a", "b"): 0.5}
-    assert quantum.objective({"a": 8, "b": 4}, HAND_VALUES, red, lam=0.5) == pytest.approx(0.667085, abs=1e-6)
-    assert quantum.objective({"a": 8, "b": 0}, HAND_VALUES, red, lam=0.5) == pytest.approx(0.55)
-    assert quantum.total_cost({"a": 8, "b": 4}, HAND_COSTS) == 140
-    assert quantum.total_cost({"a": 0, "b": 0}, HAND_COSTS) == 0
+    assert qubo.objective({"a": 8, "b": 4}, HAND_VALUES, red, lam=0.5) == pytest.approx(0.667085, abs=1e-6)
+    assert qubo.objective({"a": 8, "b": 0}, HAND_VALUES, red, lam=0.5) == pytest.approx(0.55)
+    assert qubo.total_cost({"a": 8, "b": 4}, HAND_COSTS) == 140
+    assert qubo.total_cost({"a": 0, "b": 0}, HAND_COSTS) == 0
     with pytest.raises(QuantumError, match="'a' has no candidate rank 16"):
-        quantum.objective({"a": 16}, HAND_VALUES)
+        qubo.objective({"a": 16}, HAND_VALUES)
 
 
 def test_bqm_terms_without_a_binding_budget():
@@ -115,11 +115,11 @@ def test_ground_state_is_the_constrained_optimum(seed):
     lam = 0.5 if red else 0.0
     bqm, _ = build_bqm(values, costs, budget, red, lam)
     ground = dimod.ExactSolver().sample(bqm).first
-    p = quantum._problem(values, costs, budget, red, lam)
+    p = qubo._problem(values, costs, budget, red, lam)
     ranks, one_rank_each = decode(p, dict(ground.sample))
     optimum = brute_force(values, costs, budget, red, lam)
-    assert one_rank_each and quantum.total_cost(ranks, costs) <= budget
-    assert quantum.objective(ranks, values, red, lam) == pytest.approx(optimum, abs=1e-9)
+    assert one_rank_each and qubo.total_cost(ranks, costs) <= budget
+    assert qubo.objective(ranks, values, red, lam) == pytest.approx(optimum, abs=1e-9)
     assert ground.energy == pytest.approx(-optimum, abs=1e-9)
 
 
@@ -181,14 +181,14 @@ def test_as_dict_is_json():
 
 
 def test_solver_names():
-    assert quantum.SOLVERS == ("exact", "sa", "tabu", "milp", "dwave", "qaoa")
+    assert qubo.SOLVERS == ("exact", "sa", "tabu", "milp", "dwave", "qaoa")
 
 
 # ---------------------------------------------------------------- repair
 
 
 def test_decode_keeps_the_most_valuable_of_two_ranks():
-    p = quantum._problem(HAND_VALUES, HAND_COSTS, HAND_BUDGET)
+    p = qubo._problem(HAND_VALUES, HAND_COSTS, HAND_BUDGET)
     ranks, one_rank_each = decode(p, {"a@4": 1, "a@8": 1, "b@4": 0, "b@8": 0, "slack_budget_0": 1})
     assert ranks == {"a": 8, "b": 0} and not one_rank_each
 
@@ -196,16 +196,16 @@ def test_decode_keeps_the_most_valuable_of_two_ranks():
 def test_repair_fits_the_budget_by_hand():
     """{a: 8, b: 8} costs 200 > 100. Loss per parameter saved: b 8->4 0.05/60 (cheapest), then
     b 4->0 0.2/60 = 0.0033 beats a 8->4 0.25/40 = 0.00625: {a: 8, b: 0}, cost 80; b4 (60) no longer fits."""
-    p = quantum._problem(HAND_VALUES, HAND_COSTS, HAND_BUDGET)
-    assert p.ranks(quantum._fit(p, p.index({"a": 8, "b": 8}))) == {"a": 8, "b": 0}
-    assert p.ranks(quantum._repair(p, p.index({"a": 8, "b": 8}))) == {"a": 8, "b": 0}
+    p = qubo._problem(HAND_VALUES, HAND_COSTS, HAND_BUDGET)
+    assert p.ranks(qubo._fit(p, p.index({"a": 8, "b": 8}))) == {"a": 8, "b": 0}
+    assert p.ranks(qubo._repair(p, p.index({"a": 8, "b": 8}))) == {"a": 8, "b": 0}
 
 
 def test_repair_upgrades_into_unused_budget():
     """From nothing, with budget 100: a4 gains 0.3/40 = 0.0075 per parameter, a8 0.55/80 = 0.0069,
     b4 0.2/60: take a4, then a 4->8 (0.25/40) beats b4 (0.2/60) and leaves 20 unused."""
-    p = quantum._problem(HAND_VALUES, HAND_COSTS, HAND_BUDGET)
-    assert p.ranks(quantum._repair(p, p.index({}))) == {"a": 8, "b": 0}
+    p = qubo._problem(HAND_VALUES, HAND_COSTS, HAND_BUDGET)
+    assert p.ranks(qubo._repair(p, p.index({}))) == {"a": 8, "b": 0}
 
 
 def test_an_infeasible_sample_is_repaired(monkeypatch):
@@ -215,7 +215,7 @@ def test_an_infeasible_sample_is_repaired(monkeypatch):
         def sample(self, bqm, **kwargs):
             return dimod.SampleSet.from_samples_bqm({v: 1 for v in bqm.variables}, bqm)
 
-    monkeypatch.setattr(quantum, "SimulatedAnnealingSampler", AllOnes)
+    monkeypatch.setattr(qubo, "SimulatedAnnealingSampler", AllOnes)
     values, costs, budget, red = random_instance(4, modules=4)
     alloc = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa")
     assert alloc.repaired and alloc.feasible and alloc.cost <= budget
@@ -363,11 +363,11 @@ def test_exact_refuses_large_problems():
 
 def test_greedy_baseline():
     """HAND: a4 first (0.3/40 per parameter), then a 4->8 (0.25/40); b4 (60) no longer fits."""
-    alloc = quantum.greedy(HAND_VALUES, HAND_COSTS, HAND_BUDGET)
+    alloc = qubo.greedy(HAND_VALUES, HAND_COSTS, HAND_BUDGET)
     assert dict(alloc) == {"a": 8, "b": 0} and alloc.solver == "greedy" and alloc.feasible
     for seed in range(5):
         values, costs, budget, _ = random_instance(seed, modules=5, ranks=(4, 8, 16))
-        alloc = quantum.greedy(values, costs, budget)
+        alloc = qubo.greedy(values, costs, budget)
         assert isinstance(alloc, Allocation) and alloc.feasible and set(alloc) == set(values)
         assert alloc.objective <= brute_force(values, costs, budget) + 1e-9
 
