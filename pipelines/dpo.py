@@ -25,13 +25,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import adapters, distributed, preference_data, quantize, stage, training
+from pipelines.core import adapters, preference_data, quantize, stage, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import DpoParams
 from pipelines.core.errors import QllmError
 from pipelines.core.losses import preference_loss, reward_metrics
 from pipelines.core.models import CONSTRUCTION, device, load_for_inference, parameter_counts, save_pretrained
-from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.outputs import read_json, write_json
 
 NAME = "dpo"
 REF = "data/ref_logprobs"
@@ -125,25 +125,18 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     heldout = evaluate_pairs(model, loss_fn, heldout_pairs, pad, cfg.micro_batch_size, cfg.precision, "heldout")
     if tracker is not None and heldout:
         tracker.log_metrics(heldout, step=result["steps"])
-    history = result.pop("history")
-    if distributed.is_main():  # under torchrun, rank 0 alone writes the output
-        with atomic_dir(out) as tmp, CONSTRUCTION:
-            if params.adapter == "lora":
-                quantized_base = (str(root / reference), qconfig) if qconfig is not None else None
-                adapters.save(reference, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
-            else:
-                save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
-            training.write_history(history, tmp)
-            # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)
-            write_json(tmp / preference_data.PREFERENCE_CONFIG, {"beta": params.beta, "loss_type": params.loss_type, "reference": reference})
-    return {
-        **result,
-        **counts,
-        **heldout,
-        "reference": reference,
-        "train_pairs": len(train_pairs),
-        "tokens_per_second": round(result["tokens"] / max(result["train_seconds"], 1e-9)),
-    }
+
+    def save(tmp: Path) -> None:
+        if params.adapter == "lora":
+            quantized_base = (str(root / reference), qconfig) if qconfig is not None else None
+            adapters.save(reference, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
+        else:
+            save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
+        # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)
+        write_json(tmp / preference_data.PREFERENCE_CONFIG, {"beta": params.beta, "loss_type": params.loss_type, "reference": reference})
+
+    result = training.finish(result, out, save)
+    return {**result, **counts, **heldout, "reference": reference, "train_pairs": len(train_pairs)}
 
 
 def body(ctx: stage.StageContext) -> dict:

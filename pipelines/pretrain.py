@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import distributed, packed, stage, training
+from pipelines.core import packed, stage, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import PretrainParams
 from pipelines.core.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
@@ -60,16 +60,10 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         checkpoints=checkpoints,
         desc=NAME,
     )
-    history = result.pop("history")
-    if distributed.is_main():  # under torchrun, rank 0 alone writes the output
-        with atomic_dir(out) as tmp:
-            save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"])
-            training.write_history(history, tmp)
-    tokens_per_second = result["tokens"] / max(result["train_seconds"], 1e-9)
+    result = training.finish(result, out, lambda tmp: save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"]))
     return {
         **result,
         **counts,
-        "tokens_per_second": round(tokens_per_second),
         "vocab_size": len(tokenizer),
         "epochs": round(result["tokens"] / max(1, train_rows.size), 3),
     }

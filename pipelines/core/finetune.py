@@ -16,13 +16,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chat_examples, distributed, quantize, training
+from pipelines.core import chat_examples, quantize, training
 from pipelines.core.chat_template import parse_messages
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import FinetuneParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer, parameter_counts
-from pipelines.core.outputs import atomic_dir
 
 log = logging.getLogger("qllm.finetune")
 
@@ -106,9 +105,5 @@ def run(
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     result = training.train(model, chat_examples.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=desc)
-    history = result.pop("history")
-    if distributed.is_main():  # under torchrun, rank 0 alone writes the output
-        with atomic_dir(out) as tmp, CONSTRUCTION:  # saving may merge adapters: builds modules
-            save(model.cpu(), tokenizer, tmp)
-            training.write_history(history, tmp)
-    return {**result, **counts, **metrics, "tokens_per_second": round(result["tokens"] / max(result["train_seconds"], 1e-9))}
+    result = training.finish(result, out, lambda tmp: save(model.cpu(), tokenizer, tmp))
+    return {**result, **counts, **metrics}

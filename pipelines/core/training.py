@@ -617,6 +617,21 @@ TRAINING_LOG = "training_log.csv"
 EVAL_LOG = "eval_log.csv"
 
 
+def finish(result: dict[str, Any], out: Path, save: Callable[[Path], None]) -> dict[str, Any]:
+    """The end of every training stage: rank 0 writes `out` atomically (`save(tmp)`, the stage's
+    own files, then the loss history); every rank returns `train`'s summary without the history,
+    plus the training throughput `tokens_per_second`."""
+    from pipelines.core.models import CONSTRUCTION
+    from pipelines.core.outputs import atomic_dir
+
+    history = result.pop("history")
+    if distributed.is_main():  # under torchrun, rank 0 alone writes the output
+        with atomic_dir(out) as tmp, CONSTRUCTION:  # saving may merge adapters: builds modules
+            save(tmp)
+            write_history(history, tmp)
+    return {**result, "tokens_per_second": round(result["tokens"] / max(result["train_seconds"], 1e-9))}
+
+
 def write_history(history: dict[str, list[list[float]]], out: Path) -> None:
     """The loss curves next to the saved model, like the Trainer's `trainer_state.json`:
     `training_log.csv` (step, train_loss, lr) and `eval_log.csv` (step, val_loss); `evaluate`
