@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from pipelines.core import config, dag, precision
 from pipelines import pretrain, sft
+from pipelines.core import config, dag, precision
 from pipelines.core.outputs import read_json, write_json
 from pipelines.evaluate import evaluate_model, heldout_questions
 

@@ -17,8 +17,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipelines.core import config
 from pipelines import dpo
+from pipelines.core import config
 from pipelines.core.config import EvaluateParams
 from pipelines.evaluate import evaluate_model, heldout_questions
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import _Vocab
-from pipelines.core import config, preference_data, training
 from pipelines import dpo
-from pipelines.core import adapters
+from pipelines.core import adapters, config, preference_data, training
+from pipelines.core.extensions import Hook
 from pipelines.core.models import build_llama
 
 WARMUP = 3
@@ -54,7 +54,7 @@ def synthetic_pairs(n: int, vocab: int, prompt_len: int = 40, answer_len: int = 
 def step_seconds(model, loss_fn, pairs, cfg) -> float:
     marks: list[float] = []
     batches = training.Batches(len(pairs), cfg.micro_batch_size, 0, preference_data.collate(pairs, pad_id=1))
-    training.train(model, loss_fn, batches, cfg, callbacks=[lambda e, s, m: marks.append(time.perf_counter()) if e == "step_end" else None])
+    training.train(model, loss_fn, batches, cfg, extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))])
     durations = np.diff(marks[WARMUP - 1 :])
     return float(np.median(durations))
 

@@ -24,8 +24,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipelines.core import config, qubo
 from pipelines import lora, quantum_opt
+from pipelines.core import config, qubo
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 

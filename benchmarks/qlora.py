@@ -28,8 +28,8 @@ from pathlib import Path
 def one(args: argparse.Namespace) -> dict:
     import torch
 
-    from pipelines.core import config, precision
     from pipelines import lora
+    from pipelines.core import config, precision
     from pipelines.core.config import LoraParams, TrainParams
 
     base, work = Path(args.base), Path(args.work)

@@ -1,14 +1,20 @@
 """How lossy is merging a QLoRA adapter: into the dequantized base (what lora.merge writes) vs into the original
 full-precision base. Usage: PYTHONPATH=. python benchmarks/qlora_merge.py PROJECT BASE_DIR (PROJECT: after `qllm run --until tokenize`)."""
-import json, sys, tempfile, torch
+import json
+import sys
+import tempfile
 from pathlib import Path
+
+import torch
 from peft import PeftModel
-from pipelines.core import config, quantize
+
 from pipelines import lora
+from pipelines.core import config, quantize
 from pipelines.core.config import LoraParams, TrainParams
+from pipelines.core.models import load_causal_lm, load_tokenizer, save_pretrained
 from pipelines.evaluate import evaluate_model, heldout_questions
-from pipelines.core.models import load_causal_lm, save_pretrained, load_tokenizer
-root = Path(sys.argv[1]); base = sys.argv[2]
+
+root, base = Path(sys.argv[1]), sys.argv[2]
 params, _ = config.load(root)
 questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
 with tempfile.TemporaryDirectory() as tmp:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pipelines.core import config, training
+from pipelines.core.extensions import Hook
 from pipelines.core.models import build_llama
 
 WARMUP = 3
@@ -65,7 +66,7 @@ def shared_loop(model, rows: np.ndarray, cfg: config.TrainParams) -> float:
         training.causal_lm_loss,
         training.Batches(len(rows), cfg.micro_batch_size, 0, lambda idx: {"input_ids": torch.from_numpy(rows[np.sort(idx)].astype(np.int64))}),
         cfg,
-        callbacks=[lambda event, state, metrics: marks.append(time.perf_counter()) if event == "step_end" else None],
+        extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))],
     )
     timed_steps = cfg.max_steps - WARMUP
     return timed_steps * cfg.micro_batch_size * rows.shape[1] / (marks[-1] - marks[WARMUP - 1])

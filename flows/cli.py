@@ -32,8 +32,8 @@ import sys
 import threading
 from pathlib import Path
 
-from pipelines.core import config, dag
 from flows import preflight
+from pipelines.core import config, dag
 from pipelines.core.errors import QllmError, ask_stop, clear_stop, request_stop, stop_requested, stop_signal
 
 

@@ -29,8 +29,8 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
-from pipelines.core import config, dag, errors, repro, tracking, workspace
 from flows import preflight
+from pipelines.core import config, dag, errors, repro, tracking, workspace
 from tasks.stages import stage_task
 
 

@@ -29,6 +29,7 @@ import torch
 from pipelines.core import adapters, chat_examples, distributed, finetune, quantize, stage, training
 from pipelines.core.config import ProbeLoraParams
 from pipelines.core.errors import QllmError
+from pipelines.core.extensions import Extension
 from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer
 from pipelines.core.outputs import atomic_dir, write_json
 
@@ -51,17 +52,17 @@ def candidate_modules(model: torch.nn.Module, suffixes: list[str]) -> dict[str, 
     return found
 
 
-class GradientRecorder:
-    """A training-loop callback accumulating G_m and recording g_m(b) at every step."""
+class GradientRecorder(Extension):
+    """A training-loop extension accumulating G_m and recording g_m(b) at every step."""
+
+    name = "gradient_recorder"
 
     def __init__(self, modules: dict[str, torch.nn.Linear]):
         self.modules = modules
         self.accumulated = {name: torch.zeros_like(m.weight, dtype=torch.float32) for name, m in modules.items()}
         self.energies: dict[str, list[float]] = {name: [] for name in modules}
 
-    def __call__(self, event: str, state, metrics) -> None:
-        if event != "gradients":
-            return
+    def on_gradients(self, state) -> None:
         with torch.no_grad():
             for name, module in self.modules.items():
                 grad = module.weight.grad.float()
@@ -175,7 +176,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
         with CONSTRUCTION:
             model = model.to(device())
         recorder = GradientRecorder(candidate_modules(model, params.target_modules))
-        result = training.train(model, chat_examples.chat_loss, batches, cfg, tracker=tracker, callbacks=[recorder], desc=NAME)
+        result = training.train(model, chat_examples.chat_loss, batches, cfg, tracker=tracker, extensions=[recorder], desc=NAME)
         result.pop("history")  # the probe's weights and curves are thrown away
     table = scores(recorder, params.ranks)
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output

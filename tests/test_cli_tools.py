@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.cli import main
-from flows import lineage as registry_lineage
-from pipelines.core import dag, lineage
 from flows import compare, generation
+from flows import lineage as registry_lineage
+from flows.cli import main
+from pipelines.core import dag, lineage
 from tests.conftest import ALWAYS_CHANGED, make_project
 
 

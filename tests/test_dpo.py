@@ -8,8 +8,8 @@ import shutil
 import pandas as pd
 import pytest
 
-from pipelines.core import preference_data
 from pipelines import dpo, ref_logprobs
+from pipelines.core import preference_data
 from pipelines.core.config import DpoParams, RefLogprobsParams, TrainParams
 from tests.conftest import record_dpo_losses
 

@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 import torch
 
-from pipelines.core import plots, preference_data, training
 from pipelines import evaluate
+from pipelines.core import plots, preference_data, training
 from pipelines.core.models import load_for_inference
 
 

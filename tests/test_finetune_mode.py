@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.core import dag
-from pipelines.core import model_source
+from pipelines.core import dag, model_source
 from pipelines.core.config import BaseModelParams
 from pipelines.core.errors import QllmError
 from tests.chat_families import CHATML, save_base_model

@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from pipelines.core import stage
 from pipelines import generate
+from pipelines.core import stage
 from pipelines.core.config import GenerateParams
 from pipelines.core.errors import QllmError
 from pipelines.core.sample_world import COUNT_KEYS, FILES

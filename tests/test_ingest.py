@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from pipelines.core import stage
 from pipelines import ingest
+from pipelines.core import stage
 from pipelines.core.config import IngestParams, SourceParams
 from pipelines.core.readers import COLUMNS, ReaderError
 

@@ -314,7 +314,7 @@ def test_qlora_in_the_sample_pipeline_reruns_only_lora_and_what_follows(first, p
     assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "lora", "evaluate", "register"], status
     ws = Path(summary["workspace"])
     lora_metrics = json.loads((ws / "data/metrics/lora.json").read_text())
-    assert 0 < lora_metrics["linear_weight_bytes"] and lora_metrics["steps"] == 6
+    assert lora_metrics["linear_weight_bytes"] > 0 and lora_metrics["steps"] == 6
     assert "quantization_config" not in json.loads((ws / "data/models/lora/merged/config.json").read_text())  # merged: a plain model
     assert 0 <= json.loads((ws / "data/metrics/evaluate.json").read_text())["lora"]["exact_match"] <= 1
 

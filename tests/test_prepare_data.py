@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines.core import cleaning, stage
 from pipelines import prepare_data
+from pipelines.core import cleaning, stage
 from pipelines.core.config import PrepareDataParams
 from pipelines.core.readers import COLUMNS, empty_frame
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from pipelines.core import quantize
 from pipelines import lora
+from pipelines.core import quantize
 from pipelines.core.config import LoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from tests.conftest import record_dpo_losses
@@ -149,8 +149,7 @@ def test_qlora_resumes_exactly_from_its_adapter_checkpoint(qbase, tmp_path, capl
 def test_qlora_in_fine_tuning_mode_loads_the_pointed_base_straight_into_4_bits(qbase, tmp_path):
     """`base_model.name` set: lora's base is the pointer `pretrain` writes; it is followed and the
     model it names is quantized as it loads."""
-    from pipelines.core import dag
-    from pipelines.core import model_source
+    from pipelines.core import dag, model_source
 
     pointer = tmp_path / "project/data/models/pretrain"
     pointer.mkdir(parents=True)
@@ -222,7 +221,7 @@ def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qb
         reference.zero_grad()
         loss, _ = chat_examples.chat_loss(reference, next(batches))
         loss.backward()
-        recorder("gradients", None, {})
+        recorder.on_gradients(None)
     expected = probe_lora.scores(recorder, [1, 2])
     for name, shape in table["modules"].items():
         assert shape["energy_share"] == pytest.approx(expected["modules"][name]["energy_share"], rel=1e-3), name

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from pipelines.core import real_text
 from pipelines import generate
+from pipelines.core import real_text
 from pipelines.core.config import GenerateParams, SourceParams
 from pipelines.core.readers import read_source
 

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from flows import preflight
 from flows.local_api import free_port
 from pipelines.core import tracking, training
-from flows import preflight
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.extensions import Hook
 from tests.test_training import tiny_model
 
 
@@ -77,11 +78,11 @@ def test_non_finite_without_skips_stops_naming_the_step_and_keeps_the_last_check
 def test_skipped_batches_do_not_step_the_optimizer_or_schedule_and_are_counted(caplog):
     # Calls: 1 step 1 ok; 2 NaN loss (skipped, step 2 retried); 3 step 2 ok; 4 NaN gradient (skipped); 5.. ok.
     events = []
-    record = lambda event, state, metrics: events.append(event) if event == "gradients" else None  # noqa: E731
+    record = Hook("on_gradients", lambda state: events.append("gradients"))
     clean = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg())
     with caplog.at_level(logging.WARNING, logger="qllm.training"):
         result = training.train(tiny_model(), poisoned_loss({2: "loss", 4: "grad"}), batches(), cfg(skip_nonfinite=2),
-                                callbacks=[record])
+                                extensions=[record])
     assert result["steps"] == 6 and result["skipped_nonfinite"] == 2 and clean["skipped_nonfinite"] == 0
     assert "non-finite loss (nan) or gradient norm (nan) at step 2: batch skipped (no optimizer step), 1 of at most 2" in caplog.text
     assert "non-finite loss" in caplog.text and "gradient norm (nan) at step 3: batch skipped (no optimizer step), 2 of at most 2" in caplog.text
@@ -168,11 +169,11 @@ def test_other_runtime_errors_pass_through_unchanged():
 
 def test_gradient_checkpointing_trains_the_same_and_is_switched_off_after():
     seen = []
-    record = lambda event, state, metrics: seen.append(state_model.is_activation_checkpointing) if event == "gradients" else None  # noqa: E731
+    record = Hook("on_gradients", lambda state: seen.append(state_model.is_activation_checkpointing))
     plain = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(max_steps=3))
     state_model = tiny_model()
     checkpointed = training.train(state_model, training.causal_lm_loss, batches(), cfg(max_steps=3, gradient_checkpointing=True),
-                                  callbacks=[record])
+                                  extensions=[record])
     assert seen == [True, True, True] and not state_model.is_activation_checkpointing
     losses = lambda r: [row[1] for row in r["history"]["train"]]  # noqa: E731
     assert losses(checkpointed) == pytest.approx(losses(plain), rel=1e-5)

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.core import dag, repro
+from pipelines.core.extensions import Hook
 from tests.conftest import make_project
 
 MAX_STEPS = 200
@@ -49,8 +50,8 @@ def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path
 
     in_step_3, outcome = threading.Event(), {}
 
-    def stall(event, state, metrics):  # step 3 never ends on its own
-        if event == "gradients" and state.step == 2:
+    def stall(state):  # step 3 never ends on its own
+        if state.step == 2:
             in_step_3.set()
             while True:
                 time.sleep(0.01)
@@ -58,7 +59,7 @@ def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path
     def train():
         try:
             training.train(tiny_model(), training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
-                           cfg(checkpoint_every=1), checkpoints=CheckpointManager(tmp_path, 5), callbacks=[stall])  # fmt: skip
+                           cfg(checkpoint_every=1), checkpoints=CheckpointManager(tmp_path, 5), extensions=[Hook("on_gradients", stall)])  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             outcome["error"] = exc
 

@@ -11,6 +11,7 @@ import torch
 from pipelines.core import training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import ModelParams, TrainParams
+from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.models import build_llama
 
 
@@ -101,16 +102,17 @@ def test_resume_after_interruption_is_bitwise_exact(tmp_path):
 
     def run(directory, stop_at=None):
         model = tiny_model()
-        def stopper(event, state, metrics):
-            if event == "step_end" and state.step == stop_at:
+        def stopper(state, metrics):
+            if state.step == stop_at:
                 raise Interrupt
         batches = training.Batches(32, 4, 0, collate(data))
-        training.train(model, training.causal_lm_loss, batches, cfg(precision="bf16"), checkpoints=CheckpointManager(directory, 2), callbacks=[stopper])
+        training.train(model, training.causal_lm_loss, batches, cfg(precision="bf16"), checkpoints=CheckpointManager(directory, 2), extensions=[Hook("on_step_end", stopper)])
         return model
 
     reference = run(tmp_path / "straight")
-    with pytest.raises(Interrupt):
-        run(tmp_path / "killed", stop_at=5)  # checkpoints at step 3 exist; step 4-5 work is lost
+    with pytest.raises(ExtensionError, match="extension 'hook:on_step_end' failed in on_step_end: Interrupt") as err:
+        run(tmp_path / "killed", stop_at=5)
+    assert isinstance(err.value.__cause__, Interrupt)  # checkpoints at step 3 exist; step 4-5 work is lost
     resumed = run(tmp_path / "killed")
     for (name, a), (_, b) in zip(reference.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
@@ -153,13 +155,13 @@ def test_stop_signal_checkpoints_the_step_and_resumes_exactly(tmp_path, signum):
     def run(directory, signal_at=None):
         model = tiny_model()
 
-        def sender(event, state, metrics):  # the signal arrives in the middle of step 4 (after its backward)
-            if event == "gradients" and state.step + 1 == signal_at and not sent:
+        def sender(state):  # the signal arrives in the middle of step 4 (after its backward)
+            if state.step + 1 == signal_at and not sent:
                 sent.append(state.step + 1)
                 os.kill(os.getpid(), getattr(signal, signum))
 
         batches = training.Batches(32, 4, 0, collate(data))
-        training.train(model, training.causal_lm_loss, batches, cfg(checkpoint_every=0), checkpoints=CheckpointManager(directory, 2), callbacks=[sender])
+        training.train(model, training.causal_lm_loss, batches, cfg(checkpoint_every=0), checkpoints=CheckpointManager(directory, 2), extensions=[Hook("on_gradients", sender)])
         return model
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)

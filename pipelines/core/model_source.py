@@ -37,7 +37,12 @@ def hub_snapshot(name: str, revision: str | None) -> Path:
     """The local snapshot directory of a hub model at `revision` (downloaded when online, from the
     cache when `HF_HUB_OFFLINE=1`); its name is the commit."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES))

@@ -521,7 +521,7 @@ def _preference_implicit(record: dict[str, Any]) -> tuple[str, str, str]:
     chosen, rejected = _conversation(record["chosen"], "chosen"), _conversation(record["rejected"], "rejected")
     prompt, other = chosen[:-1], rejected[:-1]
     if prompt != other:
-        turn = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
+        turn = next((i for i, (a, b) in enumerate(zip(prompt, other, strict=False)) if a != b), min(len(prompt), len(other)))
         raise _Bad(
             f"'chosen' and 'rejected' have different prompts: they differ at turn {turn + 1} "
             f"(an implicit-prompt pair shares every turn but the final answer)"

@@ -6,9 +6,9 @@ A method differs only in what it hands the loop:
   its metrics are averaged over accumulation steps and logged under their own names
 - `batches`: a resumable, seeded order over its data (`Batches`)
 - `val_fn(model) -> metrics`: validation, with `val/loss` driving early stopping and "best"
-- `callbacks`: functions called at fixed points with the loop state: `"gradients"` (after
-  backward and unscaling, before clipping: the raw gradients of the step are in `.grad`; never
-  for a skipped non-finite batch), `"step_end"`, `"eval"`
+- `extensions`: objects called at fixed points of the loop (train begin, gradients, step end,
+  evaluation, save, train end) whose state is saved in checkpoints (`pipelines.core.extensions`);
+  early stopping is one
 
 The loop owns the rest: AdamW with no-decay groups, warmup + cosine/linear schedule, gradient
 accumulation, clipping, autocast in the precision the device supports (`auto`), progress bar, MLflow metrics, checkpoints and
@@ -30,7 +30,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,12 +42,12 @@ from pipelines.core import distributed
 from pipelines.core.checkpoint import CheckpointManager, rng_state, set_rng_state
 from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError, StopRequested, clear_stop, request_stop, stop_requested, training_thread
+from pipelines.core.extensions import Extension, Extensions
 from pipelines.core.precision import resolve as resolve_precision
 
 log = logging.getLogger("qllm.training")
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
-Callback = Callable[[str, "TrainState", dict[str, float]], None]
 
 
 class NonFiniteLossError(QllmError):
@@ -243,7 +243,7 @@ def _batch_tokens(batch: Any) -> int:
 
 def gradient_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
     """Total L2 norm of the gradients, computed before clipping so a non-finite step can be skipped
-    before any callback or the optimizer sees its gradients."""
+    before any extension or the optimizer sees its gradients."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: the foreach kernels clip_grad_norm_ uses
         norm = torch.nn.utils.get_total_norm(grads)
@@ -335,16 +335,20 @@ class _OutOfMemoryGuard:
             raise TrainingOutOfMemoryError(self.message)
 
 
-def early_stopping(patience: int) -> Callback:
-    """Stop after `patience` evaluations without a new best validation loss."""
+class EarlyStopping(Extension):
+    """Stop after `patience` evaluations without a new best validation loss (`train.early_stopping_patience`;
+    its count is loop state, `TrainState.evals_without_improvement`, so it resumes with the loop)."""
 
-    def callback(event: str, state: TrainState, metrics: dict[str, float]) -> None:
-        if event == "eval" and patience and state.evals_without_improvement >= patience:
+    name = "early_stopping"
+
+    def __init__(self, patience: int) -> None:
+        self.patience = patience
+
+    def on_evaluate(self, state: TrainState, metrics: dict[str, float]) -> None:
+        if self.patience and state.evals_without_improvement >= self.patience:
             log.info("early stopping at step %d: no better val/loss for %d evaluations (best %.4f at step %d)",
-                     state.step, patience, state.best_val_loss, state.best_step)
+                     state.step, self.patience, state.best_val_loss, state.best_step)
             state.stop = True
-
-    return callback
 
 
 def train(
@@ -356,7 +360,7 @@ def train(
     val_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
     tracker=None,
     checkpoints: CheckpointManager | None = None,
-    callbacks: list[Callback] = (),
+    extensions: Sequence[Extension] = (),
     desc: str = "train",
 ) -> dict[str, Any]:
     """Train `model` for `cfg.max_steps` optimizer steps; returns summary metrics.
@@ -382,7 +386,7 @@ def train(
     if cfg.precision == "auto":  # stages resolve it before (pipelines.core.stage); direct callers get the same choice
         cfg = cfg.model_copy(update={"precision": resolve_precision(cfg.precision, desc)})
     with training_thread(), _StopSignals() as stop_signals:
-        return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, callbacks=callbacks,
+        return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, extensions=extensions,
                       desc=desc, stop_signals=stop_signals)  # fmt: skip
 
 
@@ -395,7 +399,7 @@ def _train(
     val_fn: Callable[[torch.nn.Module], dict[str, float]] | None,
     tracker,
     checkpoints: CheckpointManager | None,
-    callbacks: list[Callback],
+    extensions: Sequence[Extension],
     desc: str,
     stop_signals: _StopSignals,
 ) -> dict[str, Any]:
@@ -409,8 +413,8 @@ def _train(
         batches.shard(distributed.rank(), world)
         tracker = None if not main else tracker  # rank 0 alone talks to MLflow
     fsdp = world > 1 and cfg.strategy == "fsdp"
-    if fsdp and callbacks:
-        raise QllmError(f"{desc}: train.strategy fsdp does not support training callbacks (they see the unsharded model, "
+    if fsdp and extensions:
+        raise QllmError(f"{desc}: train.strategy fsdp does not support training extensions (they see the unsharded model, "
                         f"whose gradients stay empty); use --set {desc}.train.strategy=ddp")  # fmt: skip
     net = model  # what the loss runs and the optimizer updates (DDP wraps it below)
     if fsdp:  # FSDP trains a sharded copy; `model` gets its full weights back at checkpoints and at the end
@@ -424,7 +428,7 @@ def _train(
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     trainable = [p for p in net.parameters() if p.requires_grad]
     state = TrainState()
-    callbacks = [*callbacks, early_stopping(cfg.early_stopping_patience)]
+    hooks = Extensions([*extensions, *([EarlyStopping(cfg.early_stopping_patience)] if cfg.early_stopping_patience else [])], desc)
 
     def snapshot() -> dict[str, Any]:
         return {
@@ -434,6 +438,7 @@ def _train(
             "rng": rng_state(),
             "batches": batches.state_dict(),
             "loop": asdict(state),
+            "extensions": hooks.state_dict(),
         }
 
     if checkpoints is not None and (latest := checkpoints.latest_valid()) is not None:
@@ -447,6 +452,7 @@ def _train(
         batches.load_state_dict(saved["batches"])
         set_rng_state(saved["rng"])
         state = TrainState(**saved["loop"])
+        hooks.load_state_dict(saved.get("extensions", {}))
         log.info("%s: resumed from step %d (%s)", desc, state.step, latest.path)
 
     if cfg.gradient_checkpointing and not fsdp:
@@ -461,11 +467,14 @@ def _train(
         (into rank 0's `model`) and the full optimizer state."""
         if fsdp:
             distributed.gather_into(net, model)
+        if main:
+            hooks.call("on_save", state, best)
         snap = snapshot() if fsdp or main else None
         if main:
             if tracker is not None:
                 tracker.flush()
             checkpoints.save(state.step, model, snap, best=best)
+    hooks.call("on_train_begin", state)
     progress = tqdm(total=cfg.max_steps, initial=state.step, desc=desc, unit="step", disable=None if main else True, mininterval=1.0, dynamic_ncols=True)
     window_tokens, window_start = 0, time.perf_counter()
     started, start_step = time.perf_counter(), state.step
@@ -515,8 +524,7 @@ def _train(
             scaler.update()  # resets the scaler's per-step state (and lowers the fp16 loss scale)
             continue
         window_tokens += step_tokens
-        for callback in callbacks:
-            callback("gradients", state, {})
+        hooks.call("on_gradients", state)
         if cfg.max_grad_norm > 0:
             clip_gradients(trainable, cfg.max_grad_norm, grad_norm)
         with oom:
@@ -542,8 +550,7 @@ def _train(
             if tracker is not None:
                 tracker.log_metrics(last, step=state.step)
             progress.set_postfix(loss=f"{last['train/loss']:.4f}", tok_s=f"{last['train/tokens_per_sec']:.0f}", refresh=False)
-        for callback in callbacks:
-            callback("step_end", state, last)
+        hooks.call("on_step_end", state, last)
 
         is_best = False
         eval_due = cfg.eval_every and state.step % cfg.eval_every == 0
@@ -560,8 +567,7 @@ def _train(
             if main:
                 log.info("%s step %d/%d: train/loss %.4f, val/loss %.4f", desc, state.step, cfg.max_steps, float(train_loss), val["val/loss"])
             last |= val
-            for callback in callbacks:
-                callback("eval", state, val)
+            hooks.call("on_evaluate", state, val)
         saved = checkpoints is not None and bool(is_best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
         if saved:
             save_checkpoint(is_best)
@@ -598,7 +604,7 @@ def _train(
     if val_fn is not None and not any(k.startswith("val/") for k in last):
         last |= distributed.mean_across_ranks(val_fn(model), device)  # resumed from a checkpoint at max_steps: nothing ran, the metrics still count
     train_loss = last.get("train/loss", state.history["train"][-1][1] if state.history["train"] else float("nan"))
-    return {
+    summary = {
         "steps": state.step,
         "tokens": state.tokens,
         "train_loss": train_loss,
@@ -611,6 +617,8 @@ def _train(
         "history": state.history,
         **{k: v for k, v in last.items() if k.startswith("val/")},
     }
+    hooks.call("on_train_end", state, summary)
+    return summary
 
 
 TRAINING_LOG = "training_log.csv"

@@ -1,0 +1,128 @@
+"""Extensions: code that joins the training loop at fixed points without editing it.
+
+An extension is an object with no-op methods for the points it cares about (the design notes'
+ExtensionManager and hooks; Lightning's and the HF Trainer's callbacks play the same part):
+
+    class GradientNorms(Extension):
+        name = "gradient_norms"
+
+        def __init__(self):
+            self.norms = []
+
+        def on_gradients(self, state):               # after backward, before clipping
+            self.norms.append(...)
+
+        def state_dict(self):                         # saved in every checkpoint ...
+            return {"norms": self.norms}
+
+        def load_state_dict(self, state):             # ... and given back on resume
+            self.norms = list(state["norms"])
+
+    training.train(model, loss_fn, batches, cfg, extensions=[GradientNorms()])
+
+The points, in the order they come in a run:
+
+- `on_train_begin(state)`: after a resumed run restored its state (`state.step` is where it goes on)
+- `on_gradients(state)`: after backward (and unscaling), before clipping and the optimizer: the
+  raw gradients of the step are in `.grad`; never for a batch skipped as non-finite
+- `on_step_end(state, metrics)`: after the optimizer step; `metrics` holds the last logged values
+- `on_evaluate(state, metrics)`: after validation, with its metrics (`val/loss`, ...)
+- `on_save(state, best)`: just before a checkpoint is written (rank 0)
+- `on_train_end(state, summary)`: after the last step (and the best weights are back), with the
+  summary `train` returns
+
+Extensions run in the order given. `state` is the loop's `TrainState`; setting `state.stop = True`
+ends training after the current step (early stopping is an extension). `state_dict` and
+`load_state_dict` make an extension resume exactly: its state is saved in each checkpoint under its
+`name` (unique within a run) and must be what `torch.load(weights_only=True)` reads back (tensors,
+numbers, strings, lists, dicts). An exception in an extension stops training with an
+`ExtensionError` naming the extension and the point (a stop signal arriving meanwhile stays a
+stop signal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipelines.core.errors import QllmError, StopRequested
+
+HOOKS = ("on_train_begin", "on_gradients", "on_step_end", "on_evaluate", "on_save", "on_train_end")
+
+
+class ExtensionError(QllmError, RuntimeError):
+    """An extension raised: training stopped (the last checkpoint stays)."""
+
+
+class Extension:
+    """Base class: every hook does nothing; override the ones you need."""
+
+    name: str = "extension"
+
+    def on_train_begin(self, state) -> None:
+        pass
+
+    def on_gradients(self, state) -> None:
+        pass
+
+    def on_step_end(self, state, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_evaluate(self, state, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_save(self, state, best: bool) -> None:
+        pass
+
+    def on_train_end(self, state, summary: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Hook(Extension):
+    """One function at one point, for timing and tests: `Hook("on_step_end", lambda state, metrics: ...)`."""
+
+    def __init__(self, point: str, function, name: str | None = None) -> None:
+        if point not in HOOKS:
+            raise ValueError(f"unknown extension point {point!r} (expected one of: {', '.join(HOOKS)})")
+        self.name = name or f"hook:{point}"
+        setattr(self, point, function)
+
+
+class Extensions:
+    """The extensions of one run, called in order at each point."""
+
+    def __init__(self, extensions: Sequence[Extension], desc: str = "train") -> None:
+        self.items = list(extensions)
+        self.desc = desc
+        names = [extension.name for extension in self.items]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ExtensionError(f"{desc}: extension names must be unique within a run (their state is saved by name): {', '.join(repeated)}")
+        # only the hooks some extension overrides are called: a run without extensions pays nothing per step
+        self.active = {hook: [e for e in self.items if hook in vars(e) or getattr(type(e), hook) is not getattr(Extension, hook)] for hook in HOOKS}
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def call(self, hook: str, *args: Any) -> None:
+        for extension in self.active[hook]:
+            try:
+                getattr(extension, hook)(*args)
+            except StopRequested:  # a stop signal that arrived while the extension ran: the loop's business
+                raise
+            except Exception as exc:
+                raise ExtensionError(f"{self.desc}: extension {extension.name!r} failed in {hook}: {type(exc).__name__}: {exc}") from exc
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {extension.name: extension.state_dict() for extension in self.items}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        for extension in self.items:
+            if extension.name in state:
+                extension.load_state_dict(state[extension.name])
