@@ -192,6 +192,10 @@ class ModelParams(Section):
         return self
 
 
+DEFAULT_EXTENSIONS = ("mlflow_metrics", "tensorboard", "system_metrics")
+"""`train.extensions` when params do not set it: the loggers of every training stage."""
+
+
 class TrainParams(Section):
     """The shared training loop's settings (every training stage has its own copy)."""
 
@@ -248,6 +252,31 @@ class TrainParams(Section):
     own forward/backward only: less accelerator memory per rank for more communication; the same
     loss curve as `ddp` and 1 process. Checkpoints and outputs hold the full (gathered) weights.
     Ignored with `nproc` 1."""
+
+    extensions: list[str | dict[str, Any]] = Field(default_factory=lambda: list(DEFAULT_EXTENSIONS))
+    """Extensions of the training loop, run in this order (`pipelines.core.extensions`): a name, or
+    `{name: ..., <setting>: ...}`. Built in: `mlflow_metrics` (the loop's metrics to the stage's MLflow
+    run), `tensorboard` (event files under `tensorboard/<stage>/`; setting `log_dir`),
+    `system_metrics` (MLflow system metrics: CPU, memory, GPU; settings `interval`, `max_interval`
+    in seconds). Others as `package.module:Class`. The list replaces the default one: keep
+    `mlflow_metrics` in it to log the loop's metrics to MLflow. `[]`: none."""
+
+    @field_validator("extensions")
+    @classmethod
+    def _extensions(cls, entries: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+        from pipelines.core import extensions  # no torch: the classes import their heavy parts when built
+
+        names = []
+        for index, entry in enumerate(entries):
+            try:
+                name, settings = extensions.parse(entry, f"entry {index}")
+                extensions.check_settings(extensions.resolve(name, f"entry {index}"), settings, f"entry {index} ({name})")
+            except QllmError as exc:
+                raise ValueError(str(exc)) from None
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ValueError(f"an extension is listed twice: {names}")
+        return entries
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainParams:

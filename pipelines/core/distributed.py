@@ -18,6 +18,7 @@ which `launch` reads back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -194,3 +195,73 @@ def load_full_state(net: torch.nn.Module, model: torch.nn.Module, optimizer: tor
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(net, model.state_dict(), options=options)
     set_optimizer_state_dict(net, optimizer, optimizer_state, options=options)
+
+
+class Parallel:
+    """What differs between one process, DDP and FSDP, behind one interface, so that the training
+    loop does not branch on the strategy.
+
+    `model` is what the caller gave and gets back; `net` is what the loss runs and the optimizer
+    updates: `model` itself (one process), `model` wrapped in DDP, or an FSDP-sharded copy (whose
+    full weights are gathered back into `model` at checkpoints and at the end).
+    """
+
+    def __init__(self, model: torch.nn.Module, grad_accum_steps: int, strategy: str, desc: str) -> None:
+        self.world = world_size()
+        self.main = is_main()
+        self.fsdp = self.world > 1 and strategy == "fsdp"
+        self.ddp = self.world > 1 and not self.fsdp
+        self.device = next(model.parameters()).device
+        self.accum = grad_accum_steps if self.world == 1 else local_accum_steps(grad_accum_steps, self.world, desc)
+        self.model = model
+        self.net = model
+
+    def prepare(self) -> torch.nn.Module:
+        """Make `net`: FSDP shards a copy (the full model waits in host memory), DDP wraps `model`."""
+        if self.fsdp:
+            self.net = shard(self.model)
+            if self.device.type != "cpu":
+                self.model.to("cpu")  # the accelerator holds shards only
+        elif self.ddp:
+            self.net = wrap(self.model)
+        return self.net
+
+    def gradient_sync(self, micro: int) -> Any:
+        """The context of micro-batch `micro`: gradients are averaged (and sharded) across ranks once
+        per step, at the last micro-batch."""
+        last = micro == self.accum - 1
+        if self.fsdp:
+            self.net.set_requires_gradient_sync(last)
+        return self.net.no_sync() if self.ddp and not last else contextlib.nullcontext()
+
+    def eval_model(self) -> torch.nn.Module:
+        """What validation runs mid-training: under FSDP every rank runs the sharded forward."""
+        return self.net if self.fsdp else self.model
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """For a checkpoint: the whole optimizer state (FSDP: gathered on rank 0, a collective)."""
+        return full_optimizer_state(self.net, optimizer) if self.fsdp else optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Resume: `model` holds the checkpoint's weights; FSDP also loads them into its shards."""
+        if self.fsdp:
+            load_full_state(self.net, self.model, optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
+
+    def gather(self, everywhere: bool = False) -> None:
+        """FSDP: the full trained weights into rank 0's `model` (every rank's with `everywhere`); a
+        collective. Nothing to do otherwise: `net` trains `model` itself."""
+        if self.fsdp:
+            if everywhere:
+                self.model.to(self.device)
+            gather_into(self.net, self.model, everywhere=everywhere)
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        return mean_across_ranks(values, self.device)
+
+    def total(self, value: int) -> int:
+        return int(sum_across_ranks(value, self.device))
+
+    def any(self, flag: bool) -> bool:
+        return any_rank(flag, self.device)

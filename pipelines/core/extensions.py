@@ -26,10 +26,16 @@ The points, in the order they come in a run:
 - `on_gradients(state)`: after backward (and unscaling), before clipping and the optimizer: the
   raw gradients of the step are in `.grad`; never for a batch skipped as non-finite
 - `on_step_end(state, metrics)`: after the optimizer step; `metrics` holds the last logged values
+- `on_log(state, metrics, step)`: the loop reports metrics at `step`: the training metrics every
+  `train.log_every` steps, validation metrics after each evaluation, `train/skipped_nonfinite` when
+  a batch is skipped (the metric loggers, `pipelines.core.loggers`, implement only this)
 - `on_evaluate(state, metrics)`: after validation, with its metrics (`val/loss`, ...)
 - `on_save(state, best)`: just before a checkpoint is written (rank 0)
 - `on_train_end(state, summary)`: after the last step (and the best weights are back), with the
   summary `train` returns
+
+`close()` is no hook point: it runs once when the loop ends, whether it finished, stopped or failed
+(stop threads, close files).
 
 Extensions run in the order given. `state` is the loop's `TrainState`; setting `state.stop = True`
 ends training after the current step (early stopping is an extension). `state_dict` and
@@ -38,16 +44,34 @@ ends training after the current step (early stopping is an extension). `state_di
 numbers, strings, lists, dicts). An exception in an extension stops training with an
 `ExtensionError` naming the extension and the point (a stop signal arriving meanwhile stays a
 stop signal).
+
+In params, `train.extensions` names the extensions of a training stage, with their settings
+(`build`): the built-in ones below by name, others as `package.module:Class`, built with
+`Class(context, **settings)` (`ExtensionContext`: the stage, its MLflow tracker, the project root).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pipelines.core.errors import QllmError, StopRequested
 
-HOOKS = ("on_train_begin", "on_gradients", "on_step_end", "on_evaluate", "on_save", "on_train_end")
+HOOKS = ("on_train_begin", "on_gradients", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
+
+BUILTIN = {
+    "mlflow_metrics": "pipelines.core.loggers:MlflowMetrics",
+    "tensorboard": "pipelines.core.loggers:TensorBoard",
+    "system_metrics": "pipelines.core.loggers:SystemMetrics",
+}
+"""The extensions `train.extensions` knows by name (imported only when a run uses them)."""
+
+log = logging.getLogger("qllm.extensions")
 
 
 class ExtensionError(QllmError, RuntimeError):
@@ -68,6 +92,9 @@ class Extension:
     def on_step_end(self, state, metrics: dict[str, float]) -> None:
         pass
 
+    def on_log(self, state, metrics: dict[str, float], step: int) -> None:
+        pass
+
     def on_evaluate(self, state, metrics: dict[str, float]) -> None:
         pass
 
@@ -82,6 +109,9 @@ class Extension:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def close(self) -> None:
+        """Release what the extension holds (threads, files); called once however the loop ends."""
 
 
 class Hook(Extension):
@@ -126,3 +156,74 @@ class Extensions:
         for extension in self.items:
             if extension.name in state:
                 extension.load_state_dict(state[extension.name])
+
+    def close(self) -> None:
+        """Close every extension, each even if another fails (the loop may be unwinding an error)."""
+        for extension in self.items:
+            try:
+                extension.close()
+            except Exception:
+                log.warning("%s: closing extension %r failed", self.desc, extension.name, exc_info=True)
+
+
+@dataclass(frozen=True)
+class ExtensionContext:
+    """What an extension named in params is built with."""
+
+    stage: str
+    """The stage (or `desc` of a direct `train` call)."""
+    tracker: Any = None
+    """The stage's MLflow tracker on rank 0 (`pipelines.core.tracking.Tracker`), None elsewhere."""
+    root: Path | None = None
+    """The project root (shared by its run workspaces), None for a direct `train` call."""
+
+
+def parse(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
+    """One `train.extensions` entry, a name or `{name: ..., <settings>}`, as (name, settings)."""
+    if isinstance(entry, str):
+        name, settings = entry, {}
+    elif isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
+        name, settings = entry["name"], {k: v for k, v in entry.items() if k != "name"}
+    else:
+        raise QllmError(f"{where}: expected an extension name or a mapping with 'name' and its settings, got {entry!r}")
+    if name not in BUILTIN and ":" not in name:
+        raise QllmError(f"{where}: unknown extension {name!r}; built in: {', '.join(BUILTIN)}; others as 'package.module:Class'")
+    return name, settings
+
+
+def resolve(name: str, where: str) -> type:
+    """The class behind an extension name (a built-in one or `package.module:Class`)."""
+    module_name, _, attribute = BUILTIN.get(name, name).partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise QllmError(f"{where}: cannot import extension {name!r} ({type(exc).__name__}: {exc})") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Extension)):
+        raise QllmError(f"{where}: {name!r} is not a subclass of pipelines.core.extensions.Extension")
+    return cls
+
+
+def check_settings(cls: type, settings: Mapping[str, Any], where: str) -> None:
+    """Settings must be keyword parameters of the class's `__init__` (after the context)."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, context
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    accepted = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(settings) - set(accepted))
+    if unknown:
+        raise QllmError(f"{where}: unknown setting(s) {', '.join(unknown)}; accepted: {', '.join(accepted) or 'none'}")
+
+
+def build(entries: Sequence[Any], context: ExtensionContext, where: str = "train.extensions") -> list[Extension]:
+    """The extensions `train.extensions` names, built in the listed order."""
+    built = []
+    for index, entry in enumerate(entries):
+        at = f"{where}[{index}]"
+        name, settings = parse(entry, at)
+        cls = resolve(name, at)
+        check_settings(cls, settings, f"{at} ({name})")
+        try:
+            built.append(cls(context, **settings))
+        except (TypeError, ValueError) as exc:
+            raise QllmError(f"{at} ({name}): {exc}") from exc
+    return built

@@ -33,6 +33,9 @@ log = logging.getLogger("qllm.tracking")
 
 PARENT_RUN_ENV = "QLLM_PARENT_RUN_ID"
 DEFAULT_EXPERIMENT = "qllm"
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+"""MLflow 3's UI opens an experiment of this kind on its runs (training runs), not on the GenAI traces
+overview it shows for an experiment without the tag."""
 
 _clients: dict[str, Any] = {}
 _clients_lock = threading.Lock()
@@ -87,12 +90,14 @@ def experiment_id(root: Path | str = ".") -> str:
     name = experiment_name()
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is not None:
+        if experiment.tags.get(EXPERIMENT_KIND_TAG) is None:  # made before the tag, or by someone else
+            mlflow_client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
     location = None
     if tracking_uri(root).startswith("sqlite:"):
         location = (project_root(root) / "mlartifacts").as_uri()
     try:
-        return mlflow_client.create_experiment(name, artifact_location=location)
+        return mlflow_client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # created concurrently by another run
         return mlflow_client.get_experiment_by_name(name).experiment_id
 
@@ -101,10 +106,17 @@ class Tracker:
     """Logs to one MLflow run. `Tracker(None)` logs nothing (unit tests, disabled tracking)."""
 
     def __init__(
-        self, mlflow_client: Any | None, run_id: str | None, flush_seconds: float = 2.0, logged: Mapping[str, set[int]] | None = None
+        self,
+        mlflow_client: Any | None,
+        run_id: str | None,
+        flush_seconds: float = 2.0,
+        logged: Mapping[str, set[int]] | None = None,
+        root: Path | None = None,
     ):
         self.client = mlflow_client
         self.run_id = run_id
+        self.root = root
+        """The project root the run belongs to (where `tensorboard/` goes); None for `Tracker(None)`."""
         self._buffer: list[Any] = []
         self._last_flush = time.monotonic()
         self._flush_seconds = flush_seconds
@@ -229,6 +241,7 @@ def run(
     else:
         created = mlflow_client.create_run(experiment_id(root), tags={k: str(v) for k, v in all_tags.items()}, run_name=name)
         tracker = Tracker(mlflow_client, created.info.run_id)
+    tracker.root = project_root(root)
     with _open_lock:
         _open[tracker.run_id] = (mlflow_client, name)
     try:

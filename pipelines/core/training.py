@@ -368,8 +368,10 @@ def train(
     With `checkpoints`, resumes from the newest valid checkpoint there (weights, optimizer,
     schedule, RNG, data position, loop state) and saves every `cfg.checkpoint_every` steps and at
     every new best validation loss. With early stopping on, the best weights are restored at the end.
-    `tracker` (`log_metrics`, `flush`) is flushed before each checkpoint is written, so the tracking
-    store holds every metric up to the checkpoint's step and a resumed run loses none.
+    `tracker` is the stage's MLflow run, for the logger extensions `cfg.extensions` names
+    (`pipelines.core.loggers`; `mlflow_metrics` flushes it before each checkpoint is written, so the
+    tracking store holds every metric up to the checkpoint's step and a resumed run loses none).
+    `extensions` run before those of `cfg.extensions` (`pipelines.core.extensions`).
 
     A stop request (SIGTERM/SIGINT, in any thread: `pipelines.core.errors`) finishes the current step,
     saves a checkpoint and raises `TrainingInterrupted`; a rerun resumes from it. A second signal
@@ -390,6 +392,44 @@ def train(
                       desc=desc, stop_signals=stop_signals)  # fmt: skip
 
 
+@dataclass
+class _Run:
+    """Everything one training run holds; the steps below read and update it."""
+
+    model: torch.nn.Module
+    loss_fn: LossFn
+    batches: Batches
+    cfg: TrainParams
+    val_fn: Callable[[torch.nn.Module], dict[str, float]] | None
+    checkpoints: CheckpointManager | None
+    desc: str
+    stop_signals: _StopSignals
+    parallel: distributed.Parallel
+    hooks: Extensions
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    trainable: list[torch.nn.Parameter]
+    oom: _OutOfMemoryGuard
+    state: TrainState = field(default_factory=TrainState)
+    last: dict[str, float] = field(default_factory=dict)
+    """The latest logged metrics (training and validation)."""
+    window_tokens: int = 0
+    window_start: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)
+    start_step: int = 0
+
+
+@dataclass
+class _Step:
+    """What one optimizer step measured."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    metrics: dict[str, float]
+    tokens: int
+
+
 def _train(
     model: torch.nn.Module,
     loss_fn: LossFn,
@@ -403,221 +443,264 @@ def _train(
     desc: str,
     stop_signals: _StopSignals,
 ) -> dict[str, Any]:
-    from tqdm.auto import tqdm
+    run = _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals)
+    try:
+        _resume(run)
+        run.hooks.call("on_train_begin", run.state)
+        progress = _progress_bar(run)
+        try:
+            while run.state.step < cfg.max_steps and not run.state.stop:
+                step = _step(run)
+                if step is None:  # a non-finite batch, skipped
+                    continue
+                _log(run, step, progress)
+                best = _evaluate(run, step) if _evaluation_due(run) else False
+                _checkpoint_or_stop(run, best)
+                progress.update(1)
+        finally:
+            progress.close()
+        return _finish(run)
+    finally:
+        run.hooks.close()
 
-    device = next(model.parameters()).device
-    world = distributed.world_size()
-    main = distributed.is_main()
-    accum = cfg.grad_accum_steps if world == 1 else distributed.local_accum_steps(cfg.grad_accum_steps, world, desc)
-    if world > 1:
-        batches.shard(distributed.rank(), world)
-        tracker = None if not main else tracker  # rank 0 alone talks to MLflow
-    fsdp = world > 1 and cfg.strategy == "fsdp"
-    if fsdp and extensions:
-        raise QllmError(f"{desc}: train.strategy fsdp does not support training extensions (they see the unsharded model, "
-                        f"whose gradients stay empty); use --set {desc}.train.strategy=ddp")  # fmt: skip
-    net = model  # what the loss runs and the optimizer updates (DDP wraps it below)
-    if fsdp:  # FSDP trains a sharded copy; `model` gets its full weights back at checkpoints and at the end
-        if cfg.gradient_checkpointing:
-            activation_checkpointing(model, True, desc)  # before the copy, which inherits it
-        net = distributed.shard(model)
-        if device.type != "cpu":
-            model.to("cpu")  # the full copy waits in host memory: the accelerator holds shards only
-    optimizer = build_optimizer(net, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    trainable = [p for p in net.parameters() if p.requires_grad]
-    state = TrainState()
-    hooks = Extensions([*extensions, *([EarlyStopping(cfg.early_stopping_patience)] if cfg.early_stopping_patience else [])], desc)
 
-    def snapshot() -> dict[str, Any]:
-        return {
-            "optimizer": distributed.full_optimizer_state(net, optimizer) if fsdp else optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "rng": rng_state(),
-            "batches": batches.state_dict(),
-            "loop": asdict(state),
-            "extensions": hooks.state_dict(),
-        }
+def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals) -> _Run:
+    """The parallel plan, the extensions (given, then `train.extensions`, then early stopping), the
+    optimizer, schedule and grad scaler, and the model in training mode."""
+    from pipelines.core import extensions as extension_api
 
-    if checkpoints is not None and (latest := checkpoints.latest_valid()) is not None:
-        saved = checkpoints.load(latest.path, model)  # every rank reads it
-        if fsdp:
-            distributed.load_full_state(net, model, optimizer, saved["optimizer"])
-        else:
-            optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        scaler.load_state_dict(saved["scaler"])
-        batches.load_state_dict(saved["batches"])
-        set_rng_state(saved["rng"])
-        state = TrainState(**saved["loop"])
-        hooks.load_state_dict(saved.get("extensions", {}))
-        log.info("%s: resumed from step %d (%s)", desc, state.step, latest.path)
-
-    if cfg.gradient_checkpointing and not fsdp:
-        activation_checkpointing(model, True, desc)
+    parallel = distributed.Parallel(model, cfg.grad_accum_steps, cfg.strategy, desc)
+    if parallel.world > 1:
+        batches.shard(distributed.rank(), parallel.world)
+        tracker = tracker if parallel.main else None  # rank 0 alone talks to MLflow
+    context = extension_api.ExtensionContext(stage=desc, tracker=tracker, root=getattr(tracker, "root", None))
+    early = [EarlyStopping(cfg.early_stopping_patience)] if cfg.early_stopping_patience else []
+    hooks = Extensions([*extensions, *extension_api.build(cfg.extensions, context, f"{desc}.train.extensions"), *early], desc)
+    if parallel.fsdp and hooks.active["on_gradients"]:
+        names = ", ".join(e.name for e in hooks.active["on_gradients"])
+        raise QllmError(f"{desc}: train.strategy fsdp does not support extensions that read gradients ({names}: they see the unsharded "
+                        f"model, whose gradients stay empty); use --set {desc}.train.strategy=ddp")  # fmt: skip
+    if cfg.gradient_checkpointing:
+        activation_checkpointing(model, True, desc)  # before FSDP's copy, which inherits it
+    net = parallel.prepare()
     model.train()
     net.train()
-    if world > 1 and not fsdp:
-        net = distributed.wrap(model)  # what the loss runs; `model` is saved and evaluated
+    optimizer = build_optimizer(net, cfg)
+    return _Run(
+        model=model, loss_fn=loss_fn, batches=batches, cfg=cfg, val_fn=val_fn, checkpoints=checkpoints, desc=desc,
+        stop_signals=stop_signals, parallel=parallel, hooks=hooks, optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg)),
+        scaler=torch.amp.GradScaler(parallel.device.type, enabled=cfg.precision == "fp16"),
+        trainable=[p for p in net.parameters() if p.requires_grad], oom=_OutOfMemoryGuard(desc, cfg, optimizer),
+    )  # fmt: skip
 
-    def save_checkpoint(best: bool) -> None:
-        """Rank 0 writes; under FSDP every rank first takes part in gathering the full weights
-        (into rank 0's `model`) and the full optimizer state."""
-        if fsdp:
-            distributed.gather_into(net, model)
-        if main:
-            hooks.call("on_save", state, best)
-        snap = snapshot() if fsdp or main else None
-        if main:
-            if tracker is not None:
-                tracker.flush()
-            checkpoints.save(state.step, model, snap, best=best)
-    hooks.call("on_train_begin", state)
-    progress = tqdm(total=cfg.max_steps, initial=state.step, desc=desc, unit="step", disable=None if main else True, mininterval=1.0, dynamic_ncols=True)
-    window_tokens, window_start = 0, time.perf_counter()
-    started, start_step = time.perf_counter(), state.step
-    last: dict[str, float] = {}
-    oom = _OutOfMemoryGuard(desc, cfg, optimizer)
-    while state.step < cfg.max_steps and not state.stop:
-        loss_sum = torch.zeros((), device=device)
-        extra: dict[str, float] = {}
-        step_tokens = 0
-        oom.step = state.step + 1
-        with oom:
-            for micro in range(accum):
-                batch = oom.batch = to_device(next(batches), device)
-                # DDP (FSDP) averages (and shards) gradients across ranks once per step, at the last micro-batch
-                sync = net.no_sync() if world > 1 and not fsdp and micro < accum - 1 else contextlib.nullcontext()
-                if fsdp:
-                    net.set_requires_gradient_sync(micro == accum - 1)
-                with sync:
-                    with autocast(device, cfg.precision):
-                        loss, metrics = loss_fn(net, batch)
-                    scaler.scale(loss / accum).backward()
-                loss_sum += loss.detach()
-                for key, value in metrics.items():
-                    extra[key] = extra.get(key, 0.0) + float(value) / accum
-                step_tokens += _batch_tokens(batch)
-            scaler.unscale_(optimizer)
-            grad_norm = gradient_norm(trainable)
-        oom.check()
-        train_loss = loss_sum / accum
-        if world > 1:  # every rank then takes the same skip decision (the gradient norm is already global)
-            train_loss = torch.tensor(distributed.mean_across_ranks({"loss": float(train_loss)}, device)["loss"])
-            extra = distributed.mean_across_ranks(extra, device)
-            step_tokens = int(distributed.sum_across_ranks(step_tokens, device))
-        if not (torch.isfinite(train_loss) and torch.isfinite(grad_norm)):
-            state.skipped_nonfinite += 1
-            what = f"{desc}: non-finite loss ({float(train_loss)}) or gradient norm ({float(grad_norm)}) at step {state.step + 1}"
-            if state.skipped_nonfinite > cfg.skip_nonfinite:
-                allowed = f"non-finite batch {state.skipped_nonfinite} of this run; " if cfg.skip_nonfinite else ""
-                raise NonFiniteLossError(
-                    f"{what} ({allowed}skip_nonfinite is {cfg.skip_nonfinite}); the last good checkpoint is kept. "
-                    f"Try a lower learning rate or precision fp32, or --set {desc}.train.skip_nonfinite=N to skip up to N such batches."
-                )
-            log.warning("%s: batch skipped (no optimizer step), %d of at most %d", what, state.skipped_nonfinite, cfg.skip_nonfinite)
-            if tracker is not None:
-                tracker.log_metrics({"train/skipped_nonfinite": state.skipped_nonfinite}, step=state.step + 1)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.update()  # resets the scaler's per-step state (and lowers the fp16 loss scale)
-            continue
-        window_tokens += step_tokens
-        hooks.call("on_gradients", state)
-        if cfg.max_grad_norm > 0:
-            clip_gradients(trainable, cfg.max_grad_norm, grad_norm)
-        with oom:
-            scaler.step(optimizer)  # the first step allocates AdamW's moments: it can run out of memory too
-        oom.check()
-        scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
 
-        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
-            elapsed = time.perf_counter() - window_start
-            last = {
-                "train/loss": float(train_loss),
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/grad_norm": float(grad_norm),
-                "train/tokens_per_sec": window_tokens / max(elapsed, 1e-9),
-                **extra,  # the objective's own metrics, under the names it chose (e.g. rewards/chosen)
-            }
-            state.tokens += window_tokens
-            window_tokens, window_start = 0, time.perf_counter()
-            state.history["train"].append([state.step, last["train/loss"], last["train/lr"]])
-            if tracker is not None:
-                tracker.log_metrics(last, step=state.step)
-            progress.set_postfix(loss=f"{last['train/loss']:.4f}", tok_s=f"{last['train/tokens_per_sec']:.0f}", refresh=False)
-        hooks.call("on_step_end", state, last)
+def _snapshot(run: _Run) -> dict[str, Any]:
+    """Everything but the weights that a checkpoint holds for an exact resume."""
+    return {
+        "optimizer": run.parallel.optimizer_state(run.optimizer),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "rng": rng_state(),
+        "batches": run.batches.state_dict(),
+        "loop": asdict(run.state),
+        "extensions": run.hooks.state_dict(),
+    }
 
-        is_best = False
-        eval_due = cfg.eval_every and state.step % cfg.eval_every == 0
-        if val_fn is not None and (eval_due or state.step == cfg.max_steps):
-            val = distributed.mean_across_ranks(val_fn(net if fsdp else model), device)  # FSDP: every rank runs the sharded forward
-            if tracker is not None:
-                tracker.log_metrics(val, step=state.step)
-            state.history["eval"].append([state.step, val["val/loss"]])
-            if val["val/loss"] < state.best_val_loss:
-                state.best_val_loss, state.best_step, state.evals_without_improvement = val["val/loss"], state.step, 0
-                is_best = True
-            else:
-                state.evals_without_improvement += 1
-            if main:
-                log.info("%s step %d/%d: train/loss %.4f, val/loss %.4f", desc, state.step, cfg.max_steps, float(train_loss), val["val/loss"])
-            last |= val
-            hooks.call("on_evaluate", state, val)
-        saved = checkpoints is not None and bool(is_best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
-        if saved:
-            save_checkpoint(is_best)
-        progress.update(1)
-        stop = stop_signals.received is not None
-        if world > 1:  # a signal stops every rank after the same step
-            stop = distributed.any_rank(stop, device)
-        if stop and state.step < cfg.max_steps:
-            progress.close()
-            name = stop_signals.received or "a stop signal on another rank"
-            if checkpoints is None:
-                raise TrainingInterrupted(f"{desc}: {name} at step {state.step}; no checkpoint directory, so a rerun starts over")
-            if not saved:
-                save_checkpoint(False)
-            raise TrainingInterrupted(f"{desc}: {name} at step {state.step}: checkpoint saved in {checkpoints.directory}; "
-                                      "rerun the same command to resume from it")  # fmt: skip
-    progress.close()
-    state.tokens += window_tokens
-    if fsdp:  # every rank gets the full trained weights back in `model`
-        model.to(device)
-        distributed.gather_into(net, model, everywhere=True)
+
+def _resume(run: _Run) -> None:
+    """Continue from the newest valid checkpoint, if there is one (every rank reads it)."""
+    if run.checkpoints is None or (latest := run.checkpoints.latest_valid()) is None:
+        return
+    saved = run.checkpoints.load(latest.path, run.model)
+    run.parallel.load_optimizer_state(run.optimizer, saved["optimizer"])
+    run.scheduler.load_state_dict(saved["scheduler"])
+    run.scaler.load_state_dict(saved["scaler"])
+    run.batches.load_state_dict(saved["batches"])
+    set_rng_state(saved["rng"])
+    run.state = TrainState(**saved["loop"])
+    run.hooks.load_state_dict(saved.get("extensions", {}))
+    run.start_step = run.state.step
+    log.info("%s: resumed from step %d (%s)", run.desc, run.state.step, latest.path)
+
+
+def _progress_bar(run: _Run):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.cfg.max_steps, initial=run.state.step, desc=run.desc, unit="step", disable=None if run.parallel.main else True,
+                mininterval=1.0, dynamic_ncols=True)  # fmt: skip
+
+
+def _step(run: _Run) -> _Step | None:
+    """One optimizer step: forward/backward over the micro-batches, the gradient extensions,
+    clipping, the optimizer and schedule. A non-finite loss or gradient norm skips the step
+    (None) or, past `skip_nonfinite`, raises."""
+    cfg, parallel, oom = run.cfg, run.parallel, run.oom
+    loss_sum = torch.zeros((), device=parallel.device)
+    metrics: dict[str, float] = {}
+    tokens = 0
+    oom.step = run.state.step + 1
+    with oom:
+        for micro in range(parallel.accum):
+            batch = oom.batch = to_device(next(run.batches), parallel.device)
+            with parallel.gradient_sync(micro):
+                with autocast(parallel.device, cfg.precision):
+                    loss, extra = run.loss_fn(parallel.net, batch)
+                run.scaler.scale(loss / parallel.accum).backward()
+            loss_sum += loss.detach()
+            for key, value in extra.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value) / parallel.accum
+            tokens += _batch_tokens(batch)
+        run.scaler.unscale_(run.optimizer)
+        grad_norm = gradient_norm(run.trainable)
+    oom.check()
+    loss = loss_sum / parallel.accum
+    if parallel.world > 1:  # every rank then takes the same skip decision (the gradient norm is already global)
+        loss = torch.tensor(parallel.mean({"loss": float(loss)})["loss"])
+        metrics, tokens = parallel.mean(metrics), parallel.total(tokens)
+    if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+        _skip_nonfinite(run, loss, grad_norm)
+        return None
+    run.hooks.call("on_gradients", run.state)
+    if cfg.max_grad_norm > 0:
+        clip_gradients(run.trainable, cfg.max_grad_norm, grad_norm)
+    with oom:
+        run.scaler.step(run.optimizer)  # the first step allocates AdamW's moments: it can run out of memory too
+    oom.check()
+    run.scaler.update()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.state.step += 1
+    run.window_tokens += tokens
+    return _Step(loss=loss, grad_norm=grad_norm, metrics=metrics, tokens=tokens)
+
+
+def _skip_nonfinite(run: _Run, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    """Skip a batch with a non-finite loss or gradient norm (no optimizer or schedule step), or
+    raise once more than `skip_nonfinite` were skipped."""
+    state, cfg, desc = run.state, run.cfg, run.desc
+    state.skipped_nonfinite += 1
+    what = f"{desc}: non-finite loss ({float(loss)}) or gradient norm ({float(grad_norm)}) at step {state.step + 1}"
+    if state.skipped_nonfinite > cfg.skip_nonfinite:
+        allowed = f"non-finite batch {state.skipped_nonfinite} of this run; " if cfg.skip_nonfinite else ""
+        raise NonFiniteLossError(
+            f"{what} ({allowed}skip_nonfinite is {cfg.skip_nonfinite}); the last good checkpoint is kept. "
+            f"Try a lower learning rate or precision fp32, or --set {desc}.train.skip_nonfinite=N to skip up to N such batches."
+        )
+    log.warning("%s: batch skipped (no optimizer step), %d of at most %d", what, state.skipped_nonfinite, cfg.skip_nonfinite)
+    run.hooks.call("on_log", state, {"train/skipped_nonfinite": state.skipped_nonfinite}, state.step + 1)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.update()  # resets the scaler's per-step state (and lowers the fp16 loss scale)
+
+
+def _log(run: _Run, step: _Step, progress) -> None:
+    """Every `log_every` steps (and the last): the training metrics to the history, the progress
+    bar and the loggers; then the step-end extensions."""
+    state = run.state
+    if state.step % run.cfg.log_every == 0 or state.step == run.cfg.max_steps:
+        elapsed = time.perf_counter() - run.window_start
+        run.last = {
+            "train/loss": float(step.loss),
+            "train/lr": run.scheduler.get_last_lr()[0],
+            "train/grad_norm": float(step.grad_norm),
+            "train/tokens_per_sec": run.window_tokens / max(elapsed, 1e-9),
+            **step.metrics,  # the objective's own metrics, under the names it chose (e.g. rewards/chosen)
+        }
+        state.tokens += run.window_tokens
+        run.window_tokens, run.window_start = 0, time.perf_counter()
+        state.history["train"].append([state.step, run.last["train/loss"], run.last["train/lr"]])
+        run.hooks.call("on_log", state, run.last, state.step)
+        progress.set_postfix(loss=f"{run.last['train/loss']:.4f}", tok_s=f"{run.last['train/tokens_per_sec']:.0f}", refresh=False)
+    run.hooks.call("on_step_end", state, run.last)
+
+
+def _evaluation_due(run: _Run) -> bool:
+    cfg = run.cfg
+    return run.val_fn is not None and (bool(cfg.eval_every and run.state.step % cfg.eval_every == 0) or run.state.step == cfg.max_steps)
+
+
+def _evaluate(run: _Run, step: _Step) -> bool:
+    """Validate (averaged across ranks), log, track the best loss; True for a new best."""
+    state = run.state
+    val = run.parallel.mean(run.val_fn(run.parallel.eval_model()))
+    run.hooks.call("on_log", state, val, state.step)
+    state.history["eval"].append([state.step, val["val/loss"]])
+    best = val["val/loss"] < state.best_val_loss
+    if best:
+        state.best_val_loss, state.best_step, state.evals_without_improvement = val["val/loss"], state.step, 0
+    else:
+        state.evals_without_improvement += 1
+    if run.parallel.main:
+        log.info("%s step %d/%d: train/loss %.4f, val/loss %.4f", run.desc, state.step, run.cfg.max_steps,
+                 float(step.loss), val["val/loss"])  # fmt: skip
+    run.last |= val
+    run.hooks.call("on_evaluate", state, val)
+    return best
+
+
+def _save_checkpoint(run: _Run, best: bool) -> None:
+    """Rank 0 writes; under FSDP every rank first takes part in gathering the full weights (into
+    rank 0's `model`) and the full optimizer state."""
+    run.parallel.gather()
+    main = run.parallel.main
+    if main:
+        run.hooks.call("on_save", run.state, best)
+    snapshot = _snapshot(run) if run.parallel.fsdp or main else None
+    if main:
+        run.checkpoints.save(run.state.step, run.model, snapshot, best=best)
+
+
+def _checkpoint_or_stop(run: _Run, best: bool) -> None:
+    """Checkpoint at a new best and every `checkpoint_every` steps; on a stop request (on any
+    rank), checkpoint if not done and raise `TrainingInterrupted`."""
+    state, cfg, checkpoints = run.state, run.cfg, run.checkpoints
+    saved = checkpoints is not None and bool(best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
+    if saved:
+        _save_checkpoint(run, best)
+    stop = run.parallel.any(run.stop_signals.received is not None)  # a signal stops every rank after the same step
+    if not stop or state.step >= cfg.max_steps:
+        return
+    name = run.stop_signals.received or "a stop signal on another rank"
+    if checkpoints is None:
+        raise TrainingInterrupted(f"{run.desc}: {name} at step {state.step}; no checkpoint directory, so a rerun starts over")
+    if not saved:
+        _save_checkpoint(run, False)
+    raise TrainingInterrupted(f"{run.desc}: {name} at step {state.step}: checkpoint saved in {checkpoints.directory}; "
+                              "rerun the same command to resume from it")  # fmt: skip
+
+
+def _finish(run: _Run) -> dict[str, Any]:
+    """The trained weights in `model` on every rank (FSDP gathers them), the best ones back under
+    early stopping, the model handed back as it came; the summary, after the train-end extensions."""
+    state, cfg, model = run.state, run.cfg, run.model
+    state.tokens += run.window_tokens
+    run.parallel.gather(everywhere=True)
     if cfg.gradient_checkpointing:
-        activation_checkpointing(model, False, desc)  # hand the model back as it came (generation, saving)
-
-    if cfg.early_stopping_patience and checkpoints is not None and state.best_step > 0 and state.best_step != state.step:
+        activation_checkpointing(model, False, run.desc)  # hand the model back as it came (generation, saving)
+    if cfg.early_stopping_patience and run.checkpoints is not None and state.best_step > 0 and state.best_step != state.step:
         distributed.barrier()  # rank 0 has written the best checkpoint
-        best = checkpoints.latest_valid(step=state.best_step)
+        best = run.checkpoints.latest_valid(step=state.best_step)
         if best is not None:
-            checkpoints.load(best.path, model)
-            log.info("%s: restored the best weights (step %d, val/loss %.4f)", desc, state.best_step, state.best_val_loss)
-
-    seconds = time.perf_counter() - started
-    steps_run = state.step - start_step
-    if val_fn is not None and not any(k.startswith("val/") for k in last):
-        last |= distributed.mean_across_ranks(val_fn(model), device)  # resumed from a checkpoint at max_steps: nothing ran, the metrics still count
-    train_loss = last.get("train/loss", state.history["train"][-1][1] if state.history["train"] else float("nan"))
+            run.checkpoints.load(best.path, model)
+            log.info("%s: restored the best weights (step %d, val/loss %.4f)", run.desc, state.best_step, state.best_val_loss)
+    seconds = time.perf_counter() - run.started
+    last = run.last
+    if run.val_fn is not None and not any(k.startswith("val/") for k in last):
+        last |= run.parallel.mean(run.val_fn(model))  # resumed from a checkpoint at max_steps: nothing ran, the metrics still count
     summary = {
         "steps": state.step,
         "tokens": state.tokens,
-        "train_loss": train_loss,
+        "train_loss": last.get("train/loss", state.history["train"][-1][1] if state.history["train"] else float("nan")),
         "best_val_loss": state.best_val_loss,
         "best_step": state.best_step,
         "train_seconds": round(seconds, 3),
-        "steps_per_second": round(steps_run / max(seconds, 1e-9), 4),
+        "steps_per_second": round((state.step - run.start_step) / max(seconds, 1e-9), 4),
         "stopped_early": state.stop,
         "skipped_nonfinite": state.skipped_nonfinite,
         "history": state.history,
         **{k: v for k, v in last.items() if k.startswith("val/")},
     }
-    hooks.call("on_train_end", state, summary)
+    run.hooks.call("on_train_end", state, summary)
     return summary
 
 
