@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pipelines import pretrain, sft
-from pipelines.core import config, dag, precision
+from pipelines.core import config, dag, precision, stage
 from pipelines.core.outputs import read_json, write_json
 from pipelines.evaluate import evaluate_model, heldout_questions
 
@@ -49,28 +49,34 @@ def cpu_name() -> str:
     return names[0] if names else platform.processor() or "unknown"
 
 
+def reads(root: Path, name: str, what: str) -> Path:
+    """The path stage `name` reads as `what`, from the project's dvc.yaml."""
+    return stage.StageContext(name=name, root=root, params=None, tracker=None).input(what)
+
+
 def one_run(root: Path, params, seed: int, precision_name: str, questions, work: Path, cache: Path | None = None) -> dict:
+    tokenized, tokenizer = reads(root, "pretrain", "tokenized"), reads(root, "pretrain", "tokenizer")
     pre_params = _with(params.pretrain, seed, precision_name)
     sft_params = _with(params.sft, seed, precision_name)
     pre_out, sft_out = work / "pretrain", work / "sft"
     if cache is not None:
-        key = config.digest({"params": config.to_plain(pre_params), "data": dag.dvc_md5(root / pretrain.TOKENIZED)})[:16]
+        key = config.digest({"params": config.to_plain(pre_params), "data": dag.dvc_md5(tokenized)})[:16]
         pre_out = cache / f"pretrain-{key}"
     started = time.perf_counter()
     if (pre_out / "metrics.json").exists():
         pre = read_json(pre_out / "metrics.json")
     else:
-        pre = pretrain.run(root / pretrain.TOKENIZED, root / pretrain.TOKENIZER, pre_out, pre_params, None)
+        pre = pretrain.run(tokenized, tokenizer, pre_out, pre_params, None)
         pre.pop("history", None)
         if cache is not None:
             write_json(pre_out / "metrics.json", pre)
     pre_seconds = pre["train_seconds"]
     sft_params = sft_params.model_copy(update={"base_model": str(pre_out)})
     started = time.perf_counter()
-    tuned = sft.run(root / sft.CHAT, sft_out, sft_params, checkpoint_dir=work / "sft-checkpoints")  # best-weight restore with early stopping
+    tuned = sft.run(reads(root, "sft", "chat"), sft_out, sft_params, checkpoint_dir=work / "sft-checkpoints")  # best-weight restore with early stopping
     sft_seconds = time.perf_counter() - started
     evaluate = params.evaluate.model_copy(update={"models": ["sft"]})
-    result = evaluate_model(sft_out, root, root / "data/tokenized", questions, work / "eval", evaluate)
+    result = evaluate_model(sft_out, root, tokenized, questions, work / "eval", evaluate)
     return {
         "seed": seed,
         "precision": precision_name,
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.project.resolve()
     params, _ = config.load(root, overrides=args.overrides)
-    questions = heldout_questions(root / sft.CHAT, params.evaluate.max_questions)
+    questions = heldout_questions(reads(root, "sft", "chat"), params.evaluate.max_questions)
     machine = {"cpu": cpu_name(), "bf16_slowdown": round(precision.cpu_bf16_slowdown(), 3), "threads": torch.get_num_threads()}
     print(f"{args.label or 'setting'}: {' '.join(args.overrides) or 'params.yaml'}; {machine}")
     runs: dict[str, list[dict]] = {}

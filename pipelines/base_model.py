@@ -33,7 +33,6 @@ from pipelines.core.config import BaseModelParams
 from pipelines.core.outputs import write_json
 
 NAME = "base_model"
-OUT = model_source.RECORD
 TRACKED = False
 """No MLflow run: it runs on every pipeline run; the base is in the training stages' lineage."""
 
@@ -47,7 +46,7 @@ def run(root: Path, out: Path, params: BaseModelParams) -> dict[str, Any]:
 
 
 def body(ctx: stage.StageContext) -> dict:
-    record = run(ctx.root, ctx.path(OUT), ctx.params)
+    record = run(ctx.root, ctx.output(), ctx.params)
     if record["name"] is None:
         ctx.log.info("base model: pretrained here (base_model.name is null)")
     else:

@@ -34,8 +34,6 @@ from pipelines.core.models import CONSTRUCTION, device, load_for_inference, para
 from pipelines.core.outputs import read_json, write_json
 
 NAME = "dpo"
-REF = "data/ref_logprobs"
-OUT = "data/models/dpo"
 
 Reference = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
 
@@ -140,7 +138,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
 
 
 def body(ctx: stage.StageContext) -> dict:
-    metrics = run(ctx.root, ctx.path(REF), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir)
+    metrics = run(ctx.root, ctx.input("ref_logprobs"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir)
     ctx.log.info(
         "dpo (beta %.3g, %s): %d steps; validation rewards/accuracies %.3f; held-out rewards/accuracies %.3f, margins %.3f",
         ctx.params.beta, ctx.params.loss_type, metrics["steps"], metrics.get("val/rewards/accuracies", float("nan")),

@@ -44,11 +44,8 @@ from pipelines.core.models import load_for_inference, stop_token_ids
 from pipelines.core.outputs import atomic_dir, read_json
 
 NAME = "evaluate"
-MODELS = "data/models"
-TOKENIZED = "data/tokenized"
-CHAT = "data/prepared/chat"
-PREFERENCES = "data/ref_logprobs/test.parquet"
-OUT = "data/evaluate"
+HELDOUT_PAIRS = "test.parquet"
+"""The held-out preference pairs, in ref_logprobs' output directory."""
 COMPARISON = "comparison.csv"
 PLOTS = "plots"
 COMPARED = ("exact_match", "bleu", "rougeL", "preference_accuracy", "val_loss", "val_perplexity", "rewards/accuracies", "rewards/margins")
@@ -243,8 +240,11 @@ def comparison(results: dict[str, dict]) -> pd.DataFrame:
 
 
 def body(ctx: stage.StageContext) -> dict:
-    out = ctx.path(OUT)
-    results = run(ctx.root, ctx.path(MODELS), ctx.path(TOKENIZED), ctx.path(CHAT), out, ctx.params, ctx.path(PREFERENCES))
+    out = ctx.output()
+    models_dir = {ctx.input(f"models/{name}").parent for name in ctx.params.models}  # each model a dvc.yaml dep
+    if len(models_dir) != 1:
+        raise QllmError(f"dvc.yaml: the models evaluate reads must share one directory, not {sorted(map(str, models_dir))}")
+    results = run(ctx.root, models_dir.pop(), ctx.input("tokenized"), ctx.input("chat"), out, ctx.params, ctx.input("ref_logprobs") / HELDOUT_PAIRS)
     for name, metrics in results.items():
         ctx.tracker.log_artifact(out / name / "predictions.jsonl", f"predictions/{name}")
         ctx.log.info(

@@ -18,7 +18,6 @@ from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
 
 NAME = "generate"
-OUT = "data/sample"
 
 DISABLED_README = """\
 # Sample data disabled
@@ -54,8 +53,9 @@ def run(out: Path, params: GenerateParams) -> dict[str, int]:
 
 
 def body(ctx: stage.StageContext) -> dict:
-    counts = run(ctx.path(OUT), ctx.params)
-    ctx.log.info("wrote %s: %s", OUT, ", ".join(f"{key}={value}" for key, value in counts.items()))
+    out = ctx.output()
+    counts = run(out, ctx.params)
+    ctx.log.info("wrote %s: %s", out.relative_to(ctx.root), ", ".join(f"{key}={value}" for key, value in counts.items()))
     return counts
 
 

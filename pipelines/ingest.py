@@ -20,14 +20,13 @@ from pipelines.core.outputs import atomic_dir
 from pipelines.core.readers import COLUMNS, empty_frame, read_source, source_name
 
 NAME = "ingest"
-OUT_DIR = "data/ingested"
-# Only these directories are `ingest` deps in dvc.yaml; DVC does not see a change anywhere else.
-TRACKED_DIRS = ("data/sources", "data/sample")
 
 
-def untracked_sources(sources: list[SourceParams], root: Path) -> list[SourceParams]:
-    """The sources whose path lies outside `data/sources/` and `data/sample/` (hub names included)."""
-    tracked = [(Path(root) / folder).resolve() for folder in TRACKED_DIRS]
+def untracked_sources(sources: list[SourceParams], root: Path, tracked_dirs: list[Path]) -> list[SourceParams]:
+    """The sources whose path lies outside every one of `tracked_dirs`, the stage's data deps in
+    dvc.yaml (`data/sources/`, `data/sample/`): DVC does not see a change anywhere else. Hub names
+    are outside too."""
+    tracked = [Path(folder).resolve() for folder in tracked_dirs]
     out = []
     for source in sources:
         path = Path(source.path)
@@ -66,14 +65,14 @@ def run(root: Path, out_dir: Path, params: IngestParams) -> dict[str, Any]:
 
 
 def body(ctx: stage.StageContext) -> dict[str, Any]:
-    for source in untracked_sources(ctx.params.sources, ctx.root):
+    for source in untracked_sources(ctx.params.sources, ctx.root, ctx.inputs()):
         ctx.log.warning(
             "source %s: %s is not a dependency in dvc.yaml: DVC will not notice when it changes; "
             "move it under data/sources/",
             source_name(source),
             source.path,
         )
-    metrics = run(ctx.root, ctx.path(OUT_DIR), ctx.params)
+    metrics = run(ctx.root, ctx.output(), ctx.params)
     for source in ctx.params.sources:
         info = metrics["sources"][source_name(source)]
         ctx.log.info(

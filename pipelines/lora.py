@@ -28,24 +28,26 @@ from pipelines.core.errors import QllmError
 from pipelines.core.outputs import read_json
 
 NAME = "lora"
-CHAT = "data/prepared/chat"
-ALLOCATION = "data/quantum_opt/allocation.json"
-OUT = "data/models/lora"
-TRACKED_BASE = "data/models/pretrain"
+ALLOCATION_FILE = "allocation.json"
+"""The file of quantum_opt's output directory that gives the modules and their ranks."""
 
 
-def apply_allocation(params: LoraParams, allocation: dict) -> LoraParams:
+def apply_allocation(params: LoraParams, allocation: dict, where: str | Path = ALLOCATION_FILE) -> LoraParams:
     """Target exactly the allocated modules with their ranks. The per-module alphas keep the
     update scale alpha/r of the uniform configuration (`lora_alpha / r`) for every rank; with
-    rsLoRA the scaling alpha/sqrt(r) already adapts to each rank."""
+    rsLoRA the scaling alpha/sqrt(r) already adapts to each rank. `where`: the allocation's file,
+    for the error message."""
     ranks = {module: int(rank) for module, rank in allocation["rank_pattern"].items() if rank > 0}
     if not ranks:
-        raise QllmError(f"{ALLOCATION}: no module was given a rank; use lora.allocation: uniform or a larger quantum_opt budget")
+        raise QllmError(f"{where}: no module was given a rank; use lora.allocation: uniform or a larger quantum_opt budget")
     alphas = {} if params.use_rslora else {m: params.lora_alpha * r / params.r for m, r in ranks.items()}
     return params.model_copy(update={"target_modules": sorted(ranks), "rank_pattern": ranks, "alpha_pattern": alphas})
 
 
-def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str = TRACKED_BASE) -> dict:
+def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str | None = None) -> dict:
+    """`base_for_users`: how the adapter names its base (default: `params.base_model`, as given)."""
+    if base_for_users is None:
+        base_for_users = params.base_model
     qconfig = quantize.from_params(params, params.train.precision, NAME)
     quantized_base = (params.base_model, qconfig) if qconfig is not None else None
     return finetune.run(
@@ -58,15 +60,16 @@ def body(ctx: stage.StageContext) -> dict:
     from pipelines.core import model_source
 
     declared = ctx.params.base_model
-    finetune.resolve_base(ctx, TRACKED_BASE)
+    finetune.resolve_base(ctx, ctx.input("models/pretrain"))
     record = model_source.pointed(ctx.params.base_model)
     if record is not None:  # fine-tuning mode: the adapter names the user's base, as they name it
         declared = record["name"]
     if ctx.params.allocation == "quantum_opt":
-        allocation = read_json(ctx.path(ALLOCATION))
-        ctx.params = apply_allocation(ctx.params, allocation)
+        path = ctx.input("quantum_opt") / ALLOCATION_FILE
+        allocation = read_json(path)
+        ctx.params = apply_allocation(ctx.params, allocation, path.relative_to(ctx.root))
         ctx.log.info("lora: %d modules with ranks from quantum_opt (%s)", len(ctx.params.rank_pattern), allocation["solver"])
-    metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared)
+    metrics = run(ctx.input("chat"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared)
     ctx.log.info(
         "lora: %d of %d parameters trainable (%.2f%%), %d steps, val/loss %.4f",
         metrics["trainable_parameters"], metrics["total_parameters"], 100 * metrics["trainable_fraction"],

@@ -34,8 +34,6 @@ from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
 
 NAME = "prepare_data"
-IN_DIR = "data/ingested"
-OUT_DIR = "data/prepared"
 SPLITS = ("train", "validation", "test")
 REASONS = ("empty", "too_short", "too_long", "chosen_equals_rejected", "duplicate", "near_duplicate")
 # What each drop reason means, for the warning a non-zero count logs.
@@ -219,7 +217,7 @@ def run(in_dir: Path, out_dir: Path, params: PrepareDataParams) -> dict[str, Any
 
 
 def body(ctx: stage.StageContext) -> dict[str, Any]:
-    metrics = run(ctx.path(IN_DIR), ctx.path(OUT_DIR), ctx.params)
+    metrics = run(ctx.input("ingested"), ctx.output(), ctx.params)
     for kind, counts in metrics.items():
         out = counts["out"]
         ctx.log.info(

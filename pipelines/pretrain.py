@@ -23,9 +23,6 @@ from pipelines.core.models import build_llama, device, load_tokenizer, parameter
 from pipelines.core.outputs import atomic_dir, read_json, write_json
 
 NAME = "pretrain"
-TOKENIZED = "data/tokenized"
-TOKENIZER = "data/tokenizer"
-OUT = "data/models/pretrain"
 
 
 def validation_fn(rows: np.ndarray, batch_size: int, max_batches: int, precision: str):
@@ -85,8 +82,8 @@ def body(ctx: stage.StageContext) -> dict:
     record = model_source.current(ctx.root)
     if record["name"] is not None:
         ctx.log.info("pretrain: nothing to train, the base model is %s (base_model.name)", record["name"])
-        return point_to_base(ctx.path(OUT), record)
-    metrics = run(ctx.path(TOKENIZED), ctx.path(TOKENIZER), ctx.path(OUT), ctx.params, ctx.checkpoint_dir, ctx.tracker)
+        return point_to_base(ctx.output(), record)
+    metrics = run(ctx.input("tokenized"), ctx.input("tokenizer"), ctx.output(), ctx.params, ctx.checkpoint_dir, ctx.tracker)
     ctx.log.info(
         "pretrained %d parameters for %d steps: val/loss %.4f (perplexity %.2f, vocabulary %d), %d tokens/s",
         metrics["total_parameters"], metrics["steps"], metrics["val/loss"], metrics["val/perplexity"],

@@ -23,7 +23,6 @@ from pipelines.core import stage
 from pipelines.core.outputs import write_json
 
 NAME = "probe_device"
-OUT = "data/device.json"
 TRACKED = False
 """No MLflow run: the stage runs on every pipeline run and `dvc repro` and trains nothing; what it
 finds is in every training stage's params (`<stage>.train.precision`) and metrics (`precision`)."""
@@ -38,7 +37,7 @@ def run(out: Path) -> dict:
 
 
 def body(ctx: stage.StageContext) -> dict:
-    cap = run(ctx.path(OUT))
+    cap = run(ctx.output())
     ctx.log.info("device %s, native bf16: %s -> precision auto is %s", cap["device"], "yes" if cap["bf16_native"] else "no", cap["auto"])
     return cap
 

@@ -34,9 +34,8 @@ from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer
 from pipelines.core.outputs import atomic_dir, write_json
 
 NAME = "probe_lora"
-CHAT = "data/prepared/chat"
-OUT = "data/probe_lora"
-TRACKED_BASE = "data/models/pretrain"
+SCORES_FILE = "scores.json"
+"""The file in the stage's output directory (quantum_opt reads it)."""
 
 
 def candidate_modules(model: torch.nn.Module, suffixes: list[str]) -> dict[str, torch.nn.Linear]:
@@ -181,7 +180,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     table = scores(recorder, params.ranks)
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output
         with atomic_dir(out) as tmp:
-            write_json(tmp / "scores.json", table)
+            write_json(tmp / SCORES_FILE, table)
     top = sorted(table["modules"].items(), key=lambda item: -item[1]["energy_share"])
     return {
         "steps": result["steps"],
@@ -195,9 +194,10 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
 
 
 def body(ctx: stage.StageContext) -> dict:
-    finetune.resolve_base(ctx, TRACKED_BASE)
-    metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker)
-    ctx.tracker.log_artifact(ctx.path(OUT) / "scores.json")
+    finetune.resolve_base(ctx, ctx.input("models/pretrain"))
+    out = ctx.output()
+    metrics = run(ctx.input("chat"), out, ctx.params, ctx.tracker)
+    ctx.tracker.log_artifact(out / SCORES_FILE)
     ctx.log.info(
         "probed %d modules over %d steps; most gradient energy in %s (%.1f%%), mean redundancy %.3f",
         metrics["modules"], metrics["steps"], metrics["top_module"], 100 * metrics["top_energy_share"], metrics["mean_redundancy"],

@@ -24,8 +24,8 @@ from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir, read_json, write_json
 
 NAME = "quantum_opt"
-SCORES = "data/probe_lora/scores.json"
-OUT = "data/quantum_opt"
+SCORES_FILE = "scores.json"
+"""The file of probe_lora's output directory that holds the scores."""
 
 
 def load_scores(path: Path) -> tuple[dict, dict, dict, dict]:
@@ -112,7 +112,7 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
 
 
 def body(ctx: stage.StageContext) -> dict:
-    metrics = run(ctx.path(SCORES), ctx.path(OUT), ctx.params, ctx.tracker)
+    metrics = run(ctx.input("probe_lora") / SCORES_FILE, ctx.output(), ctx.params, ctx.tracker)
     if metrics["gap_to_milp"] is None:
         reference = "no MILP reference"
     else:

@@ -25,9 +25,6 @@ from pipelines.core.models import load_for_inference
 from pipelines.core.outputs import atomic_dir, write_json
 
 NAME = "ref_logprobs"
-REFERENCE = "data/models/sft"
-PREFERENCES = "data/prepared/preference"
-OUT = "data/ref_logprobs"
 SPLITS = ("train", "validation", "test")
 
 
@@ -44,6 +41,7 @@ def score(model, pairs: list[preference_data.Pair], pad_id: int, batch_size: int
 
 
 def run(root: Path, reference: Path, preferences: Path, out: Path, params: RefLogprobsParams) -> dict:
+    """`meta.json` names `reference` relative to `root` (`data/models/sft`), as `dpo` loads it."""
     qconfig = quantize.from_params(params, "fp32", "ref_logprobs")  # QLoRA DPO: the SFT model in the bits DPO trains on
     model, tokenizer = load_for_inference(reference, root) if qconfig is None else quantize.load(reference, qconfig, "ref_logprobs")
     max_length = params.max_length or model.config.max_position_embeddings
@@ -66,17 +64,19 @@ def run(root: Path, reference: Path, preferences: Path, out: Path, params: RefLo
                 "mean_ref_chosen_logp": round(float(np.mean([p.ref_chosen for p in pairs])), 4) if pairs else None,
                 "mean_ref_rejected_logp": round(float(np.mean([p.ref_rejected for p in pairs])), 4) if pairs else None,
             }
-        write_json(tmp / "meta.json", {"reference": REFERENCE, "max_length": max_length, "max_prompt_length": params.max_prompt_length})
+        named = reference.relative_to(root).as_posix() if reference.is_relative_to(root) else str(reference)
+        write_json(tmp / "meta.json", {"reference": named, "max_length": max_length, "max_prompt_length": params.max_prompt_length})
     seconds = time.perf_counter() - started
     return metrics | {"tokens_per_second": round(tokens / max(seconds, 1e-9)), "forward_seconds": round(seconds, 3)}
 
 
 def body(ctx: stage.StageContext) -> dict:
-    metrics = run(ctx.root, ctx.path(REFERENCE), ctx.path(PREFERENCES), ctx.path(OUT), ctx.params)
+    reference = ctx.input("models/sft")
+    metrics = run(ctx.root, reference, ctx.input("preference"), ctx.output(), ctx.params)
     for split in SPLITS:
         info = metrics[split]
         dropped = {k: v for k, v in info["dropped"].items() if v}
-        ctx.log.info("%s: %d of %d pairs scored under %s%s", split, info["pairs"], info["pairs_in"], REFERENCE, f"; dropped {dropped}" if dropped else "")
+        ctx.log.info("%s: %d of %d pairs scored under %s%s", split, info["pairs"], info["pairs_in"], reference.relative_to(ctx.root), f"; dropped {dropped}" if dropped else "")
         for reason, count in dropped.items():
             ctx.log.warning("%s: dropped %d pairs: %s", split, count, reason.replace("_", " "))
     return metrics

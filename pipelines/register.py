@@ -37,9 +37,6 @@ from pipelines.core.outputs import atomic_dir, read_json, write_json
 from pipelines.core.workspace import project_root
 
 NAME = "register"
-MODELS = "data/models"
-EVAL_METRICS = "data/metrics/evaluate.json"
-OUT = "data/register"
 RUNTIME_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
 
 
@@ -74,7 +71,7 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None, prefect
     """Version tags: git commit, DVC md5s (data sets and model), params, parent run, Prefect run."""
     tags = {"git_commit": git_commit(project_root(root)), "dvc.model_md5": dag.dvc_md5(model_dir)}
     for path, md5 in sorted(dvc_lock_outs(root).items()):
-        if path.startswith("data/metrics/"):
+        if path.startswith(dag.METRICS_DIR + "/"):
             continue
         tags[f"dvc.{path}"] = md5
     for section, values in (yaml.safe_load((root / "params.yaml").read_text()) or {}).items():
@@ -190,13 +187,14 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
 
 
 def body(ctx: stage.StageContext) -> dict:
-    metrics = model_metrics(read_json(ctx.path(EVAL_METRICS)), ctx.params, EVAL_METRICS)
+    evaluation = ctx.input("metrics/evaluate.json")
+    metrics = model_metrics(read_json(evaluation), ctx.params, str(evaluation.relative_to(ctx.root)))
     parent, flow_run_id = None, None
     if ctx.tracker.enabled:
         parent = ctx.tracker.client.get_run(ctx.tracker.run_id).data.tags.get("mlflow.parentRunId")
         if parent:  # the pipeline run started by Prefect records its flow run id
             flow_run_id = ctx.tracker.client.get_run(parent).data.tags.get("qllm.prefect_flow_run_id")
-    record = run(ctx.root, ctx.path(MODELS) / ctx.params.model, ctx.path(OUT), ctx.params, ctx.tracker.run_id, parent, metrics, flow_run_id)
+    record = run(ctx.root, ctx.input(f"models/{ctx.params.model}"), ctx.output(), ctx.params, ctx.tracker.run_id, parent, metrics, flow_run_id)
     ctx.tracker.set_tags({"gate.decision": record["alias"], "gate.reason": record["reason"]})
     log = ctx.log.info if record["promoted"] else ctx.log.warning
     log("registered %s version %s (%s model) as @%s: %s", record["model_name"], record["version"], ctx.params.model, record["alias"], record["reason"])

@@ -15,9 +15,6 @@ from pipelines.core.config import SftParams
 from pipelines.core.models import save_pretrained
 
 NAME = "sft"
-CHAT = "data/prepared/chat"
-OUT = "data/models/sft"
-TRACKED_BASE = "data/models/pretrain"
 
 
 def run(chat_dir: Path, out: Path, params: SftParams, tracker=None, checkpoint_dir: Path | None = None) -> dict:
@@ -28,8 +25,8 @@ def run(chat_dir: Path, out: Path, params: SftParams, tracker=None, checkpoint_d
 
 
 def body(ctx: stage.StageContext) -> dict:
-    finetune.resolve_base(ctx, TRACKED_BASE)
-    metrics = run(ctx.path(CHAT), ctx.path(OUT), ctx.params, ctx.tracker, ctx.checkpoint_dir)
+    finetune.resolve_base(ctx, ctx.input("models/pretrain"))
+    metrics = run(ctx.input("chat"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir)
     ctx.log.info(
         "sft: %d steps, val/loss %.4f, %d train rows from %d examples (%d truncated), %d tokens/s",
         metrics["steps"], metrics.get("val/loss", float("nan")), metrics["data/train_rows"],

@@ -21,9 +21,6 @@ from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
 
 NAME = "tokenize"
-TEXT = "data/prepared/text"
-TOKENIZER = "data/tokenizer"
-OUT = "data/tokenized"
 SPLITS = ("train", "validation")
 
 
@@ -68,7 +65,7 @@ def run(text_dir: Path, tokenizer_dir: Path, out: Path, params: TokenizeParams) 
 
 
 def body(ctx: stage.StageContext) -> dict:
-    metrics = run(ctx.path(TEXT), ctx.path(TOKENIZER), ctx.path(OUT), ctx.params)
+    metrics = run(ctx.input("text"), ctx.input("tokenizer"), ctx.output(), ctx.params)
     ctx.log.info(
         "packed %d train / %d validation sequences of %d tokens (%d tokens/s)",
         metrics["train_sequences"], metrics["validation_sequences"], metrics["seq_len"], metrics["tokens_per_second"],

@@ -22,8 +22,6 @@ from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
 
 NAME = "train_tokenizer"
-PREPARED = "data/prepared"
-OUT = "data/tokenizer"
 
 
 def training_texts(prepared: Path, split: str = "train") -> Iterator[str]:
@@ -105,10 +103,10 @@ def body(ctx: stage.StageContext) -> dict:
 
     record = model_source.current(ctx.root)
     if record["name"] is not None:
-        metrics = use_base(model_source.location(record, workspace.project_root(ctx.root)), ctx.path(PREPARED), ctx.path(OUT), record["name"])
+        metrics = use_base(model_source.location(record, workspace.project_root(ctx.root)), ctx.input("prepared"), ctx.output(), record["name"])
         ctx.log.info("tokenizer: the base model's (%s, %d tokens), not trained", record["name"], metrics["vocab_size"])
         return metrics
-    metrics = run(ctx.path(PREPARED), ctx.path(OUT), ctx.params)
+    metrics = run(ctx.input("prepared"), ctx.output(), ctx.params)
     ctx.log.info(
         "tokenizer: %d tokens, %.2f chars/token on validation text (trained on %d texts in %.1fs)",
         metrics["vocab_size"], metrics["chars_per_token"], metrics["train_texts"], metrics["train_seconds"],

@@ -6,14 +6,16 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 
 from pipelines import generate
-from pipelines.core import stage
+from pipelines.core import dag, stage
 from pipelines.core.config import GenerateParams
 from pipelines.core.errors import QllmError
 from pipelines.core.sample_world import COUNT_KEYS, FILES
+from tests.conftest import REPO
 
 SMALL = GenerateParams(n_entities=8, bios_per_entity=2, max_operand=3)
 
@@ -56,9 +58,10 @@ def test_run_turns_an_impossible_world_into_a_user_error(tmp_path):
 
 def test_body_writes_under_the_root_and_returns_the_counts(tmp_path, caplog):
     log = logging.getLogger("qllm.generate.test")
+    shutil.copy(REPO / "dvc.yaml", tmp_path)  # the stage's paths come from it
     ctx = stage.StageContext(name="generate", root=tmp_path, params=SMALL, tracker=None, log=log)
     with caplog.at_level(logging.INFO, logger=log.name):
         counts = generate.body(ctx)
     assert set(counts) == set(COUNT_KEYS)
-    assert (tmp_path / generate.OUT / "chat_train.jsonl").exists()
+    assert (tmp_path / dag.stages(tmp_path)["generate"].outs[0] / "chat_train.jsonl").exists()
     assert f"chat_train={counts['chat_train']}" in caplog.text

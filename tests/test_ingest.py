@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +15,7 @@ from pipelines import ingest
 from pipelines.core import stage
 from pipelines.core.config import IngestParams, SourceParams
 from pipelines.core.readers import COLUMNS, ReaderError
+from tests.conftest import REPO
 
 
 def write(root: Path, relative: str, content: str) -> str:
@@ -127,7 +129,7 @@ def test_untracked_sources(tmp_path):
         SourceParams(path="data/sources/../e.jsonl", kind="text"),
         SourceParams(path="/somewhere/else/f.jsonl", kind="text"),
     ]
-    untracked = ingest.untracked_sources(sources, tmp_path)
+    untracked = ingest.untracked_sources(sources, tmp_path, [tmp_path / "data/sources", tmp_path / "data/sample"])
     assert [s.path for s in untracked] == ["elsewhere/d.jsonl", "data/sources/../e.jsonl", "/somewhere/else/f.jsonl"]
 
 
@@ -135,6 +137,7 @@ def test_body_logs_each_source_and_warns_about_untracked_ones(tmp_path, caplog):
     inside = write(tmp_path, "data/sources/in.jsonl", jsonl([{"text": "a"}, {"text": "b"}]))
     outside = write(tmp_path, "other/out.jsonl", jsonl([{"text": "c"}]))
     params = IngestParams(sources=[SourceParams(path=inside, kind="text"), SourceParams(path=outside, kind="text")])
+    shutil.copy(REPO / "dvc.yaml", tmp_path)  # the stage's paths (and tracked source folders) come from it
     ctx = stage.StageContext(
         name="ingest", root=tmp_path, params=params, tracker=None, log=logging.getLogger("test.ingest")
     )

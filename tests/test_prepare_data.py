@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -13,6 +14,7 @@ from pipelines import prepare_data
 from pipelines.core import cleaning, stage
 from pipelines.core.config import PrepareDataParams
 from pipelines.core.readers import COLUMNS, empty_frame
+from tests.conftest import REPO
 
 SPLITS = ("train", "validation", "test")
 NO_DROPS = dict.fromkeys(prepare_data.REASONS, 0)
@@ -187,6 +189,7 @@ def test_missing_ingested_file_is_an_error(tmp_path):
 
 def test_body_logs_counts_and_warns_per_reason(tmp_path, caplog):
     write_ingested(tmp_path, text=[{"text": "kept text"}, {"text": "kept text"}, {"text": "x"}])
+    shutil.copy(REPO / "dvc.yaml", tmp_path)  # the stage's paths come from it
     ctx = stage.StageContext(
         name="prepare_data", root=tmp_path, params=params(), tracker=None, log=logging.getLogger("test.prepare")
     )

@@ -92,7 +92,7 @@ def test_quantization_configs(monkeypatch):
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
 def test_qlora_trains_adapters_on_a_quantized_frozen_base(qbase, tmp_path, quantization):
-    metrics = lora.run(qbase / "chat", tmp_path / "out", params(qbase, quantization), checkpoint_dir=tmp_path / "ckpt")
+    metrics = lora.run(qbase / "chat", tmp_path / "out", params(qbase, quantization), checkpoint_dir=tmp_path / "ckpt", base_for_users="data/models/pretrain")
     assert metrics["steps"] == 4 and np.isfinite(metrics["val/loss"])
     # the backbone's linear weights: 4 bits (plus block scales) or 8 bits against 16 in bf16
     ceiling = {"nf4": 0.36, "int8": 0.6}[quantization]  # nf4: 0.25 + block scales, which 64x64 matrices make heavy (0.27 at real sizes)

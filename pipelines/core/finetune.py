@@ -29,13 +29,14 @@ Wrap = Callable[[torch.nn.Module, Any], torch.nn.Module]  # (model, tokenizer) -
 Save = Callable[[torch.nn.Module, Any, Path], None]
 
 
-def resolve_base(ctx, tracked: str) -> None:
+def resolve_base(ctx, tracked: Path) -> None:
     """Make a relative `base_model` path absolute (the stage may run in a run workspace) and warn
-    when it is not the DVC-tracked default."""
+    when it is not `tracked`, the base model directory dvc.yaml lists as the stage's dependency
+    (`ctx.input("models/pretrain")`)."""
     base = ctx.params.base_model
     if (ctx.root / base).exists():
         ctx.params = ctx.params.model_copy(update={"base_model": str(ctx.root / base)})
-    if base != tracked:
+    if ctx.root / base != tracked:
         ctx.log.warning("%s.base_model=%s is not a dependency in dvc.yaml: DVC will not notice when it changes", ctx.name, base)
 
 

@@ -28,7 +28,8 @@ RUN_RECORD = "mlflow_run.json"
 
 @dataclass
 class StageContext:
-    """What a stage body gets: where it runs, its typed params, its tracker and logger."""
+    """What a stage body gets: where it runs, its typed params, its tracker and logger, and its
+    paths: those its dvc.yaml stage declares (`input`, `output`), never spelled out in the stage."""
 
     name: str
     root: Path
@@ -37,12 +38,41 @@ class StageContext:
     fingerprint: str = ""
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("qllm"))
 
-    def path(self, relative: str) -> Path:
-        return self.root / relative
-
     @property
     def spec(self) -> dag.Stage:
         return dag.stages(self.root)[self.name]
+
+    def inputs(self) -> list[Path]:
+        """Every data dependency of this stage in dvc.yaml (its `deps` but the `.py` files), in file order."""
+        return [self.root / dep for dep in self._data_deps()]
+
+    def input(self, name: str) -> Path:
+        """The one data dependency in dvc.yaml that is `name` or ends with `/name`:
+        `input("chat")` -> `<root>/data/prepared/chat`; `input("models/pretrain")`."""
+        return self._one("input", name, self._data_deps(), "deps")
+
+    def output(self, name: str | None = None) -> Path:
+        """The one output in dvc.yaml (`outs` and `plots`, not `metrics`) that is `name` or ends
+        with `/name`; with no name, the stage's only output."""
+        return self._one("output", name, [*self.spec.outs, *self.spec.plots], "outs")
+
+    def _data_deps(self) -> list[str]:
+        return [dep for dep in self.spec.deps if not dep.endswith(".py")]
+
+    def _one(self, kind: str, name: str | None, declared: list[str], key: str) -> Path:
+        """Stages take their paths from dvc.yaml, so the code cannot read or write a path that DVC
+        does not track: a name that matches no declared path, or several, is an error."""
+        listed = f"(declared: {', '.join(declared) or 'none'})"
+        if name is None:
+            if len(declared) != 1:
+                raise QllmError(f"stage {self.name}: which {kind}? dvc.yaml {key} has {len(declared)}, so name one {listed}")
+            return self.root / declared[0]
+        found = [path for path in declared if path == name or path.endswith("/" + name)]
+        if not found:
+            raise QllmError(f"stage {self.name}: no {kind} {name!r} in dvc.yaml {key} {listed}")
+        if len(found) > 1:
+            raise QllmError(f"stage {self.name}: {kind} {name!r} is ambiguous, it matches {', '.join(found)} in dvc.yaml {key} {listed}")
+        return self.root / found[0]
 
     @property
     def checkpoint_dir(self) -> Path:
