@@ -60,16 +60,16 @@ def body(ctx: stage.StageContext) -> dict:
     from pipelines.core import model_source
 
     declared = ctx.params.base_model
-    finetune.resolve_base(ctx, ctx.input("models/pretrain"))
-    record = model_source.pointed(ctx.params.base_model)
+    params = finetune.resolve_base(ctx, ctx.input("models/pretrain"))
+    record = model_source.pointed(params.base_model)
     if record is not None:  # fine-tuning mode: the adapter names the user's base, as they name it
         declared = record["name"]
-    if ctx.params.allocation == "quantum_opt":
+    if params.allocation == "quantum_opt":  # the allocation file is a dependency: in the fingerprint already
         path = ctx.input("quantum_opt") / ALLOCATION_FILE
         allocation = read_json(path)
-        ctx.params = apply_allocation(ctx.params, allocation, path.relative_to(ctx.root))
-        ctx.log.info("lora: %d modules with ranks from quantum_opt (%s)", len(ctx.params.rank_pattern), allocation["solver"])
-    metrics = run(ctx.input("chat"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared)
+        params = apply_allocation(params, allocation, path.relative_to(ctx.root))
+        ctx.log.info("lora: %d modules with ranks from quantum_opt (%s)", len(params.rank_pattern), allocation["solver"])
+    metrics = run(ctx.input("chat"), ctx.output(), params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared)
     ctx.log.info(
         "lora: %d of %d parameters trainable (%.2f%%), %d steps, val/loss %.4f",
         metrics["trainable_parameters"], metrics["total_parameters"], 100 * metrics["trainable_fraction"],

@@ -194,9 +194,9 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
 
 
 def body(ctx: stage.StageContext) -> dict:
-    finetune.resolve_base(ctx, ctx.input("models/pretrain"))
+    params = finetune.resolve_base(ctx, ctx.input("models/pretrain"))
     out = ctx.output()
-    metrics = run(ctx.input("chat"), out, ctx.params, ctx.tracker)
+    metrics = run(ctx.input("chat"), out, params, ctx.tracker)
     ctx.tracker.log_artifact(out / SCORES_FILE)
     ctx.log.info(
         "probed %d modules over %d steps; most gradient energy in %s (%.1f%%), mean redundancy %.3f",

@@ -25,8 +25,8 @@ def run(chat_dir: Path, out: Path, params: SftParams, tracker=None, checkpoint_d
 
 
 def body(ctx: stage.StageContext) -> dict:
-    finetune.resolve_base(ctx, ctx.input("models/pretrain"))
-    metrics = run(ctx.input("chat"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir)
+    params = finetune.resolve_base(ctx, ctx.input("models/pretrain"))
+    metrics = run(ctx.input("chat"), ctx.output(), params, ctx.tracker, ctx.checkpoint_dir)
     ctx.log.info(
         "sft: %d steps, val/loss %.4f, %d train rows from %d examples (%d truncated), %d tokens/s",
         metrics["steps"], metrics.get("val/loss", float("nan")), metrics["data/train_rows"],

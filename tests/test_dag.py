@@ -20,7 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 # distributed: how many processes run a stage (torchrun, rank 0's duties); the same results on 1 or N
 # precision: what `precision: auto` resolves to reaches training stages as data (data/device.json from
 #   probe_device, which lists precision.py itself), so editing it reruns probe_device, and training only if that changes
-INFRASTRUCTURE = {f"core.{m}" for m in ("config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "runner", "checkpoint", "distributed", "precision")}
+# loggers: the metric loggers (MLflow, TensorBoard, system metrics): what is recorded about a run, not its outputs
+# resources: measures a stage's peak memory for its metrics file
+INFRASTRUCTURE = {
+    f"core.{m}"
+    for m in ("config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "checkpoint", "distributed", "precision", "loggers", "resources")
+}
 
 
 def module_path(module: str) -> Path:
@@ -46,12 +51,15 @@ def pipelines_imports(module: str) -> set[str]:
 
 
 def closure(module: str) -> set[str]:
+    """What `module` imports, directly or not; not followed into infrastructure modules (config.py
+    imports the extension registry only to validate `train.extensions`)."""
     seen, todo = set(), [module]
     while todo:
         current = todo.pop()
         for dep in pipelines_imports(current) - seen:
             seen.add(dep)
-            todo.append(dep)
+            if dep not in INFRASTRUCTURE:
+                todo.append(dep)
     return seen
 
 

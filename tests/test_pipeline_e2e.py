@@ -134,7 +134,16 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     outs = lock_outs(project)
     inputs = {d.dataset.name: d.dataset.digest for d in pretrain.inputs.dataset_inputs}
     assert inputs == {d: outs[d] for d in ("data/base_model.json", "data/device.json", "data/tokenized", "data/tokenizer")}
-    assert json.loads((project / "data/metrics/pretrain.json").read_text())["mlflow_run_id"] == pretrain.info.run_id
+    pretrain_metrics = json.loads((project / "data/metrics/pretrain.json").read_text())
+    assert pretrain_metrics["mlflow_run_id"] == pretrain.info.run_id
+    # every stage records its peak memory; a training stage's run has the loggers' output too
+    with_metrics = [n for n, spec in dag.stages(project).items() if dag.metrics_file(n) in spec.metrics]
+    peaks = {n: json.loads((project / dag.metrics_file(n)).read_text()).get("peak_rss_mb") for n in with_metrics}
+    assert all(peak is not None and peak > 10 for peak in peaks.values()), peaks  # MB; a Python process holds more
+    assert "system/process_rss_megabytes" in pretrain.data.metrics and "system/cpu_utilization_percentage" in pretrain.data.metrics
+    events = project / "tensorboard" / "pretrain" / pretrain.info.run_id
+    assert list(events.glob("events.out.tfevents.*")) and client.list_artifacts(pretrain.info.run_id, "tensorboard")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on the runs
 
 
 def test_registered_model_is_champion_with_lineage_and_loads(first, project):

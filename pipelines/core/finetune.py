@@ -29,15 +29,17 @@ Wrap = Callable[[torch.nn.Module, Any], torch.nn.Module]  # (model, tokenizer) -
 Save = Callable[[torch.nn.Module, Any, Path], None]
 
 
-def resolve_base(ctx, tracked: Path) -> None:
-    """Make a relative `base_model` path absolute (the stage may run in a run workspace) and warn
-    when it is not `tracked`, the base model directory dvc.yaml lists as the stage's dependency
-    (`ctx.input("models/pretrain")`)."""
+def resolve_base(ctx, tracked: Path):
+    """The stage's params with a relative `base_model` path made absolute (the stage may run in a
+    run workspace); warns when it is not `tracked`, the base model directory dvc.yaml lists as the
+    stage's dependency (`ctx.input("models/pretrain")`). `ctx.params` itself stays as loaded (its
+    fingerprint names the checkpoints)."""
     base = ctx.params.base_model
-    if (ctx.root / base).exists():
-        ctx.params = ctx.params.model_copy(update={"base_model": str(ctx.root / base)})
     if ctx.root / base != tracked:
         ctx.log.warning("%s.base_model=%s is not a dependency in dvc.yaml: DVC will not notice when it changes", ctx.name, base)
+    if (ctx.root / base).exists():
+        return ctx.params.model_copy(update={"base_model": str(ctx.root / base)})
+    return ctx.params
 
 
 def conversations(chat_dir: Path, split: str) -> list[list[dict]]:

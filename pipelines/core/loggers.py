@@ -155,6 +155,14 @@ def _monitor(tracker, interval: float, max_interval: float):
             self.samples += 1
             return metrics
 
+        def finish(self):
+            super().finish()
+            # the loop drops the samples of its last, unfinished interval (all of a stage shorter than
+            # `interval`): publish them, so that every run has at least one point
+            if any(monitor.metrics for monitor in self.monitors):
+                self.publish_metrics(self.aggregate_metrics())
+                self.mlflow_logger.flush()
+
     monitor = Monitor(tracker.run_id, sampling_interval=interval, resume_logging=True, tracking_uri=tracker.client.tracking_uri)
     monitor.monitors.append(ProcessMemory())
     return monitor

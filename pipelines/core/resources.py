@@ -36,8 +36,13 @@ def _high_water_mark() -> int | None:
 
 
 def _cuda():
-    torch = sys.modules.get("torch")  # a stage that never imported torch used no CUDA memory
-    return torch.cuda if torch is not None and torch.cuda.is_available() else None
+    """`torch.cuda` if torch is imported (a stage that never imported it used no CUDA memory) and a
+    CUDA device is there. Another thread may be importing torch right now: then it is not yet ours."""
+    try:
+        cuda = sys.modules["torch"].cuda
+        return cuda if cuda.is_available() else None
+    except (KeyError, AttributeError):
+        return None
 
 
 class PeakMemory:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.core import config, dag, tracking, workspace
+from pipelines.core import config, dag, resources, tracking, workspace
 from pipelines.core.errors import QllmError, stop_when_parent_dies
 from pipelines.core.outputs import read_json, write_json
 
@@ -26,10 +26,13 @@ RUN_RECORD = "mlflow_run.json"
 """In a training stage's checkpoint directory: the id of the MLflow run that writes there."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageContext:
     """What a stage body gets: where it runs, its typed params, its tracker and logger, and its
-    paths: those its dvc.yaml stage declares (`input`, `output`), never spelled out in the stage."""
+    paths: those its dvc.yaml stage declares (`input`, `output`), never spelled out in the stage.
+
+    Frozen: `params` stay what the fingerprint was computed from; a body that resolves a value
+    (an absolute base model path, the quantum_opt allocation) passes a copy on instead."""
 
     name: str
     root: Path
@@ -168,9 +171,10 @@ def _execute(
                 tracker.log_dataset(dep, context="input", digest=md5, name=dep)
         tracker.set_tags({f"qllm.dep.{dep}": md5 for dep, md5 in digests.items()})
         ctx = StageContext(name=name, root=root, params=params, tracker=tracker, fingerprint=key, log=log)
-        metrics = body(ctx) or {}
+        with resources.PeakMemory() as peak:
+            metrics = body(ctx) or {}
         metrics = {**metrics, **({"precision": params.train.precision} if _trains(params) else {}),
-                   "seconds": round(time.perf_counter() - started, 3)}
+                   "seconds": round(time.perf_counter() - started, 3), **peak.metrics()}
         tracker.log_metrics({k: v for k, v in config.flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         metrics_file = dag.metrics_file(name)
         if metrics_file in ctx.spec.metrics:
