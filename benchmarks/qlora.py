@@ -35,8 +35,8 @@ def one(args: argparse.Namespace) -> dict:
     base, work = Path(args.base), Path(args.work)
     train = TrainParams(seed=args.seed, max_steps=args.steps, micro_batch_size=16, warmup_steps=max(1, args.steps // 15), lr=0.003,
                         eval_every=0, checkpoint_every=0, precision=precision.resolve("auto"))
-    params = LoraParams(base_model=str(base), allocation="uniform", r=args.r, lora_alpha=2.0 * args.r, quantization=args.quantization,
-                        merge=args.project is not None, train=train)
+    adapter = {"r": args.r, "lora_alpha": 2.0 * args.r, "quantization": args.quantization, "merge": args.project is not None}
+    params = LoraParams(base_model=str(base), allocation="uniform", adapter=adapter, train=train)
     chat = Path(args.project) / "data/prepared/chat" if args.project else Path(args.chat)
     metrics = lora.run(chat, work / "lora", params)
     row = {"quantization": args.quantization, "seed": args.seed, "steps": metrics["steps"], "precision": train.precision,

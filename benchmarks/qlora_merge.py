@@ -1,4 +1,4 @@
-"""How lossy is merging a QLoRA adapter: into the dequantized base (what lora.merge writes) vs into the original
+"""How lossy is merging a QLoRA adapter: into the dequantized base (what lora.adapter.merge writes) vs into the original
 full-precision base. Usage: PYTHONPATH=. python benchmarks/qlora_merge.py PROJECT BASE_DIR (PROJECT: after `qllm run --until tokenize`)."""
 import json
 import sys
@@ -20,7 +20,7 @@ questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_q
 with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
     train = TrainParams(seed=0, max_steps=150, micro_batch_size=16, warmup_steps=10, lr=0.003, eval_every=0, checkpoint_every=0, precision="bf16")
-    p = LoraParams(base_model=base, allocation="uniform", r=8, lora_alpha=16, quantization="nf4", train=train)
+    p = LoraParams(base_model=base, allocation="uniform", adapter={"r": 8, "lora_alpha": 16, "quantization": "nf4"}, train=train)
     lora.run(root / "data/prepared/chat", tmp / "q", p)
     qconfig = quantize.config("nf4", True, torch.bfloat16)
     trained = quantize.keep_standard_layout(PeftModel.from_pretrained(load_causal_lm(base, quantization=qconfig), str(tmp / "q")).eval())

@@ -5,7 +5,7 @@
 Same data, masking, packing and loop as `sft` (`pipelines.core.finetune`); only the model wrapper
 differs: `peft.get_peft_model` with a `LoraConfig` built from `lora.*` (r, lora_alpha,
 lora_dropout, target_modules, layers_to_transform, rank_pattern/alpha_pattern, bias, use_rslora)
-plus the embedding rows of `lora.trainable_tokens` (the chat markers, which the pretrained base
+plus the embedding rows of `lora.adapter.trainable_tokens` (the chat markers, which the pretrained base
 has never seen).
 
 With `lora.allocation: quantum_opt` (the default) the targeted modules and their ranks come from
@@ -14,7 +14,7 @@ With `lora.allocation: quantum_opt` (the default) the targeted modules and their
 
 Output: a PEFT adapter directory (`PeftModel.from_pretrained(base, "data/models/lora")`, or
 `AutoPeftModelForCausalLM.from_pretrained` from the project root: the adapter records its base as
-the relative path `data/models/pretrain`) plus, with `lora.merge: true`, the adapter merged into
+the relative path `data/models/pretrain`) plus, with `lora.adapter.merge: true`, the adapter merged into
 the base as a full model in `data/models/lora/merged/`.
 """
 
@@ -28,6 +28,8 @@ from pipelines.core.errors import QllmError
 from pipelines.core.outputs import read_json
 
 NAME = "lora"
+SECTION = "lora.adapter"
+"""Where the adapter's settings are in params (errors name their keys under it)."""
 ALLOCATION_FILE = "allocation.json"
 """The file of quantum_opt's output directory that gives the modules and their ranks."""
 
@@ -40,19 +42,22 @@ def apply_allocation(params: LoraParams, allocation: dict, where: str | Path = A
     ranks = {module: int(rank) for module, rank in allocation["rank_pattern"].items() if rank > 0}
     if not ranks:
         raise QllmError(f"{where}: no module was given a rank; use lora.allocation: uniform or a larger quantum_opt budget")
-    alphas = {} if params.use_rslora else {m: params.lora_alpha * r / params.r for m, r in ranks.items()}
-    return params.model_copy(update={"target_modules": sorted(ranks), "rank_pattern": ranks, "alpha_pattern": alphas})
+    adapter = params.adapter
+    alphas = {} if adapter.use_rslora else {m: adapter.lora_alpha * r / adapter.r for m, r in ranks.items()}
+    allocated = adapter.model_copy(update={"target_modules": sorted(ranks), "rank_pattern": ranks, "alpha_pattern": alphas})
+    return params.model_copy(update={"adapter": allocated})
 
 
 def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str | None = None) -> dict:
     """`base_for_users`: how the adapter names its base (default: `params.base_model`, as given)."""
     if base_for_users is None:
         base_for_users = params.base_model
-    qconfig = quantize.from_params(params, params.train.precision, NAME)
+    adapter = params.adapter
+    qconfig = quantize.from_params(adapter, params.train.precision, SECTION)
     quantized_base = (params.base_model, qconfig) if qconfig is not None else None
     return finetune.run(
-        chat_dir, out, params, wrap=adapters.wrap(params), save=adapters.save(base_for_users, params.merge, quantized_base), tracker=tracker,
-        checkpoint_dir=checkpoint_dir, desc=NAME,
+        chat_dir, out, params, wrap=adapters.wrap(adapter, SECTION), save=adapters.save(base_for_users, adapter.merge, quantized_base),
+        tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME, quantization=adapter, quantization_section=SECTION,
     )
 
 
@@ -68,7 +73,7 @@ def body(ctx: stage.StageContext) -> dict:
         path = ctx.input("quantum_opt") / ALLOCATION_FILE
         allocation = read_json(path)
         params = apply_allocation(params, allocation, path.relative_to(ctx.root))
-        ctx.log.info("lora: %d modules with ranks from quantum_opt (%s)", len(params.rank_pattern), allocation["solver"])
+        ctx.log.info("lora: %d modules with ranks from quantum_opt (%s)", len(params.adapter.rank_pattern), allocation["solver"])
     metrics = run(ctx.input("chat"), ctx.output(), params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared)
     ctx.log.info(
         "lora: %d of %d parameters trainable (%.2f%%), %d steps, val/loss %.4f",

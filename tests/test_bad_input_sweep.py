@@ -94,7 +94,8 @@ pretrain:
 quantum_opt:
   solver: sa
 lora:
-  target_modules: [q_proj, v_proj]
+  adapter:
+    target_modules: [q_proj, v_proj]
 """
 
 
@@ -282,27 +283,30 @@ CASES = [
     Case("params-wrong-type-int", "params", "`pretrain.train.max_steps: 10.5` (line 7)", "qllm run",
          params_file(BASE.replace("max_steps: 10", "max_steps: 10.5")),
          "error: params.yaml:7: pretrain.train.max_steps: Input should be a valid integer, got a number with a fractional part (got 10.5)", 2),
-    Case("params-wrong-type-list", "params", "`lora.target_modules: q_proj` (a string, not a list; line 12)", "qllm run",
+    Case("params-wrong-type-list", "params", "`lora.adapter.target_modules: q_proj` (a string, not a list; line 13)", "qllm run",
          params_file(BASE.replace("target_modules: [q_proj, v_proj]", "target_modules: q_proj")),
-         "error: params.yaml:12: lora.target_modules: Input should be a valid list (got 'q_proj')", 2),
+         "error: params.yaml:13: lora.adapter.target_modules: Input should be a valid list (got 'q_proj')", 2),
     Case("params-section-not-mapping", "params", "`quantum_opt: sa` (a value where a section belongs; line 9)", "qllm run",
          params_file(BASE.replace("quantum_opt:\n  solver: sa\n", "quantum_opt: sa\n")),
          "error: params.yaml:9: quantum_opt: Input should be a valid dictionary or instance of QuantumOptParams (got 'sa')", 2),
     Case("params-unknown-key", "params", "`pretrain.train.lrr: 0.1` (typo; line 9)", "qllm run",
          params_file(BASE.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    lrr: 0.1\n")),
          "error: params.yaml:9: pretrain.train.lrr: unknown key (expected one of: …, lr, …)", 2),
-    Case("params-unknown-section", "params", "a section `pretrian:` (typo of `pretrain`; line 13)", "qllm run",
+    Case("params-unknown-section", "params", "a section `pretrian:` (typo of `pretrain`; line 14)", "qllm run",
          params_file(BASE + "pretrian:\n  train:\n    lr: 0.1\n"),
-         "error: params.yaml:13: pretrian: unknown key (expected one of: …, pretrain, …)", 2),
-    Case("params-layers-with-quantum-allocation", "params", "`lora.layers_to_transform: [-1]` with `allocation: quantum_opt`", "qllm run",
-         params_file(BASE + "  layers_to_transform: [-1]\n"),
-         "error: params.yaml:11: lora: layers_to_transform applies to allocation: uniform; the quantum_opt allocation chooses the modules of every layer itself", 2),
+         "error: params.yaml:14: pretrian: unknown key (expected one of: …, pretrain, …)", 2),
+    Case("params-layers-with-quantum-allocation", "params", "`lora.adapter.layers_to_transform: [-1]` with `allocation: quantum_opt`", "qllm run",
+         params_file(BASE + "    layers_to_transform: [-1]\n"),
+         "error: params.yaml:11: lora: adapter.layers_to_transform applies to allocation: uniform; the quantum_opt allocation chooses the modules of every layer itself", 2),
+    Case("params-lora-adapter-key-at-the-old-place", "params", "`lora.r: 8` (the adapter's settings are under `lora.adapter`)", "qllm run",
+         params_file(BASE + "  r: 8\n"),
+         "error: params.yaml:11: lora: r: the adapter settings are under lora.adapter now (as under dpo.lora): write lora.adapter.r, not lora.r", 2),
     Case("params-duplicate-key", "params", "`pretrain.train.lr` given twice (`0.002` on line 6, `0.5` on line 9)", "qllm run",
          params_file(BASE.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    lr: 0.5\n")),
          "error: {project}/params.yaml:9: pretrain.train.lr: duplicate key (first given on line 6)", 2),
-    Case("params-bad-yaml", "params", "an unclosed `[` on line 12 (`target_modules: [q_proj, v_proj`)", "qllm run",
+    Case("params-bad-yaml", "params", "an unclosed `[` on line 13 (`target_modules: [q_proj, v_proj`)", "qllm run",
          params_file(BASE.replace("[q_proj, v_proj]", "[q_proj, v_proj") + "sft:\n  loss_on: all\n"),
-         "error: {project}/params.yaml:13: invalid YAML: expected ',' or ']', but got ':'", 2),
+         "error: {project}/params.yaml:14: invalid YAML: expected ',' or ']', but got ':'", 2),
     Case("params-tab-indent", "params", "a tab instead of spaces before `solver: sa` (line 10)", "qllm run",
          params_file(BASE.replace("  solver: sa", "\tsolver: sa")),
          "error: {project}/params.yaml:10: invalid YAML: found character '\\t' that cannot start any token", 2),
@@ -389,15 +393,15 @@ CASES = [
          generate("resized-model"),
          "error: models/resized-model: tokenizer has 320 tokens but the model's embedding has 64 rows "
          "(tokenizer and model do not match)", 2),
-    Case("lora-unknown-target-module", "models", "`lora.target_modules: [q_prj]` (typo)", "lora",
-         finetune("lora", "models/good", "good", extra="  target_modules: [q_prj]\n  allocation: uniform\n"),
-         "error: lora: lora.target_modules: 'q_prj' matches no linear module of the model (its linear modules are: …q_proj…)", 1),
-    Case("lora-layer-outside-the-model", "models", "`lora.layers_to_transform: [7]` on a 2-layer model", "lora",
-         finetune("lora", "models/good", "good", extra="  layers_to_transform: [7]\n  allocation: uniform\n"),
-         "error: lora: lora.layers_to_transform: 7 is outside the model's 2 layers (0..1, or -2..-1 from the end)", 1),
-    Case("lora-fp8-on-cpu", "models", "`lora.quantization: fp8` on a machine without a CUDA device", "lora",
-         finetune("lora", "models/good", "good", extra="  quantization: fp8\n  allocation: uniform\n"),
-         "error: lora: lora.quantization: fp8 needs a CUDA device of compute capability 8.9 or newer (Ada, Hopper); "
+    Case("lora-unknown-target-module", "models", "`lora.adapter.target_modules: [q_prj]` (typo)", "lora",
+         finetune("lora", "models/good", "good", extra="  adapter: {target_modules: [q_prj]}\n  allocation: uniform\n"),
+         "error: lora: lora.adapter.target_modules: 'q_prj' matches no linear module of the model (its linear modules are: …q_proj…)", 1),
+    Case("lora-layer-outside-the-model", "models", "`lora.adapter.layers_to_transform: [7]` on a 2-layer model", "lora",
+         finetune("lora", "models/good", "good", extra="  adapter: {layers_to_transform: [7]}\n  allocation: uniform\n"),
+         "error: lora: lora.adapter.layers_to_transform: 7 is outside the model's 2 layers (0..1, or -2..-1 from the end)", 1),
+    Case("lora-fp8-on-cpu", "models", "`lora.adapter.quantization: fp8` on a machine without a CUDA device", "lora",
+         finetune("lora", "models/good", "good", extra="  adapter: {quantization: fp8}\n  allocation: uniform\n"),
+         "error: lora: lora.adapter.quantization: fp8 needs a CUDA device of compute capability 8.9 or newer (Ada, Hopper); "
          "this machine trains on cpu; use nf4 or int8", 1),
 ]
 

@@ -130,13 +130,13 @@ def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp
     """SFT from a small random model of each family (its own tokenizer and template), then a
     greedy answer to a held-out prompt rendered with `add_generation_prompt`."""
     from pipelines import evaluate, sft
-    from pipelines.core.config import SftParams, TrainParams
+    from pipelines.core.config import FinetuneParams, TrainParams
     from pipelines.core.models import load_model_and_tokenizer
 
     fam, _ = family
     base = save_base_model(fam, TEXTS, tmp_path / "base")
     train = TrainParams(max_steps=2, micro_batch_size=4, warmup_steps=0, eval_every=0, eval_batches=1, checkpoint_every=0, precision="fp32")
-    metrics = sft.run(tiny_base / "chat", tmp_path / "sft", SftParams(base_model=str(base), train=train))
+    metrics = sft.run(tiny_base / "chat", tmp_path / "sft", FinetuneParams(base_model=str(base), train=train))
     assert metrics["steps"] == 2 and metrics["data/train_dropped_no_target"] == 0
     assert metrics["data/train_examples"] == len(CHATS) and metrics["data/train_target_tokens"] > len(CHATS)
     model, tokenizer = load_model_and_tokenizer(tmp_path / "sft")

@@ -8,7 +8,7 @@ import torch
 
 from pipelines import lora, sft
 from pipelines.core import adapters
-from pipelines.core.config import LoraParams, SftParams, TrainParams
+from pipelines.core.config import FinetuneParams, LoraAdapterParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import load_causal_lm, load_tokenizer, parameter_counts
 
@@ -17,11 +17,13 @@ TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, ev
 
 
 def lora_params(tiny_base, **kw) -> LoraParams:
-    return LoraParams(base_model=str(tiny_base / "model"), train=TRAIN, r=4, lora_alpha=8, **kw)
+    """`LoraParams` from flat keywords: the adapter's go to `adapter`."""
+    adapter = {"r": 4, "lora_alpha": 8} | {k: kw.pop(k) for k in list(kw) if k in LoraAdapterParams.model_fields}
+    return LoraParams(base_model=str(tiny_base / "model"), train=TRAIN, adapter=adapter, **kw)
 
 
 def wrapped(tiny_base, params):
-    return adapters.wrap(params)(load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model"))
+    return adapters.wrap(params.adapter, lora.SECTION)(load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model"))
 
 
 def test_trainable_parameters_are_r_times_in_plus_out(tiny_base):
@@ -54,7 +56,7 @@ def test_layers_to_transform_adapts_only_those_layers(tiny_base, layers, adapted
 
 @pytest.mark.parametrize("index", [2, -3])
 def test_layer_outside_the_model_is_a_clear_error(tiny_base, index):
-    with pytest.raises(QllmError, match=rf"lora.layers_to_transform: {index} is outside the model's 2 layers \(0..1, or -2..-1 from the end\)"):
+    with pytest.raises(QllmError, match=rf"lora.adapter.layers_to_transform: {index} is outside the model's 2 layers \(0..1, or -2..-1 from the end\)"):
         wrapped(tiny_base, lora_params(tiny_base, allocation="uniform", layers_to_transform=[index]))
 
 
@@ -66,12 +68,12 @@ def test_layers_to_transform_needs_the_uniform_allocation(tiny_base):
 @pytest.mark.parametrize(("field", "value"), [("target_modules", ["q_projx"]), ("rank_pattern", {"layers.9.mlp.up_proj": 2})])
 def test_targets_that_match_nothing_are_a_clear_error(tiny_base, field, value):
     params = lora_params(tiny_base, **{field: value})
-    with pytest.raises(QllmError, match=rf"lora.{field}: .* matches no linear module of the model \(its linear modules are: down_proj, gate_proj, k_proj"):
+    with pytest.raises(QllmError, match=rf"lora.adapter.{field}: .* matches no linear module of the model \(its linear modules are: down_proj, gate_proj, k_proj"):
         wrapped(tiny_base, params)
 
 
 def test_unknown_trainable_token_is_a_clear_error(tiny_base):
-    with pytest.raises(QllmError, match=r"lora.trainable_tokens: '<\|nope\|>' is not in the tokenizer's vocabulary"):
+    with pytest.raises(QllmError, match=r"lora.adapter.trainable_tokens: '<\|nope\|>' is not in the tokenizer's vocabulary"):
         wrapped(tiny_base, lora_params(tiny_base, trainable_tokens=["<|nope|>"]))
 
 
@@ -113,7 +115,7 @@ def test_adapter_files_name_no_local_path_and_no_set_order(tiny_base, tmp_path):
 
 
 def test_sft_trains_all_weights_and_lowers_the_loss(tiny_base, tmp_path):
-    params = SftParams(base_model=str(tiny_base / "model"), train=TRAIN.model_copy(update={"max_steps": 12, "eval_every": 12}))
+    params = FinetuneParams(base_model=str(tiny_base / "model"), train=TRAIN.model_copy(update={"max_steps": 12, "eval_every": 12}))
     metrics = sft.run(tiny_base / "chat", tmp_path / "sft", params)
     assert metrics["trainable_fraction"] == 1.0
     assert metrics["data/train_examples"] == 10 and metrics["data/train_rows"] < 10  # packed
@@ -130,7 +132,7 @@ def test_sft_and_lora_can_run_side_by_side_in_threads(tiny_base, tmp_path):
     (transformers builds models under process-wide patches; see models.CONSTRUCTION)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    sft_params = SftParams(base_model=str(tiny_base / "model"), train=TRAIN)
+    sft_params = FinetuneParams(base_model=str(tiny_base / "model"), train=TRAIN)
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = [pool.submit(sft.run, tiny_base / "chat", tmp_path / f"sft{i}", sft_params) for i in range(2)]
         futures += [pool.submit(lora.run, tiny_base / "chat", tmp_path / f"lora{i}", lora_params(tiny_base)) for i in range(2)]

@@ -284,7 +284,7 @@ def test_changing_the_solver_reruns_from_quantum_opt(first, project):
 def test_uniform_lora_rank_reruns_only_lora_and_downstream(first, project):
     from flows.pipeline import pipeline
 
-    summary = pipeline(overrides=["lora.allocation=uniform", "lora.r=2"], project_dir=str(project))
+    summary = pipeline(overrides=["lora.allocation=uniform", "lora.adapter.r=2"], project_dir=str(project))
     ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
     assert ran == ["base_model", "probe_device", "lora", "evaluate", "register"]
     trainable = json.loads((Path(summary["workspace"]) / "data/metrics/lora.json").read_text())["trainable_parameters"]
@@ -318,7 +318,7 @@ def test_until_stops_after_the_stage(first, project):
 def test_qlora_in_the_sample_pipeline_reruns_only_lora_and_what_follows(first, project):
     from flows.pipeline import pipeline
 
-    summary = pipeline(overrides=["lora.quantization=nf4"], project_dir=str(project))
+    summary = pipeline(overrides=["lora.adapter.quantization=nf4"], project_dir=str(project))
     status = {s["name"]: s["status"] for s in summary["stages"]}
     assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "lora", "evaluate", "register"], status
     ws = Path(summary["workspace"])

@@ -54,14 +54,14 @@ def test_unknown_candidate_is_a_clear_error(tiny_base, tmp_path):
 
 
 def test_lora_applies_an_allocation_with_consistent_scaling():
-    params = LoraParams(r=4, lora_alpha=8.0)
+    params = LoraParams(adapter={"r": 4, "lora_alpha": 8.0})
     allocation = {"rank_pattern": {"model.layers.0.self_attn.q_proj": 16, "model.layers.1.mlp.up_proj": 4, "model.layers.1.mlp.down_proj": 0}}
-    applied = lora.apply_allocation(params, allocation)
+    applied = lora.apply_allocation(params, allocation).adapter
     assert applied.target_modules == ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"]
     assert applied.rank_pattern == {"model.layers.0.self_attn.q_proj": 16, "model.layers.1.mlp.up_proj": 4}
     # alpha / r stays lora_alpha / r = 2 for every rank
     assert {m: applied.alpha_pattern[m] / r for m, r in applied.rank_pattern.items()} == {m: 2.0 for m in applied.rank_pattern}
-    assert lora.apply_allocation(params.model_copy(update={"use_rslora": True}), allocation).alpha_pattern == {}
+    assert lora.apply_allocation(params.model_copy(update={"adapter": params.adapter.model_copy(update={"use_rslora": True})}), allocation).adapter.alpha_pattern == {}
     with pytest.raises(QllmError, match="no module was given a rank"):
         lora.apply_allocation(params, {"rank_pattern": {"x": 0}})
 

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from pipelines import lora
 from pipelines.core import quantize
-from pipelines.core.config import LoraParams, TrainParams
+from pipelines.core.config import LoraAdapterParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from tests.conftest import record_dpo_losses
 
@@ -40,15 +40,15 @@ def qbase(tiny_base, tmp_path_factory):
 
 
 def params(base, quantization="nf4", **kw) -> LoraParams:
-    return LoraParams(base_model=str(base / "model"), allocation="uniform", quantization=quantization, r=4, lora_alpha=8,
-                      lora_dropout=0.0, train=kw.pop("train", TRAIN), **kw)
+    adapter = {"quantization": quantization, "r": 4, "lora_alpha": 8, "lora_dropout": 0.0} | {k: kw.pop(k) for k in list(kw) if k in LoraAdapterParams.model_fields}
+    return LoraParams(base_model=str(base / "model"), allocation="uniform", adapter=adapter, train=kw.pop("train", TRAIN), **kw)
 
 
 # ------------------------------------------------------------------------ capability and config
 
 
 def test_fp8_needs_a_recent_cuda_device(monkeypatch):
-    with pytest.raises(QllmError, match=r"lora.quantization: fp8 needs a CUDA device of compute capability 8.9 or newer .* trains on cpu; use nf4 or int8"):
+    with pytest.raises(QllmError, match=r"lora.adapter.quantization: fp8 needs a CUDA device of compute capability 8.9 or newer .* trains on cpu; use nf4 or int8"):
         quantize.check("fp8", torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -156,7 +156,7 @@ def test_qlora_in_fine_tuning_mode_loads_the_pointed_base_straight_into_4_bits(q
     record = {"name": str(qbase / "model"), "kind": "local", "md5": dag.dvc_md5(qbase / "model")}
     (pointer / model_source.POINTER).write_text(json.dumps(record))
     two = TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0, "checkpoint_every": 0})
-    metrics = lora.run(qbase / "chat", tmp_path / "out", LoraParams(base_model=str(pointer), allocation="uniform", quantization="nf4", r=4, train=two))
+    metrics = lora.run(qbase / "chat", tmp_path / "out", LoraParams(base_model=str(pointer), allocation="uniform", adapter={"quantization": "nf4", "r": 4}, train=two))
     assert metrics["steps"] == 2 and metrics["linear_weight_bytes"] < metrics["other_parameter_bytes"]
     assert (tmp_path / "out/merged/model.safetensors").exists()
 

@@ -33,7 +33,7 @@ def module_matches(name: str, key: str) -> bool:
     return name == key or name.endswith(f".{key}") or re.fullmatch(rf"(.*\.)?{key}", name) is not None
 
 
-def check_targets(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora") -> None:
+def check_targets(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora.adapter") -> None:
     """Every `target_modules` entry and `rank_pattern`/`alpha_pattern` key must match a module
     (PEFT matches a name exactly or as a `.`-separated suffix); otherwise a clear error."""
     names = linear_module_names(model)
@@ -45,7 +45,7 @@ def check_targets(model: torch.nn.Module, params: LoraAdapterParams, section: st
                 raise QllmError(f"{section}.{field}: {key!r} matches no linear module of the model (its linear modules are: {', '.join(short)})")
 
 
-def layer_indices(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora") -> list[int] | None:
+def layer_indices(model: torch.nn.Module, params: LoraAdapterParams, section: str = "lora.adapter") -> list[int] | None:
     """`layers_to_transform` as PEFT wants it (non-negative, sorted), or None for every layer;
     negative entries count from the end, and an index outside the model is an error."""
     if not params.layers_to_transform:
@@ -59,8 +59,8 @@ def layer_indices(model: torch.nn.Module, params: LoraAdapterParams, section: st
     return sorted(resolved)
 
 
-def token_ids(tokenizer, tokens: list[str], section: str = "lora") -> list[int]:
-    """Vocabulary ids of `lora.trainable_tokens`; an unknown token is an error."""
+def token_ids(tokenizer, tokens: list[str], section: str = "lora.adapter") -> list[int]:
+    """Vocabulary ids of `lora.adapter.trainable_tokens`; an unknown token is an error."""
     ids = []
     for token in tokens:
         token_id = tokenizer.convert_tokens_to_ids(token)
@@ -89,7 +89,7 @@ def lora_config(params: LoraAdapterParams, trainable_token_ids: list[int] = (), 
     )
 
 
-def wrap(params: LoraAdapterParams, section: str = "lora"):
+def wrap(params: LoraAdapterParams, section: str = "lora.adapter"):
     """`(model, tokenizer) -> PeftModel` with the adapter `params` describes (validated first)."""
 
     def apply(model: torch.nn.Module, tokenizer) -> torch.nn.Module:

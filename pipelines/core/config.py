@@ -296,7 +296,8 @@ class PretrainParams(Section):
 
 
 class FinetuneParams(Section):
-    """Instruction tuning on chat records (shared by `sft` and `lora`: one code path)."""
+    """Instruction tuning on chat records: the `sft` section, and the part of `lora` and `probe_lora`
+    that is the same procedure (one code path, `pipelines/core/finetune.py`)."""
 
     base_model: str = "data/models/pretrain"
     """The model to start from. The default is the pipeline's base: the model `pretrain` trained,
@@ -312,10 +313,6 @@ class FinetuneParams(Section):
     overflow: Literal["truncate", "drop"] = "truncate"
     """What to do with an example longer than `max_seq_len` (counted in the metrics)."""
     train: TrainParams = TrainParams()
-
-
-class SftParams(FinetuneParams):
-    pass
 
 
 class QuantizationParams(Section):
@@ -360,17 +357,29 @@ class LoraAdapterParams(QuantizationParams):
     """Also write the adapter merged into the base as a full model (`<out>/merged/`)."""
 
 
-class LoraParams(FinetuneParams, LoraAdapterParams):
-    """LoRA instruction tuning: the `sft` procedure with adapters (fields of all parents)."""
+class LoraParams(FinetuneParams):
+    """LoRA instruction tuning: the `sft` procedure (the fields above) with an `adapter`."""
 
+    adapter: LoraAdapterParams = LoraAdapterParams()
+    """The adapter: rank, targets, a quantized base, merging (the same block as `dpo.lora`)."""
     allocation: Literal["quantum_opt", "uniform"] = "quantum_opt"
     """`quantum_opt`: target modules and per-module ranks from the `quantum_opt` stage (its
-    `data/quantum_opt/allocation.json`); `uniform`: rank `r` on every `target_modules` entry."""
+    `data/quantum_opt/allocation.json`); `uniform`: rank `adapter.r` on every `adapter.target_modules` entry."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_keys_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            moved = sorted(set(data) & set(LoraAdapterParams.model_fields))
+            if moved:
+                raise ValueError(f"{', '.join(moved)}: the adapter settings are under lora.adapter now (as under dpo.lora): "
+                                 f"write lora.adapter.{moved[0]}, not lora.{moved[0]}")  # fmt: skip
+        return data
 
     @model_validator(mode="after")
     def _layers_with_allocation(self) -> LoraParams:
-        if self.allocation == "quantum_opt" and self.layers_to_transform:
-            raise ValueError("layers_to_transform applies to allocation: uniform; the quantum_opt allocation chooses the modules of every layer itself")
+        if self.allocation == "quantum_opt" and self.adapter.layers_to_transform:
+            raise ValueError("adapter.layers_to_transform applies to allocation: uniform; the quantum_opt allocation chooses the modules of every layer itself")
         return self
 
 
@@ -542,7 +551,7 @@ class Params(Section):
     probe_device: ProbeDeviceParams = ProbeDeviceParams()
     base_model: BaseModelParams = BaseModelParams()
     pretrain: PretrainParams = PretrainParams()
-    sft: SftParams = SftParams()
+    sft: FinetuneParams = FinetuneParams()
     probe_lora: ProbeLoraParams = ProbeLoraParams()
     quantum_opt: QuantumOptParams = QuantumOptParams()
     lora: LoraParams = LoraParams()

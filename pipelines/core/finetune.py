@@ -19,7 +19,7 @@ import torch
 from pipelines.core import chat_examples, quantize, training
 from pipelines.core.chat_template import parse_messages
 from pipelines.core.checkpoint import CheckpointManager
-from pipelines.core.config import FinetuneParams
+from pipelines.core.config import FinetuneParams, QuantizationParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer, parameter_counts
 
@@ -77,10 +77,13 @@ def run(
     tracker=None,
     checkpoint_dir: Path | None = None,
     desc: str = "finetune",
+    quantization: QuantizationParams | None = None,
+    quantization_section: str = "",
 ) -> dict[str, Any]:
-    """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`."""
+    """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`.
+    `quantization`: a quantized, frozen base (QLoRA), as the section `quantization_section` asks."""
     cfg = params.train
-    qconfig = quantize.from_params(params, cfg.precision, desc)
+    qconfig = quantize.from_params(quantization, cfg.precision, quantization_section or desc)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)

@@ -81,7 +81,7 @@ def for_adapters(model: torch.nn.Module, qconfig: Any, gradient_checkpointing: b
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
 
 
-def check(quantization: str, device: torch.device, section: str = "lora") -> None:
+def check(quantization: str, device: torch.device, section: str = "lora.adapter") -> None:
     """A clear `QllmError` when this device or library cannot do `quantization`."""
     if quantization == "none":
         return
