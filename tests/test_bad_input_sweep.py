@@ -317,7 +317,7 @@ CASES = [
          params_file(None),
          "error: {project}/params.yaml: file not found", 2),
     Case("params-latin1", "params", "params.yaml saved as latin-1 (`system_prompt: Réponds`, byte 0xe9)", "qllm run",
-         params_file(BASE.encode() + "generate:\n  system_prompt: Réponds\n".encode("latin-1")),
+         params_file(BASE.encode() + "sample_data:\n  system_prompt: Réponds\n".encode("latin-1")),
          "error: {project}/params.yaml: not UTF-8 text (invalid continuation byte at byte …)", 2),
     Case("source-entry-without-path", "params", "`ingest.sources` entry `{kind: text}` without `path` (line 3)", "qllm run",
          params_file(BASE.replace("{path: data/sources/docs.txt, kind: text}", "{kind: text}")),
@@ -351,7 +351,7 @@ CASES = [
          "error: profile.yaml: file not found", 2),
     Case("until-unknown-stage", "params", "`qllm run --until pretrian`", "qllm run",
          params_file(BASE, "--until", "pretrian"),
-         "error: unknown stage 'pretrian'; stages are: generate, ingest, …", 2),
+         "error: unknown stage 'pretrian'; stages are: sample_data, ingest, …", 2),
     # --- models and tokenizers ---------------------------------------------------------------
     Case("base-model-not-found", "models", "`sft.base_model: data/models/nope` (no such directory)", "sft",
          finetune("sft", "data/models/nope"),

@@ -83,7 +83,7 @@ def test_build_matches_dvc_lock_back_to_the_raw_data(runs, project):
     trail = lineage.build(project)
     lock = lock_entries(project)
     names = [s["stage"] for s in trail["stages"]]
-    assert names[0] == "register" and names[-1] == "generate"
+    assert names[0] == "register" and names[-1] == "sample_data"
     assert sorted(names) == sorted(dag.order(project, "register"))  # every ancestor, once
     for entry in trail["stages"]:
         assert entry["deps"] == lock[entry["stage"]]["deps"], entry["stage"]
@@ -96,7 +96,7 @@ def test_build_matches_dvc_lock_back_to_the_raw_data(runs, project):
     assert trail["stages"][0]["params"] == register["params"]["params.yaml"]["register"]
     assert trail["stages"][0]["outs"] == {} and trail["stages"][0]["mlflow_run_id"] is None  # not known yet
     ingest = next(s for s in trail["stages"] if s["stage"] == "ingest")
-    assert ingest["deps"]["data/sample"] == lock["generate"]["outs"]["data/sample"]  # linked to the raw data
+    assert ingest["deps"]["data/sample"] == lock["sample_data"]["outs"]["data/sample"]  # linked to the raw data
     assert next(s for s in trail["stages"] if s["stage"] == "pretrain")["params"]["model"]["hidden_size"] == 32
     client = mlflow_client(project)
     for entry in trail["stages"][1:]:
@@ -126,7 +126,7 @@ def test_lineage_of_registered_versions_matches_their_dvc_lock(runs, project, ca
         assert code == 0, err
         trail = json.loads(out)
         assert trail["source"].startswith("lineage.json of run")  # logged by the register stage
-        assert trail["stages"][-1]["stage"] == "generate"
+        assert trail["stages"][-1]["stage"] == "sample_data"
         lock = lock_entries(root)
         for entry in trail["stages"]:
             assert entry["deps"] == lock[entry["stage"]]["deps"], (uri, entry["stage"])
@@ -150,7 +150,7 @@ def test_lineage_of_registered_versions_matches_their_dvc_lock(runs, project, ca
     code, out, _ = qllm(capsys, "lineage", "models:/qllm/1", "--project-dir", str(project))
     assert code == 0
     assert out.startswith("models:/qllm/1")
-    assert f"run {first['evaluate']['mlflow_run_id']}" in out and "generate  run" in out and "(raw data)" in out
+    assert f"run {first['evaluate']['mlflow_run_id']}" in out and "sample_data  run" in out and "(raw data)" in out
     assert first["pretrain"]["outs"]["data/models/pretrain"] in out
 
 

@@ -107,10 +107,10 @@ def test_every_params_section_belongs_to_a_stage():
 
 def test_order_until_and_sources():
     order = dag.order(REPO)
-    assert order[0] == "generate" and order[-1] == "register"
+    assert order[0] == "sample_data" and order[-1] == "register"
     for name in order:
         assert all(order.index(up) < order.index(name) for up in dag.upstream(REPO, name))
-    assert dag.order(REPO, until="tokenize") == ["generate", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize"]
+    assert dag.order(REPO, until="tokenize") == ["sample_data", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize"]
     assert set(dag.upstream(REPO, "tokenize")) == {"prepare_data", "train_tokenizer"}
     assert "data/sources" in dag.source_paths(REPO) and "data/sample" not in dag.source_paths(REPO)
     with pytest.raises(dag.DagError, match="unknown stage 'nope'"):

@@ -89,7 +89,7 @@ def test_unchanged_base_keeps_everything_cached_and_a_changed_one_reruns_downstr
     third = pipeline(project_dir=str(project))
     ran = {s["name"] for s in third["stages"] if s["status"] == "ran"}
     assert ran >= {"train_tokenizer", "pretrain", "sft", "lora", "dpo", "evaluate"}
-    assert not ran & {"generate", "ingest", "prepare_data"}
+    assert not ran & {"sample_data", "ingest", "prepare_data"}
 
 
 # ------------------------------------------------------------------------------------ the hub path

@@ -83,7 +83,7 @@ def test_another_kind_of_machine_makes_training_stale(first, project):
         status = run([sys.executable, "-m", "dvc", "status"], project).stdout
         stale = {line.rstrip(":") for line in status.splitlines() if line and not line[0].isspace()}
         assert stale >= {"pretrain", "sft", "probe_lora", "lora", "dpo"}, status
-        assert not stale & {"generate", "ingest", "prepare_data", "train_tokenizer", "tokenize"}, status
+        assert not stale & {"sample_data", "ingest", "prepare_data", "train_tokenizer", "tokenize"}, status
     finally:
         device.write_bytes(saved)
     assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], project).stdout)
@@ -368,7 +368,7 @@ def test_malformed_source_fails_cleanly_without_outputs(tmp_path, mlflow_templat
     assert not (project / "data/ingested").exists()
     assert not list((project / "data").glob(".tmp-*"))
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
-    assert "generate" in lock and "ingest" not in lock  # nothing recorded as finished
+    assert "sample_data" in lock and "ingest" not in lock  # nothing recorded as finished
 
 
 def test_dvc_exp_run_reruns_only_evaluate_and_register(first, project):

@@ -1,18 +1,18 @@
-"""The real-text sample (`generate.corpus: real_text`): real language from packages, no network."""
+"""The real-text sample (`sample_data.corpus: real_text`): real language from packages, no network."""
 
 from __future__ import annotations
 
 import json
 
-from pipelines import generate
+from pipelines import sample_data
 from pipelines.core import real_text
-from pipelines.core.config import GenerateParams, SourceParams
+from pipelines.core.config import SampleDataParams, SourceParams
 from pipelines.core.readers import read_source
 
 
 def test_real_text_sample_is_real_deterministic_and_ingests(tmp_path):
-    counts = generate.run(tmp_path / "a", GenerateParams(corpus="real_text"))
-    generate.run(tmp_path / "b", GenerateParams(corpus="real_text"))
+    counts = sample_data.run(tmp_path / "a", SampleDataParams(corpus="real_text"))
+    sample_data.run(tmp_path / "b", SampleDataParams(corpus="real_text"))
     for name in ("pretrain.txt", "chat_train.jsonl", "chat_heldout.jsonl", "preference_train.jsonl", "preference_heldout.jsonl", "corpus.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name  # same inputs, same bytes
     out = tmp_path / "a"

@@ -1,7 +1,7 @@
 """SIGKILL in the middle of a stage, then rerun: training resumes exactly, outputs stay atomic.
 
 Real `kill -9` of real stage processes (`python -m pipelines.pretrain`; a `qllm run --force
-generate`-style stage run), in throwaway copies of one tiny project whose stages up to `tokenize`
+sample_data`-style stage run), in throwaway copies of one tiny project whose stages up to `tokenize`
 ran once. The reruns and the reference runs are in-process, as `qllm run` runs stages:
 
 - pretrain killed after a checkpoint past step 10 resumes from its newest checkpoint (`resumed
@@ -32,7 +32,7 @@ import yaml
 from pipelines.core import dag, repro
 from tests.conftest import make_project, run
 
-UPSTREAM = ["generate", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
+UPSTREAM = ["sample_data", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
 MAX_STEPS = 40  # the kill lands after step 10: 25+ steps left, >0.5 s even at ~20 ms/step
 PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 5, "keep_checkpoints": 3}}}
 MODEL = "data/models/pretrain"
@@ -179,12 +179,12 @@ repro.reproduce(Path.cwd(), sys.argv[1], force=True)  # what `qllm run --force S
 
 def test_kill9_before_the_rename_leaves_no_finished_looking_output(base, tmp_path):
     root = copy_project(base, tmp_path / "project")
-    (expected_md5,) = [o["md5"] for o in yaml.safe_load((base / "dvc.lock").read_text())["stages"]["generate"]["outs"] if o["path"] == "data/sample"]
+    (expected_md5,) = [o["md5"] for o in yaml.safe_load((base / "dvc.lock").read_text())["stages"]["sample_data"]["outs"] if o["path"] == "data/sample"]
     (tmp_path / "paused_stage.py").write_text(PAUSED_STAGE)
     marker = tmp_path / "paused"
 
     with open(tmp_path / "killed.log", "wb") as log:
-        process = stage_process(root, str(tmp_path / "paused_stage.py"), "generate", str(marker), stderr=log)
+        process = stage_process(root, str(tmp_path / "paused_stage.py"), "sample_data", str(marker), stderr=log)
         wait_for(marker.exists, process, "the stage to finish writing")
         kill9(process)
 
@@ -192,15 +192,15 @@ def test_kill9_before_the_rename_leaves_no_finished_looking_output(base, tmp_pat
     assert leftover.parent == root / "data" and leftover.name.startswith(".tmp-sample-")
     assert (leftover / "world.json").exists()  # killed with the new output fully written...
     assert not (root / "data/sample").exists()  # ...yet nothing at the output path looks finished
-    status = run([sys.executable, "-m", "dvc", "status", "generate"], root).stdout
+    status = run([sys.executable, "-m", "dvc", "status", "sample_data"], root).stdout
     assert "changed outs" in status and "deleted:" in status and "data/sample" in status, status
     assert ".tmp-" not in status  # DVC never sees the leftover
 
     # The rerun (forced: the run-cache would restore the output without running the stage).
-    assert reproduce(root, "generate", force=True).status == "ran"
+    assert reproduce(root, "sample_data", force=True).status == "ran"
     assert not leftover.exists() and not list((root / "data").glob(".tmp-*"))
     assert dag.dvc_md5(root / "data/sample") == expected_md5  # identical to the clean run in `base`
-    assert "up to date" in run([sys.executable, "-m", "dvc", "status", "generate"], root).stdout
+    assert "up to date" in run([sys.executable, "-m", "dvc", "status", "sample_data"], root).stdout
 
 
 

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipelines.core.config import GenerateParams
+from pipelines.core.config import SampleDataParams
 from pipelines.core.sample_world import ATTRIBUTES, FILES, POOLS, WorldError, build_world, write_sample
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = GenerateParams(n_entities=12, bios_per_entity=3, max_operand=5, seed=3, heldout_entity_fraction=0.2)
+SMALL = SampleDataParams(n_entities=12, bios_per_entity=3, max_operand=5, seed=3, heldout_entity_fraction=0.2)
 ID = re.compile(r"^(pref-)?(train|heldout)-(fact-(city|color|pet|job)|arith)-\d+$")
 
 
@@ -71,7 +71,7 @@ def test_other_seed_gives_other_files(tmp_path):
 
 
 def test_names_are_distinct_syllable_words_unlike_any_value():
-    world = build_world(GenerateParams(n_entities=300))
+    world = build_world(SampleDataParams(n_entities=300))
     names = [entity.name for entity in world.entities]
     values = {value.lower() for pool in POOLS.values() for value in pool}
     assert len(set(names)) == 300
@@ -82,7 +82,7 @@ def test_names_are_distinct_syllable_words_unlike_any_value():
 
 
 def test_attribute_values_come_from_their_pools():
-    world = build_world(GenerateParams(n_entities=200))
+    world = build_world(SampleDataParams(n_entities=200))
     for attr in ATTRIBUTES:
         used = {entity.value(attr) for entity in world.entities}
         assert used <= set(POOLS[attr])
@@ -91,7 +91,7 @@ def test_attribute_values_come_from_their_pools():
 
 @pytest.mark.parametrize(("n", "fraction", "heldout"), [(120, 0.2, 24), (12, 0.2, 2), (4, 0.01, 1), (4, 0.99, 3)])
 def test_heldout_entities_keep_at_least_one_on_each_side(n, fraction, heldout):
-    world = build_world(GenerateParams(n_entities=n, heldout_entity_fraction=fraction))
+    world = build_world(SampleDataParams(n_entities=n, heldout_entity_fraction=fraction))
     assert sum(entity.heldout for entity in world.entities) == heldout
 
 
@@ -99,7 +99,7 @@ def test_heldout_entities_keep_at_least_one_on_each_side(n, fraction, heldout):
     ("max_operand", "fraction", "heldout"), [(20, 0.2, 80), (5, 0.2, 5), (2, 0.01, 1), (2, 0.99, 3)]
 )
 def test_heldout_pairs_keep_at_least_one_on_each_side(max_operand, fraction, heldout):
-    world = build_world(GenerateParams(max_operand=max_operand, arithmetic_heldout_fraction=fraction))
+    world = build_world(SampleDataParams(max_operand=max_operand, arithmetic_heldout_fraction=fraction))
     assert len(world.heldout_pairs) == heldout
     assert len(world.pairs(heldout=True)) + len(world.pairs(heldout=False)) == max_operand**2
     assert all(0 <= a < max_operand and 0 <= b < max_operand for a, b in world.heldout_pairs)
@@ -107,9 +107,9 @@ def test_heldout_pairs_keep_at_least_one_on_each_side(max_operand, fraction, hel
 
 def test_too_many_entities_is_a_clear_error():
     with pytest.raises(ValidationError, match="n_entities"):  # params validation stops it first
-        GenerateParams(n_entities=100_000)
+        SampleDataParams(n_entities=100_000)
     with pytest.raises(WorldError, match="n_entities=100000 is more than the"):  # and the generator guards itself
-        build_world(GenerateParams().model_copy(update={"n_entities": 100_000}))
+        build_world(SampleDataParams().model_copy(update={"n_entities": 100_000}))
 
 
 # ------------------------------------------------------------------------------- pretraining text
@@ -357,9 +357,9 @@ def test_counts_match_the_files_and_the_formulas(sample):
 
 
 def test_tiny_profile_writes_non_empty_files(tmp_path):
-    base = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))["generate"]
-    tiny = yaml.safe_load((ROOT / "params" / "tiny.yaml").read_text(encoding="utf-8"))["generate"]
-    params = GenerateParams(**{**base, **tiny})
+    base = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))["sample_data"]
+    tiny = yaml.safe_load((ROOT / "params" / "tiny.yaml").read_text(encoding="utf-8"))["sample_data"]
+    params = SampleDataParams(**{**base, **tiny})
     counts = write_sample(tmp_path, params)
     assert counts["entities"] == 12 and counts["arithmetic_pairs"] == 25
     heldout, heldout_pairs = counts["heldout_entities"], counts["heldout_arithmetic_pairs"]

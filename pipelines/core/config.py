@@ -50,7 +50,7 @@ class Section(BaseModel):
 # --------------------------------------------------------------------------------------- stages
 
 
-class GenerateParams(Section):
+class SampleDataParams(Section):
     """The built-in synthetic world: entities with attributes plus small-number arithmetic."""
 
     enabled: bool = True
@@ -543,7 +543,7 @@ class ProbeDeviceParams(Section):
 class Params(Section):
     """The whole `params.yaml`: one section per stage."""
 
-    generate: GenerateParams = GenerateParams()
+    sample_data: SampleDataParams = SampleDataParams()
     ingest: IngestParams
     prepare_data: PrepareDataParams = PrepareDataParams()
     train_tokenizer: TrainTokenizerParams = TrainTokenizerParams()
@@ -559,6 +559,14 @@ class Params(Section):
     dpo: DpoParams = DpoParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_sections(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "generate" in data:
+            raise ValueError("generate: the stage that writes the sample data is called sample_data now "
+                             "(`qllm generate` asks a model): rename the section to sample_data")  # fmt: skip
+        return data
 
     @model_validator(mode="after")
     def _reference_quantized_like_the_policy(self) -> Params:

@@ -1,4 +1,4 @@
-"""A real-language sample that needs no network: `generate.corpus: real_text` (params/real_text.yaml).
+"""A real-language sample that needs no network: `sample_data.corpus: real_text` (params/real_text.yaml).
 
 - Pretraining text: the Python documentation that ships with CPython (`pydoc_data.topics`, about
   65k words in 79 topics), cut at blank lines into documents of at most `DOC_CHARS` characters.
@@ -61,7 +61,7 @@ def conversations() -> list[tuple[str, list[str]]]:
 
         folder = files("chatterbot_corpus") / "data" / "english"
     except ModuleNotFoundError:
-        raise QllmError("generate.corpus=real_text needs the chatterbot-corpus package (pip install chatterbot-corpus)") from None
+        raise QllmError("sample_data.corpus=real_text needs the chatterbot-corpus package (pip install chatterbot-corpus)") from None
     found = []
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".yml"):

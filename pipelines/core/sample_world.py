@@ -5,9 +5,9 @@ not, is stated in the pretraining text (paraphrased bios, arithmetic sentences),
 about held-out people and sums never appear in training chats or preferences. Answering them means
 extracting knowledge learnt in pretraining in the chat format learnt on the other facts.
 
-    from pipelines.core.config import GenerateParams
+    from pipelines.core.config import SampleDataParams
     from pipelines.core.sample_world import write_sample
-    write_sample(Path("data/sample"), GenerateParams(seed=1))   # usually run by pipelines.generate
+    write_sample(Path("data/sample"), SampleDataParams(seed=1))   # usually run by pipelines.sample_data
 
 Pure standard library; every random choice comes from RNGs seeded by `params.seed`, so the same
 params give byte-identical files.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipelines.core.config import GenerateParams
+    from pipelines.core.config import SampleDataParams
 
 ATTRIBUTES = ("city", "color", "pet", "job")
 ARITH = "arith"
@@ -218,7 +218,7 @@ def _names(rng: random.Random, n: int) -> list[str]:
     return names
 
 
-def build_world(params: GenerateParams) -> World:
+def build_world(params: SampleDataParams) -> World:
     """Invent the people, their attributes and the held-out split of people and sums.
 
     Args:
@@ -323,7 +323,7 @@ def _qa_documents(rng: random.Random, train_facts: list[Fact], renderings: int) 
     return ["\n".join(chunk) for chunk in _chunks(rng, pairs, *QA_PAIRS_PER_DOC)]
 
 
-def _pretrain(rng: random.Random, world: World, params: GenerateParams) -> list[str]:
+def _pretrain(rng: random.Random, world: World, params: SampleDataParams) -> list[str]:
     documents = [bio for entity in world.entities for bio in _bios(rng, entity, params.bios_per_entity)]
     documents += _sum_documents(rng, world, params.sum_renderings)
     if params.qa_in_pretrain:
@@ -351,7 +351,7 @@ def _turn(question: str, answer: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
 
-def _train_chats(rng: random.Random, train_facts: list[Fact], params: GenerateParams) -> list[dict[str, Any]]:
+def _train_chats(rng: random.Random, train_facts: list[Fact], params: SampleDataParams) -> list[dict[str, Any]]:
     """Each person fact twice (two different questions), each sum once; some chats get a second
     turn with another training fact."""
     counters: dict[str, int] = {}
@@ -411,11 +411,11 @@ def _wrong_value(rng: random.Random, fact: Fact, people: dict[str, Entity], in_u
     return rng.choice(options or [value for value in POOLS[fact.kind] if value != fact.answer])
 
 
-# `generate.preference_errors` -> how a pair's rejected answer is made
+# `sample_data.preference_errors` -> how a pair's rejected answer is made
 WRONG_ANSWERS = {"copy": _copied_answer, "confusion": _confused_answer, "value": _wrong_value}
 
 
-def _preferences(rng: random.Random, world: World, split: str, params: GenerateParams) -> list[dict[str, Any]]:
+def _preferences(rng: random.Random, world: World, split: str, params: SampleDataParams) -> list[dict[str, Any]]:
     """One TRL conversational preference record per fact of the split; the rejected answer is a
     plausible wrong one of the kind `params.preference_errors` names."""
     in_use = {attr: {entity.value(attr) for entity in world.entities} for attr in ATTRIBUTES}
@@ -438,7 +438,7 @@ def _preferences(rng: random.Random, world: World, split: str, params: GenerateP
     return records
 
 
-def render(world: World, params: GenerateParams) -> dict[str, list]:
+def render(world: World, params: SampleDataParams) -> dict[str, list]:
     """Render the world as pretraining documents, chats and preferences.
 
     Args:
@@ -481,7 +481,7 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     path.write_text(lines, encoding="utf-8", newline="\n")
 
 
-def write_sample(out_dir: Path, params: GenerateParams) -> dict[str, int]:
+def write_sample(out_dir: Path, params: SampleDataParams) -> dict[str, int]:
     """Build the world and write every sample file into `out_dir` (created if missing).
 
     Args:

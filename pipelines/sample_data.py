@@ -1,10 +1,10 @@
 """Generate the built-in synthetic sample data set.
 
-    python -m pipelines.generate          # what dvc.yaml runs; writes data/sample/
+    python -m pipelines.sample_data          # what dvc.yaml runs; writes data/sample/
 
 Writes `pretrain.txt`, `chat_{train,heldout}.jsonl`, `preference_{train,heldout}.jsonl` and
-`world.json` (see `pipelines/core/sample_world.py`), or with `generate.corpus: real_text` the same files
-from real text that ships in packages (`pipelines/core/real_text.py`). With `generate.enabled: false` it writes only a
+`world.json` (see `pipelines/core/sample_world.py`), or with `sample_data.corpus: real_text` the same files
+from real text that ships in packages (`pipelines/core/real_text.py`). With `sample_data.enabled: false` it writes only a
 README, so the stage stays in the graph while `ingest` reads your own data.
 """
 
@@ -13,21 +13,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines.core import real_text, sample_world, stage
-from pipelines.core.config import GenerateParams
+from pipelines.core.config import SampleDataParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
 
-NAME = "generate"
+NAME = "sample_data"
 
 DISABLED_README = """\
 # Sample data disabled
 
-`generate.enabled` is false in params.yaml, so the built-in synthetic sample was not written.
+`sample_data.enabled` is false in params.yaml, so the built-in synthetic sample was not written.
 Point `ingest.sources` at your own data (see data/sources/README.md).
 """
 
 
-def run(out: Path, params: GenerateParams) -> dict[str, int]:
+def run(out: Path, params: SampleDataParams) -> dict[str, int]:
     """Replace `out` with the sample files (or only a README when the sample is disabled).
 
     Args:
@@ -48,7 +48,7 @@ def run(out: Path, params: GenerateParams) -> dict[str, int]:
                 else:
                     counts = sample_world.write_sample(tmp, params)
             except sample_world.WorldError as exc:
-                raise QllmError(f"params.yaml: generate: {exc}") from None
+                raise QllmError(f"params.yaml: {NAME}: {exc}") from None
     return counts
 
 
