@@ -84,31 +84,31 @@ class Extension:
     name: str = "extension"
 
     def on_train_begin(self, state) -> None:
-        pass
+        """After a resumed run restored its state; `state.step` is where training goes on."""
 
     def on_gradients(self, state) -> None:
-        pass
+        """After backward, before clipping and the optimizer: `.grad` holds the step's raw gradients."""
 
     def on_step_end(self, state, metrics: dict[str, float]) -> None:
-        pass
+        """After the optimizer step; `metrics`: the last logged values."""
 
     def on_log(self, state, metrics: dict[str, float], step: int) -> None:
-        pass
+        """The loop reports `metrics` at `step` (training, validation, a skipped batch)."""
 
     def on_evaluate(self, state, metrics: dict[str, float]) -> None:
-        pass
+        """After validation, with its metrics (`val/loss`, ...)."""
 
     def on_save(self, state, best: bool) -> None:
-        pass
+        """Just before a checkpoint is written (rank 0); `best`: at a new best validation loss."""
 
     def on_train_end(self, state, summary: dict[str, Any]) -> None:
-        pass
+        """After the last step (best weights restored), with the summary `train` returns."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Take back what `state_dict` returned (a resumed run)."""
 
     def close(self) -> None:
         """Release what the extension holds (threads, files); called once however the loop ends."""
