@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pipelines import pretrain, sft
-from pipelines.core import config, dag, precision, stage
+from pipelines.core import config, dag, params_file, precision, stage
 from pipelines.core.outputs import read_json, write_json
 from pipelines.evaluate import evaluate_model, heldout_questions
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, help="keep and reuse pretrained models here")
     args = parser.parse_args(argv)
     root = args.project.resolve()
-    params, _ = config.load(root, overrides=args.overrides)
+    params, _ = params_file.load(root, overrides=args.overrides)
     questions = heldout_questions(reads(root, "sft", "chat"), params.evaluate.max_questions)
     machine = {"cpu": cpu_name(), "bf16_slowdown": round(precision.cpu_bf16_slowdown(), 3), "threads": torch.get_num_threads()}
     print(f"{args.label or 'setting'}: {' '.join(args.overrides) or 'params.yaml'}; {machine}")

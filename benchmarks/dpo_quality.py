@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from pipelines import dpo
-from pipelines.core import config
+from pipelines.core import params_file
 from pipelines.core.config import EvaluateParams
 from pipelines.evaluate import evaluate_model, heldout_questions
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     not_dpo = [o for o in args.overrides if not o.startswith("dpo.")]
     if not_dpo:
         parser.error(f"--set {not_dpo[0]}: only dpo.* settings can change here (the reference pass is the project's)")
-    params, _ = config.load(root, overrides=args.overrides)
+    params, _ = params_file.load(root, overrides=args.overrides)
     questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
     evaluate = params.evaluate.model_copy(update={"models": ["dpo"]})
     with tempfile.TemporaryDirectory() as tmp:

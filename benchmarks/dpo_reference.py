@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.train_throughput import _Vocab
 from pipelines import dpo
-from pipelines.core import adapters, config, preference_data, training
+from pipelines.core import adapters, params_file, preference_data, training
 from pipelines.core.extensions import Hook
 from pipelines.core.models import build_llama
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     args = parser.parse_args(argv)
 
-    params, _ = config.load(Path(__file__).resolve().parents[1])
+    params, _ = params_file.load(Path(__file__).resolve().parents[1])
     vocab = 2048
     cfg = params.dpo.train.model_copy(update={"max_steps": args.steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0, "log_every": 10})
     pairs = synthetic_pairs(256, vocab)

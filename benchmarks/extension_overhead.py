@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import _Vocab
-from pipelines.core import config, extensions, precision, training
+from pipelines.core import config, extensions, params_file, precision, training
 from pipelines.core.models import build_llama
 
 
@@ -41,7 +41,7 @@ def dispatch_seconds(hooks: extensions.Extensions, calls: int) -> float:
 
 
 def pretrain_step_seconds(steps: int) -> float:
-    params, _ = config.load(".")
+    params, _ = params_file.load(".")
     pretrain = params.pretrain
     seq = 256  # the tokenize stage's default sequence length
     model = build_llama(pretrain.model, _Vocab(2048), max_positions=seq, seed=0)

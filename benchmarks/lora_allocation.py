@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from pipelines import lora, quantum_opt
-from pipelines.core import config, qubo, stage
+from pipelines.core import params_file, qubo, stage
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random", type=int, default=3, help="number of random allocations")
     args = parser.parse_args(argv)
     root = args.project.resolve()
-    params, _ = config.load(root)
+    params, _ = params_file.load(root)
     values, costs, redundancy, shapes = quantum_opt.load_scores(stage.StageContext(name="quantum_opt", root=root, params=None, tracker=None).input("probe_lora") / quantum_opt.SCORES_FILE)
     q = params.quantum_opt
     budget = quantum_opt.budget_for(shapes, q)

@@ -29,7 +29,7 @@ def one(args: argparse.Namespace) -> dict:
     import torch
 
     from pipelines import lora
-    from pipelines.core import config, precision
+    from pipelines.core import params_file, precision
     from pipelines.core.config import LoraParams, TrainParams
 
     base, work = Path(args.base), Path(args.work)
@@ -52,7 +52,7 @@ def one(args: argparse.Namespace) -> dict:
         from pipelines.evaluate import evaluate_model, heldout_questions
 
         root = Path(args.project)
-        project_params, _ = config.load(root)
+        project_params, _ = params_file.load(root)
         questions = heldout_questions(root / "data/prepared/chat", project_params.evaluate.max_questions)
         result = evaluate_model(work / "lora", root, root / "data/tokenized", questions, work / "eval", project_params.evaluate)
         row |= {"exact_match": result["exact_match"], "val_perplexity": result["val_perplexity"]}

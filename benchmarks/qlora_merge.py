@@ -9,13 +9,13 @@ import torch
 from peft import PeftModel
 
 from pipelines import lora
-from pipelines.core import config, quantize
+from pipelines.core import params_file, quantize
 from pipelines.core.config import LoraParams, TrainParams
 from pipelines.core.models import load_causal_lm, load_tokenizer, save_pretrained
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 root, base = Path(sys.argv[1]), sys.argv[2]
-params, _ = config.load(root)
+params, _ = params_file.load(root)
 questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
 with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import config, training
+from pipelines.core import config, params_file, training
 from pipelines.core.extensions import Hook
 from pipelines.core.models import build_llama
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     args = parser.parse_args(argv)
 
-    params, _ = config.load(Path(__file__).resolve().parents[1])
+    params, _ = params_file.load(Path(__file__).resolve().parents[1])
     vocab, seq_len, batch = 2048, 256, params.pretrain.train.micro_batch_size
     cfg = params.pretrain.train.model_copy(
         update={"max_steps": args.steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0, "log_every": 10, "precision": "bf16"}

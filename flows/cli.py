@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 
 from flows import preflight
-from pipelines.core import config, dag
+from pipelines.core import dag, params_file
 from pipelines.core.errors import QllmError, ask_stop, clear_stop, request_stop, stop_requested, stop_signal
 
 
@@ -101,7 +101,7 @@ def _api_lost(returncode: int, pid: int) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     root = Path(args.project_dir).resolve()
     # Fail fast on bad params or an unknown stage: before Prefect, MLflow or any stage starts.
-    config.load(root, args.params, args.set)
+    params_file.load(root, args.params, args.set)
     stage_names = list(dag.stages(root))
     for name in [args.until, args.from_stage, *args.force]:
         if name is not None and name not in stage_names:

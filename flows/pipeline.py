@@ -30,7 +30,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from flows import preflight
-from pipelines.core import config, dag, errors, repro, tracking, workspace
+from pipelines.core import config, dag, errors, params_file, repro, tracking, workspace
 from tasks.stages import stage_task
 
 
@@ -92,7 +92,7 @@ def pipeline(
     preflight.check_tracking(root)  # an unreachable MLflow server fails the run before any stage starts
     logger = get_run_logger()
     logging.getLogger("qllm").setLevel(logging.INFO)  # stage logs (shown via PREFECT_LOGGING_EXTRA_LOGGERS=qllm)
-    _, data = config.load(root, params_files or [], overrides or [])
+    _, data = params_file.load(root, params_files or [], overrides or [])
     ws = workspace.prepare(root, data)
     if ws != root:
         logger.info("overrides given: running in workspace %s (params.yaml untouched)", ws.relative_to(root))

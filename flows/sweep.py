@@ -21,7 +21,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows.pipeline import pipeline, stop_stages_on_termination
-from pipelines.core import config, dag
+from pipelines.core import dag, params_file
 from pipelines.core.errors import QllmError
 
 
@@ -62,7 +62,7 @@ def sweep(
         raise QllmError(f"sweep: max_parallel must be >= 1, got {max_parallel}")
     runs = [[*(overrides or []), *item] for item in sweep]
     for item in runs:  # every set is validated before any work starts
-        config.load(root, params_files or [], item)
+        params_file.load(root, params_files or [], item)
     shared = shared_stages(root, sweep)
     if shared:
         logger.info("shared stages, brought up to date once: %s", ", ".join(shared))

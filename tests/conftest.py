@@ -87,7 +87,7 @@ def make_project(dest: Path, mlflow_db: Path, params_overlay: dict | None = None
     With `tiny`, params.yaml is the shipped one merged with params/tiny.yaml (and `params_overlay`),
     so the whole pipeline runs in seconds in the project itself (no run workspace).
     """
-    from pipelines.core.config import deep_merge
+    from pipelines.core.params_file import deep_merge
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in PROJECT_FILES:

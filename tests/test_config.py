@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from pipelines.core import config
+from pipelines.core import config, params_file
 from pipelines.core.config import ParamsError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def unset_fields(model: BaseModel, prefix: str = "") -> list[str]:
 
 
 def test_shipped_params_validate_and_spell_out_every_key():
-    params, data = config.load(REPO)
+    params, data = params_file.load(REPO)
     # Sources have optional keys (format, name, ...) by design; everything else must be explicit so
     # DVC sees every value a stage depends on.
     missing = [m for m in unset_fields(params) if not m.startswith("ingest.sources.")]
@@ -39,7 +39,7 @@ def test_shipped_params_validate_and_spell_out_every_key():
 
 
 def test_tiny_profile_overlays_params():
-    params, data = config.load(REPO, overlays=[REPO / "params" / "tiny.yaml"])
+    params, data = params_file.load(REPO, overlays=[REPO / "params" / "tiny.yaml"])
     assert params.pretrain.model.hidden_size == 32
     assert params.pretrain.train.lr == 0.003  # untouched keys keep params.yaml's values
     assert data["tokenize"]["seq_len"] == 64
@@ -63,7 +63,7 @@ pretrain:
 def test_unknown_key_names_file_line_key_and_choices(tmp_path):
     write(tmp_path, BASE + "    lrr: 0.1\n")
     with pytest.raises(ParamsError) as err:
-        config.load(tmp_path)
+        params_file.load(tmp_path)
     message = str(err.value)
     assert "params.yaml:7: pretrain.train.lrr: unknown key" in message
     assert "expected one of:" in message and "lr," in message and "warmup_steps" in message
@@ -72,7 +72,7 @@ def test_unknown_key_names_file_line_key_and_choices(tmp_path):
 def test_negative_learning_rate_is_rejected_with_line(tmp_path):
     write(tmp_path, BASE.replace("0.001", "-0.001"))
     with pytest.raises(ParamsError, match=r"params.yaml:6: pretrain.train.lr: Input should be greater than 0 \(got -0.001\)"):
-        config.load(tmp_path)
+        params_file.load(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -93,40 +93,40 @@ def test_wrong_values_name_the_key(tmp_path, snippet, expected):
     text = snippet if snippet.startswith("ingest") else BASE.replace("pretrain:\n  train:\n    lr: 0.001\n", "") + snippet
     write(tmp_path, text)
     with pytest.raises(ParamsError) as err:
-        config.load(tmp_path)
+        params_file.load(tmp_path)
     assert expected in str(err.value)
 
 
 def test_missing_required_section_is_named(tmp_path):
     write(tmp_path, "tokenize:\n  seq_len: 32\n")
     with pytest.raises(ParamsError, match="ingest: required key is missing"):
-        config.load(tmp_path)
+        params_file.load(tmp_path)
 
 
 def test_invalid_yaml_and_encoding_name_the_file(tmp_path):
     write(tmp_path, "pretrain:\n  train: [unclosed\n")
     with pytest.raises(ParamsError, match=r"params.yaml:3: invalid YAML"):
-        config.load(tmp_path)
+        params_file.load(tmp_path)
     (tmp_path / "params.yaml").write_bytes(b"pretrain:\n  x: \xff\n")
     with pytest.raises(ParamsError, match="not UTF-8"):
-        config.load(tmp_path)
+        params_file.load(tmp_path)
     with pytest.raises(ParamsError, match="file not found"):
-        config.load(tmp_path / "missing")
+        params_file.load(tmp_path / "missing")
 
 
 def test_overrides_are_typed_validated_and_never_edit_the_file(tmp_path):
     write(tmp_path, BASE)
     before = (tmp_path / "params.yaml").read_bytes()
-    params, data = config.load(tmp_path, overrides=["pretrain.train.lr=0.2", "pretrain.train.precision=fp32", "tokenize.seq_len=64"])
+    params, data = params_file.load(tmp_path, overrides=["pretrain.train.lr=0.2", "pretrain.train.precision=fp32", "tokenize.seq_len=64"])
     assert params.pretrain.train.lr == 0.2 and params.pretrain.train.precision == "fp32" and params.tokenize.seq_len == 64
     assert data["pretrain"]["train"]["lr"] == 0.2
     assert (tmp_path / "params.yaml").read_bytes() == before
     with pytest.raises(ParamsError, match=r"--set: pretrain.train.lrr: unknown key"):
-        config.load(tmp_path, overrides=["pretrain.train.lrr=1"])
+        params_file.load(tmp_path, overrides=["pretrain.train.lrr=1"])
     with pytest.raises(ParamsError, match="expected KEY=VALUE"):
-        config.load(tmp_path, overrides=["pretrain.train.lr"])
+        params_file.load(tmp_path, overrides=["pretrain.train.lr"])
     with pytest.raises(ParamsError, match="pretrain.train.lr is not a section"):
-        config.load(tmp_path, overrides=["pretrain.train.lr.x=1"])
+        params_file.load(tmp_path, overrides=["pretrain.train.lr.x=1"])
 
 
 def test_params_overlay_file_errors_name_that_file(tmp_path):
@@ -134,11 +134,11 @@ def test_params_overlay_file_errors_name_that_file(tmp_path):
     overlay = tmp_path / "profile.yaml"
     overlay.write_text("tokenize:\n  seq_len: -4\n")
     with pytest.raises(ParamsError, match=r"profile.yaml:2: tokenize.seq_len: Input should be greater than or equal to 8"):
-        config.load(tmp_path, overlays=[overlay])
+        params_file.load(tmp_path, overlays=[overlay])
 
 
 def test_deep_merge_and_flatten():
-    merged = config.deep_merge({"a": {"b": 1, "c": [1]}, "d": 1}, {"a": {"c": [2]}, "e": 3})
+    merged = params_file.deep_merge({"a": {"b": 1, "c": [1]}, "d": 1}, {"a": {"c": [2]}, "e": 3})
     assert merged == {"a": {"b": 1, "c": [2]}, "d": 1, "e": 3}
     assert config.flatten({"a": {"b": 1}, "s": [{"p": "x"}]}) == {"a.b": 1, "s.0.p": "x"}
     assert config.digest({"a": 1, "b": 2}) == config.digest({"b": 2, "a": 1})

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # resources: measures a stage's peak memory for its metrics file
 INFRASTRUCTURE = {
     f"core.{m}"
-    for m in ("config", "stage", "tracking", "outputs", "errors", "workspace", "dag", "checkpoint", "distributed", "precision", "loggers", "resources")
+    for m in ("config", "params_file", "stage", "tracking", "outputs", "errors", "workspace", "dag", "checkpoint", "distributed", "precision", "loggers", "resources")
 }
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.numpy import load_file
 
 from pipelines import lora
-from pipelines.core import quantize
+from pipelines.core import params_file, quantize
 from pipelines.core.config import LoraAdapterParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from tests.conftest import record_dpo_losses
@@ -189,7 +189,7 @@ def test_reference_and_policy_must_be_quantized_alike(tmp_path):
 
     (tmp_path / "params.yaml").write_text("ingest:\n  sources:\n    - {path: a.txt, kind: text}\ndpo:\n  adapter: lora\n  lora:\n    quantization: nf4\n")
     with pytest.raises(config.ParamsError, match=r"ref_logprobs.quantization is 'none' but DPO starts from the SFT model quantized as 'nf4'"):
-        config.load(tmp_path)
+        params_file.load(tmp_path)
 
 
 def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qbase, tmp_path):

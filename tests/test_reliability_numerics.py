@@ -13,7 +13,7 @@ import torch
 
 from flows import preflight
 from flows.local_api import free_port
-from pipelines.core import tracking, training
+from pipelines.core import params_file, tracking, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError
@@ -182,9 +182,8 @@ def test_gradient_checkpointing_trains_the_same_and_is_switched_off_after():
 def test_shipped_params_default_to_no_skips_and_no_checkpointing():
     from pathlib import Path
 
-    from pipelines.core import config
 
-    params, _ = config.load(Path(__file__).resolve().parents[1])
+    params, _ = params_file.load(Path(__file__).resolve().parents[1])
     for section in ("pretrain", "sft", "probe_lora", "lora", "dpo"):
         train = getattr(params, section).train
         assert train.skip_nonfinite == 0 and train.gradient_checkpointing is False, section

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.core import config, dag, model_source
+from pipelines.core import config, dag, model_source, params_file
 from pipelines.core.errors import QllmError
 from pipelines.core.stage import StageContext
 
@@ -115,7 +115,7 @@ def test_paths_named_outside_the_stage_modules_are_those_of_dvc_yaml():
     assert STAGES["base_model"].outs == (model_source.RECORD,)  # core reads the record where base_model writes it
     for reader in ("train_tokenizer", "pretrain"):
         assert model_source.RECORD in STAGES[reader].deps
-    params, _ = config.load(REPO)
+    params, _ = params_file.load(REPO)
     for name in ("sft", "probe_lora", "lora"):  # the base model a fine-tuning stage starts from is its dependency
         assert context(name).input(getattr(params, name).base_model) == REPO / getattr(params, name).base_model
         assert config.Params.model_fields[name].default.base_model == getattr(params, name).base_model

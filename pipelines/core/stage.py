@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.core import config, dag, resources, tracking, workspace
+from pipelines.core import config, dag, params_file, resources, tracking, workspace
 from pipelines.core.errors import QllmError, stop_when_parent_dies
 from pipelines.core.outputs import read_json, write_json
 
@@ -108,7 +108,7 @@ def execute(
     MLflow run: its metrics file records `mlflow_run_id: null`.
     """
     root = Path(root).resolve()
-    params = config.load_section(name, root)
+    params = params_file.load_section(name, root)
     if _trains(params):
         params = _resolve_precision(name, params)
     if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.core.distributed

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pipelines.core import config, dag
+from pipelines.core import config, dag, params_file
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import read_json, write_json
 
@@ -81,7 +81,7 @@ def prepare(root: Path | str, params_data: dict[str, Any]) -> Path:
     root = Path(root).resolve()
     if not (root / ".dvc").is_dir():
         raise QllmError(f"{root}: not a DVC project (no .dvc/ directory); run from the project root or `dvc init`")
-    if params_data == config.read_yaml(root / config.PARAMS_FILE):
+    if params_data == params_file.read_yaml(root / config.PARAMS_FILE):
         return root
     ws = root / RUNS_DIR / config.digest(params_data)[:12]
     # Syncing replaces the mirrored sources: never while another run with the same overrides
