@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +113,36 @@ def test_extension_state_resumes_exactly_after_a_crash(tmp_path):
     assert crashed.steps == 5
     resumed = LossSum()
     result = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(tmp_path / "b", 2),
+                            extensions=[resumed])  # fmt: skip
+    assert result["steps"] == 6 and resumed.steps == straight.steps == 6
+    assert resumed.total == pytest.approx(straight.total, rel=1e-6)
+
+
+def test_extension_state_resumes_exactly_after_kill_9(tmp_path):
+    """A real SIGKILL of the training process after step 5 (checkpoint at step 3): the rerun
+    restores the extension's state of step 3 and ends with an uninterrupted run's state."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        from pipelines.core import training
+        from pipelines.core.checkpoint import CheckpointManager
+        from pipelines.core.extensions import Hook
+        from tests.test_extensions import LossSum, batches
+        from tests.test_training import cfg, tiny_model
+
+        def kill(state, metrics):
+            if state.step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager({str(tmp_path / "run")!r}, 2),
+                       extensions=[LossSum(), Hook("on_step_end", kill)])
+    """)
+    repo = Path(__file__).resolve().parents[1]
+    killed = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    straight = LossSum()
+    training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), extensions=[straight])
+    resumed = LossSum()
+    result = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(tmp_path / "run", 2),
                             extensions=[resumed])  # fmt: skip
     assert result["steps"] == 6 and resumed.steps == straight.steps == 6
     assert resumed.total == pytest.approx(straight.total, rel=1e-6)
