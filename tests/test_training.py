@@ -173,3 +173,17 @@ def test_stop_signal_checkpoints_the_step_and_resumes_exactly(tmp_path, signum):
     resumed = run(tmp_path / "killed")
     for (name, a), (_, b) in zip(reference.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_fused_adamw_takes_the_same_steps_up_to_rounding():
+    results = {}
+    for optimizer in ("adamw", "adamw_fused"):
+        model = tiny_model()
+        summary = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
+                                 cfg(optimizer=optimizer, max_steps=20, eval_every=0, checkpoint_every=0))  # fmt: skip
+        results[optimizer] = (model, summary["train_loss"])
+    (plain, plain_loss), (fused, fused_loss) = results["adamw"], results["adamw_fused"]
+    assert fused_loss == pytest.approx(plain_loss, rel=1e-5)
+    assert max(float((p - q).abs().max()) for p, q in zip(plain.parameters(), fused.parameters(), strict=True)) < 1e-5
+    assert training.build_optimizer(plain, cfg(optimizer="adamw_fused")).defaults["fused"] is True
+    assert not training.build_optimizer(plain, cfg()).defaults["fused"]

@@ -179,7 +179,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainParams) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    """AdamW over `param_groups`; `train.optimizer: adamw_fused` asks for torch's fused kernel."""
+    fused = cfg.optimizer == "adamw_fused"
+    try:
+        return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+    except RuntimeError as exc:  # a device or dtype the fused kernel does not support
+        raise QllmError(f"train.optimizer adamw_fused: {exc}; use train.optimizer: adamw") from exc
 
 
 def lr_multiplier(step: int, cfg: TrainParams) -> float:
