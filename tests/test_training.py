@@ -186,4 +186,5 @@ def test_fused_adamw_takes_the_same_steps_up_to_rounding():
     assert fused_loss == pytest.approx(plain_loss, rel=1e-5)
     assert max(float((p - q).abs().max()) for p, q in zip(plain.parameters(), fused.parameters(), strict=True)) < 1e-5
     assert training.build_optimizer(plain, cfg(optimizer="adamw_fused")).defaults["fused"] is True
-    assert not training.build_optimizer(plain, cfg()).defaults["fused"]
+    assert not training.build_optimizer(plain, cfg(optimizer="adamw")).defaults["fused"]
+    assert cfg().optimizer == "adamw_fused"  # the default

@@ -211,7 +211,7 @@ class TrainParams(Section):
     beta2: float = Field(0.95, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, ge=0)
     """Gradient clipping threshold; 0 disables clipping."""
-    optimizer: Literal["adamw", "adamw_fused"] = "adamw"
+    optimizer: Literal["adamw", "adamw_fused"] = "adamw_fused"
     """`adamw`: `torch.optim.AdamW` (one kernel per parameter); `adamw_fused`: the same update in
     one fused kernel over all parameters (CPU and CUDA; what HF `Trainer` uses by default,
     `adamw_torch_fused`), 3-5x faster an optimizer step on the CPU; results differ from `adamw` by
