@@ -99,9 +99,6 @@ class Killed(Exception):
 def test_extension_state_resumes_exactly_after_a_crash(tmp_path):
     """A run dies after step 5 (checkpoints at 3 only, steps 4-5 lost, as with kill -9); the rerun
     resumes from step 3 with the extension's state of step 3 and ends where an uninterrupted run ends."""
-    straight = LossSum()
-    training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(tmp_path / "a", 2), extensions=[straight])
-
     def die(state, metrics):
         if state.step == 5:
             raise Killed
@@ -111,9 +108,15 @@ def test_extension_state_resumes_exactly_after_a_crash(tmp_path):
         training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(tmp_path / "b", 2),
                        extensions=[crashed, Hook("on_step_end", die)])  # fmt: skip
     assert crashed.steps == 5
+    assert_resumes_like_an_uninterrupted_run(tmp_path / "b")
+
+
+def assert_resumes_like_an_uninterrupted_run(checkpoints: Path) -> None:
+    """Resuming from `checkpoints` (step 3 of 6) ends with the extension state of a straight run."""
+    straight = LossSum()
+    training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), extensions=[straight])
     resumed = LossSum()
-    result = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(tmp_path / "b", 2),
-                            extensions=[resumed])  # fmt: skip
+    result = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(checkpoints, 2), extensions=[resumed])
     assert result["steps"] == 6 and resumed.steps == straight.steps == 6
     assert resumed.total == pytest.approx(straight.total, rel=1e-6)
 
@@ -139,13 +142,7 @@ def test_extension_state_resumes_exactly_after_kill_9(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     killed = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr
-    straight = LossSum()
-    training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), extensions=[straight])
-    resumed = LossSum()
-    result = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(tmp_path / "run", 2),
-                            extensions=[resumed])  # fmt: skip
-    assert result["steps"] == 6 and resumed.steps == straight.steps == 6
-    assert resumed.total == pytest.approx(straight.total, rel=1e-6)
+    assert_resumes_like_an_uninterrupted_run(tmp_path / "run")
 
 
 def test_an_exception_in_an_extension_stops_training_with_its_name(tmp_path):
