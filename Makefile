@@ -25,13 +25,18 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 
 install: $(VENV)/.installed
 
+# The peers (TRL, lm-evaluation-harness) the tests and benchmarks compare against: not in `make run`'s install.
+$(VENV)/.installed-peers: $(VENV)/.installed
+	$(PY) -m pip install --quiet -c requirements.lock -e ".[peers]"
+	touch $@
+
 run: install
 	PATH="$(BIN):$$PATH" $(VENV)/bin/qllm run $(ARGS)
 
-test: install
+test: install $(VENV)/.installed-peers
 	PATH="$(BIN):$$PATH" $(PY) -m pytest $(ARGS)
 
-test-all: install
+test-all: install $(VENV)/.installed-peers
 	PATH="$(BIN):$$PATH" $(PY) -m pytest -m "slow or not slow" $(ARGS)
 
 # Local Prefect server + process worker (pool "qllm") + MLflow UI on 127.0.0.1; `make stop` ends them.
@@ -41,11 +46,11 @@ serve: install
 stop:
 	$(PY) -m flows.serve stop
 
-bench: install
+bench: install $(VENV)/.installed-peers
 	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.train_throughput
 
 # Re-pin every transitive dependency from the current .venv (commit the result).
-lock: install
+lock: install $(VENV)/.installed-peers
 	$(PY) -m pip freeze --exclude-editable | grep -v '^torch==' > requirements.lock
 
 clean-outputs:
