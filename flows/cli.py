@@ -8,7 +8,9 @@
 `qllm run` validates params and checks that the MLflow tracking store can be used (an
 unreachable `MLFLOW_TRACKING_URI` server fails in seconds) before anything starts, runs the
 Prefect flow `qllm-pipeline` locally (Prefect's ephemeral API; set PREFECT_API_URL to use a
-server), and prints one line per stage: `NAME ran|cached SECONDS`. The exit code is non-zero when
+server), and prints one line per stage: `NAME ran|cached SECONDS`. When every stage is up to date
+it says so within a second or two and records nothing (no Prefect flow run, no MLflow run: nothing
+ran; `--record` records one anyway, see `_no_change_summary`). The exit code is non-zero when
 a stage fails: 1, or 128 + the signal number (143 for SIGTERM, 130 for SIGINT) when a stop signal
 ended the run (training checkpointed its last step: rerun the same command to resume).
 
@@ -53,7 +55,47 @@ def _print_summary(summary: dict) -> None:
         print(f"{stage['name']:<{width}}  {stage['status']:<6}  {seconds}")
     if summary.get("model_version") is not None:
         print(f"registered model version {summary['model_version']}")
-    print(f"mlflow run {summary['mlflow_run_id']}  ({summary['seconds']:.1f}s)")
+    if summary["mlflow_run_id"] is None:
+        print(f"every stage is up to date: nothing ran, so no Prefect flow run or MLflow run was recorded (--record records one)"
+              f"  ({summary['seconds']:.1f}s)")  # fmt: skip
+    else:
+        print(f"mlflow run {summary['mlflow_run_id']}  ({summary['seconds']:.1f}s)")
+
+
+def _no_change_summary(root: Path, params_data: dict, until: str | None) -> dict | None:
+    """The summary of a run in which every stage is up to date, found without Prefect or MLflow
+    (`repro.unchanged`), or None when a stage is stale and the flow has work to do.
+
+    A no-change `qllm run` used to spend seconds starting a Prefect API and importing Prefect and
+    MLflow only to record a flow run and a parent run in which every stage is `cached`: the
+    outputs, their stage runs in MLflow and `dvc.lock` are those of the run that made them, so
+    there is nothing new to record. `--record` (or `--force`, `--from-stage`) takes the full path;
+    a Prefect deployment run always does (it calls the flow itself).
+    """
+    import time
+
+    from pipelines.core import repro, workspace
+
+    started = time.perf_counter()
+    ws = workspace.prepare(root, params_data)
+    try:
+        with workspace.locked(ws):
+            outcomes = repro.unchanged(ws, dag.order(ws, until))
+    finally:
+        repro.close(ws)
+    if outcomes is None:
+        return None
+    registered = ws / "data" / "register" / "registered.json"
+    version = json.loads(registered.read_text())["version"] if any(o.name == "register" for o in outcomes) and registered.exists() else None
+    return {"stages": [o.as_dict() for o in outcomes], "mlflow_run_id": None, "model_version": version, "workspace": str(ws),
+            "seconds": round(time.perf_counter() - started, 3)}  # fmt: skip
+
+
+def _finish(summary: dict, args: argparse.Namespace) -> int:
+    _print_summary(summary)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
 
 
 def _sigterm(signum: int, frame=None) -> None:
@@ -101,13 +143,15 @@ def _api_lost(returncode: int, pid: int) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     root = Path(args.project_dir).resolve()
     # Fail fast on bad params or an unknown stage: before Prefect, MLflow or any stage starts.
-    params_file.load(root, args.params, args.set)
+    _, params_data = params_file.load(root, args.params, args.set)
     stage_names = list(dag.stages(root))
     for name in [args.until, args.from_stage, *args.force]:
         if name is not None and name not in stage_names:
             raise QllmError(f"unknown stage {name!r}; stages are: {', '.join(stage_names)}")
     # An MLflow server that is down would otherwise fail the first stage only after Prefect started.
     preflight.check_tracking(root)
+    if not (args.record or args.force or args.from_stage) and (summary := _no_change_summary(root, params_data, args.until)) is not None:
+        return _finish(summary, args)
 
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "qllm")
     from prefect.exceptions import TerminationSignal
@@ -164,11 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - the traceback is already in the Prefect log above
             print(f"error: pipeline failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return exit_code
-    summary = state.result()
-    _print_summary(summary)
-    if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
+    return _finish(state.result(), args)
 
 
 def _quiet_downloads() -> None:
@@ -218,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--until", metavar="STAGE", help="run only up to and including STAGE")
     run.add_argument("--from-stage", metavar="STAGE", help="run STAGE and everything downstream; earlier stages must come from DVC's caches")
     run.add_argument("--force", action="append", default=[], metavar="STAGE", help="rerun STAGE even if it is up to date (repeatable)")
+    run.add_argument("--record", action="store_true",
+                     help="record a Prefect flow run and an MLflow run even when every stage is up to date (by default such a run only checks)")
     run.add_argument("--summary-json", metavar="FILE", help="write the run summary (stages, statuses, seconds, run id) as JSON")
     run.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
     run.set_defaults(func=cmd_run)

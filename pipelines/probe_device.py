@@ -13,14 +13,27 @@ the dependent stages list as a dependency: it runs on every `dvc repro`/`qllm ru
 milliseconds), and when its output has the same bytes as last time nothing downstream is stale.
 The output holds only what changes the numbers (device kind, whether bf16 is native, what `auto`
 means here), not the CPU model or a timing, so two machines of the same kind share their caches.
+
+Asking torch costs its import (about a second, most of a no-change `qllm run` or `dvc repro`), so the
+answer is remembered in `.qllm/device-probe.json` under a key made of everything it depends on that
+can be read without torch: the torch version, the CPU's flags (`/proc/cpuinfo`), the accelerator
+device nodes and the NVIDIA driver version, and the variables that cap or hide devices
+(`CUDA_VISIBLE_DEVICES`, `ONEDNN_MAX_CPU_ISA`, ...). Any of them changing asks torch again; where
+they cannot be read (no `/proc/cpuinfo`: macOS, Windows) torch is asked every time.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
+import os
+import platform
 from pathlib import Path
+from typing import Any
 
 from pipelines.core import stage
-from pipelines.core.outputs import write_json
+from pipelines.core.outputs import read_json, write_json
 
 NAME = "probe_device"
 TRACKED = False
@@ -28,17 +41,66 @@ TRACKED = False
 finds is in every training stage's params (`<stage>.train.precision`) and metrics (`precision`)."""
 
 
-def run(out: Path) -> dict:
-    from pipelines.core import precision  # torch: imported when the stage runs, not when it is listed
+CACHE = ".qllm/device-probe.json"
+"""In the project root: the last answer and the key it holds for (see the module docstring)."""
+ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+"""Variables that change what torch finds: hidden devices, capped CPU instruction sets."""
+DEVICE_NODES = ("/dev/nvidia*", "/dev/kfd", "/dev/dxg")
+"""NVIDIA, ROCm and WSL GPU device nodes: a GPU torch could use has one of these."""
+
+
+def environment_key(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """A digest of everything `precision.capability()` depends on that is readable without torch,
+    or None where the CPU's flags cannot be read (then there is no cache)."""
+    from importlib import metadata
+
+    try:
+        flags = sorted({flag for line in cpuinfo.read_text().splitlines() if line.startswith(("flags", "Features")) for flag in line.split(":", 1)[1].split()})
+    except OSError:
+        return None
+    driver = Path("/proc/driver/nvidia/version")
+    key = {
+        "torch": metadata.version("torch"),
+        "machine": platform.machine(),
+        "cpu_flags": flags,
+        "device_nodes": sorted(node for pattern in DEVICE_NODES for node in glob.glob(pattern)),
+        "nvidia_driver": driver.read_text() if driver.exists() else None,
+        "environment": {name: os.environ[name] for name in ENVIRONMENT if name in os.environ},
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def capability(cache: Path | None) -> tuple[dict[str, Any], bool]:
+    """(`precision.capability()` as a dict, whether it came from `cache`)."""
+    key = environment_key() if cache is not None else None
+    if key is not None and cache.exists():
+        try:
+            record = read_json(cache)
+        except (OSError, ValueError):  # unreadable: ask torch and write it anew
+            record = {}
+        if record.get("key") == key:
+            return record["capability"], True
+    from pipelines.core import precision  # torch
 
     cap = precision.capability().as_dict()
+    if key is not None:
+        write_json(cache, {"key": key, "capability": cap})
+    return cap, False
+
+
+def run(out: Path, cache: Path | None = None) -> tuple[dict[str, Any], bool]:
+    """Write what this machine trains with to `out`; (it, whether `cache` knew it)."""
+    cap, cached = capability(cache)
     write_json(out, cap)
-    return cap
+    return cap, cached
 
 
 def body(ctx: stage.StageContext) -> dict:
-    cap = run(ctx.output())
-    ctx.log.info("device %s, native bf16: %s -> precision auto is %s", cap["device"], "yes" if cap["bf16_native"] else "no", cap["auto"])
+    from pipelines.core.workspace import project_root
+
+    cap, cached = run(ctx.output(), project_root(ctx.root) / CACHE)
+    ctx.log.info("device %s, native bf16: %s -> precision auto is %s%s", cap["device"], "yes" if cap["bf16_native"] else "no", cap["auto"],
+                 " (known for this machine: torch not asked)" if cached else "")  # fmt: skip
     return cap
 
 

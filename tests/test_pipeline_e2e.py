@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -336,14 +337,48 @@ def cli(project: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_prints_one_line_per_stage_and_writes_the_summary(first, project, tmp_path):
-    result = cli(project, "run", "--summary-json", str(tmp_path / "summary.json"))
-    assert result.returncode == 0, result.stderr
-    lines = [line.split() for line in result.stdout.splitlines() if line.split() and line.split()[0] in STAGES]
-    assert [(name, status) for name, status, _ in lines] == [(n, "ran" if n in ALWAYS_CHANGED else "cached") for n in STAGES]
-    assert all(float(seconds) >= 0 for _, _, seconds in lines)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [(s["name"], s["status"]) for s in summary["stages"]] == [(name, status) for name, status, _ in lines]
-    assert summary["model_version"] == "1" and len(summary["mlflow_run_id"]) == 32
+    def pipeline_runs() -> int:
+        client = mlflow_client(project)
+        return len(client.search_runs([client.get_experiment_by_name("qllm").experiment_id], "tags.`qllm.kind` = 'pipeline'"))
+
+    before = pipeline_runs()
+    expected = [(n, "ran" if n in ALWAYS_CHANGED else "cached") for n in STAGES]
+    for record in (False, True):
+        started = time.perf_counter()
+        result = cli(project, "run", *(["--record"] if record else []), "--summary-json", str(tmp_path / "summary.json"))
+        seconds = time.perf_counter() - started
+        assert result.returncode == 0, result.stderr
+        lines = [line.split() for line in result.stdout.splitlines() if line.split() and line.split()[0] in STAGES]
+        assert [(name, status) for name, status, _ in lines] == expected
+        assert all(float(seconds) >= 0 for _, _, seconds in lines)
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert [(s["name"], s["status"]) for s in summary["stages"]] == [(name, status) for name, status, _ in lines]
+        assert summary["model_version"] == "1"
+        if not record:  # every stage up to date: checked without Prefect or MLflow, nothing recorded
+            assert summary["mlflow_run_id"] is None and "every stage is up to date" in result.stdout
+            assert pipeline_runs() == before and seconds < 5, seconds
+    assert len(summary["mlflow_run_id"]) == 32 and pipeline_runs() == before + 1  # --record: the full flow
+
+
+def test_no_change_check_stops_at_the_first_stale_stage(first, project):
+    from pipelines.core import repro
+
+    outcomes = repro.unchanged(project, STAGES)
+    assert [(o.name, o.status, o.reason) for o in outcomes] == [
+        (n, "ran", "executed") if n in ALWAYS_CHANGED else (n, "cached", "up-to-date") for n in STAGES
+    ]
+    params = project / "params.yaml"
+    saved = params.read_bytes()
+    try:
+        data = yaml.safe_load(saved)
+        data["evaluate"]["max_new_tokens"] += 1
+        params.write_text(yaml.safe_dump(data, sort_keys=False))
+        assert repro.unchanged(project, STAGES) is None
+        assert [o.name for o in repro.unchanged(project, dag.order(project, "dpo"))] == dag.order(project, "dpo")
+    finally:
+        params.write_bytes(saved)
+        repro.close(project)
+    assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], project).stdout)
 
 
 def test_bad_params_fail_before_any_stage(first, project):

@@ -3,6 +3,7 @@ and how stages and the loop use the resolved value."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -125,3 +126,47 @@ def test_stage_resolves_and_records_precision(monkeypatch):
     assert params.train.precision == "auto"
     assert resolved.train.precision == "fp32"
     assert resolved.model_copy(update={"train": params.train}) == params  # only the precision changed
+
+
+# --- probe_device remembers the answer per machine (no torch import on a no-change run) -------------
+
+
+def test_probe_device_remembers_the_answer_until_the_machine_changes(monkeypatch, tmp_path):
+    from pipelines import probe_device
+
+    _cpu(monkeypatch, amx=True)
+    asked = []
+    real = precision.capability
+    monkeypatch.setattr(precision, "capability", lambda: asked.append(1) or real())
+    cache = tmp_path / ".qllm/device-probe.json"
+    out = tmp_path / "device.json"
+    assert probe_device.run(out, cache) == ({"device": "cpu", "bf16_native": True, "auto": "bf16"}, False)
+    assert probe_device.run(out, cache) == ({"device": "cpu", "bf16_native": True, "auto": "bf16"}, True)
+    assert len(asked) == 1  # the second answer came from the cache
+    assert json.loads(out.read_text()) == json.loads(cache.read_text())["capability"] == {"device": "cpu", "bf16_native": True, "auto": "bf16"}
+    # A cap on the CPU's instruction sets changes what torch finds: asked again, and told fp32 now.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    _cpu(monkeypatch, amx=True, onednn_bf16=False)
+    real.cache_clear()
+    assert probe_device.run(out, cache) == ({"device": "cpu", "bf16_native": False, "auto": "fp32"}, False)
+    assert len(asked) == 2
+    cache.write_text("{not json")  # a damaged cache is asked anew and rewritten
+    assert probe_device.run(out, cache)[1] is False and probe_device.run(out, cache)[1] is True
+
+
+def test_probe_device_without_readable_cpu_flags_asks_torch_every_time(tmp_path):
+    from pipelines import probe_device
+
+    assert probe_device.environment_key(tmp_path / "no-cpuinfo") is None
+    assert probe_device.environment_key() is not None  # Linux: /proc/cpuinfo
+
+
+def test_a_known_machine_is_probed_without_importing_torch(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("import sys; from pathlib import Path; from pipelines import probe_device; "
+              f"cap, cached = probe_device.run(Path({str(tmp_path / 'd.json')!r}), Path({str(tmp_path / 'c.json')!r})); "
+              "print(cached, 'torch' in sys.modules)")  # fmt: skip
+    outputs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split() for _ in range(2)]
+    assert outputs == [["False", "True"], ["True", "False"]]

@@ -40,6 +40,8 @@ class Stage:
     outs: tuple[str, ...]
     metrics: tuple[str, ...]
     plots: tuple[str, ...]
+    always_changed: bool = False
+    """Runs on every `dvc repro` (a stage that reads the world outside the repository)."""
 
     @property
     def module(self) -> str:
@@ -99,6 +101,7 @@ def _load(path: Path, mtime_ns: int) -> dict[str, Stage]:
             outs=_paths(body.get("outs"), name, "outs"),
             metrics=_paths(body.get("metrics"), name, "metrics"),
             plots=_paths(body.get("plots"), name, "plots"),
+            always_changed=bool(body.get("always_changed", False)),
         )
     return out
 

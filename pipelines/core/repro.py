@@ -149,6 +149,34 @@ def reproduce(
     return _outcome(stage, "cached" if restored else "ran", "run-cache" if restored else "executed", started)
 
 
+def unchanged(root: Path | str, names: list[str]) -> list[StageOutcome] | None:
+    """The outcomes of bringing `names` (in DAG order) up to date when none of them is stale, else None.
+
+    What `dvc repro` does on a no-change run, without the work when something is stale: a stage
+    with `always_changed` (probe_device, base_model: each reads the world in milliseconds) runs, as
+    it would in any run; then every other stage is checked with `stage.changed()` (as `dvc status`
+    does, `dvc.yaml` and `dvc.lock` read once), and the answer is None if one is stale. So a run
+    that then starts the full flow has only repeated those milliseconds. (An `always_changed` stage
+    downstream of another stage would have to wait for it: then the answer is None too.)
+    """
+    root = Path(root).resolve()
+    first = [name for name in names if dag.stages(root)[name].always_changed]
+    if any(dag.upstream(root, name) for name in first):
+        return None
+    done = {name: reproduce(root, name) for name in first}
+    close(root)  # a new Repo object reads the dvc.lock those stages rewrote
+    repo = _repo(root)
+    with _repo_lock, contextlib.chdir(root), repo.lock:
+        stages = {stage.name: stage for stage in repo.index.stages}
+        started = time.perf_counter()
+        for name in names:
+            if name not in done:
+                if stages[name].changed():
+                    return None
+                done[name] = _outcome(stages[name], "cached", "up-to-date", started)
+    return [done[name] for name in names]
+
+
 def _restore(repo, stage) -> bool:
     """Outputs restored from DVC's run-cache (an entry for the same command, deps and params)."""
     from dvc.stage.cache import RunCacheNotFoundError
