@@ -1,6 +1,6 @@
 """Training tokens/s: the shared loop vs a bare PyTorch loop vs Hugging Face `Trainer`.
 
-    python -m benchmarks.peer_training [--size default|30m] [--steps 30] [--trials 3] [--precision auto] [--optimizer adamw_fused]
+    python -m benchmarks.peer_training [--size default|30m] [--steps 30] [--trials 3] [--precision auto] [--optimizer adamw_fused] [--compile]
 
 The same model (params.yaml `pretrain.model`, or about 34.6M parameters with `--size 30m`: hidden
 512, intermediate 2048, 8 layers), the same random token rows (vocabulary 2048, sequence length
@@ -8,7 +8,12 @@ The same model (params.yaml `pretrain.model`, or about 34.6M parameters with `--
 all three, in one process. Trials alternate (bare, shared, Trainer, bare, ...) so that machine noise
 hits all alike; the first steps of every trial are warm-up and not timed. Prints each trial, the
 medians and the ratios to `Trainer` (the goal: shared loop >= 1.0x) and to the bare loop, and the
-optimizer each one used.
+optimizer each one used. Model-FLOPs utilisation: 6 x parameters x tokens/s (forward and backward of
+the matrix products; attention's score products are left out, as usual) over the peak this machine
+measured for a large matrix product in the same precision, in this process, with every thread.
+
+`--compile` adds the shared loop with `train.compile: true` (torch.compile): its steady tokens/s,
+what its warm-up steps cost beyond eager ones (compilation) and after how many steps it pays back.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--optimizer", default=None, choices=["adamw", "adamw_fused"], help="train.optimizer of the shared and bare loops (default: params.yaml's)")
+    parser.add_argument("--compile", action="store_true", help="also time the shared loop with train.compile: true")
     args = parser.parse_args(argv)
 
     params, _ = params_file.load(Path(__file__).resolve().parents[1])
@@ -102,19 +108,51 @@ def main(argv: list[str] | None = None) -> int:
     base = build_llama(model_params, _Vocab(vocab), max_positions=seq_len, seed=0)
     print(f"model: {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters, batch {cfg.micro_batch_size} x {seq_len} tokens, "
           f"{resolved}, {torch.get_num_threads()} threads, {args.steps - WARMUP} timed steps x {args.trials} trials")  # fmt: skip
-    results: dict[str, list[float]] = {"bare": [], "shared": [], "trainer": []}
+    results: dict[str, list[float]] = {"bare": [], "shared": [], "trainer": []} | ({"compiled": []} if args.compile else {})
+    warmups: dict[str, list[float]] = {"shared": [], "compiled": []}
     optimizer = ""
     for trial in range(args.trials):
         results["bare"].append(bare_loop(copy.deepcopy(base), rows, cfg.micro_batch_size, args.steps, cfg))
-        results["shared"].append(shared_loop(copy.deepcopy(base), rows, cfg))
+        timing: dict[str, float] = {}
+        results["shared"].append(shared_loop(copy.deepcopy(base), rows, cfg, timing))
+        warmups["shared"].append(timing["warmup_s"])
         speed, optimizer = trainer_loop(copy.deepcopy(base), rows, cfg)
         results["trainer"].append(speed)
+        if args.compile:
+            torch._dynamo.reset()  # every trial compiles afresh, as a stage does
+            results["compiled"].append(shared_loop(copy.deepcopy(base), rows, cfg.model_copy(update={"compile": True}), timing))
+            warmups["compiled"].append(timing["warmup_s"])
         print(f"trial {trial + 1}: " + ", ".join(f"{name} {values[-1]:,.0f} tok/s" for name, values in results.items()))
     median = {name: statistics.median(values) for name, values in results.items()}
     print(f"optimizers: shared and bare AdamW ({cfg.optimizer}), Trainer {optimizer}")
     print(f"median: bare {median['bare']:,.0f}, shared {median['shared']:,.0f}, Trainer {median['trainer']:,.0f} tok/s; "
           f"shared/Trainer {median['shared'] / median['trainer']:.3f} (goal >= 1.0), shared/bare {median['shared'] / median['bare']:.3f}")
+    n_params = sum(p.numel() for p in base.parameters() if p.dim() > 1)  # the matrices (embedding lookups do no products; lm_head does)
+    peak = matmul_peak(resolved)
+    print(f"model FLOPs utilisation (6 x {n_params / 1e6:.2f}M matrix parameters x tokens/s over a measured {peak / 1e9:,.0f} GFLOP/s "
+          f"{resolved} matrix-product peak): " + ", ".join(f"{name} {6 * n_params * m / peak:.1%}" for name, m in median.items()))  # fmt: skip
+    if args.compile:
+        tokens_per_step = cfg.micro_batch_size * seq_len
+        step = {name: tokens_per_step / median[name] for name in ("shared", "compiled")}
+        extra = statistics.median(warmups["compiled"]) - statistics.median(warmups["shared"])
+        saved = step["shared"] - step["compiled"]
+        print(f"train.compile: {median['compiled'] / median['shared']:.3f}x the eager shared loop's tokens/s; its {WARMUP} warm-up steps took "
+              f"{extra:.1f} s longer (compilation), " + (f"paid back after {extra / saved:,.0f} steps" if saved > 0 else "never paid back"))  # fmt: skip
     return 0
+
+
+def matmul_peak(precision_name: str, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` `size`x`size` matrix products in this precision (autocast as
+    training uses it), with this process's threads: the machine's practical peak."""
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+    best = float("inf")
+    with training.autocast(torch.device("cpu"), precision_name):
+        a @ a
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
 
 
 if __name__ == "__main__":

@@ -58,9 +58,11 @@ def bare_loop(model, rows: np.ndarray, batch_size: int, steps: int, lr: float) -
     return (steps - WARMUP) * batch_size * rows.shape[1] / (time.perf_counter() - start)
 
 
-def shared_loop(model, rows: np.ndarray, cfg: config.TrainParams) -> float:
-    """`pipelines.core.training.train` (schedule, clipping, metrics, progress bar); timed tokens/s."""
+def shared_loop(model, rows: np.ndarray, cfg: config.TrainParams, timing: dict | None = None) -> float:
+    """`pipelines.core.training.train` (schedule, clipping, metrics, progress bar); timed tokens/s.
+    `timing`, if given, gets `warmup_s`: from the call to the end of the untimed warm-up steps."""
     marks: list[float] = []
+    started = time.perf_counter()
     training.train(
         model,
         training.causal_lm_loss,
@@ -69,6 +71,8 @@ def shared_loop(model, rows: np.ndarray, cfg: config.TrainParams) -> float:
         extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))],
     )
     timed_steps = cfg.max_steps - WARMUP
+    if timing is not None:
+        timing["warmup_s"] = marks[WARMUP - 1] - started
     return timed_steps * cfg.micro_batch_size * rows.shape[1] / (marks[-1] - marks[WARMUP - 1])
 
 

@@ -188,3 +188,18 @@ def test_fused_adamw_takes_the_same_steps_up_to_rounding():
     assert training.build_optimizer(plain, cfg(optimizer="adamw_fused")).defaults["fused"] is True
     assert not training.build_optimizer(plain, cfg(optimizer="adamw")).defaults["fused"]
     assert cfg().optimizer == "adamw_fused"  # the default
+
+
+def test_compiled_training_takes_the_same_steps_and_saves_the_same_names(tmp_path):
+    results = {}
+    for compiled in (False, True):
+        model = tiny_model()
+        summary = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
+                                 cfg(compile=compiled, max_steps=4, eval_every=0, checkpoint_every=0))  # fmt: skip
+        results[compiled] = (model, summary)
+    (eager, eager_summary), (compiled, compiled_summary) = results[False], results[True]
+    assert hasattr(compiled, "_compiled_call_impl") and compiled._compiled_call_impl is not None  # it did compile
+    assert compiled_summary["train_loss"] == pytest.approx(eager_summary["train_loss"], rel=1e-4)
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # no `_orig_mod.` prefix: same checkpoints and outputs
+    assert max(float((p - q).abs().max()) for p, q in zip(eager.parameters(), compiled.parameters(), strict=True)) < 1e-4
+    assert cfg().compile is False  # the default

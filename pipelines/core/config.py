@@ -216,6 +216,11 @@ class TrainParams(Section):
     one fused kernel over all parameters (CPU and CUDA; what HF `Trainer` uses by default,
     `adamw_torch_fused`), 3-5x faster an optimizer step on the CPU; results differ from `adamw` by
     float rounding only."""
+    compile: bool = False
+    """Compile the model's forward with `torch.compile` (TorchInductor; on a CPU it needs a C++
+    compiler). The first steps pay the compilation (tens of seconds on a CPU) and every new
+    sequence length may recompile; off by default because at the default sizes it does not pay
+    back within a stage (benchmarks/RESULTS.md). Results differ from eager by float rounding."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Autocast dtype. `auto`: bf16 on CUDA devices and CPUs with bf16 matrix units (AMX,
     AVX512-BF16), fp16 on older CUDA devices, fp32 elsewhere (`pipelines.core.precision`); the resolved

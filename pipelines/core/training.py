@@ -490,6 +490,8 @@ def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extension
     net = parallel.prepare()
     model.train()
     net.train()
+    if cfg.compile:
+        net.compile()  # in place: the state dict keeps its names, so checkpoints and outputs do not change
     optimizer = build_optimizer(net, cfg)
     return _Run(
         model=model, loss_fn=loss_fn, batches=batches, cfg=cfg, val_fn=val_fn, checkpoints=checkpoints, desc=desc,
