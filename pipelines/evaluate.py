@@ -12,6 +12,8 @@ For each model in `evaluate.models` (stage outputs `data/models/<stage>`), `eval
   its last assistant turn, rendered with the chat template and answered by greedy decoding;
   exact match compares after `chat.normalize_answer` (first line, trimmed, case-folded, no
   trailing punctuation). Every prediction goes to `data/evaluate/<model>/predictions.jsonl`;
+- `bertscore_f1` (+ `_precision`, `_recall`), with `evaluate.bertscore_model` set: BERTScore of the
+  same answers against the references with that local encoder (`BertScore`), mean over questions;
 - `preference_accuracy`: how often the model gives the chosen answer of a held-out preference pair
   (`data/ref_logprobs/test.parquet`) a higher summed log-probability than the rejected one;
 - for a DPO policy (its directory holds `preference_config.json`): the implicit-reward metrics of
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +43,7 @@ from pipelines.core import losses, packed, plots, preference_data, stage, traini
 from pipelines.core.chat_template import normalize_answer, parse_messages, split_last_answer
 from pipelines.core.config import EvaluateParams
 from pipelines.core.errors import QllmError
-from pipelines.core.models import load_for_inference, stop_token_ids
+from pipelines.core.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
 from pipelines.core.outputs import atomic_dir, read_json
 
 NAME = "evaluate"
@@ -48,7 +51,7 @@ HELDOUT_PAIRS = "test.parquet"
 """The held-out preference pairs, in ref_logprobs' output directory."""
 COMPARISON = "comparison.csv"
 PLOTS = "plots"
-COMPARED = ("exact_match", "bleu", "rougeL", "preference_accuracy", "val_loss", "val_perplexity", "rewards/accuracies", "rewards/margins")
+COMPARED = ("exact_match", "bleu", "rougeL", "bertscore_f1", "preference_accuracy", "val_loss", "val_perplexity", "rewards/accuracies", "rewards/margins")
 """The columns of the comparison table (those a model has)."""
 
 
@@ -152,6 +155,81 @@ def text_similarity(predictions: list[str], references: list[str]) -> dict[str, 
     return {"bleu": round(bleu, 4), "rougeL": round(rouge, 4)}
 
 
+class BertScore:
+    """BERTScore (Zhang et al., 2020) of answers against references, with a local encoder.
+
+    Each text is embedded by the encoder's hidden state `layer` (0: the embeddings; None: the last)
+    and each of its tokens matched to the most cosine-similar token of the other text: precision
+    averages the answer's best matches, recall the reference's, F1 is their harmonic mean. As in
+    bert-score by default: no idf weighting, special tokens ([CLS]/[SEP], <s>/</s>) matched against
+    but not counted, byte-level BPE text (RoBERTa, GPT-2) encoded with a leading space, an empty
+    text scoring 0, no baseline rescaling. Relative paths are relative to the project of `root`;
+    nothing is downloaded."""
+
+    def __init__(self, name: str, root: Path, layer: int | None = None):
+        from transformers import AutoConfig, AutoModel, AutoTokenizer, GPT2Tokenizer, RobertaTokenizer
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+        from pipelines.core.workspace import project_root
+
+        path = Path(name).expanduser()
+        path = path if path.is_absolute() else project_root(root) / path
+        where = f"evaluate.bertscore_model={name!r}"
+        if not path.is_dir():
+            raise QllmError(f"{where}: {path} is not a directory (a local save_pretrained encoder is needed; nothing is downloaded)")
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_encoder_decoder
+            if encoder:
+                self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                with CONSTRUCTION:
+                    self.model = AutoModel.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(device()).eval()
+        except (OSError, ValueError, KeyError) as exc:
+            raise QllmError(f"{where}: cannot load an encoder and its tokenizer from {path} ({exc})") from None
+        if not encoder:
+            raise QllmError(f"{where}: {path} holds a {config.model_type!r} model, not a BERT-like text encoder (bert, roberta, deberta, ...)")
+        self.layer = config.num_hidden_layers if layer is None else layer
+        if not 0 <= self.layer <= config.num_hidden_layers:
+            raise QllmError(f"evaluate.bertscore_layer={layer}: {path} has {config.num_hidden_layers} layers (0: the embeddings)")
+        self.max_length = min(self.tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512))
+        self.prefix_space = isinstance(self.tokenizer, (GPT2Tokenizer, RobertaTokenizer))
+        self.lock = threading.Lock()  # one model, several evaluate workers: a fast tokenizer is not thread-safe
+
+    @torch.no_grad()
+    def embed(self, texts: list[str], batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per text: its tokens' unit-length embeddings and weights (0 for special tokens)."""
+        texts = [" " + t.strip() if self.prefix_space and t.strip() else t.strip() for t in texts]
+        out = []
+        for start in range(0, len(texts), batch_size):
+            encoded = self.tokenizer(texts[start : start + batch_size], padding=True, truncation=True, max_length=self.max_length,
+                                     return_special_tokens_mask=True, return_tensors="pt")  # fmt: skip
+            special = encoded.pop("special_tokens_mask")
+            keep = encoded["attention_mask"].bool()
+            hidden = self.model(**encoded.to(self.model.device), output_hidden_states=True).hidden_states[self.layer].float().cpu()
+            out += [(torch.nn.functional.normalize(h[k], dim=-1), 1.0 - s[k].float()) for h, k, s in zip(hidden, keep, special, strict=True)]
+        return out
+
+    def scores(self, predictions: list[str], references: list[str], batch_size: int = 32) -> torch.Tensor:
+        """(precision, recall, F1) of each answer against its reference: an (n, 3) tensor."""
+        with self.lock:
+            answers, refs = self.embed(predictions, batch_size), self.embed(references, batch_size)
+        rows = []
+        for (answer, a_weight), (ref, r_weight) in zip(answers, refs, strict=True):
+            if not a_weight.sum() or not r_weight.sum():
+                rows.append((0.0, 0.0, 0.0))
+                continue
+            similarity = answer @ ref.T
+            precision = float(similarity.max(dim=1).values @ a_weight / a_weight.sum())
+            recall = float(similarity.max(dim=0).values @ r_weight / r_weight.sum())
+            rows.append((precision, recall, 2 * precision * recall / (precision + recall) if precision + recall else 0.0))
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
+
+    def metrics(self, predictions: list[str], references: list[str], batch_size: int = 32) -> dict[str, float]:
+        """Mean `bertscore_precision`, `bertscore_recall`, `bertscore_f1` over the answers."""
+        means = self.scores(predictions, references, batch_size).mean(dim=0).nan_to_num().tolist()
+        return {f"bertscore_{k}": round(v, 4) for k, v in zip(("precision", "recall", "f1"), means, strict=True)}
+
+
 @torch.no_grad()
 def preference_metrics(model, pairs: list[preference_data.Pair], pad_id: int, batch_size: int, beta: float | None) -> dict[str, float]:
     """`preference_accuracy` (log p(chosen) > log p(rejected)) over `pairs`; with `beta` (a DPO
@@ -178,7 +256,8 @@ def preference_metrics(model, pairs: list[preference_data.Pair], pad_id: int, ba
 
 
 def evaluate_model(
-    model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams, pairs: list[preference_data.Pair] = ()
+    model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams, pairs: list[preference_data.Pair] = (),
+    bertscore: BertScore | None = None,
 ) -> dict:
     """Metrics of one model; its predictions go to `out/predictions.jsonl`."""
     model, tokenizer = load_for_inference(model_dir, root)
@@ -190,6 +269,8 @@ def evaluate_model(
     predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.max_new_tokens, params.batch_size)
     correct, by_group = exact_match_report(questions, predictions)
     similarity = text_similarity(predictions, questions["reference"].tolist())
+    if bertscore is not None:
+        similarity |= bertscore.metrics(predictions, questions["reference"].tolist(), params.batch_size)
     config_path = model_dir / preference_data.PREFERENCE_CONFIG
     beta = read_json(config_path)["beta"] if config_path.exists() else None
     preference = preference_metrics(model, list(pairs), tokenizer.pad_token_id, params.batch_size, beta)
@@ -215,6 +296,7 @@ def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path
     """`{model: metrics}` for every model in `params.models`; predictions under `out/<model>/`,
     the comparison table and plots under `out/`."""
     questions = heldout_questions(chat_dir, params.max_questions)
+    bertscore = BertScore(params.bertscore_model, root, params.bertscore_layer) if params.bertscore_model else None
     pairs = preference_data.from_frame(pd.read_parquet(preferences)) if preferences is not None and preferences.exists() else []
     for name in params.models:
         if not (models_dir / name).exists():
@@ -222,7 +304,7 @@ def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path
     with atomic_dir(out) as tmp:
 
         def one(name: str) -> dict:
-            return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs)
+            return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs, bertscore)
 
         with ThreadPoolExecutor(max_workers=params.workers) as pool:
             results = dict(zip(params.models, pool.map(one, params.models), strict=True))
@@ -244,12 +326,16 @@ def body(ctx: stage.StageContext) -> dict:
     models_dir = {ctx.input(f"models/{name}").parent for name in ctx.params.models}  # each model a dvc.yaml dep
     if len(models_dir) != 1:
         raise QllmError(f"dvc.yaml: the models evaluate reads must share one directory, not {sorted(map(str, models_dir))}")
+    if ctx.params.bertscore_model:
+        ctx.log.info("BERTScore with %s, layer %s: its files are not a dvc.yaml dependency (DVC reruns evaluate when the param changes, "
+                     "not when the files do)", ctx.params.bertscore_model, "last" if ctx.params.bertscore_layer is None else ctx.params.bertscore_layer)  # fmt: skip
     results = run(ctx.root, models_dir.pop(), ctx.input("tokenized"), ctx.input("chat"), out, ctx.params, ctx.input("ref_logprobs") / HELDOUT_PAIRS)
     for name, metrics in results.items():
         ctx.tracker.log_artifact(out / name / "predictions.jsonl", f"predictions/{name}")
         ctx.log.info(
-            "%s: val/loss %.4f (perplexity %.2f); exact match %.1f%%, BLEU %.1f, ROUGE-L %.3f on %d held-out questions%s",
+            "%s: val/loss %.4f (perplexity %.2f); exact match %.1f%%, BLEU %.1f, ROUGE-L %.3f%s on %d held-out questions%s",
             name, metrics["val_loss"], metrics["val_perplexity"], 100 * metrics["exact_match"], metrics["bleu"], metrics["rougeL"],
+            f", BERTScore F1 {metrics['bertscore_f1']:.3f}" if "bertscore_f1" in metrics else "",
             metrics["questions"], f"; prefers chosen {100 * metrics['preference_accuracy']:.1f}%" if "preference_accuracy" in metrics else "",
         )  # fmt: skip
     ctx.tracker.log_table(pd.read_csv(out / COMPARISON), "comparison.json")

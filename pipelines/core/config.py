@@ -492,6 +492,20 @@ class EvaluateParams(Section):
     workers: int = Field(1, ge=1)
     """Models evaluated at once (threads; each holds its model in memory). On a CPU the cores are
     already shared by one model's kernels; raise it on an accelerator with memory to spare."""
+    bertscore_model: str | None = Field(None, min_length=1)
+    """BERTScore of the answers against the references (`bertscore_f1`, `_precision`, `_recall`)
+    with this local `save_pretrained` directory of a BERT-like encoder (bert, roberta, deberta, ...;
+    relative to the project). Never downloaded. None: no BERTScore. The path is a param (changing
+    it reruns evaluate); the encoder's files are not a dvc.yaml dependency."""
+    bertscore_layer: int | None = Field(None, ge=0)
+    """The encoder's hidden state that embeds the tokens (0: the embeddings, n: after layer n);
+    None: the last. bert-score's defaults: 17 for roberta-large, 9 for bert-base-uncased."""
+
+    @model_validator(mode="after")
+    def _layer_needs_a_model(self) -> EvaluateParams:
+        if self.bertscore_layer is not None and self.bertscore_model is None:
+            raise ValueError("bertscore_layer is set but bertscore_model is not (the layer is one of that encoder's)")
+        return self
 
 
 class RegisterParams(Section):
