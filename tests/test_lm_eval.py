@@ -17,7 +17,8 @@ import yaml
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import simple_parse_args_string
 
-from pipelines import evaluate, lm_eval_task, lora, sft
+from flows import lm_eval_task
+from pipelines import evaluate, lora, sft
 from pipelines.core.config import EvaluateParams, FinetuneParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import load_for_inference
@@ -109,8 +110,8 @@ def test_exact_match_equals_evaluate_on_a_lora_adapter_merged_and_unmerged(in_pr
 
 
 def test_the_printed_lm_eval_command_gives_evaluates_exact_match(in_project, tmp_path):
-    """What `python -m pipelines.lm_eval_task data/models/sft` prints, run as it is."""
-    printed = subprocess.run([sys.executable, "-m", "pipelines.lm_eval_task", "data/models/sft"], capture_output=True, text=True, check=True).stdout
+    """What `python -m flows.lm_eval_task data/models/sft` prints, run as it is."""
+    printed = subprocess.run([sys.executable, "-m", "flows.lm_eval_task", "data/models/sft"], capture_output=True, text=True, check=True).stdout
     cmd = shlex.split(printed)
     assert cmd[0] == "lm_eval" and cmd[cmd.index("--model_args") + 1] == "pretrained=data/models/sft"
     run = subprocess.run([*cmd, "--output_path", str(tmp_path), "--device", "cpu", "--batch_size", "32"], capture_output=True, text=True)

@@ -2,7 +2,7 @@
 
     lm_eval --model hf --model_args pretrained=data/models/sft \\
         --include_path lm_eval_tasks --tasks qllm_heldout --apply_chat_template
-    python -m pipelines.lm_eval_task data/models/lora    # that command for any model the pipeline saved
+    python -m flows.lm_eval_task data/models/lora    # that command for any model the pipeline saved
 
 The task (`lm_eval_tasks/qllm_heldout/`, shipped with the code) scores a model as `evaluate` does:
 
@@ -120,7 +120,7 @@ def command(model_dir: Path | str, root: Path | str = ".") -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.lm_eval_task", description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(prog="python -m flows.lm_eval_task", description=__doc__.split("\n", 1)[0])
     parser.add_argument("models", nargs="+", help="model directories the pipeline saved (e.g. data/models/sft)")
     parser.add_argument("--root", default=".", help="project root: adapters name their base relative to it (default: .)")
     args = parser.parse_args(argv)
