@@ -28,6 +28,13 @@ class ParamsError(QllmError, ValueError):
     """A params file or override is invalid; the message names the file, key and expectation."""
 
 
+def _only_with(section: BaseModel, key: str, needed: str, why: str):
+    """`section` itself, or a ValueError if `key` is set while `needed` is not."""
+    if getattr(section, key) is not None and getattr(section, needed) is None:
+        raise ValueError(f"{key} is set but {needed} is not ({why})")
+    return section
+
+
 class Section(BaseModel):
     """Base of every params section: frozen, no unknown keys, no bool-for-number mix-ups."""
 
@@ -503,9 +510,7 @@ class EvaluateParams(Section):
 
     @model_validator(mode="after")
     def _layer_needs_a_model(self) -> EvaluateParams:
-        if self.bertscore_layer is not None and self.bertscore_model is None:
-            raise ValueError("bertscore_layer is set but bertscore_model is not (the layer is one of that encoder's)")
-        return self
+        return _only_with(self, "bertscore_layer", "bertscore_model", "the layer is one of that encoder's")
 
 
 class RegisterParams(Section):
@@ -550,9 +555,7 @@ class BaseModelParams(Section):
 
     @model_validator(mode="after")
     def _revision_needs_a_name(self) -> BaseModelParams:
-        if self.revision is not None and self.name is None:
-            raise ValueError("revision is set but name is not (a revision names a version of a hub model)")
-        return self
+        return _only_with(self, "revision", "name", "a revision names a version of a hub model")
 
 
 class ProbeDeviceParams(Section):
