@@ -5,6 +5,14 @@ prompt + rejected answer. Only the answer's tokens (and its closing `<|im_end|>`
 completion mask is the template's assistant mask of the final turn, so prompt tokens never do.
 Chosen and rejected go through the model in one concatenated batch (`[chosen; rejected]`).
 
+A sequence ends at the answer's end-of-turn token: what the template writes after it (the `\n` of
+ours) is not scored: SFT's assistant mask does not train it and generation stops at `<|im_end|>`.
+TRL's `DPOTrainer` (1.16) renders conversational pairs with the chat template itself (appending no
+EOS) and scores everything after the rendered prompt, that newline included; our prompt ends on a
+token boundary (`assistant:`), so the answers start at the same token and TRL's log-prob is ours
+plus the newline's (6-16 nats under the sample SFT model). `tests/test_peer_dpo.py` checks this
+against TRL's own precompute pass; `python -m benchmarks.peer_dpo --logps` on a finished run.
+
 Bad pairs (empty or identical answers, no user turn, too long) are dropped and counted per
 reason, or stop the stage with an error naming the pair (`on_invalid`), so they can never turn
 into NaN losses.
