@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, so no other package drags in a different (e.g. multi-GB CUDA) build
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,dwave,qaoa]"
+	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,dwave,qaoa,dask]"
 	touch $@
 
 install: $(VENV)/.installed

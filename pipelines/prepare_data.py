@@ -15,20 +15,36 @@ all nine files, empty ones with the kind's columns). Per kind, in order:
    `dedup`; id, source and split ignored) and `near_duplicate` (text only, when `near_dedup`).
 3. send `split: auto` records to train or validation by a hash of their content
    (`cleaning.assign_split`); explicit splits are kept.
+
+At scale (memory bounded by the batch, not the data; `prepare_kind`): the input is read in
+batches of `BATCH_ROWS` records, which worker processes (or a Dask cluster:
+`pipelines/core/parallel.py`) normalise, judge, hash (SHA-256 of the content) and MinHash; the
+records wait in a spool file. Deduplication is a shuffle by key, as datatrove and NeMo Curator do
+it: each content hash, and each LSH band key, goes to one of `BUCKETS` files by its value, so
+equal keys meet in one bucket, and each bucket is deduplicated on its own (in parallel) with the
+global record index as the order: exactly what the in-memory definition above keeps
+(`tests/test_prepare_data_scale.py` checks it against `cleaning.exact_duplicates` and
+`cleaning.near_duplicates`). The outputs are written in row groups of `ROW_GROUP_ROWS` rows, so
+later stages read them batch by batch; their bytes do not depend on the number of workers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute
+import pyarrow.parquet as pq
 
-from pipelines.core import cleaning, stage
+from pipelines.core import cleaning, parallel, stage
 from pipelines.core.config import PrepareDataParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
@@ -127,31 +143,42 @@ KINDS: dict[str, KindRules] = {
 
 # ------------------------------------------------------------------------------- the steps
 
+BATCH_ROWS = 2048
+"""Records per batch: the unit of work a worker gets, fixed so that outputs never depend on the
+number of workers."""
+ROW_GROUP_ROWS = 65_536
+"""Rows per row group of the output files (fewer in a file's last one)."""
+BUCKETS = 16
+"""Buckets of the dedup shuffles: each holds the hashes (or band keys) of one key range, so
+duplicates meet in one bucket and each bucket is deduplicated on its own, in parallel."""
+NUM_PERM = 64
+_KEEP = 0
+_CODES = {reason: code for code, reason in enumerate(REASONS, start=1)}
+_EXACT = np.dtype([("hi", "<u8"), ("lo", "<u8"), ("index", "<i8")])
+_BAND = np.dtype([("band", "<u8"), ("key", "<u8"), ("index", "<i8")])
 
-def read_ingested(path: Path, kind: str) -> pd.DataFrame:
-    """Read one `data/ingested/<kind>.parquet`, checking its columns and split values."""
+
+def open_ingested(path: Path, kind: str) -> pq.ParquetFile:
+    """Open one `data/ingested/<kind>.parquet`, checking that it has the kind's columns."""
     if not path.exists():
         raise PrepareDataError(f"{path}: not found; run the ingest stage first")
-    frame = pd.read_parquet(path)
-    columns = KINDS[kind].columns
-    missing = [c for c in columns if c not in frame.columns]
+    try:
+        source = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise PrepareDataError(f"{path}: not a readable Parquet file ({exc}); run the ingest stage again") from None
+    missing = [c for c in KINDS[kind].columns if c not in source.schema_arrow.names]
     if missing:
         raise PrepareDataError(f"{path}: missing columns {', '.join(missing)} (was it written by ingest?)")
-    unknown = sorted(set(frame["split"]) - {"auto", *SPLITS})
-    if unknown:
-        raise PrepareDataError(f"{path}: unknown split values {', '.join(map(repr, unknown))}")
-    return frame[list(columns)].astype("str").reset_index(drop=True)
+    return source
 
 
-def drop_reasons(frame: pd.DataFrame, rules: KindRules, params: PrepareDataParams) -> np.ndarray:
-    """The drop reason of every (normalised) record, "" for those kept; first reason wins."""
-    reasons = np.full(len(frame), "", dtype=object)
+def record_reasons(frame: pd.DataFrame, rules: KindRules, params: PrepareDataParams) -> np.ndarray:
+    """The first reason of `REASONS` that applies to each (normalised) record on its own (all
+    but the dedup ones), as codes: 0 keeps the record."""
+    codes = np.zeros(len(frame), dtype=np.uint8)
 
-    def mark(flags: np.ndarray, reason: str, among: np.ndarray | None = None) -> None:
-        # `among`: indices the flags refer to (the records still kept when they were computed).
-        target = np.flatnonzero(flags) if among is None else among[flags]
-        target = target[reasons[target] == ""]
-        reasons[target] = reason
+    def mark(flags: np.ndarray, reason: str) -> None:
+        codes[flags & (codes == _KEEP)] = _CODES[reason]
 
     parts = rules.parts(frame)
     lengths = np.array([sum(map(len, p)) for p in parts], dtype=np.int64)
@@ -160,34 +187,180 @@ def drop_reasons(frame: pd.DataFrame, rules: KindRules, params: PrepareDataParam
     mark(lengths > params.max_chars, "too_long")
     if rules.same_answers is not None:
         mark(rules.same_answers(frame), "chosen_equals_rejected")
-    keys = rules.key(frame)
-    if params.dedup:
-        kept = np.flatnonzero(reasons == "")
-        mark(cleaning.exact_duplicates([keys[i] for i in kept]), "duplicate", kept)
-    if params.near_dedup and rules.near_dedup_text is not None:
-        kept = np.flatnonzero(reasons == "")
-        texts = rules.near_dedup_text(frame)
-        mark(cleaning.near_duplicates([texts[i] for i in kept], params.near_dedup_threshold), "near_duplicate", kept)
-    return reasons
+    return codes
 
 
-def prepare(frame: pd.DataFrame, kind: str, params: PrepareDataParams) -> tuple[pd.DataFrame, dict[str, int]]:
-    """Normalise, filter and split one kind's records.
+class _Scanned(NamedTuple):
+    records: pa.Table
+    """The normalised records, `split` resolved (auto -> train/validation by content hash)."""
+    codes: np.ndarray
+    digests: np.ndarray
+    """(n, 2) uint64: the first 16 bytes of SHA-256 of each record's content (`KindRules.key`)."""
+    signatures: np.ndarray | None
+    """(n, NUM_PERM) MinHash signatures (texts to near-deduplicate; zeros for records dropped already)."""
 
-    Returns:
-        The kept records (with `split` resolved to train/validation/test) and the drop counts
-        of every reason in `REASONS`.
-    """
+
+def _scan(task: tuple[str, PrepareDataParams, pa.Table]) -> _Scanned:
+    """A worker's share of pass 1: normalise one batch, judge each record on its own, hash it."""
+    kind, params, batch = task
     rules = KINDS[kind]
-    frame = rules.normalize(frame, params.normalize)
-    reasons = drop_reasons(frame, rules, params)
-    dropped = {reason: int((reasons == reason).sum()) for reason in REASONS}
-    kept = frame[reasons == ""].reset_index(drop=True)
-    auto = np.flatnonzero(kept["split"].to_numpy() == "auto")
-    keys = rules.key(kept)
-    splits = kept["split"].to_numpy(dtype=object).copy()
+    frame = rules.normalize(batch.to_pandas().astype("str"), params.normalize)
+    codes = record_reasons(frame, rules, params)
+    keys = rules.key(frame)
+    digests = np.frombuffer(b"".join(hashlib.sha256(k.encode("utf-8")).digest()[:16] for k in keys), dtype=">u8")
+    splits = frame["split"].to_numpy(dtype=object).copy()
+    auto = np.flatnonzero(splits == "auto")
     splits[auto] = cleaning.assign_split([keys[i] for i in auto], params.validation_fraction, params.seed)
-    return kept.assign(split=pd.Series(splits, dtype="str")), dropped
+    signatures = None
+    if params.near_dedup and rules.near_dedup_text is not None:
+        signatures = np.zeros((len(frame), NUM_PERM), dtype=np.uint64)
+        kept = np.flatnonzero(codes == _KEEP)
+        texts = rules.near_dedup_text(frame)
+        signatures[kept] = cleaning.minhash_signatures([texts[i] for i in kept], NUM_PERM)
+    frame = frame.assign(split=splits)[list(rules.columns)]
+    records = pa.Table.from_pandas(frame, schema=_schema(kind), preserve_index=False)
+    return _Scanned(records, codes, digests.reshape(-1, 2).astype(np.uint64), signatures)
+
+
+def _schema(kind: str) -> pa.Schema:
+    return pa.schema([(name, pa.string()) for name in KINDS[kind].columns])
+
+
+def _exact_bucket(path: Path) -> np.ndarray:
+    """Indices of the records of one bucket whose content hash an earlier record has."""
+    entries = np.fromfile(path, dtype=_EXACT)
+    entries = entries[np.lexsort((entries["index"], entries["lo"], entries["hi"]))]
+    repeat = (entries["hi"][1:] == entries["hi"][:-1]) & (entries["lo"][1:] == entries["lo"][:-1])
+    return entries["index"][1:][repeat]
+
+
+def _band_bucket(task: tuple[Path, Path, Path, int, float]) -> np.ndarray:
+    """Confirmed near-duplicate pairs among the band keys of one bucket (exact duplicates, listed
+    in `excluded`, left out)."""
+    path, excluded_path, signatures_path, n, threshold = task
+    entries = np.fromfile(path, dtype=_BAND)
+    entries = entries[~np.isin(entries["index"], np.load(excluded_path))]
+    entries = entries[np.lexsort((entries["index"], entries["key"], entries["band"]))]
+    pairs = []
+    for band in np.unique(entries["band"]):
+        group = entries[entries["band"] == band]
+        pairs.append(cleaning.band_pairs(group["key"], group["index"]))
+    candidates = np.unique(np.concatenate(pairs), axis=0) if pairs else np.zeros((0, 2), dtype=np.int64)
+    signatures = np.memmap(signatures_path, dtype=np.uint64, mode="r", shape=(n, NUM_PERM)) if n else np.zeros((0, NUM_PERM), np.uint64)
+    return cleaning.confirm_pairs(candidates, signatures, threshold)
+
+
+def prepare_kind(kind: str, source: pq.ParquetFile, out: Path, spool: Path, params: PrepareDataParams, pool: parallel.Pool,
+                 shown: Path) -> dict[str, Any]:  # fmt: skip
+    """Prepare one kind: write `out/<split>.parquet` (all three), return its metrics.
+
+    Pass 1 (parallel, by batch): normalise, judge each record on its own, hash its content,
+    MinHash it; the records go to a spool file, the hashes to `BUCKETS` files by key. Then
+    (parallel, by bucket) exact duplicates, then near duplicates among the rest; then pass 2
+    writes the kept records of every split."""
+    from tqdm.auto import tqdm
+
+    rules = KINDS[kind]
+    spool.mkdir(parents=True)
+    exact_files = [(spool / f"exact-{b}.bin").open("wb") for b in range(BUCKETS)]
+    band_files = [(spool / f"band-{b}.bin").open("wb") for b in range(BUCKETS)]
+    signatures_file = (spool / "signatures.bin").open("wb")
+    codes: list[np.ndarray] = []
+    n = 0
+    total = source.metadata.num_rows
+    tasks = ((kind, params, pa.Table.from_batches([batch])) for batch in source.iter_batches(BATCH_ROWS, columns=list(rules.columns)))
+    progress = tqdm(total=total, desc=f"prepare_data {kind}", unit=" records", unit_scale=True, disable=None if total > BATCH_ROWS else True)
+    try:
+        with pq.ParquetWriter(spool / "records.parquet", _schema(kind)) as spooled:
+            for scanned in pool.map(_scan, tasks):
+                splits = set(scanned.records.column("split").to_pylist()) - set(SPLITS)
+                if splits:
+                    raise PrepareDataError(f"{shown}: unknown split values {', '.join(map(repr, sorted(splits)))}")
+                spooled.write_table(scanned.records)
+                indices = np.arange(n, n + len(scanned.codes), dtype=np.int64)
+                keep = scanned.codes == _KEEP
+                if params.dedup:
+                    _scatter(exact_files, _EXACT, scanned.digests[keep, 0], hi=scanned.digests[keep, 0], lo=scanned.digests[keep, 1], index=indices[keep])
+                if scanned.signatures is not None:
+                    keys = cleaning.band_keys(scanned.signatures[keep], params.near_dedup_threshold)
+                    band = np.broadcast_to(np.arange(keys.shape[1], dtype=np.uint64), keys.shape).ravel()
+                    _scatter(band_files, _BAND, keys.ravel(), band=band, key=keys.ravel(), index=np.repeat(indices[keep], keys.shape[1]))
+                    signatures_file.write(scanned.signatures.tobytes())
+                codes.append(scanned.codes)
+                n += len(scanned.codes)
+                progress.update(len(scanned.codes))
+    finally:
+        progress.close()
+        for handle in (*exact_files, *band_files, signatures_file):
+            handle.close()
+    reasons = np.concatenate(codes) if codes else np.zeros(0, dtype=np.uint8)
+
+    duplicates = np.zeros(0, dtype=np.int64)
+    serial = n <= BATCH_ROWS  # one batch's buckets: cheaper here than starting workers
+    if params.dedup:
+        buckets = (spool / f"exact-{b}.bin" for b in range(BUCKETS))
+        duplicates = np.sort(np.concatenate([duplicates, *pool.map(_exact_bucket, buckets, serial)]))
+        reasons[duplicates] = _CODES["duplicate"]
+    if params.near_dedup and rules.near_dedup_text is not None:
+        np.save(spool / "excluded.npy", duplicates)
+        tasks = ((spool / f"band-{b}.bin", spool / "excluded.npy", spool / "signatures.bin", n, params.near_dedup_threshold) for b in range(BUCKETS))
+        pairs = np.concatenate([np.zeros((0, 2), np.int64), *pool.map(_band_bucket, tasks, serial)])
+        reasons[cleaning.flag_groups(n, pairs)] = _CODES["near_duplicate"]
+
+    out.mkdir()
+    counts = dict.fromkeys(SPLITS, 0)
+    writers = {split: _Writer(out / f"{split}.parquet", _schema(kind)) for split in SPLITS}
+    try:
+        start = 0
+        for batch in pq.ParquetFile(spool / "records.parquet").iter_batches(BATCH_ROWS):
+            kept = pa.Table.from_batches([batch]).filter(pa.array(reasons[start : start + len(batch)] == _KEEP))
+            start += len(batch)
+            split = kept.column("split")
+            for name, writer in writers.items():
+                part = kept.filter(pa.compute.equal(split, name))
+                counts[name] += len(part)
+                writer.add(part)
+    finally:
+        for writer in writers.values():
+            writer.close()
+    dropped = {reason: int((reasons == _CODES[reason]).sum()) for reason in REASONS}
+    return {"in": n, "dropped": dropped, "out": counts}
+
+
+def _scatter(files, dtype: np.dtype, by: np.ndarray, **columns: np.ndarray) -> None:
+    """Append `columns` as `dtype` records to the bucket file of each row's key `by` (the shuffle)."""
+    entries = np.empty(len(by), dtype=dtype)
+    for name, values in columns.items():
+        entries[name] = values
+    bucket = (by % np.uint64(len(files))).astype(np.int64)
+    order = np.argsort(bucket, kind="stable")
+    bounds = np.searchsorted(bucket[order], np.arange(len(files) + 1))
+    for b, handle in enumerate(files):
+        handle.write(entries[order[bounds[b] : bounds[b + 1]]].tobytes())
+
+
+class _Writer:
+    """A Parquet file written in row groups of `ROW_GROUP_ROWS` rows, whatever the batches."""
+
+    def __init__(self, path: Path, schema: pa.Schema):
+        self.writer, self.schema, self.pending, self.rows = pq.ParquetWriter(path, schema), schema, [], 0
+
+    def add(self, table: pa.Table) -> None:
+        self.pending.append(table)
+        self.rows += len(table)
+        while self.rows >= ROW_GROUP_ROWS:
+            self._flush(ROW_GROUP_ROWS)
+
+    def _flush(self, rows: int) -> None:
+        table = pa.concat_tables(self.pending)
+        self.writer.write_table(table.slice(0, rows), row_group_size=ROW_GROUP_ROWS)
+        rest = table.slice(rows)
+        self.pending, self.rows = ([rest] if len(rest) else []), len(rest)
+
+    def close(self) -> None:
+        if self.rows:
+            self._flush(self.rows)
+        self.writer.close()
 
 
 def run(in_dir: Path, out_dir: Path, params: PrepareDataParams) -> dict[str, Any]:
@@ -201,22 +374,18 @@ def run(in_dir: Path, out_dir: Path, params: PrepareDataParams) -> dict[str, Any
     Returns:
         Metrics: `{kind: {"in": n, "dropped": {reason: n}, "out": {split: n}}}`.
     """
+    sources = {kind: open_ingested(Path(in_dir) / f"{kind}.parquet", kind) for kind in KINDS}
     metrics: dict[str, Any] = {}
-    prepared = {}
-    for kind in KINDS:
-        frame = read_ingested(Path(in_dir) / f"{kind}.parquet", kind)
-        prepared[kind], dropped = prepare(frame, kind, params)
-        counts = prepared[kind]["split"].value_counts()
-        metrics[kind] = {"in": len(frame), "dropped": dropped, "out": {s: int(counts.get(s, 0)) for s in SPLITS}}
-    with atomic_dir(out_dir) as tmp:
-        for kind, frame in prepared.items():
-            (tmp / kind).mkdir()
-            for split in SPLITS:
-                frame[frame["split"] == split].to_parquet(tmp / kind / f"{split}.parquet", index=False)
+    with atomic_dir(out_dir) as tmp, parallel.Pool() as pool:
+        spool = tmp / ".spool"  # inside the temporary output: removed before it is renamed, or with it
+        for kind, source in sources.items():
+            metrics[kind] = prepare_kind(kind, source, tmp / kind, spool / kind, params, pool, Path(in_dir) / f"{kind}.parquet")
+        shutil.rmtree(spool)
     return metrics
 
 
 def body(ctx: stage.StageContext) -> dict[str, Any]:
+    ctx.log.info("prepare_data: batches of %d records on %s", BATCH_ROWS, parallel.Pool().description)
     metrics = run(ctx.input("ingested"), ctx.output(), ctx.params)
     for kind, counts in metrics.items():
         out = counts["out"]

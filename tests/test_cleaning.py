@@ -166,3 +166,40 @@ def test_assign_split_matches_the_documented_hash():
     unit = int.from_bytes(digest[:8], "big") / 2**64
     assert cleaning.assign_split(["abc"], unit + 1e-9, seed=3) == ["validation"]
     assert cleaning.assign_split(["abc"], unit, seed=3) == ["train"]
+
+
+def test_other_spaces_are_every_space_but_blank_and_newline():
+    """normalize_text skips the space substitution when none of these is there: the list must be complete."""
+    expected = "".join(chr(c) for c in range(0x110000) if chr(c).isspace() and chr(c) not in " \n")
+    assert expected == cleaning.OTHER_SPACES
+
+
+def test_normalize_text_equals_its_six_steps_on_random_strings():
+    """The checks that skip a substitution change nothing: compare with the steps applied blindly."""
+    import re
+    import unicodedata
+
+    def steps(text: str, form: str) -> str:
+        text = unicodedata.normalize(form, text) if form != "none" else text
+        text = re.sub("\r\n|[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]", "\n", text)
+        text = re.sub(r"[^\S\n]+", " ", text)
+        text = re.sub(r" +\n", "\n", text)
+        return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+    rng = np.random.default_rng(0)
+    alphabet = list("ab .\n") + list(cleaning.OTHER_SPACES) + ["\r\n", "é", "ﬁ", "  ", "\n\n\n"]
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet, size=rng.integers(0, 30)))
+        for form in ("NFKC", "none"):
+            assert cleaning.normalize_text(text, form) == steps(text, form), repr(text)
+
+
+def test_minhash_words_are_pythons_lower_split():
+    """Words are split by Arrow in C++; on these texts they are Python's `text.lower().split()`
+    (the known differences: a word-final Σ, and \\x1c-\\x1f as separators)."""
+    texts = ["The Quick  brown\tfox", "  lead and trail  ", "", "Ünïcode WÖRDS\u3000here", "Café\u00a0au lait", "x\ny\n\nz", "Straße ΣΊΣΥΦΟΣ"]
+    texts[-1] = texts[-1].replace("ΣΥΦΟΣ", "ΣΥΦΟ")  # not a final Σ: Python lowers it to ς, Arrow to σ
+    lengths, words = cleaning._words(texts)
+    expected = [w for t in texts for w in t.lower().split()]
+    assert lengths.tolist() == [len(t.lower().split()) for t in texts]
+    assert words.tolist() == [cleaning._word_hash(w) for w in expected]

@@ -20,11 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 # distributed: how many processes run a stage (torchrun, rank 0's duties); the same results on 1 or N
 # precision: what `precision: auto` resolves to reaches training stages as data (data/device.json from
 #   probe_device, which lists precision.py itself), so editing it reruns probe_device, and training only if that changes
+# parallel: how many processes (or which Dask cluster) run a data stage's batches; the same bytes on 1 or N
 # loggers: the metric loggers (MLflow, TensorBoard, system metrics): what is recorded about a run, not its outputs
 # resources: measures a stage's peak memory for its metrics file
 INFRASTRUCTURE = {
     f"core.{m}"
-    for m in ("config", "params_file", "stage", "tracking", "outputs", "errors", "workspace", "dag", "checkpoint", "distributed", "precision", "loggers", "resources")
+    for m in ("config", "params_file", "stage", "tracking", "outputs", "errors", "workspace", "dag", "checkpoint", "distributed", "parallel", "precision", "loggers", "resources")
 }
 
 

@@ -20,7 +20,13 @@ import numpy as np
 # Line breaks other than "\n" (Windows/Mac endings, vertical tab, form feed, NEL, Unicode line and
 # paragraph separators) all become "\n", so that "whitespace except newline" below is only spaces.
 _LINE_BREAKS = re.compile("\r\n|[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
-_SPACES = re.compile(r"[^\S\n]+")
+# Runs of whitespace other than newline that are not already one plain space (replacing every
+# single space by itself was most of the normalisation time).
+_SPACES = re.compile(r"[^\S\n]{2,}|[^\S\n ]")
+_ANY_LINE_BREAK = re.compile("[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+# Every character `str.isspace` (and so regex `\s`) accepts but " " and "\n"; tests/test_cleaning.py checks the list.
+OTHER_SPACES = "\t\v\f\r\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+_OTHER_SPACE = re.compile(f"[{OTHER_SPACES}]")
 _TRAILING_SPACE = re.compile(r" +\n")
 _BLANK_RUNS = re.compile(r"\n{3,}")
 
@@ -32,6 +38,8 @@ _MIN_RECALL_AT_THRESHOLD = 0.95
 # Above this size a bucket is compared star-wise (every member against its first) rather than
 # pairwise, so a pathological bucket cannot make the pair count quadratic.
 _MAX_PAIRWISE_BUCKET = 256
+# Shingles hashed at a time by `minhash_signatures` (a few hundred KiB per array).
+_BLOCK = 1 << 15
 
 
 # ------------------------------------------------------------------------------- normalisation
@@ -60,10 +68,15 @@ def normalize_text(text: str, form: str) -> str:
     """
     if form != "none":
         text = unicodedata.normalize(form, text)
-    text = _LINE_BREAKS.sub("\n", text)
-    text = _SPACES.sub(" ", text)
-    text = _TRAILING_SPACE.sub("\n", text)
-    text = _BLANK_RUNS.sub("\n\n", text)
+    # Each substitution only where it has something to do: the checks are several times faster.
+    if _ANY_LINE_BREAK.search(text):
+        text = _LINE_BREAKS.sub("\n", text)
+    if "  " in text or _OTHER_SPACE.search(text):
+        text = _SPACES.sub(" ", text)
+    if " \n" in text:
+        text = _TRAILING_SPACE.sub("\n", text)
+    if "\n\n\n" in text:
+        text = _BLANK_RUNS.sub("\n\n", text)
     return text.strip()
 
 
@@ -126,23 +139,45 @@ def _word_hash(word: str) -> int:
     return int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "little")
 
 
+# Word hashes seen in this process, so a corpus hashes each distinct word once (bounded: cleared
+# when full). Only a speed-up: a word's hash is the same with or without it.
+_WORD_HASHES: dict[str, int] = {}
+_MAX_CACHED_WORDS = 2_000_000
+
+
+def _hash_words(distinct: Iterable[str], count: int) -> np.ndarray:
+    if len(_WORD_HASHES) > _MAX_CACHED_WORDS:
+        _WORD_HASHES.clear()
+    cache = _WORD_HASHES
+    return np.fromiter((cache[w] if w in cache else cache.setdefault(w, _word_hash(w)) for w in distinct), dtype=np.uint64, count=count)
+
+
+def _words(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The number of words of each text and every word's hash, in order. Words: Arrow's
+    `utf8_lower` then `utf8_split_whitespace` (Unicode lower case and white space as utf8proc
+    defines them: Python's `str.lower().split()` but for a few characters: Python lowers a
+    word-final Σ to ς and also splits at \\x1c-\\x1f), computed in C++; each distinct word is hashed once."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    split = pc.utf8_split_whitespace(pc.utf8_lower(pa.array(texts, pa.large_string())))
+    values, owners = pc.list_flatten(split), pc.list_parent_indices(split)
+    present = pc.not_equal(values, "")  # Arrow keeps "" around leading, trailing and repeated spaces
+    values, owners = values.filter(present), owners.filter(present).to_numpy()
+    lengths = np.bincount(owners, minlength=len(texts)).astype(np.int64)
+    if not len(values):
+        return lengths, np.zeros(0, dtype=np.uint64)
+    encoded = values.dictionary_encode()
+    distinct = encoded.dictionary.to_pylist()
+    return lengths, _hash_words(distinct, len(distinct))[encoded.indices.to_numpy()]
+
+
 # ------------------------------------------------------------------------------ near duplicates
 
 
 def _shingle_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """64-bit hashes of each text's word 3-grams, concatenated, and each text's first offset."""
-    cache: dict[str, int] = {}
-    word_ids: list[int] = []
-    lengths = np.empty(len(texts), dtype=np.int64)
-    for i, text in enumerate(texts):
-        words = text.lower().split()
-        lengths[i] = len(words)
-        for word in words:
-            value = cache.get(word)
-            if value is None:
-                value = cache[word] = _word_hash(word)
-            word_ids.append(value)
-    words = np.asarray(word_ids, dtype=np.uint64)
+    lengths, words = _words(texts)
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(texts) else np.zeros(0, dtype=np.int64)
     # A text of n >= 3 words has n - 2 shingles; a shorter one has one shingle of all its words.
     counts = np.maximum(lengths - 2, 1)
@@ -157,6 +192,15 @@ def _shingle_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         value = words[np.where(present, position + k, 0)] if words.size else np.zeros(len(owner), dtype=np.uint64)
         combined = _mix64((combined + np.uint64(0x9E3779B97F4A7C15)) ^ np.where(present, value, np.uint64(0)))
     return combined, offsets
+
+
+def _mix64_into(x: np.ndarray, scratch: np.ndarray) -> None:
+    """`_mix64` in place (`scratch`: an array of the same shape), without temporaries."""
+    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None)):
+        np.right_shift(x, np.uint64(shift), out=scratch)
+        np.bitwise_xor(x, scratch, out=x)
+        if factor is not None:
+            np.multiply(x, np.uint64(factor), out=x)
 
 
 def minhash_signatures(texts: Sequence[str], num_perm: int = 64, seed: int = 0) -> np.ndarray:
@@ -179,8 +223,19 @@ def minhash_signatures(texts: Sequence[str], num_perm: int = 64, seed: int = 0) 
     shingles, offsets = _shingle_hashes(texts)
     salts = np.random.default_rng(seed).integers(0, _MASK64, size=num_perm, dtype=np.uint64, endpoint=True)
     signatures = np.empty((len(texts), num_perm), dtype=np.uint64)
-    for j, salt in enumerate(salts):
-        signatures[:, j] = np.minimum.reduceat(_mix64(shingles ^ salt), offsets)
+    # Whole texts at a time, about _BLOCK shingles: the salted copies stay in the CPU cache.
+    ends = np.append(offsets[1:], len(shingles))
+    first = 0
+    while first < len(texts):
+        last = max(first + 1, int(np.searchsorted(ends, offsets[first] + _BLOCK, side="right")))
+        block = shingles[offsets[first] : ends[last - 1]]
+        starts = offsets[first:last] - offsets[first]
+        x, scratch = np.empty_like(block), np.empty_like(block)
+        for j, salt in enumerate(salts):
+            np.bitwise_xor(block, salt, out=x)
+            _mix64_into(x, scratch)
+            signatures[first:last, j] = np.minimum.reduceat(x, starts)
+        first = last
     return signatures
 
 
@@ -238,7 +293,7 @@ def near_duplicates(texts: Sequence[str], threshold: float, num_perm: int = 64, 
 
     Algorithm:
 
-    1. Shingles: the set of word 3-grams of `text.lower().split()`; a text of fewer than three
+    1. Shingles: the set of word 3-grams of the lower-cased, whitespace-split text (`_words`); a text of fewer than three
        words has one shingle made of all its words.
     2. MinHash signatures of `num_perm` values (`minhash_signatures`, seeded by `seed`).
     3. LSH: the signature is cut into `bands` bands of `rows` values (`lsh_bands(threshold)`);
@@ -265,16 +320,42 @@ def near_duplicates(texts: Sequence[str], threshold: float, num_perm: int = 64, 
     if n < 2:
         return np.zeros(n, dtype=bool)
     signatures = minhash_signatures(texts, num_perm, seed)
-    bands, rows = lsh_bands(threshold, num_perm)
-    pairs = []
+    keys = band_keys(signatures, threshold)
+    candidates = np.unique(np.concatenate([_band_pairs(keys[:, band]) for band in range(keys.shape[1])]), axis=0)
+    return flag_groups(n, confirm_pairs(candidates, signatures, threshold))
+
+
+def band_keys(signatures: np.ndarray, threshold: float) -> np.ndarray:
+    """The LSH key of each band of each signature (`lsh_bands(threshold)`): `(n, bands)` uint64.
+    Two texts are candidates when they share the key of one band (the same column)."""
+    bands, rows = lsh_bands(threshold, signatures.shape[1])
+    keys = np.zeros((len(signatures), bands), dtype=np.uint64)
     for band in range(bands):
-        block = signatures[:, band * rows : (band + 1) * rows]
-        key = np.zeros(n, dtype=np.uint64)
-        for column in block.T:
-            key = _mix64(key ^ column)
-        pairs.append(_band_pairs(key))
-    candidates = np.unique(np.concatenate(pairs), axis=0)
+        for column in signatures[:, band * rows : (band + 1) * rows].T:
+            keys[:, band] = _mix64(keys[:, band] ^ column)
+    return keys
+
+
+def band_pairs(band_keys: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Candidate pairs among the texts `indices` (ascending) whose keys of one band are
+    `band_keys`: `(m, 2)` pairs of their indices, lower first (may repeat)."""
+    pairs = _band_pairs(band_keys)
+    return indices[pairs] if len(pairs) else pairs
+
+
+def confirm_pairs(candidates: np.ndarray, signatures, threshold: float, first: int = 0) -> np.ndarray:
+    """The candidate pairs whose estimated Jaccard similarity (the share of equal signature
+    values; `signatures` may be a memory map whose row 0 is text `first`) is >= `threshold`."""
     if not len(candidates):
-        return np.zeros(n, dtype=bool)
-    similarity = (signatures[candidates[:, 0]] == signatures[candidates[:, 1]]).mean(axis=1)
-    return _first_of_groups(n, candidates[similarity >= threshold])
+        return candidates.reshape(0, 2)
+    similarity = (signatures[candidates[:, 0] - first] == signatures[candidates[:, 1] - first]).mean(axis=1)
+    return candidates[similarity >= threshold]
+
+
+def flag_groups(n: int, pairs: np.ndarray) -> np.ndarray:
+    """Join `pairs` of text indices (< `n`) into groups: True for every member but each group's lowest."""
+    flags = np.zeros(n, dtype=bool)
+    if len(pairs):
+        nodes = np.unique(pairs)  # only texts in a pair can be flagged: union-find over those
+        flags[nodes[_first_of_groups(len(nodes), np.searchsorted(nodes, pairs))]] = True
+    return flags
