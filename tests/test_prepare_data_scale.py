@@ -106,6 +106,20 @@ def test_one_two_workers_and_a_dask_cluster_write_the_same_bytes(tmp_path, monke
     assert json.dumps(metrics, sort_keys=True) == json.dumps(outputs[1][1], sort_keys=True)
 
 
+def test_a_dask_scheduler_given_by_address_writes_the_same_bytes(tmp_path, monkeypatch, small_batches):
+    """As on a real cluster: a scheduler with its own worker processes, reached at its address."""
+    from distributed import LocalCluster
+
+    first, metrics = run(tmp_path, monkeypatch, "local", workers=1)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None) as cluster:
+        assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+        monkeypatch.setenv("QLLM_DASK_ADDRESS", cluster.scheduler_address)
+        out, dask_metrics = run(tmp_path, monkeypatch, "dask", workers=1, engine="dask")
+    assert dask_metrics == metrics
+    for path in sorted(first.rglob("*.parquet")):
+        assert (out / path.relative_to(first)).read_bytes() == path.read_bytes()
+
+
 def test_bad_settings_are_clear_errors(tmp_path, monkeypatch):
     in_dir = write_ingested(tmp_path, text=[{"text": "some text"}])
     for name, value, message in (("QLLM_DATA_WORKERS", "two", r"\$QLLM_DATA_WORKERS='two': expected a whole number"),
