@@ -5,19 +5,27 @@
 Writes `data/ingested/text.parquet`, `chat.parquet` and `preference.parquet` (always all three;
 a kind without sources is an empty file with the kind's columns), in source order. The record
 kinds and accepted input layouts are described in `pipelines/core/readers.py`.
+
+Sources stream through in bounded memory (`readers.iter_source`): records are written as they
+are read, in row groups of at most `readers.BATCH_ROWS` records (fewer when their text reaches
+`readers.BATCH_BYTES` characters; a source's last row group holds the rest), so a later stage can
+read them batch by batch (`pq.ParquetFile(path).iter_batches()`). Every column is a Parquet
+string; the row groups depend only on the input, and the same input gives the same bytes. A
+failure leaves the previous output as it was (`atomic_dir`).
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
+import pyarrow.parquet as pq
 
 from pipelines.core import stage
 from pipelines.core.config import IngestParams, SourceParams
 from pipelines.core.outputs import atomic_dir
-from pipelines.core.readers import COLUMNS, empty_frame, read_source, source_name
+from pipelines.core.readers import COLUMNS, MEMORY_POOL, SCHEMAS, iter_source, source_name
 
 NAME = "ingest"
 
@@ -36,32 +44,35 @@ def untracked_sources(sources: list[SourceParams], root: Path, tracked_dirs: lis
     return out
 
 
-def run(root: Path, out_dir: Path, params: IngestParams) -> dict[str, Any]:
-    """Read every source and write one Parquet file per kind.
+def run(root: Path, out_dir: Path, params: IngestParams, *, progress: bool = True) -> dict[str, Any]:
+    """Stream every source into one Parquet file per kind.
 
     Args:
         root: project root; relative source paths are resolved against it.
         out_dir: directory to (atomically) replace with `text.parquet`, `chat.parquet`,
             `preference.parquet`.
         params: the `ingest` params section.
+        progress: a progress bar per source (shown only on a terminal).
 
     Returns:
         Metrics: `{"records": {kind: n}, "sources": {name: {"kind": kind, "records": n}}}`.
     """
-    frames: dict[str, list[pd.DataFrame]] = {kind: [] for kind in COLUMNS}
+    records = dict.fromkeys(COLUMNS, 0)
     per_source = {}
-    for source in params.sources:
-        frame = read_source(source, root)
-        frames[source.kind].append(frame)
-        per_source[source_name(source)] = {"kind": source.kind, "records": len(frame)}
-    with atomic_dir(out_dir) as tmp:
-        for kind, parts in frames.items():
-            merged = pd.concat(parts, ignore_index=True) if parts else empty_frame(kind)
-            merged.to_parquet(tmp / f"{kind}.parquet", index=False)
-    return {
-        "records": {kind: sum(len(part) for part in parts) for kind, parts in frames.items()},
-        "sources": per_source,
-    }
+    with atomic_dir(out_dir) as tmp, ExitStack() as files:
+        # (closed before atomic_dir moves the directory into place, or removes it on an error)
+        writers = {
+            kind: files.enter_context(pq.ParquetWriter(tmp / f"{kind}.parquet", SCHEMAS[kind], memory_pool=MEMORY_POOL()))
+            for kind in COLUMNS
+        }
+        for source in params.sources:
+            count = 0
+            for batch in iter_source(source, root, progress=progress):
+                writers[source.kind].write_batch(batch)  # one row group
+                count += batch.num_rows
+            records[source.kind] += count
+            per_source[source_name(source)] = {"kind": source.kind, "records": count}
+    return {"records": records, "sources": per_source}
 
 
 def body(ctx: stage.StageContext) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """Read one data source (a `SourceParams` entry of `ingest.sources`) into records of one kind.
 
     from pipelines.core.config import SourceParams
-    from pipelines.core.readers import read_source
-    frame = read_source(SourceParams(path="data/sources/chats.jsonl", kind="chat"), root=Path("."))
+    from pipelines.core.readers import iter_source, read_source
+    for batch in iter_source(SourceParams(path="data/sources/chats.jsonl", kind="chat"), root=Path(".")):
+        ...  # a pyarrow RecordBatch of at most BATCH_ROWS records (what ingest writes as one row group)
+    frame = read_source(SourceParams(path="data/sources/chats.jsonl", kind="chat"), root=Path("."))  # small sources
 
 Every record kind is a DataFrame of `str` columns (`COLUMNS`): `id, source, split` plus
 `text` (text), `messages` (chat: a JSON list of {role, content}) or `prompt` (a JSON message list
@@ -16,12 +18,26 @@ HH-RLHF: `\n\nHuman:`/`\n\nAssistant:` transcripts), whose shared turns become t
 held-out chat (`split: test`) must end with one, the reference answer `evaluate` scores. Anything
 wrong with the input is a `ReaderError` naming the file, the 1-based line (JSONL, text, CSV) or
 the 0-based record index (JSON, Parquet, hf), and what was expected.
+
+Sources stream in bounded memory, whatever their size: JSONL, CSV/TSV and text files are read in
+binary, about `CHUNK_BYTES` of whole lines at a time, and decoded chunk by chunk (invalid UTF-8
+still names its line); Parquet files and `datasets` (memory-mapped Arrow) are converted
+`SCAN_ROWS` rows at a time; records leave `iter_source` in batches of at most `BATCH_ROWS` (or
+`BATCH_BYTES` characters of text). The one exception is `json`, a single JSON value, which is
+parsed whole: use JSONL for big data. The check for duplicate ids keeps 8 bytes (a 64-bit hash)
+a record (none for plain text, whose ids are all made up), and reads the source a second time
+only when two hashes are equal, to tell a real duplicate (and where its first occurrence is) from
+a collision. Memory then grows only with the longest record (a text document, a JSONL line) and
+the number of records (8 bytes each).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import hashlib
 import io
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.fs as pafs
 
 from pipelines.core.config import SourceParams
 from pipelines.core.errors import QllmError
@@ -71,70 +87,165 @@ def empty_frame(kind: str) -> pd.DataFrame:
 
 # ------------------------------------------------------------------------------------- formats
 
+CHUNK_BYTES = 1 << 20  # what a line-based reader decodes at a time (whole lines: a chunk ends after a newline)
+SCAN_ROWS = 1024  # rows a Parquet or `datasets` reader converts to Python objects at a time
+BOM = b"\xef\xbb\xbf"
+
+
+class Progress:
+    """How far a reader is through its source, for the progress bar: `done` of `total` bytes
+    (unit "B": files, the size is known) or records (unit "records": Parquet, `datasets`)."""
+
+    __slots__ = ("done", "total", "unit")
+
+    def __init__(self, unit: str, total: int | None) -> None:
+        self.unit, self.total, self.done = unit, total, 0
+
 
 class Table(NamedTuple):
-    """What a format reader yields: the column names when the format has a schema (else None) and
-    `(where, record)` pairs, `where` being the location used in error messages."""
+    """What a format reader yields: the column names when the format has a schema (else None),
+    `(where, record)` pairs, `where` being the location used in error messages, and the reader's
+    progress. `rows` is read once, lazily: a file is opened (and its errors raised) on the first
+    row. A plain-text reader also offers `texts`, read instead of `rows` when nothing needs checking."""
 
     shown: str
     columns: list[str] | None
     rows: Iterable[tuple[str, dict[str, Any]]]
+    progress: Progress
+    texts: Iterable[str] | None = None  # plain text: the same records as `rows`, just their "text"
 
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _decode(path: Path, shown: str) -> str:
-    """The file's text, with a 1-based line and in-line byte position for invalid UTF-8."""
+def _size(*paths: Path) -> int | None:
     try:
-        data = path.read_bytes()
+        return sum(path.stat().st_size for path in paths)
+    except OSError:
+        return None
+
+
+def _utf8_error(data: bytes, exc: UnicodeDecodeError, shown: str, first_line: int) -> ReaderError:
+    """`data` (starting at line `first_line`) is not UTF-8: name the 1-based line and in-line byte position."""
+    line = first_line + data.count(b"\n", 0, exc.start)
+    column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1)
+    return ReaderError(
+        f"{shown}:{line}: not valid UTF-8 (byte 0x{data[exc.start]:02x} at position {column}); "
+        "re-encode the file as UTF-8"
+    )
+
+
+def _open(path: Path, shown: str) -> io.BufferedReader:
+    try:
+        return path.open("rb")
     except IsADirectoryError:
         raise ReaderError(f"{shown}: expected a file, got a directory") from None
     except OSError as exc:
         raise ReaderError(f"{shown}: cannot read ({exc.strerror})") from None
-    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is valid, just redundant
+
+
+def _decode(path: Path, shown: str, progress: Progress | None = None) -> str:
+    """The whole file's text, with a 1-based line and in-line byte position for invalid UTF-8
+    (only for `json`, which is one value; the line-based formats stream through `_chunks`)."""
+    with _open(path, shown) as handle:
+        try:
+            data = handle.read()
+        except OSError as exc:
+            raise ReaderError(f"{shown}: cannot read ({exc.strerror})") from None
+    if progress is not None:
+        progress.done += len(data)
+    data = data.removeprefix(BOM)  # a UTF-8 byte-order mark is valid, just redundant
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1)
-        raise ReaderError(
-            f"{shown}:{line}: not valid UTF-8 (byte 0x{data[exc.start]:02x} at position {column}); "
-            "re-encode the file as UTF-8"
-        ) from None
+        raise _utf8_error(data, exc, shown, 1) from None
+
+
+def _chunks(path: Path, shown: str, progress: Progress) -> Iterator[tuple[int, str]]:
+    """The file's text as `(line number of its first line, text)` chunks of whole lines (each ends
+    with a newline, but the file's last one may not), about `CHUNK_BYTES` each, read in binary and
+    decoded chunk by chunk: an invalid byte names its 1-based line and in-line byte position. A line
+    longer than a chunk is read whole. A UTF-8 byte-order mark at the start is dropped."""
+    with _open(path, shown) as handle:
+        line = 1
+        pending: list[bytes] = []  # bytes read after the last newline
+        first = True
+        while True:
+            try:
+                data = handle.read(max(CHUNK_BYTES, len(BOM)))
+            except OSError as exc:
+                raise ReaderError(f"{shown}: cannot read ({exc.strerror})") from None
+            progress.done += len(data)
+            end_of_file = not data
+            if first:
+                data, first = data.removeprefix(BOM), False
+            if end_of_file:
+                block = b"".join(pending)
+                if not block:
+                    return
+            else:
+                end = data.rfind(b"\n") + 1
+                if not end:
+                    pending.append(data)
+                    continue
+                block = b"".join([*pending, data[:end]]) if pending else data[:end]
+                pending = [data[end:]] if end < len(data) else []
+            try:
+                text = block.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _utf8_error(block, exc, shown, line) from None
+            yield line, text
+            if end_of_file:
+                return
+            line += block.count(b"\n")
+
+
+def _lines(chunks: Iterable[tuple[int, str]]) -> Iterator[tuple[int, list[str]]]:
+    """Each chunk as (number of its first line, its lines), split on newlines only (not on "\\r")."""
+    for start, text in chunks:
+        # split("\n") rather than splitlines(): JSON strings may hold U+2028, which is no line break here.
+        lines = text.split("\n")
+        if text.endswith("\n"):
+            lines.pop()  # the empty piece after the chunk's last newline
+        yield start, lines
 
 
 def _json_error(exc: json.JSONDecodeError) -> str:
     return f"invalid JSON ({exc.msg} at column {exc.colno})"
 
 
-def _jsonl_rows(text: str, shown: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    # split("\n") rather than splitlines(): JSON strings may hold U+2028, which is no line break here.
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReaderError(f"{shown}:{number}: {_json_error(exc)}") from None
-        if not isinstance(record, dict):
-            raise ReaderError(f"{shown}:{number}: expected a JSON object, got {_type_name(record)}")
-        yield f"{shown}:{number}", record
+def _jsonl_rows(chunks: Iterable[tuple[int, str]], shown: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    loads = json.loads
+    for start, lines in _lines(chunks):
+        for number, line in enumerate(lines, start=start):
+            if not line.strip():
+                continue
+            try:
+                record = loads(line)
+            except json.JSONDecodeError as exc:
+                raise ReaderError(f"{shown}:{number}: {_json_error(exc)}") from None
+            if not isinstance(record, dict):
+                raise ReaderError(f"{shown}:{number}: expected a JSON object, got {_type_name(record)}")
+            yield f"{shown}:{number}", record
 
 
 def _read_jsonl(path: Path, shown: str, source: SourceParams) -> Table:
-    return Table(shown, None, _jsonl_rows(_decode(path, shown), shown))
+    progress = Progress("B", _size(path))
+    return Table(shown, None, _jsonl_rows(_chunks(path, shown, progress), shown), progress)
 
 
 def _read_json(path: Path, shown: str, source: SourceParams) -> Table:
-    text = _decode(path, shown)
+    # One JSON value: parsed whole (use JSONL for big data, it streams).
+    progress = Progress("B", _size(path))
+    text = _decode(path, shown, progress)
     if not text.strip():
-        return Table(shown, None, [])
+        return Table(shown, None, [], progress)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ReaderError(f"{shown}:{exc.lineno}: {_json_error(exc)}") from None
+    del text
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
@@ -146,16 +257,39 @@ def _read_json(path: Path, shown: str, source: SourceParams) -> Table:
                 raise ReaderError(f"{shown}: record {index}: expected a JSON object, got {_type_name(record)}")
             yield f"{shown}: record {index}", record
 
-    return Table(shown, None, rows())
+    return Table(shown, None, rows(), progress)
+
+
+def _arrow_rows(batches: Iterable[pa.RecordBatch | pa.Table], shown: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Rows of Arrow batches as plain lists and dicts (no numpy arrays), `SCAN_ROWS` at a time."""
+    index = 0
+    for batch in batches:
+        for record in batch.to_pylist():
+            yield f"{shown}: record {index}", record
+            index += 1
 
 
 def _read_parquet(path: Path, shown: str, source: SourceParams) -> Table:
+    import pyarrow.dataset as ds
+
     try:
-        table = pq.read_table(path)
+        if path.is_dir():  # as pq.read_table reads a directory: a (hive-partitioned) data set
+            partitioning = ds.HivePartitioning.discover(infer_dictionary=True)
+            data = ds.dataset(str(path), format="parquet", partitioning=partitioning)
+        else:  # one fragment, as pq.read_table opens one file (and words its errors)
+            fragment = ds.ParquetFileFormat().make_fragment(str(path), pafs.LocalFileSystem())
+            data = ds.FileSystemDataset([fragment], fragment.physical_schema, ds.ParquetFileFormat(), pafs.LocalFileSystem())
+        total = data.count_rows()
     except (pa.ArrowException, OSError) as exc:
         raise ReaderError(f"{shown}: not a readable Parquet file ({exc})") from None
-    records = table.to_pylist()  # plain lists and dicts, no numpy arrays
-    return Table(shown, table.column_names, ((f"{shown}: record {i}", r) for i, r in enumerate(records)))
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        try:  # the scanner keeps the file's row order
+            yield from data.to_batches(batch_size=SCAN_ROWS)
+        except (pa.ArrowException, OSError) as exc:
+            raise ReaderError(f"{shown}: not a readable Parquet file ({exc})") from None
+
+    return Table(shown, data.schema.names, _arrow_rows(batches(), shown), Progress("records", total))
 
 
 def _csv_problem(exc: csv.Error) -> str:
@@ -169,13 +303,27 @@ def _csv_problem(exc: csv.Error) -> str:
 
 
 def _read_csv(path: Path, shown: str, source: SourceParams) -> Table:
-    text = _decode(path, shown)
-    if not text.strip():
-        return Table(shown, None, [])
+    progress = Progress("B", _size(path))
+    chunks: Iterator[tuple[int, str]] = _chunks(path, shown, progress)
+    first = next(chunks, None)
+    if first is None:
+        return Table(shown, None, [], progress)
+    if not first[1].strip():
+        # Rare: a first chunk of only whitespace. Only whitespace throughout is an empty source;
+        # otherwise start over rather than keep what was read.
+        if not any(text.strip() for _, text in chunks):
+            return Table(shown, None, [], progress)
+        progress.done = 0
+        chunks = _chunks(path, shown, progress)
+    else:
+        chunks = itertools.chain([first], chunks)
     csv.field_size_limit(2**31 - 1)  # documents longer than the 128 KiB default are fine
+    # Lines as a file opened with newline="" gives them (\n, \r\n or \r kept): a quoted field may
+    # hold line breaks. A chunk ends after a "\n", so no "\r\n" is split between two.
+    lines = (line for _, text in chunks for line in io.StringIO(text, newline=""))
     # strict: a quote that is never closed is an error, not the rest of the file read as one field.
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    reader = csv.reader(lines, delimiter=delimiter, strict=True)
     try:
         header = next(reader)
     except csv.Error as exc:
@@ -201,7 +349,7 @@ def _read_csv(path: Path, shown: str, source: SourceParams) -> Table:
                 raise ReaderError(f"{where}: expected {len(header)} fields like the header, got {len(row)}")
             yield where, dict(zip(header, row, strict=True))
 
-    return Table(shown, header, rows())
+    return Table(shown, header, rows(), progress)
 
 
 def _text_files(path: Path) -> list[Path]:
@@ -216,28 +364,37 @@ def _text_files(path: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(path).as_posix())
 
 
-def _documents(text: str, shown: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Documents of one text file: runs of lines separated by one or more blank lines."""
+def _documents(chunks: Iterable[tuple[int, str]]) -> Iterator[tuple[int, str]]:
+    """Documents of one text file, `(number of its first line, text)`: runs of lines separated by
+    one or more blank lines (whitespace only); a line's final carriage return is dropped."""
     lines: list[str] = []
     first = 0
-    for number, line in enumerate(text.split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if line.strip():
-            if not lines:
-                first = number
-            lines.append(line)
-        elif lines:
-            yield f"{shown}:{first}", {"text": "\n".join(lines)}
-            lines = []
+    for start, chunk in _lines(chunks):
+        for number, line in enumerate(chunk, start=start):
+            if line.strip():
+                if not lines:
+                    first = number
+                lines.append(line.removesuffix("\r"))
+            elif lines:
+                yield first, "\n".join(lines)
+                lines = []
     if lines:
-        yield f"{shown}:{first}", {"text": "\n".join(lines)}
+        yield first, "\n".join(lines)
 
 
 def _read_text(path: Path, shown: str, source: SourceParams) -> Table:
-    if not path.is_dir():
-        return Table(shown, None, _documents(_decode(path, shown), shown))
-    files = [(file, f"{shown.rstrip('/')}/{file.relative_to(path).as_posix()}") for file in _text_files(path)]
-    return Table(shown, None, (row for file, name in files for row in _documents(_decode(file, name), name)))
+    if path.is_dir():
+        files = [(file, f"{shown.rstrip('/')}/{file.relative_to(path).as_posix()}") for file in _text_files(path)]
+    else:
+        files = [(path, shown)]
+    progress = Progress("B", _size(*(file for file, _ in files)))
+    rows = (
+        (f"{name}:{first}", {"text": text})
+        for file, name in files
+        for first, text in _documents(_chunks(file, name, progress))
+    )
+    texts = (text for file, name in files for _, text in _documents(_chunks(file, name, progress)))
+    return Table(shown, None, rows, progress, texts)
 
 
 def _read_hf(path: Path, shown: str, source: SourceParams) -> Table:
@@ -261,8 +418,9 @@ def _read_hf(path: Path, shown: str, source: SourceParams) -> Table:
         except Exception as exc:  # as above: missing data set, no network, bad split, bad files
             where = "" if path.exists() else " (not found locally)"
             raise ReaderError(f"{shown}{where}: datasets.load_dataset failed ({type(exc).__name__}: {exc})") from None
-    records = data.to_list()
-    return Table(shown, list(data.column_names), ((f"{shown}: record {i}", r) for i, r in enumerate(records)))
+    # The memory-mapped Arrow table, a batch at a time, as `Dataset.to_list` converts it (no decoding of features).
+    batches = data.with_format("arrow").iter(batch_size=SCAN_ROWS)
+    return Table(shown, list(data.column_names), _arrow_rows(batches, shown), Progress("records", len(data)))
 
 
 READERS: dict[str, Callable[[Path, str, SourceParams], Table]] = {
@@ -591,34 +749,218 @@ def _check_heldout_chat(messages: str, where: str) -> None:
         )
 
 
-def _frame(table: Table, source: SourceParams, name: str) -> pd.DataFrame:
-    """Convert a table's records into the kind's DataFrame, checking fields and ids."""
+def _id_hashes(ids: list[str]) -> np.ndarray:
+    """64-bit blake2b hashes of record ids (the same on every run and machine, unlike `hash`)."""
+    blake2b = hashlib.blake2b
+    digests = b"".join([blake2b(i.encode("utf-8", "surrogatepass"), digest_size=8).digest() for i in ids])
+    return np.frombuffer(digests, dtype="<u8").copy()
+
+
+def _number_hashes(numbers: np.ndarray) -> np.ndarray:
+    """64-bit hashes of the ids `<source name>-<k>` from their numbers k (splitmix64's finaliser,
+    a bijection: two numbers never share a hash), computed for a whole batch at once."""
+    z = numbers.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _record_id(record: dict[str, Any], name: str, index: int) -> str:
+    """A record's `id` as a string, else `<source name>-<index>`."""
+    given = record.get("id")
+    if given is not None and type(given) is not str:
+        given = _plain(given)
+    return f"{name}-{index}" if given is None or given == "" else str(given)
+
+
+class _DuplicateId(ReaderError):
+    """Two records of one source share an id."""
+
+
+class _SeenIds:
+    """The ids of one source so far, as sorted runs of 64-bit hashes (8 bytes a record, not a
+    Python string): runs of similar size are merged, so there are O(log n) of them. Two equal
+    hashes are only suspects: `first_of` re-reads the source to tell a real duplicate, and where
+    its first occurrence is, from a collision of different ids.
+
+    An id's hash depends on the id alone: `<prefix><k>` (`<source name>-<k>`, k a decimal number
+    as `str(k)` writes it: the id of a record without one) hashes as `_number_hashes(k)`, any other
+    id as `_id_hashes` (blake2b). So the ids the reader makes up cost no string hashing, and an
+    `id` that equals one of them still has its hash."""
+
+    def __init__(self, prefix: str, first_of: Callable[[int, str], tuple[str, str] | None]) -> None:
+        self.prefix = prefix
+        self.first_of = first_of
+        self.runs: list[np.ndarray] = []
+
+    def _number(self, record_id: str) -> int | None:
+        digits = record_id[len(self.prefix) :] if record_id.startswith(self.prefix) else ""
+        if 0 < len(digits) <= 18 and digits.isascii() and digits.isdigit() and (digits[0] != "0" or digits == "0"):
+            return int(digits)
+        return None
+
+    def hashes(self, ids: list[str], start: int, given: list[int]) -> np.ndarray:
+        """The hashes of `ids`, those of records `start`, `start + 1`, ...; the ids at positions
+        `given` came with the records, the others are `<prefix><start + position>`."""
+        hashes = _number_hashes(np.arange(start, start + len(ids), dtype=np.uint64))
+        strings, numbered, numbers = [], [], []
+        for position in given:
+            number = self._number(ids[position])
+            if number is None:
+                strings.append(position)
+            else:
+                numbered.append(position)
+                numbers.append(number)
+        if strings:
+            hashes[strings] = _id_hashes([ids[position] for position in strings])
+        if numbered:
+            hashes[numbered] = _number_hashes(np.array(numbers, dtype=np.uint64))
+        return hashes
+
+    def add(self, ids: list[str], start: int, given: list[int]) -> None:
+        """Check and remember `ids` (see `hashes`); a duplicate (of an earlier id in `ids` or
+        before) raises `_DuplicateId` naming both locations."""
+        if not ids:
+            return
+        hashes = self.hashes(ids, start, given)
+        order = np.argsort(hashes, kind="stable")
+        ordered = hashes[order]
+        suspects = np.zeros(len(ids), dtype=bool)
+        suspects[order[1:][ordered[1:] == ordered[:-1]]] = True  # a repeat within `ids` (stable: not the first)
+        for run in self.runs:
+            found = np.searchsorted(run, ordered)  # (sorted needles: the search walks the run in order)
+            np.minimum(found, len(run) - 1, out=found)
+            suspects[order[run[found] == ordered]] = True
+        for position in np.flatnonzero(suspects).tolist():
+            duplicate = self.first_of(start + position, ids[position])
+            if duplicate is not None:
+                first, where = duplicate
+                raise _DuplicateId(f"{where}: duplicate id {ids[position]!r} (first at {first})") from None
+        self.runs.append(ordered)
+        while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
+            last = self.runs.pop()
+            merged = np.concatenate([self.runs.pop(), last])
+            merged.sort(kind="stable")  # two sorted runs: a merge
+            self.runs.append(merged)
+
+
+def _batches(
+    table: Table,
+    open_table: Callable[[], Table],
+    source: SourceParams,
+    name: str,
+    batch_rows: int,
+    batch_bytes: int,
+    bar: Any = None,
+) -> Iterator[list[list[str]]]:
+    """The records of `table` as column lists (the kind's `COLUMNS`) of at most `batch_rows`
+    records or about `batch_bytes` of text, checking fields and ids (`open_table` opens the
+    source again, to find the first of two equal ids); `bar` (a tqdm) is advanced a batch at a time."""
     if table.columns is not None:
         try:
             _layout(source.kind, _rename(dict.fromkeys(table.columns), source.columns))
         except _Missing as missing:
             raise ReaderError(_missing_message(table.shown, missing.args[0], source, table.columns, "column")) from None
-    rows = []
-    first_seen: dict[str, str] = {}
-    for index, (where, raw) in enumerate(table.rows):
-        record = _rename(raw, source.columns) if source.columns else raw
-        try:
-            fields = _layout(source.kind, record)(record)
-        except _Missing as missing:
-            raise ReaderError(_missing_message(where, missing.args[0], source, raw, "field")) from None
-        except _Bad as bad:
-            raise ReaderError(f"{where}: {bad}") from None
-        if source.kind == "chat" and source.split == "test":
-            _check_heldout_chat(fields[0], where)
-        given = _plain(record.get("id"))
-        record_id = f"{name}-{index}" if given is None or given == "" else str(given)
-        if record_id in first_seen:
-            raise ReaderError(f"{where}: duplicate id {record_id!r} (first at {first_seen[record_id]})")
-        first_seen[record_id] = where
-        rows.append((record_id, name, source.split, *fields))
-    if not rows:
+
+    def first_of(index: int, record_id: str) -> tuple[str, str] | None:
+        # Re-read the source up to record `index`: the first record with its id, if any, and where `index` is.
+        first = None
+        for i, (where, raw) in enumerate(open_table().rows):
+            if i == index:
+                return None if first is None else (first, where)
+            if first is None and _record_id(_rename(raw, source.columns) if source.columns else raw, name, i) == record_id:
+                first = where
+        return None
+
+    kind, columns, split = source.kind, source.columns, source.split
+    heldout = kind == "chat" and split == "test"
+    progress, shown_done = table.progress, 0
+    seen = _SeenIds(f"{name}-", first_of)
+    ids: list[str] = []
+    given_at: list[int] = []  # positions in `ids` of ids that came with their record
+    fields: list[list[str]] = [[] for _ in COLUMNS[kind][3:]]
+    start = size = 0
+    index = -1
+
+    def batch(check: bool = True) -> list[list[str]]:
+        nonlocal ids, given_at, fields, start, size, shown_done
+        if check:
+            seen.add(ids, start, given_at)
+        out = [ids, [name] * len(ids), [split] * len(ids), *fields]
+        start += len(ids)
+        ids, given_at, fields, size = [], [], [[] for _ in fields], 0
+        if bar is not None:
+            done = start if progress.unit == "records" else progress.done
+            bar.update(done - shown_done)
+            shown_done = done
+        return out
+
+    if table.texts is not None and not columns:
+        # Plain text: every record is {"text": <a str>} with a made-up id (distinct from every
+        # other: no id to check), so the records need no checking, just batching.
+        texts = fields[0]
+        for text in table.texts:
+            texts.append(text)
+            size += len(text)
+            if len(texts) >= batch_rows or size >= batch_bytes:
+                ids = [f"{name}-{i}" for i in range(start, start + len(texts))]
+                yield batch(check=False)
+                texts = fields[0]
+        if not texts and not start:
+            raise ReaderError(f"{table.shown}: no records (empty source)")
+        if texts:
+            ids = [f"{name}-{i}" for i in range(start, start + len(texts))]
+            yield batch(check=False)
+        return
+
+    layouts: dict[tuple[str, ...], Callable[[dict[str, Any]], tuple[str, ...]]] = {}  # by a record's keys
+    try:
+        for index, (where, raw) in enumerate(table.rows):  # noqa: B007 (index is read after the loop)
+            record = _rename(raw, columns) if columns else raw
+            try:
+                keys = tuple(record)
+                convert = layouts.get(keys)
+                if convert is None:
+                    if len(layouts) > 64:  # records with ever new keys: keep the cache small
+                        layouts.clear()
+                    convert = layouts[keys] = _layout(kind, keys)
+                values = convert(record)
+            except _Missing as missing:
+                raise ReaderError(_missing_message(where, missing.args[0], source, raw, "field")) from None
+            except _Bad as bad:
+                raise ReaderError(f"{where}: {bad}") from None
+            if heldout:
+                _check_heldout_chat(values[0], where)
+            given = record.get("id")
+            if given is None or given == "":  # (a plain value: no reader gives numpy arrays)
+                record_id = f"{name}-{index}"
+            else:
+                given_at.append(len(ids))
+                record_id = given if type(given) is str else _record_id(record, name, index)
+            ids.append(record_id)
+            for column, value in zip(fields, values):  # noqa: B905 (a layout gives one value a field)
+                column.append(value)
+                size += len(value)
+            if len(ids) >= batch_rows or size >= batch_bytes:
+                yield batch()
+    except _DuplicateId:
+        raise
+    except ReaderError:
+        # A duplicate id before the bad record is reported first, as when each id was checked at once.
+        seen.add(ids, start, given_at)
+        raise
+    if index < 0:
         raise ReaderError(f"{table.shown}: no records (empty source)")
-    return pd.DataFrame(rows, columns=list(COLUMNS[source.kind])).astype("str")
+    if ids:
+        yield batch()
+
+
+SCHEMAS: dict[str, pa.Schema] = {kind: pa.schema([(c, pa.string()) for c in columns]) for kind, columns in COLUMNS.items()}
+BATCH_ROWS = 8192  # records per batch (a row group of ingest's output) ...
+BATCH_BYTES = 32 << 20  # ... or fewer, when their fields (but the id, source, split) reach this many characters
+# For the batches (and ingest's Parquet writer): malloc hands the memory of a written batch back,
+# where Arrow's default (mimalloc) kept about twice as much resident, as fast (measured).
+MEMORY_POOL = pa.system_memory_pool
 
 
 def source_name(source: SourceParams) -> str:
@@ -626,19 +968,8 @@ def source_name(source: SourceParams) -> str:
     return source.name or Path(source.path).name
 
 
-def read_source(source: SourceParams, root: Path) -> pd.DataFrame:
-    """Read one source into records of its kind.
-
-    Args:
-        source: the `ingest.sources` entry (path, kind, format, split, name, columns, hf_split).
-        root: directory against which a relative `source.path` is resolved (the project root).
-
-    Returns:
-        A DataFrame with the kind's `COLUMNS`, every value a `str`, in source order.
-
-    Raises:
-        ReaderError: the source is missing, unreadable, empty or does not fit its kind.
-    """
+def _open_source(source: SourceParams, root: Path) -> Callable[[], Table]:
+    """A function that opens the source afresh (for a second pass) as its format's `Table`."""
     path = Path(source.path)
     resolved = path if path.is_absolute() else Path(root) / path
     shown = source.path
@@ -652,4 +983,65 @@ def read_source(source: SourceParams, root: Path) -> pd.DataFrame:
         raise ReaderError(
             f"{shown}: format 'text' holds plain documents, so it needs kind 'text' (got {source.kind!r})"
         )
-    return _frame(READERS[fmt](resolved, shown, source), source, source_name(source))
+    reader = READERS[fmt]
+    return lambda: reader(resolved, shown, source)
+
+
+def iter_source(
+    source: SourceParams,
+    root: Path,
+    *,
+    batch_rows: int | None = None,
+    batch_bytes: int | None = None,
+    progress: bool = False,
+) -> Iterator[pa.RecordBatch]:
+    """Stream one source as record batches of its kind, in source order, in bounded memory.
+
+    Args:
+        source: the `ingest.sources` entry (path, kind, format, split, name, columns, hf_split).
+        root: directory against which a relative `source.path` is resolved (the project root).
+        batch_rows: at most this many records a batch (default `BATCH_ROWS`).
+        batch_bytes: a batch ends once its text reaches this many characters (default
+            `BATCH_BYTES`; a long record is never split): the batches depend only on the input.
+        progress: show a progress bar (tqdm; only on a terminal): bytes read a second for
+            files, records for Parquet and `datasets`.
+
+    Yields:
+        `pa.RecordBatch`es of schema `SCHEMAS[source.kind]` (the kind's `COLUMNS`, all strings).
+
+    Raises:
+        ReaderError: the source is missing, unreadable, empty or does not fit its kind (raised
+            while iterating: batches before the bad record were already yielded).
+    """
+    batch_rows, batch_bytes = batch_rows or BATCH_ROWS, batch_bytes or BATCH_BYTES
+    open_table = _open_source(source, root)
+    table = open_table()
+    schema = SCHEMAS[source.kind]
+    name = source_name(source)
+    if progress:
+        from tqdm.auto import tqdm
+
+        unit = table.progress.unit
+        bar = tqdm(total=table.progress.total, desc=name, unit=unit, unit_scale=True, disable=None)
+    else:
+        bar = None
+    pool = MEMORY_POOL()
+    with contextlib.nullcontext() if bar is None else bar:
+        for columns in _batches(table, open_table, source, name, batch_rows, batch_bytes, bar):
+            yield pa.record_batch([pa.array(column, pa.string(), memory_pool=pool) for column in columns], schema=schema)
+
+
+def read_source(source: SourceParams, root: Path) -> pd.DataFrame:
+    """Read one (small) source whole into records of its kind (`iter_source` streams it).
+
+    Args:
+        source: the `ingest.sources` entry (path, kind, format, split, name, columns, hf_split).
+        root: directory against which a relative `source.path` is resolved (the project root).
+
+    Returns:
+        A DataFrame with the kind's `COLUMNS`, every value a `str`, in source order.
+
+    Raises:
+        ReaderError: the source is missing, unreadable, empty or does not fit its kind.
+    """
+    return pa.Table.from_batches(list(iter_source(source, root)), schema=SCHEMAS[source.kind]).to_pandas()
