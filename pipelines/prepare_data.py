@@ -163,7 +163,7 @@ def open_ingested(path: Path, kind: str) -> pq.ParquetFile:
     if not path.exists():
         raise PrepareDataError(f"{path}: not found; run the ingest stage first")
     try:
-        source = pq.ParquetFile(path)
+        source = pq.ParquetFile(path, pre_buffer=False)  # the default keeps every chunk read until closed
     except (pa.ArrowException, OSError) as exc:
         raise PrepareDataError(f"{path}: not a readable Parquet file ({exc}); run the ingest stage again") from None
     missing = [c for c in KINDS[kind].columns if c not in source.schema_arrow.names]
@@ -312,7 +312,7 @@ def prepare_kind(kind: str, source: pq.ParquetFile, out: Path, spool: Path, para
     writers = {split: _Writer(out / f"{split}.parquet", _schema(kind)) for split in SPLITS}
     try:
         start = 0
-        for batch in pq.ParquetFile(spool / "records.parquet").iter_batches(BATCH_ROWS):
+        for batch in pq.ParquetFile(spool / "records.parquet", pre_buffer=False).iter_batches(BATCH_ROWS):
             kept = pa.Table.from_batches([batch]).filter(pa.array(reasons[start : start + len(batch)] == _KEEP))
             start += len(batch)
             split = kept.column("split")
