@@ -23,20 +23,7 @@ from pipelines.core import readers
 from pipelines.core.config import IngestParams, SourceParams
 from pipelines.core.readers import COLUMNS, ReaderError, iter_source
 from tests.conftest import REPO
-
-SRC = "data/sources"
-
-
-@pytest.fixture(autouse=True)
-def _hf_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
-
-
-def write(root: Path, name: str, content: str | bytes) -> str:
-    path = root / SRC / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
-    return f"{SRC}/{name}"
+from tests.test_readers import SRC, _hf_cache, write  # noqa: F401  (_hf_cache: an autouse fixture, active here too)
 
 
 def jsonl(records: list[dict]) -> str:
