@@ -260,7 +260,7 @@ def add_text_source(params_path: Path, source: str) -> None:
     lines = params_path.read_text().splitlines(keepends=True)
     entry = {"path": source, "kind": "text"}
     edited = None
-    try:
+    with contextlib.suppress(StopIteration):
         top = next(i for i, line in enumerate(lines) if re.match(r"ingest:\s*(#.*)?$", line))
         end = next((i for i in range(top + 1, len(lines)) if re.match(r"[^\s#]", lines[i])), len(lines))
         at = next(i for i in range(top + 1, end) if re.match(r"\s+sources:\s*(#.*)?$", lines[i]))
@@ -278,8 +278,6 @@ def add_text_source(params_path: Path, source: str) -> None:
             last = i
         if last is not None and item_indent is not None:
             edited = [*lines[: last + 1], f"{' ' * item_indent}- {{path: {source}, kind: text}}\n", *lines[last + 1 :]]
-    except StopIteration:
-        pass
     if edited is not None and (yaml.safe_load("".join(edited)).get("ingest") or {}).get("sources", [None])[-1] == entry:
         params_path.write_text("".join(edited))
         return
@@ -364,20 +362,16 @@ def outputs_digest(project: Path) -> dict[str, str]:
 
 def machine() -> str:
     model, flags = None, set()
-    try:
+    with contextlib.suppress(OSError):
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name:")), None)
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name" and model is None:
                 model = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
-    except OSError:
-        pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     present = [f for f in NOTABLE_FLAGS if f in flags]
     absent = [f for f in NOTABLE_FLAGS if f not in flags]
