@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import packed, stage, training
+from pipelines.core import curriculum, packed, stage, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import PretrainParams
 from pipelines.core.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
@@ -46,6 +46,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     if tracker is not None:
         tracker.log_params({"model.parameters": counts["total_parameters"], "model.vocab_size": len(tokenizer)})
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
+    batches = curriculum.wrap(batches, cfg, full_length=meta["seq_len"])
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     result = training.train(
         model,

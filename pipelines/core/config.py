@@ -198,6 +198,31 @@ DEFAULT_EXTENSIONS = ("mlflow_metrics", "tensorboard", "system_metrics")
 """`train.extensions` when params do not set it: the loggers of every training stage."""
 
 
+class CurriculumParams(Section):
+    """Sequence-length warmup (Li et al., NeurIPS 2022; DeepSpeed's curriculum scheduler, Composer's
+    `SeqLengthWarmup`): early steps train on the first `length(step)` tokens of every sequence.
+    `pipelines/core/curriculum.py` has the schedule."""
+
+    strategy: Literal["none", "length"] = "none"
+    """`length`: warm the sequence length up from `start_length` to `end_length` over `steps`."""
+    start_length: int = Field(64, ge=1)
+    end_length: int | None = None
+    """null: the data's full sequence length (`tokenize.seq_len` for pretrain)."""
+    steps: int = Field(200, ge=1)
+    """Optimizer steps of the warmup; from then on every step sees full-length sequences."""
+    schedule: Literal["linear", "root"] = "linear"
+    """How the length grows: linearly in the step, or with its square root (DeepSpeed's
+    `fixed_root`: faster at first)."""
+    step_size: int = Field(8, ge=1)
+    """Lengths are multiples of this (rounded down, never below `start_length`)."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> CurriculumParams:
+        if self.end_length is not None and self.end_length < self.start_length:
+            raise ValueError(f"end_length ({self.end_length}) must be at least start_length ({self.start_length})")
+        return self
+
+
 class TrainParams(Section):
     """The shared training loop's settings (every training stage has its own copy)."""
 
@@ -265,6 +290,9 @@ class TrainParams(Section):
     loss curve as `ddp` and 1 process. Checkpoints and outputs hold the full (gathered) weights.
     Ignored with `nproc` 1."""
 
+    curriculum: CurriculumParams = CurriculumParams()
+    """Sequence-length curriculum (`strategy: none | length`; pretrain only: its packed rows can be
+    cut anywhere). The learning-rate schedule stays step-based; validation is at full length."""
     extensions: list[str | dict[str, Any]] = Field(default_factory=lambda: list(DEFAULT_EXTENSIONS))
     """Extensions of the training loop, run in this order (`pipelines.core.extensions`): a name, or
     `{name: ..., <setting>: ...}`. Built in: `mlflow_metrics` (the loop's metrics to the stage's MLflow
@@ -589,6 +617,16 @@ class Params(Section):
             raise ValueError("generate: the stage that writes the sample data is called sample_data now "
                              "(`qllm generate` asks a model): rename the section to sample_data")  # fmt: skip
         return data
+
+    @model_validator(mode="after")
+    def _curriculum_in_pretrain_only(self) -> Params:
+        for name in ("sft", "probe_lora", "lora", "dpo"):
+            if getattr(self, name).train.curriculum.strategy != "none":
+                raise ValueError(
+                    f"{name}.train.curriculum.strategy: the sequence-length curriculum is for pretrain (packed rows, which can be "
+                    "cut anywhere); a cut chat or preference pair would lose its answer: set it to none"
+                )
+        return self
 
     @model_validator(mode="after")
     def _reference_quantized_like_the_policy(self) -> Params:

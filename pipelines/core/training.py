@@ -161,6 +161,14 @@ class Batches:
         drawn = [self._draw() for _ in range(self.world)]  # one micro-batch per rank, in rank order
         return self.collate(drawn[self.rank])
 
+    def begin_step(self, step: int) -> None:
+        """Called by the loop before it draws the micro-batches of optimizer step `step`: an order
+        that changes with the step (`pipelines.core.curriculum`) overrides it."""
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """Metrics of the data order, logged with the training metrics (none here)."""
+        return {}
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
@@ -547,6 +555,7 @@ def _step(run: _Run) -> _Step | None:
     metrics: dict[str, float] = {}
     tokens = 0
     oom.step = run.state.step + 1
+    run.batches.begin_step(run.state.step)
     with oom:
         for micro in range(parallel.accum):
             batch = oom.batch = to_device(next(run.batches), parallel.device)
@@ -612,6 +621,7 @@ def _log(run: _Run, step: _Step, progress) -> None:
             "train/grad_norm": float(step.grad_norm),
             "train/tokens_per_sec": run.window_tokens / max(elapsed, 1e-9),
             **step.metrics,  # the objective's own metrics, under the names it chose (e.g. rewards/chosen)
+            **run.batches.metrics(state.step),  # the data order's (e.g. the curriculum's length)
         }
         state.tokens += run.window_tokens
         run.window_tokens, run.window_start = 0, time.perf_counter()
