@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 from pipelines.core import cleaning, parallel, stage
 from pipelines.core.config import PrepareDataParams
 from pipelines.core.errors import QllmError
-from pipelines.core.outputs import atomic_dir
+from pipelines.core.outputs import atomic_dir, record_batches
 
 NAME = "prepare_data"
 SPLITS = ("train", "validation", "test")
@@ -268,7 +268,7 @@ def prepare_kind(kind: str, source: pq.ParquetFile, out: Path, spool: Path, para
     codes: list[np.ndarray] = []
     n = 0
     total = source.metadata.num_rows
-    tasks = ((kind, params, pa.Table.from_batches([batch])) for batch in source.iter_batches(BATCH_ROWS, columns=list(rules.columns)))
+    tasks = ((kind, params, pa.Table.from_batches([batch])) for batch in record_batches(shown, BATCH_ROWS, list(rules.columns)))
     progress = tqdm(total=total, desc=f"prepare_data {kind}", unit=" records", unit_scale=True, disable=None if total > BATCH_ROWS else True)
     try:
         with pq.ParquetWriter(spool / "records.parquet", _schema(kind)) as spooled:
@@ -312,7 +312,7 @@ def prepare_kind(kind: str, source: pq.ParquetFile, out: Path, spool: Path, para
     writers = {split: _Writer(out / f"{split}.parquet", _schema(kind)) for split in SPLITS}
     try:
         start = 0
-        for batch in pq.ParquetFile(spool / "records.parquet", pre_buffer=False).iter_batches(BATCH_ROWS):
+        for batch in record_batches(spool / "records.parquet", BATCH_ROWS):
             kept = pa.Table.from_batches([batch]).filter(pa.array(reasons[start : start + len(batch)] == _KEEP))
             start += len(batch)
             split = kept.column("split")

@@ -32,7 +32,7 @@ import numpy as np
 
 from pipelines.core import packed, parallel
 from pipelines.core.errors import QllmError
-from pipelines.core.outputs import atomic_dir
+from pipelines.core.outputs import atomic_dir, record_batches
 
 if TYPE_CHECKING:  # the stage machinery is imported by `main` only: worker processes import this module
     from pipelines.core import stage
@@ -48,13 +48,8 @@ stage's own process: starting workers would cost more than they save (break-even
 def text_batches(path: Path, batch_size: int) -> Iterator[Any]:
     """The `text` column of a Parquet file, at most `batch_size` documents at a time (never whole),
     as Arrow string arrays: they cross to a worker as one buffer, not as a list of Python strings."""
-    import pyarrow.parquet as pq
-
-    # pre_buffer=False: with pyarrow's default (True) the reader keeps every column chunk it has
-    # read until the file is closed, so memory would grow with the file instead of the batch
-    with pq.ParquetFile(path, pre_buffer=False) as source:
-        for batch in source.iter_batches(batch_size=batch_size, columns=["text"]):
-            yield batch.column(0)
+    for batch in record_batches(path, batch_size, ["text"]):
+        yield batch.column(0)
 
 
 def join_with_eos(ids: list[list[int]], eos: int, dtype: np.dtype | type) -> np.ndarray:

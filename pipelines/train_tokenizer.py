@@ -26,7 +26,7 @@ from pipelines.core import parallel, stage, workspace
 from pipelines.core.chat_template import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
 from pipelines.core.config import TrainTokenizerParams
 from pipelines.core.errors import QllmError
-from pipelines.core.outputs import atomic_dir
+from pipelines.core.outputs import atomic_dir, record_batches
 
 NAME = "train_tokenizer"
 BATCH_ROWS = 1024
@@ -38,15 +38,10 @@ FALLBACK_TEXTS = 1000
 def parquet_batches(path: Path, columns: list[str], progress=None) -> Iterator[dict[str, list]]:
     """`columns` of a Parquet file as Python lists, `BATCH_ROWS` rows at a time; `progress` (a
     tqdm) is advanced by each batch's rows once the next one is asked for."""
-    import pyarrow.parquet as pq
-
-    # pre_buffer=False: with pyarrow's default (True) the reader keeps every column chunk it has
-    # read until the file is closed, so memory would grow with the file instead of the batch
-    with pq.ParquetFile(path, pre_buffer=False) as source:
-        for batch in source.iter_batches(batch_size=BATCH_ROWS, columns=columns):
-            yield batch.to_pydict()
-            if progress is not None:
-                progress.update(batch.num_rows)
+    for batch in record_batches(path, BATCH_ROWS, columns):
+        yield batch.to_pydict()
+        if progress is not None:
+            progress.update(batch.num_rows)
 
 
 def training_rows(prepared: Path, split: str = "train") -> int:

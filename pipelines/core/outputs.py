@@ -75,3 +75,14 @@ def write_json(path: Path | str, data: Any) -> None:
 
 def read_json(path: Path | str) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def record_batches(path: Path | str, batch_size: int, columns: list[str] | None = None) -> Iterator[Any]:
+    """A Parquet file's rows as pyarrow `RecordBatch`es of at most `batch_size` rows (`columns`, or
+    all), never the whole file: what the data stages stream their inputs with."""
+    import pyarrow.parquet as pq
+
+    # pre_buffer=False: with pyarrow's default (True) the reader keeps every column chunk it has
+    # read until the file is closed, so memory would grow with the file instead of the batch.
+    with pq.ParquetFile(path, pre_buffer=False) as source:
+        yield from source.iter_batches(batch_size=batch_size, columns=columns)
