@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import curriculum, packed, stage, training
+from pipelines.core import curriculum, packed, progressive, stage, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import PretrainParams
 from pipelines.core.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
@@ -48,6 +48,8 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
     batches = curriculum.wrap(batches, cfg, full_length=meta["seq_len"])
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
+    grow = params.progressive
+    growth = progressive.Growth(grow, cfg, model, NAME) if grow.enabled else None  # the model starts as its first stack
     result = training.train(
         model,
         training.causal_lm_loss,
@@ -56,9 +58,17 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         val_fn=validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision),
         tracker=tracker,
         checkpoints=checkpoints,
+        growth=growth,
         desc=NAME,
     )
-    result = training.finish(result, out, lambda tmp: save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"]))
+    model.requires_grad_(True)  # a growth phase may have left layers frozen
+
+    def save(tmp: Path) -> None:
+        save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"])
+        if grow.enabled and grow.save_stacks:
+            progressive.save_stacks(model, grow.stacks, tmp)
+
+    result = training.finish(result, out, save)
     return {
         **result,
         **counts,

@@ -82,9 +82,18 @@ class Checkpoint:
 class CheckpointManager:
     """Save, rotate and find the newest valid checkpoint in one directory."""
 
-    def __init__(self, directory: Path | str, keep_last: int = 2):
+    def __init__(self, directory: Path | str, keep_last: int = 2, all_weights: bool = False):
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.all_weights = all_weights
+        """Save every parameter, not only the trainable ones (progressive growth: a frozen trunk was
+        trained in an earlier phase)."""
+
+    def weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds of `model`: its trainable parameters (or all with `all_weights`)."""
+        if self.all_weights:
+            return {name: p.detach().contiguous() for name, p in model.named_parameters()}
+        return trainable_state(model)
 
     def list(self) -> list[Checkpoint]:
         """Completed checkpoint directories, oldest first (validity is checked on load)."""
@@ -112,7 +121,7 @@ class CheckpointManager:
         final = self.directory / f"step-{step:08d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=self.directory))
         try:
-            save_file(trainable_state(model), str(tmp / MODEL_FILE))
+            save_file(self.weights(model), str(tmp / MODEL_FILE))
             torch.save(state, tmp / STATE_FILE)
             manifest = {"step": step, "files": {name: _sha256(tmp / name) for name in (MODEL_FILE, STATE_FILE)}}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -154,7 +163,7 @@ class CheckpointManager:
         from safetensors.torch import load_file
 
         tensors = load_file(str(path / MODEL_FILE))
-        expected = set(trainable_state(model))
+        expected = set(self.weights(model))
         if set(tensors) != expected:
             raise ValueError(f"checkpoint {path} does not match the model's trainable parameters "
                              f"(missing {sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]})")
@@ -162,6 +171,11 @@ class CheckpointManager:
             parameters = dict(model.named_parameters())
             for name, tensor in tensors.items():
                 parameters[name].copy_(tensor)
+        return self.read_state(path)
+
+    @staticmethod
+    def read_state(path: Path) -> dict[str, Any]:
+        """The training state of a checkpoint alone (what a resume must know before it loads the weights)."""
         return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
 
     def latest_valid(self, step: int | None = None) -> Checkpoint | None:

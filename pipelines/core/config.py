@@ -330,9 +330,88 @@ class TrainParams(Section):
         return self
 
 
+class ActivationCacheParams(Section):
+    """The time-step activation cache of frozen-trunk phases (`pipelines/core/progressive.py`)."""
+
+    enabled: bool = False
+    """Keep the frozen trunk's output per training sequence and skip the trunk's forward when the
+    sequence comes again (the next epoch). Results are the same as without it."""
+    memory_mb: float = Field(256, ge=0)
+    """Activations kept in memory; least recently used ones beyond this spill to disk."""
+    disk_mb: float = Field(0, ge=0)
+    """Activations spilled to a temporary file (0: none, the least recently used are dropped)."""
+
+
+class EndToEndParams(Section):
+    """Training after the last stack was added."""
+
+    scope: Literal["none", "stackwise", "rackwise"] = "rackwise"
+    """`rackwise`: the whole model together; `stackwise`: each stack in turn (bottom first, the
+    others frozen), the steps split evenly; `none`: no end-to-end phase."""
+    steps: int | None = Field(None, ge=0)
+    """Steps of the end-to-end phase; null: the rest of `train.max_steps`."""
+
+
+class ProgressiveParams(Section):
+    """Progressive stack-wise growth (stacking, Gong et al. 2019; G_stack, NeurIPS 2024; LLaMA-Pro's
+    identity blocks, Wu et al. 2024): start with the first stack of layers, add one stack every
+    `steps_per_stack` steps. `pipelines/core/progressive.py` has the schedule."""
+
+    enabled: bool = False
+    stacks: list[int] = Field(default_factory=lambda: [2, 2])
+    """Layers per stack, bottom first; they add up to `model.num_layers`."""
+    steps_per_stack: int = Field(200, ge=1)
+    """Optimizer steps each stack trains before the next one is added."""
+    growth: Literal["duplicate", "identity"] = "duplicate"
+    """A new stack is a copy of the top stack (`duplicate`) or such a copy with its attention and
+    MLP output projections zeroed (`identity`: the grown model computes what the smaller one did)."""
+    trunk: Literal["frozen", "trainable"] = "frozen"
+    """While a new stack trains: `frozen` trains only the new stack and the head (final norm, and the
+    output projection when it is not tied to the embedding); `trainable` trains everything."""
+    rewarm_steps: int | None = Field(None, ge=0)
+    """Learning-rate re-warm after each growth (a linear ramp over the step-based schedule); null:
+    `train.warmup_steps`."""
+    end_to_end: EndToEndParams = EndToEndParams()
+    save_stacks: bool = False
+    """Also write each stack's layers on its own: `stacks/stack-NN.safetensors` in the output."""
+    activation_cache: ActivationCacheParams = ActivationCacheParams()
+
+    @field_validator("stacks")
+    @classmethod
+    def _positive(cls, stacks: list[int]) -> list[int]:
+        if not stacks or any(n < 1 for n in stacks):
+            raise ValueError(f"expected one or more stacks of at least one layer each, got {stacks}")
+        return stacks
+
+
 class PretrainParams(Section):
     model: ModelParams = ModelParams()
     train: TrainParams = TrainParams()
+    progressive: ProgressiveParams = ProgressiveParams()
+    """Grow the model stack by stack (`enabled: true`); off: the whole model trains from step 0."""
+
+    @model_validator(mode="after")
+    def _progressive_fits(self) -> PretrainParams:
+        grow = self.progressive
+        if not grow.enabled:
+            return self
+        if sum(grow.stacks) != self.model.num_layers:
+            raise ValueError(f"progressive.stacks {grow.stacks} add up to {sum(grow.stacks)} layers but model.num_layers is "
+                             f"{self.model.num_layers}: make them agree")  # fmt: skip
+        growth_steps = len(grow.stacks) * grow.steps_per_stack
+        rest = self.train.max_steps - growth_steps
+        if rest < 0 or (grow.end_to_end.steps is not None and grow.end_to_end.steps != rest):
+            wanted = growth_steps + (grow.end_to_end.steps or 0)
+            raise ValueError(f"train.max_steps is {self.train.max_steps} but progressive needs {wanted} ({len(grow.stacks)} stacks x "
+                             f"{grow.steps_per_stack} steps_per_stack + end_to_end.steps {grow.end_to_end.steps}): set "
+                             "train.max_steps to that, or end_to_end.steps to null (the rest)")  # fmt: skip
+        if grow.end_to_end.scope == "none" and rest:
+            raise ValueError(f"progressive.end_to_end.scope is none but {rest} steps remain after the last stack: set "
+                             f"train.max_steps to {growth_steps} or choose a scope")  # fmt: skip
+        if self.train.nproc > 1 or self.train.compile or self.train.early_stopping_patience:
+            raise ValueError("progressive growth changes the model during training: it needs train.nproc 1, train.compile false "
+                             "and train.early_stopping_patience 0 (a best checkpoint of a smaller model cannot be restored)")  # fmt: skip
+        return self
 
 
 class FinetuneParams(Section):

@@ -9,6 +9,9 @@ A method differs only in what it hands the loop:
 - `extensions`: objects called at fixed points of the loop (train begin, gradients, step end,
   evaluation, save, train end) whose state is saved in checkpoints (`pipelines.core.extensions`);
   early stopping is one
+- `growth`: a model-growth schedule (`pipelines.core.progressive.Growth`): at its phase changes the
+  loop lets it grow the model and choose what trains, then starts a fresh optimizer over the
+  trainable parameters and a re-warmed schedule
 
 The loop owns the rest: AdamW with no-decay groups, warmup + cosine/linear schedule, gradient
 accumulation, clipping, autocast in the precision the device supports (`auto`), progress bar, MLflow metrics, checkpoints and
@@ -374,6 +377,7 @@ def train(
     tracker=None,
     checkpoints: CheckpointManager | None = None,
     extensions: Sequence[Extension] = (),
+    growth=None,
     desc: str = "train",
 ) -> dict[str, Any]:
     """Train `model` for `cfg.max_steps` optimizer steps; returns summary metrics.
@@ -384,7 +388,9 @@ def train(
     `tracker` is the stage's MLflow run, for the logger extensions `cfg.extensions` names
     (`pipelines.core.loggers`; `mlflow_metrics` flushes it before each checkpoint is written, so the
     tracking store holds every metric up to the checkpoint's step and a resumed run loses none).
-    `extensions` run before those of `cfg.extensions` (`pipelines.core.extensions`).
+    `extensions` run before those of `cfg.extensions` (`pipelines.core.extensions`). With `growth`
+    (`pipelines.core.progressive.Growth`) the model changes shape at the schedule's phase changes;
+    checkpoints then hold every weight and the phase, and a resume grows the model first.
 
     A stop request (SIGTERM/SIGINT, in any thread: `pipelines.core.errors`) finishes the current step,
     saves a checkpoint and raises `TrainingInterrupted`; a rerun resumes from it. A second signal
@@ -402,7 +408,7 @@ def train(
         cfg = cfg.model_copy(update={"precision": resolve_precision(cfg.precision, desc)})
     with training_thread(), _StopSignals() as stop_signals:
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, extensions=extensions,
-                      desc=desc, stop_signals=stop_signals)  # fmt: skip
+                      growth=growth, desc=desc, stop_signals=stop_signals)  # fmt: skip
 
 
 @dataclass
@@ -424,6 +430,10 @@ class _Run:
     scaler: torch.amp.GradScaler
     trainable: list[torch.nn.Parameter]
     oom: _OutOfMemoryGuard
+    growth: Any = None
+    """The model-growth schedule (`pipelines.core.progressive.Growth`), if any."""
+    phase: Any = None
+    """Its phase in force."""
     state: TrainState = field(default_factory=TrainState)
     last: dict[str, float] = field(default_factory=dict)
     """The latest logged metrics (training and validation)."""
@@ -453,16 +463,19 @@ def _train(
     tracker,
     checkpoints: CheckpointManager | None,
     extensions: Sequence[Extension],
+    growth,
     desc: str,
     stop_signals: _StopSignals,
 ) -> dict[str, Any]:
-    run = _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals)
+    run = _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals, growth)
     try:
         _resume(run)
         run.hooks.call("on_train_begin", run.state)
         progress = _progress_bar(run)
         try:
             while run.state.step < cfg.max_steps and not run.state.stop:
+                if run.growth is not None and run.growth.phase_at(run.state.step) is not run.phase:
+                    _enter_phase(run, run.growth.phase_at(run.state.step))
                 step = _step(run)
                 if step is None:  # a non-finite batch, skipped
                     continue
@@ -475,9 +488,11 @@ def _train(
         return _finish(run)
     finally:
         run.hooks.close()
+        if run.growth is not None:
+            run.growth.close()
 
 
-def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals) -> _Run:
+def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals, growth=None) -> _Run:
     """The parallel plan, the extensions (given, then `train.extensions`, then early stopping), the
     optimizer, schedule and grad scaler, and the model in training mode."""
     from pipelines.core import extensions as extension_api
@@ -500,14 +515,43 @@ def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extension
     net.train()
     if cfg.compile:
         net.compile()  # in place: the state dict keeps its names, so checkpoints and outputs do not change
+    phase = None
+    if growth is not None:
+        if parallel.world > 1 or cfg.compile:
+            raise QllmError(f"{desc}: progressive growth changes the model while it trains: it needs one process and no compile")
+        if checkpoints is not None:
+            checkpoints.all_weights = True  # a frozen trunk was trained in an earlier phase
+        phase = growth.phases[0]
+        growth.enter(model, phase)
     optimizer = build_optimizer(net, cfg)
     return _Run(
         model=model, loss_fn=loss_fn, batches=batches, cfg=cfg, val_fn=val_fn, checkpoints=checkpoints, desc=desc,
-        stop_signals=stop_signals, parallel=parallel, hooks=hooks, optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg)),
+        stop_signals=stop_signals, parallel=parallel, hooks=hooks, optimizer=optimizer, scheduler=_schedule(optimizer, cfg, growth, phase),
         scaler=torch.amp.GradScaler(parallel.device.type, enabled=cfg.precision == "fp16"),
         trainable=[p for p in net.parameters() if p.requires_grad], oom=_OutOfMemoryGuard(desc, cfg, optimizer),
+        growth=growth, phase=phase,
     )  # fmt: skip
+
+
+def _schedule(optimizer: torch.optim.Optimizer, cfg: TrainParams, growth=None, phase=None) -> torch.optim.lr_scheduler.LambdaLR:
+    """The step-based schedule; in a growth phase counted from the phase's first step, times its re-warm."""
+    if growth is None:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(phase.start + step, cfg) * growth.lr_factor(phase, step))
+
+
+def _enter_phase(run: _Run, phase) -> None:
+    """A growth point: the schedule grows the model and sets what trains; a fresh optimizer over
+    the trainable parameters and a re-warmed schedule from here."""
+    run.growth.enter(run.model, phase)
+    run.phase = phase
+    run.optimizer = build_optimizer(run.parallel.net, run.cfg)
+    run.scheduler = _schedule(run.optimizer, run.cfg, run.growth, phase)
+    run.trainable = [p for p in run.parallel.net.parameters() if p.requires_grad]
+    run.oom.optimizer = run.optimizer
+    trainable = sum(p.numel() for p in run.trainable)
+    log.info("%s: step %d, %s: %d layers, %d trainable parameters", run.desc, run.state.step, phase.name, phase.layers, trainable)
+    run.hooks.call("on_log", run.state, {"train/layers": float(phase.layers), "train/trainable_parameters": float(trainable)}, run.state.step)
 
 
 def _snapshot(run: _Run) -> dict[str, Any]:
@@ -520,6 +564,7 @@ def _snapshot(run: _Run) -> dict[str, Any]:
         "batches": run.batches.state_dict(),
         "loop": asdict(run.state),
         "extensions": run.hooks.state_dict(),
+        **({"growth": {"phase": run.phase.index}} if run.growth is not None else {}),
     }
 
 
@@ -527,6 +572,10 @@ def _resume(run: _Run) -> None:
     """Continue from the newest valid checkpoint, if there is one (every rank reads it)."""
     if run.checkpoints is None or (latest := run.checkpoints.latest_valid()) is None:
         return
+    if run.growth is not None:  # the model takes the checkpoint's shape (and trainable set) before its weights
+        phase = run.growth.phases[int(run.checkpoints.read_state(latest.path)["growth"]["phase"])]
+        if phase is not run.phase:
+            _enter_phase(run, phase)
     saved = run.checkpoints.load(latest.path, run.model)
     run.parallel.load_optimizer_state(run.optimizer, saved["optimizer"])
     run.scheduler.load_state_dict(saved["scheduler"])
@@ -622,6 +671,7 @@ def _log(run: _Run, step: _Step, progress) -> None:
             "train/tokens_per_sec": run.window_tokens / max(elapsed, 1e-9),
             **step.metrics,  # the objective's own metrics, under the names it chose (e.g. rewards/chosen)
             **run.batches.metrics(state.step),  # the data order's (e.g. the curriculum's length)
+            **(run.growth.metrics() if run.growth is not None else {}),  # the growth schedule's (layers, cache)
         }
         state.tokens += run.window_tokens
         run.window_tokens, run.window_start = 0, time.perf_counter()
