@@ -50,6 +50,11 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     grow = params.progressive
     growth = progressive.Growth(grow, cfg, model, NAME) if grow.enabled else None  # the model starts as its first stack
+    extensions = []
+    if params.model.memory.enabled:
+        from pipelines.core.memory import MemoryUsage
+
+        extensions.append(MemoryUsage(model))
     result = training.train(
         model,
         training.causal_lm_loss,
@@ -58,6 +63,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         val_fn=validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision),
         tracker=tracker,
         checkpoints=checkpoints,
+        extensions=extensions,
         growth=growth,
         desc=NAME,
     )

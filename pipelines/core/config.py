@@ -173,6 +173,31 @@ class TokenizeParams(Section):
     """Documents per batched tokenizer call."""
 
 
+class MemoryParams(Section):
+    """The memory extension: product-key memory layers (Lample et al. 2019; Berges et al. 2024,
+    "Memory Layers at Scale") beside the MLP of chosen decoder layers (`pipelines/core/memory_model.py`)."""
+
+    enabled: bool = False
+    layers: list[int] = Field(default_factory=lambda: [1])
+    """Decoder layers (0-based) that get a memory."""
+    num_keys: int = Field(64, ge=2)
+    """Sub-keys per half: the table has `num_keys**2` value rows."""
+    heads: int = Field(2, ge=1)
+    """Independent lookups per token (their reads are summed)."""
+    key_dim: int = Field(32, ge=2)
+    """Query/key size (even: two half-keys)."""
+    topk: int = Field(8, ge=1)
+    """Rows read per head and token."""
+
+    @model_validator(mode="after")
+    def _sizes(self) -> MemoryParams:
+        if self.key_dim % 2:
+            raise ValueError(f"key_dim must be even (two half-keys), got {self.key_dim}")
+        if self.topk > self.num_keys:
+            raise ValueError(f"topk ({self.topk}) must not exceed num_keys ({self.num_keys})")
+        return self
+
+
 class ModelParams(Section):
     """Llama architecture built from config (`LlamaConfig`); vocab size comes from the tokenizer."""
 
@@ -184,6 +209,8 @@ class ModelParams(Section):
     """Grouped-query attention when smaller than `num_heads`."""
     rope_theta: float = Field(10_000.0, gt=0)
     tie_word_embeddings: bool = True
+    memory: MemoryParams = MemoryParams()
+    """The memory extension (`enabled: true`): the model is then a `QllmMemoryLlamaForCausalLM`."""
 
     @model_validator(mode="after")
     def _heads(self) -> ModelParams:
@@ -191,6 +218,8 @@ class ModelParams(Section):
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.memory.enabled and (bad := [i for i in self.memory.layers if not 0 <= i < self.num_layers]):
+            raise ValueError(f"memory.layers {bad}: the model has layers 0..{self.num_layers - 1}")
         return self
 
 
@@ -408,6 +437,8 @@ class PretrainParams(Section):
         if grow.end_to_end.scope == "none" and rest:
             raise ValueError(f"progressive.end_to_end.scope is none but {rest} steps remain after the last stack: set "
                              f"train.max_steps to {growth_steps} or choose a scope")  # fmt: skip
+        if self.model.memory.enabled:
+            raise ValueError("progressive growth and model.memory together are not supported yet: enable one of them")
         if self.train.nproc > 1 or self.train.compile or self.train.early_stopping_patience:
             raise ValueError("progressive growth changes the model during training: it needs train.nproc 1, train.compile false "
                              "and train.early_stopping_patience 0 (a best checkpoint of a smaller model cannot be restored)")  # fmt: skip

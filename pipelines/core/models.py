@@ -41,10 +41,20 @@ def stop_token_ids(tokenizer) -> list[int]:
 
 
 def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int):
-    """A randomly initialised `LlamaForCausalLM` sized by `params`, vocabulary from `tokenizer`."""
+    """A randomly initialised `LlamaForCausalLM` sized by `params`, vocabulary from `tokenizer`
+    (with `params.memory.enabled`, a `QllmMemoryLlamaForCausalLM`: `pipelines.core.memory_model`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    config_class, model_class, extra = LlamaConfig, LlamaForCausalLM, {}
+    if params.memory.enabled:
+        from pipelines.core.memory_model import QllmMemoryConfig, QllmMemoryLlamaForCausalLM
+
+        memory = params.memory
+        config_class, model_class = QllmMemoryConfig, QllmMemoryLlamaForCausalLM
+        extra = {"memory_layers": memory.layers, "memory_num_keys": memory.num_keys, "memory_heads": memory.heads,
+                 "memory_key_dim": memory.key_dim, "memory_topk": memory.topk}  # fmt: skip
+    config = config_class(
+        **extra,
         vocab_size=len(tokenizer),
         hidden_size=params.hidden_size,
         intermediate_size=params.intermediate_size,
@@ -60,7 +70,7 @@ def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int):
     )
     with CONSTRUCTION:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     configure_generation(model, tokenizer)
     return model
 
@@ -138,6 +148,8 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantiz
     on this process's device."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
+
+    import pipelines.core.memory_model  # noqa: F401  (registers the memory extension's model class with the Auto classes)
 
     path = _follow(path)
     local = check_model_files(path)

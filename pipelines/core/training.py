@@ -180,12 +180,14 @@ class Batches:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: biases, norm weights and embeddings get no weight decay."""
+    """Decay matrices only: biases, norm weights and embeddings (and other lookup tables, such as the
+    memory extension's values) get no weight decay."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
     decay, no_decay = [], []
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        (decay if parameter.ndim >= 2 and "embed" not in name else no_decay).append(parameter)
+        (decay if parameter.ndim >= 2 and "embed" not in name and id(parameter) not in tables else no_decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
