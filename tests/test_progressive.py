@@ -9,7 +9,7 @@ import torch
 
 from pipelines.core import progressive, training
 from pipelines.core.checkpoint import CheckpointManager
-from pipelines.core.config import ActivationCacheParams, ModelParams, PretrainParams, ProgressiveParams
+from pipelines.core.config import ActivationCacheParams, ModelParams, Params, PretrainParams, ProgressiveParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.models import build_llama
@@ -232,7 +232,7 @@ def test_save_and_load_stacks(tmp_path):
 
 
 def test_growth_refuses_a_model_of_the_wrong_depth():
-    with pytest.raises(QllmError, match=r"add up to 3 layers but the model has 4"):
+    with pytest.raises(QllmError, match=r"stacks \[1, 2\]: the model has 4 layers; expected 3 .* or 1"):
         progressive.Growth(grow_params(stacks=[1, 2]), cfg(max_steps=6), model4())
 
 
@@ -271,3 +271,53 @@ def test_pretrain_stage_grows_saves_stacks_and_logs_to_mlflow(tmp_path, mlflow_t
     layers = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/layers")]
     assert (4, 2.0) in layers and min(v for _, v in layers) == 1.0  # the growth point at step 4, and stack 1 before it
     assert run.data.params["pretrain.progressive.growth"] == "identity"
+
+
+def test_cache_spills_and_reads_back_bf16_and_drops_beyond_its_budget():
+    cache = progressive.ActivationCache(ActivationCacheParams(enabled=True, memory_mb=0, disk_mb=3 * 64 * 2 / 2**20))
+    tensors = {bytes([i]): torch.randn(8, 8).to(torch.bfloat16) for i in range(4)}
+    for key, tensor in tensors.items():
+        cache.put(key, tensor)
+    assert not cache.memory and list(cache.disk) == [bytes([1]), bytes([2]), bytes([3])]  # room for three on disk: the oldest dropped
+    assert cache.get(bytes([0])) is None
+    for key in (bytes([3]), bytes([1])):
+        back = cache.get(key)
+        assert back.dtype == torch.bfloat16 and torch.equal(back, tensors[key])
+    cache.close()
+
+
+def test_sft_grows_the_base_llama_pro_style(tiny_base, tmp_path):
+    """sft with identity growth: the 2-layer base is the first stack, one identity block is added
+    and trained on a frozen base (block expansion, LLaMA-Pro), then end to end; the output has 3 layers."""
+    from pipelines import sft
+    from pipelines.core.config import FinetuneParams
+    from pipelines.core.models import load_causal_lm
+
+    params = FinetuneParams(base_model=str(tiny_base / "model"), train=cfg(max_steps=6, micro_batch_size=2, eval_every=3),
+                            progressive=grow_params(stacks=[2, 1], steps_per_stack=2, growth="identity", save_stacks=True))  # fmt: skip
+    metrics = sft.run(tiny_base / "chat", tmp_path / "out", params)
+    model = load_causal_lm(tmp_path / "out")
+    base = load_causal_lm(tiny_base / "model")
+    assert model.config.num_hidden_layers == 3 and metrics["steps"] == 6
+    assert (tmp_path / "out/stacks/stack-01.safetensors").exists()
+    assert model.model.layers[2].mlp.down_proj.weight.abs().sum() > 0  # the zeroed projection trained
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)  # end to end trained the base too
+    with pytest.raises(QllmError, match=r"the model has 2 layers; expected 5 .* or 3"):
+        sft.run(tiny_base / "chat", tmp_path / "bad", params.model_copy(update={"progressive": grow_params(stacks=[3, 2], steps_per_stack=2)}))
+
+
+def test_progressive_is_refused_for_adapter_stages():
+    with pytest.raises(ValueError, match="lora.progressive: growing the model is for stages that train all weights"):
+        Params.model_validate(yaml_params({"lora": {"progressive": {"enabled": True}}}))
+    with pytest.raises(ValueError, match=r"sft.progressive: train.max_steps is 5 but progressive needs 400"):
+        Params.model_validate(yaml_params({"sft": {"progressive": {"enabled": True}, "train": {"max_steps": 5, "warmup_steps": 0}}}))
+
+
+def yaml_params(overlay: dict) -> dict:
+    from pathlib import Path
+
+    import yaml
+
+    from pipelines.core.params_file import deep_merge
+
+    return deep_merge(yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text()), overlay)

@@ -412,6 +412,22 @@ class ProgressiveParams(Section):
             raise ValueError(f"expected one or more stacks of at least one layer each, got {stacks}")
         return stacks
 
+    def check_fits(self, train: TrainParams) -> None:
+        """The phases fill `train.max_steps`, and the loop settings allow a model that changes shape."""
+        growth_steps = len(self.stacks) * self.steps_per_stack
+        rest = train.max_steps - growth_steps
+        if rest < 0 or (self.end_to_end.steps is not None and self.end_to_end.steps != rest):
+            wanted = growth_steps + (self.end_to_end.steps or 0)
+            raise ValueError(f"train.max_steps is {train.max_steps} but progressive needs {wanted} ({len(self.stacks)} stacks x "
+                             f"{self.steps_per_stack} steps_per_stack + end_to_end.steps {self.end_to_end.steps}): set "
+                             "train.max_steps to that, or end_to_end.steps to null (the rest)")  # fmt: skip
+        if self.end_to_end.scope == "none" and rest:
+            raise ValueError(f"progressive.end_to_end.scope is none but {rest} steps remain after the last stack: set "
+                             f"train.max_steps to {growth_steps} or choose a scope")  # fmt: skip
+        if train.nproc > 1 or train.compile or train.early_stopping_patience:
+            raise ValueError("progressive growth changes the model during training: it needs train.nproc 1, train.compile false "
+                             "and train.early_stopping_patience 0 (a best checkpoint of a smaller model cannot be restored)")  # fmt: skip
+
 
 class PretrainParams(Section):
     model: ModelParams = ModelParams()
@@ -427,21 +443,9 @@ class PretrainParams(Section):
         if sum(grow.stacks) != self.model.num_layers:
             raise ValueError(f"progressive.stacks {grow.stacks} add up to {sum(grow.stacks)} layers but model.num_layers is "
                              f"{self.model.num_layers}: make them agree")  # fmt: skip
-        growth_steps = len(grow.stacks) * grow.steps_per_stack
-        rest = self.train.max_steps - growth_steps
-        if rest < 0 or (grow.end_to_end.steps is not None and grow.end_to_end.steps != rest):
-            wanted = growth_steps + (grow.end_to_end.steps or 0)
-            raise ValueError(f"train.max_steps is {self.train.max_steps} but progressive needs {wanted} ({len(grow.stacks)} stacks x "
-                             f"{grow.steps_per_stack} steps_per_stack + end_to_end.steps {grow.end_to_end.steps}): set "
-                             "train.max_steps to that, or end_to_end.steps to null (the rest)")  # fmt: skip
-        if grow.end_to_end.scope == "none" and rest:
-            raise ValueError(f"progressive.end_to_end.scope is none but {rest} steps remain after the last stack: set "
-                             f"train.max_steps to {growth_steps} or choose a scope")  # fmt: skip
         if self.model.memory.enabled:
             raise ValueError("progressive growth and model.memory together are not supported yet: enable one of them")
-        if self.train.nproc > 1 or self.train.compile or self.train.early_stopping_patience:
-            raise ValueError("progressive growth changes the model during training: it needs train.nproc 1, train.compile false "
-                             "and train.early_stopping_patience 0 (a best checkpoint of a smaller model cannot be restored)")  # fmt: skip
+        grow.check_fits(self.train)
         return self
 
 
@@ -463,6 +467,9 @@ class FinetuneParams(Section):
     overflow: Literal["truncate", "drop"] = "truncate"
     """What to do with an example longer than `max_seq_len` (counted in the metrics)."""
     train: TrainParams = TrainParams()
+    progressive: ProgressiveParams = ProgressiveParams()
+    """Grow the model beyond the base, stack by stack (sft only: full fine-tuning; LLaMA-Pro's block
+    expansion with `growth: identity`): `stacks[0]` is the base model's layer count."""
 
 
 class QuantizationParams(Section):
@@ -736,6 +743,19 @@ class Params(Section):
                     f"{name}.train.curriculum.strategy: the sequence-length curriculum is for pretrain (packed rows, which can be "
                     "cut anywhere); a cut chat or preference pair would lose its answer: set it to none"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _progressive_in_full_training_only(self) -> Params:
+        for name in ("probe_lora", "lora"):
+            if getattr(self, name).progressive.enabled:
+                raise ValueError(f"{name}.progressive: growing the model is for stages that train all weights (pretrain, sft); "
+                                 f"{name} trains adapters on a frozen base: set enabled to false")  # fmt: skip
+        if self.sft.progressive.enabled:
+            try:
+                self.sft.progressive.check_fits(self.sft.train)
+            except ValueError as exc:
+                raise ValueError(f"sft.progressive: {exc}") from None
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chat_examples, quantize, training
+from pipelines.core import chat_examples, progressive, quantize, training
 from pipelines.core.chat_template import parse_messages
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import FinetuneParams, QuantizationParams
@@ -110,6 +110,17 @@ def run(
             return {"val/loss": training.mean_loss(m, chat_examples.chat_loss, val_batches, device(), cfg.precision)}
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
-    result = training.train(model, chat_examples.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=desc)
-    result = training.finish(result, out, lambda tmp: save(model.cpu(), tokenizer, tmp))
+    grow = params.progressive
+    growth = progressive.Growth(grow, cfg, model, desc) if grow.enabled else None  # sft: the base is the first stack
+    result = training.train(model, chat_examples.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
+                            growth=growth, desc=desc)  # fmt: skip
+    if growth is not None:
+        model.requires_grad_(True)  # a growth phase may have left layers frozen
+
+    def save_all(tmp: Path) -> None:
+        save(model.cpu(), tokenizer, tmp)
+        if grow.enabled and grow.save_stacks:
+            progressive.save_stacks(model, grow.stacks, tmp)
+
+    result = training.finish(result, out, save_all)
     return {**result, **counts, **metrics}

@@ -127,12 +127,12 @@ def zero_output_projections(block: torch.nn.Module) -> None:
 
 
 def grow(model: torch.nn.Module, new_layers: int, source: range, growth: str) -> None:
-    """Add `new_layers` blocks on top, copies of the blocks in `source` (the top stack; repeated
-    from its bottom if the new stack is taller), zeroed output projections for `identity`."""
+    """Add `new_layers` blocks on top, copies of the top `new_layers` blocks of `source` (the top
+    stack; all of it, repeated, if the new stack is taller), zeroed output projections for `identity`."""
     layers = list(decoder_layers(model))
     added = []
     for i in range(new_layers):
-        block = copy.deepcopy(layers[source[i % len(source)]])
+        block = copy.deepcopy(layers[source[(len(source) - new_layers + i) % len(source)]])
         if growth == "identity":
             zero_output_projections(block)
         added.append(block)
@@ -156,10 +156,12 @@ class Growth:
         self.phases = phases(grow, cfg.max_steps)
         self.bounds = np.cumsum([0, *grow.stacks]).tolist()
         self.rewarm = cfg.warmup_steps if grow.rewarm_steps is None else grow.rewarm_steps
-        if len(decoder_layers(model)) != self.bounds[-1]:
-            raise QllmError(f"{desc}.progressive.stacks {grow.stacks} add up to {self.bounds[-1]} layers but the model has "
-                            f"{len(decoder_layers(model))}")  # fmt: skip
-        truncate(model, self.phases[0].layers)
+        have = len(decoder_layers(model))
+        if have == self.bounds[-1]:
+            truncate(model, self.phases[0].layers)  # built whole (pretrain): trained from its first stack
+        elif have != grow.stacks[0]:  # a trained model (sft) is the first stack and grows from there
+            raise QllmError(f"{desc}.progressive.stacks {grow.stacks}: the model has {have} layers; expected {self.bounds[-1]} (all "
+                            f"stacks, built from config) or {grow.stacks[0]} (the first stack: a trained model to grow)")  # fmt: skip
         self.current = -1
         self.cache = ActivationCache(grow.activation_cache, desc) if grow.activation_cache.enabled else None
         if self.cache is not None:
