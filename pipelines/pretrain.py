@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import curriculum, packed, progressive, stage, training
+from pipelines.core import curriculum, diffusion, packed, progressive, stage, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import PretrainParams
 from pipelines.core.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
@@ -41,7 +41,10 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     meta = read_json(tokenized / "meta.json")
     train_rows, val_rows = packed.load(tokenized, "train"), packed.load(tokenized, "validation")
     cfg = params.train
-    model = build_llama(params.model, tokenizer, max_positions=meta["seq_len"], seed=cfg.seed).to(device())
+    diffusion_objective = params.objective == "masked_diffusion"
+    mask_id = diffusion.mask_token_id(tokenizer, NAME) if diffusion_objective else None
+    model = build_llama(params.model, tokenizer, max_positions=meta["seq_len"], seed=cfg.seed,
+                        diffusion=params.diffusion if diffusion_objective else None, mask_token_id=mask_id).to(device())  # fmt: skip
     counts = parameter_counts(model)
     if tracker is not None:
         tracker.log_params({"model.parameters": counts["total_parameters"], "model.vocab_size": len(tokenizer)})
@@ -55,12 +58,17 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         from pipelines.core.memory import MemoryUsage
 
         extensions.append(MemoryUsage(model))
+    loss_fn, val_fn = training.causal_lm_loss, validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
+    if diffusion_objective:
+        objective = diffusion.Objective(params.diffusion, model.config.mask_token_id)
+        loss_fn = objective
+        val_fn = diffusion.nelbo_fn(objective, packed.fixed_batches(val_rows, cfg.micro_batch_size, cfg.eval_batches), cfg.precision)
     result = training.train(
         model,
-        training.causal_lm_loss,
+        loss_fn,
         batches,
         cfg,
-        val_fn=validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision),
+        val_fn=val_fn,
         tracker=tracker,
         checkpoints=checkpoints,
         extensions=extensions,
@@ -78,6 +86,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     return {
         **result,
         **counts,
+        "objective": params.objective,
         "vocab_size": len(tokenizer),
         "epochs": round(result["tokens"] / max(1, train_rows.size), 3),
     }

@@ -11,13 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines.core import finetune, stage
-from pipelines.core.config import FinetuneParams
+from pipelines.core.config import SftParams
 from pipelines.core.models import save_pretrained
 
 NAME = "sft"
 
 
-def run(chat_dir: Path, out: Path, params: FinetuneParams, tracker=None, checkpoint_dir: Path | None = None) -> dict:
+def run(chat_dir: Path, out: Path, params: SftParams, tracker=None, checkpoint_dir: Path | None = None) -> dict:
     def save(model, tokenizer, directory: Path) -> None:
         save_pretrained(model, tokenizer, directory, max_length=model.config.max_position_embeddings)
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pipelines.core import parallel, stage, workspace
-from pipelines.core.chat_template import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
+from pipelines.core.chat_template import CHAT_TEMPLATE, EOS, MASK, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
 from pipelines.core.config import TrainTokenizerParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir, record_batches
@@ -158,6 +158,8 @@ def run(prepared: Path, out: Path, params: TrainTokenizerParams) -> dict[str, fl
     seconds = time.perf_counter() - started
     if not tally.any_text:
         raise QllmError(f"{prepared}: no training text to learn a tokenizer from (all train splits are empty)")
+    if params.mask_token:
+        add_mask_token(tokenizer)
     with atomic_dir(out) as tmp:
         tokenizer.save_pretrained(tmp)
     with pq.ParquetFile(prepared / "text" / "validation.parquet") as validation:
@@ -169,6 +171,12 @@ def run(prepared: Path, out: Path, params: TrainTokenizerParams) -> dict[str, fl
         "chars_per_token": chars_per_token(tokenizer, validation_batches(prepared) if has_validation else [tally.first]),
         "train_seconds": round(seconds, 3),
     }
+
+
+def add_mask_token(tokenizer) -> None:
+    """The masked-diffusion objective's `<|mask|>` as the tokenizer's mask token, after the trained
+    vocabulary (every other id stays as trained)."""
+    tokenizer.add_special_tokens({"mask_token": MASK})
 
 
 def use_base(base_dir: Path, prepared: Path, out: Path, name: str) -> dict[str, float]:

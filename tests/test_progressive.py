@@ -290,10 +290,10 @@ def test_sft_grows_the_base_llama_pro_style(tiny_base, tmp_path):
     """sft with identity growth: the 2-layer base is the first stack, one identity block is added
     and trained on a frozen base (block expansion, LLaMA-Pro), then end to end; the output has 3 layers."""
     from pipelines import sft
-    from pipelines.core.config import FinetuneParams
+    from pipelines.core.config import SftParams
     from pipelines.core.models import load_causal_lm
 
-    params = FinetuneParams(base_model=str(tiny_base / "model"), train=cfg(max_steps=6, micro_batch_size=2, eval_every=3),
+    params = SftParams(base_model=str(tiny_base / "model"), train=cfg(max_steps=6, micro_batch_size=2, eval_every=3),
                             progressive=grow_params(stacks=[2, 1], steps_per_stack=2, growth="identity", save_stacks=True))  # fmt: skip
     metrics = sft.run(tiny_base / "chat", tmp_path / "out", params)
     model = load_causal_lm(tmp_path / "out")
@@ -307,9 +307,9 @@ def test_sft_grows_the_base_llama_pro_style(tiny_base, tmp_path):
 
 
 def test_progressive_is_refused_for_adapter_stages():
-    with pytest.raises(ValueError, match="lora.progressive: growing the model is for stages that train all weights"):
+    with pytest.raises(ValueError, match=r"lora.progressive\n  Extra inputs are not permitted"):
         Params.model_validate(yaml_params({"lora": {"progressive": {"enabled": True}}}))
-    with pytest.raises(ValueError, match=r"sft.progressive: train.max_steps is 5 but progressive needs 400"):
+    with pytest.raises(ValueError, match=r"sft.progressive: train.max_steps is 5 but progressive needs 200"):
         Params.model_validate(yaml_params({"sft": {"progressive": {"enabled": True}, "train": {"max_steps": 5, "warmup_steps": 0}}}))
 
 

@@ -185,6 +185,9 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]
+MASK = "<|mask|>"
+"""The masked-diffusion objective's mask token: `train_tokenizer` adds it after the trained vocabulary
+(`train_tokenizer.mask_token`), so that every other id stays what it was."""
 ROLES = ("system", "user", "assistant")
 
 # HF renders templates with trim_blocks: the newline after a block tag is dropped, hence {{ '\n' }}.

@@ -164,6 +164,9 @@ class TrainTokenizerParams(Section):
     """Target vocabulary size including the 256 byte symbols and the special tokens."""
     min_frequency: int = Field(2, ge=1)
     """Minimum pair frequency for a BPE merge."""
+    mask_token: bool = False
+    """Add `<|mask|>` after the trained vocabulary: the masked-diffusion objective
+    (`pretrain.objective: masked_diffusion`) needs it."""
 
 
 class TokenizeParams(Section):
@@ -429,14 +432,52 @@ class ProgressiveParams(Section):
                              "and train.early_stopping_patience 0 (a best checkpoint of a smaller model cannot be restored)")  # fmt: skip
 
 
+class DiffusionParams(Section):
+    """The masked-diffusion objective (MDLM, LLaDA; `pipelines/core/diffusion.py`)."""
+
+    time_steps: Literal["continuous", "discrete"] = "continuous"
+    """`continuous`: t ~ U(eps, 1) per sequence; `discrete`: one of `num_time_steps` steps, with the
+    mask fractions of `time_step_mask_fractions`."""
+    eps: float = Field(1e-3, gt=0, lt=1)
+    """Smallest continuous time step (the 1/t weight stays bounded)."""
+    sampling: Literal["antithetic", "iid"] = "antithetic"
+    """Time steps of a batch: evenly spread from one draw (less variance), or independent."""
+    num_time_steps: int = Field(10, ge=1)
+    time_step_mask_fractions: dict[int, float] = Field(default_factory=lambda: {0: 0.15, 5: 0.5, 9: 0.9})
+    """Mask fraction at the listed discrete steps, interpolated linearly between them."""
+    val_samples: int = Field(4, ge=1)
+    """Time steps per validation sequence for the NELBO estimate (Monte Carlo, fixed seed)."""
+    val_seed: int = 0
+    unmask_steps: int = Field(16, ge=1)
+    """Generation: unmasking steps (each keeps the most confident predictions, LLaDA's low-confidence remasking)."""
+    block_length: int | None = Field(None, ge=1)
+    """Generation: fill the answer in blocks of this many tokens, left to right (null: one block)."""
+
+    @field_validator("time_step_mask_fractions")
+    @classmethod
+    def _fractions(cls, table: dict[int, float]) -> dict[int, float]:
+        if not table or any(not 0 < v <= 1 for v in table.values()) or any(k < 0 for k in table):
+            raise ValueError(f"expected time steps >= 0 with mask fractions in (0, 1], got {table}")
+        return table
+
+
 class PretrainParams(Section):
     model: ModelParams = ModelParams()
     train: TrainParams = TrainParams()
+    objective: Literal["causal", "masked_diffusion"] = "causal"
+    """`causal`: next-token prediction; `masked_diffusion`: predict masked tokens with bidirectional
+    attention (MDLM/LLaDA; the model is then a `QllmDiffusionLlamaForMaskedDiffusion`)."""
+    diffusion: DiffusionParams = DiffusionParams()
+    """The masked-diffusion objective's settings (used with `objective: masked_diffusion`)."""
     progressive: ProgressiveParams = ProgressiveParams()
     """Grow the model stack by stack (`enabled: true`); off: the whole model trains from step 0."""
 
     @model_validator(mode="after")
     def _progressive_fits(self) -> PretrainParams:
+        if self.objective == "masked_diffusion" and self.model.memory.enabled:
+            raise ValueError("objective masked_diffusion and model.memory together are not supported yet: enable one of them")
+        if self.objective == "masked_diffusion" and self.train.curriculum.strategy != "none":
+            raise ValueError("objective masked_diffusion with train.curriculum is not supported: the curriculum is for the causal objective")
         grow = self.progressive
         if not grow.enabled:
             return self
@@ -467,9 +508,6 @@ class FinetuneParams(Section):
     overflow: Literal["truncate", "drop"] = "truncate"
     """What to do with an example longer than `max_seq_len` (counted in the metrics)."""
     train: TrainParams = TrainParams()
-    progressive: ProgressiveParams = ProgressiveParams()
-    """Grow the model beyond the base, stack by stack (sft only: full fine-tuning; LLaMA-Pro's block
-    expansion with `growth: identity`): `stacks[0]` is the base model's layer count."""
 
 
 class QuantizationParams(Section):
@@ -512,6 +550,14 @@ class LoraAdapterParams(QuantizationParams):
     markers a pretrained base has never seen, so the model can learn to end its turn."""
     merge: bool = True
     """Also write the adapter merged into the base as a full model (`<out>/merged/`)."""
+
+
+class SftParams(FinetuneParams):
+    """Full fine-tuning (`sft`): the shared fine-tuning procedure, plus growing the model."""
+
+    progressive: ProgressiveParams = ProgressiveParams()
+    """Grow the model beyond the base, stack by stack (LLaMA-Pro's block expansion with `growth:
+    identity`): `stacks[0]` is the base model's layer count."""
 
 
 class LoraParams(FinetuneParams):
@@ -718,7 +764,7 @@ class Params(Section):
     probe_device: ProbeDeviceParams = ProbeDeviceParams()
     base_model: BaseModelParams = BaseModelParams()
     pretrain: PretrainParams = PretrainParams()
-    sft: FinetuneParams = FinetuneParams()
+    sft: SftParams = SftParams()
     probe_lora: ProbeLoraParams = ProbeLoraParams()
     quantum_opt: QuantumOptParams = QuantumOptParams()
     lora: LoraParams = LoraParams()
@@ -746,11 +792,14 @@ class Params(Section):
         return self
 
     @model_validator(mode="after")
-    def _progressive_in_full_training_only(self) -> Params:
-        for name in ("probe_lora", "lora"):
-            if getattr(self, name).progressive.enabled:
-                raise ValueError(f"{name}.progressive: growing the model is for stages that train all weights (pretrain, sft); "
-                                 f"{name} trains adapters on a frozen base: set enabled to false")  # fmt: skip
+    def _mask_token_for_masked_diffusion(self) -> Params:
+        if self.pretrain.objective == "masked_diffusion" and not self.train_tokenizer.mask_token and self.base_model.name is None:
+            raise ValueError("pretrain.objective is masked_diffusion but train_tokenizer.mask_token is false: the objective needs the "
+                             "tokenizer's <|mask|> token; set train_tokenizer.mask_token: true")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _sft_progressive_fits(self) -> Params:
         if self.sft.progressive.enabled:
             try:
                 self.sft.progressive.check_fits(self.sft.train)

@@ -110,8 +110,8 @@ def run(
             return {"val/loss": training.mean_loss(m, chat_examples.chat_loss, val_batches, device(), cfg.precision)}
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
-    grow = params.progressive
-    growth = progressive.Growth(grow, cfg, model, desc) if grow.enabled else None  # sft: the base is the first stack
+    grow = getattr(params, "progressive", None)  # sft's; adapters (lora) train on a frozen base
+    growth = progressive.Growth(grow, cfg, model, desc) if grow is not None and grow.enabled else None  # the base is the first stack
     result = training.train(model, chat_examples.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
                             growth=growth, desc=desc)  # fmt: skip
     if growth is not None:
@@ -119,7 +119,7 @@ def run(
 
     def save_all(tmp: Path) -> None:
         save(model.cpu(), tokenizer, tmp)
-        if grow.enabled and grow.save_stacks:
+        if growth is not None and grow.save_stacks:
             progressive.save_stacks(model, grow.stacks, tmp)
 
     result = training.finish(result, out, save_all)

@@ -40,12 +40,22 @@ def stop_token_ids(tokenizer) -> list[int]:
     return list(unique)
 
 
-def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int):
+def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int, diffusion=None, mask_token_id: int | None = None):
     """A randomly initialised `LlamaForCausalLM` sized by `params`, vocabulary from `tokenizer`
-    (with `params.memory.enabled`, a `QllmMemoryLlamaForCausalLM`: `pipelines.core.memory_model`)."""
+    (with `params.memory.enabled`, a `QllmMemoryLlamaForCausalLM`: `pipelines.core.memory_model`; with
+    `diffusion` settings and the tokenizer's `mask_token_id`, a bidirectional `QllmDiffusionLlamaForMaskedDiffusion`:
+    `pipelines.core.diffusion_model`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config_class, model_class, extra = LlamaConfig, LlamaForCausalLM, {}
+    if diffusion is not None:
+        from pipelines.core.diffusion_model import QllmDiffusionConfig, QllmDiffusionLlamaForMaskedDiffusion
+
+        if mask_token_id is None:
+            raise QllmError("a masked-diffusion model needs the tokenizer's mask token id")
+        config_class, model_class = QllmDiffusionConfig, QllmDiffusionLlamaForMaskedDiffusion
+        extra = {"mask_token_id": mask_token_id, "unmask_steps": diffusion.unmask_steps,
+                 "block_length": diffusion.block_length}  # fmt: skip
     if params.memory.enabled:
         from pipelines.core.memory_model import QllmMemoryConfig, QllmMemoryLlamaForCausalLM
 
@@ -149,7 +159,8 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantiz
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    import pipelines.core.memory_model  # noqa: F401  (registers the memory extension's model class with the Auto classes)
+    import pipelines.core.diffusion_model  # noqa: F401  (registers the pipeline's own model classes with the Auto classes)
+    import pipelines.core.memory_model  # noqa: F401
 
     path = _follow(path)
     local = check_model_files(path)

@@ -1,0 +1,175 @@
+"""The masked-diffusion objective: time steps, masks, the 1/t weighting, bidirectional attention,
+NELBO validation, training and exact resume, generation by iterative unmasking, save and load."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.core import diffusion, training
+from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core.config import DiffusionParams, ModelParams
+from pipelines.core.diffusion_model import QllmDiffusionLlamaForMaskedDiffusion
+from pipelines.core.extensions import ExtensionError, Hook
+from pipelines.core.models import build_llama, load_causal_lm
+from tests.test_training import FakeTokenizer, Interrupt, cfg, collate
+
+MASK_ID = 15  # the FakeTokenizer's 16 ids: the patterns below use 0..14
+
+
+class MaskTokenizer(FakeTokenizer):
+    def convert_tokens_to_ids(self, token):
+        return MASK_ID if token == diffusion.MASK else 2
+
+
+def mdm(seed: int = 0, layers: int = 2):
+    params = ModelParams(hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=2, num_kv_heads=2)
+    return build_llama(params, MaskTokenizer(), max_positions=16, seed=seed, diffusion=DiffusionParams(unmask_steps=4), mask_token_id=MASK_ID)
+
+
+def patterns(n: int, seq: int = 8, seed: int = 0) -> np.ndarray:
+    """Rows counting up modulo 15 from a random start (the mask id 15 never occurs)."""
+    starts = np.random.default_rng(seed).integers(0, 15, n)
+    return ((starts[:, None] + np.arange(seq)[None, :]) % 15).astype(np.int64)
+
+
+def test_discrete_fractions_are_interpolated_between_the_listed_steps():
+    table = diffusion.fraction_table(DiffusionParams(time_steps="discrete"))  # {0: 0.15, 5: 0.5, 9: 0.9}
+    assert table == pytest.approx([0.15, 0.22, 0.29, 0.36, 0.43, 0.5, 0.6, 0.7, 0.8, 0.9])
+    held = diffusion.fraction_table(DiffusionParams(time_steps="discrete", num_time_steps=4, time_step_mask_fractions={1: 0.2, 2: 0.4}))
+    assert held == pytest.approx([0.2, 0.2, 0.4, 0.4])  # held before the first and after the last listed step
+
+
+def test_antithetic_time_steps_are_evenly_spread():
+    t, steps = diffusion.sample_time_steps(8, DiffusionParams(eps=0.001), torch.Generator().manual_seed(0))
+    assert steps is None and bool(((t >= 0.001) & (t <= 1)).all())
+    u = torch.sort((t - 0.001) / 0.999).values
+    assert torch.allclose(u[1:] - u[:-1], torch.full((7,), 1 / 8), atol=1e-5)  # one draw, spread by 1/B
+    t, steps = diffusion.sample_time_steps(10, DiffusionParams(time_steps="discrete"), torch.Generator().manual_seed(0))
+    assert sorted(steps.tolist()) == list(range(10))  # stratified over the 10 steps: each once
+    assert t.tolist() == pytest.approx([diffusion.fraction_table(DiffusionParams())[k] for k in steps.tolist()])
+
+
+def test_the_one_over_t_weighting_matches_the_docstring_example():
+    """Two rows of 4 tokens; row 1 at t=0.5 masks 2 tokens (CE 1.0 and 3.0), row 2 at t=0.25 masks 1
+    (CE 2.0): (4.0/0.5 + 2.0/0.25) / 8 = 2.0 nats per token."""
+    ce = torch.tensor([[1.0, 0.0, 3.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
+    masked = torch.tensor([[True, False, True, False], [False, True, False, False]])
+    # two classes, the target 0 with probability exp(-ce): logits (log p, log(1 - p))
+    p = torch.exp(-ce).clamp(max=1 - 1e-7)
+    logits = torch.stack([p.log(), (1 - p).log()], -1)
+    loss = diffusion.weighted_loss(logits, torch.zeros(2, 4, dtype=torch.long), masked, torch.tensor([0.5, 0.25]), torch.ones(2, 4, dtype=torch.bool))
+    assert float(loss) == pytest.approx(2.0, abs=1e-5)
+
+
+def test_discrete_masks_are_a_function_of_the_row_and_step_and_only_where_maskable():
+    ids = torch.from_numpy(patterns(4))
+    maskable = torch.ones_like(ids, dtype=torch.bool)
+    maskable[:, :3] = False  # e.g. a prompt: never masked
+    t, steps = torch.full((4,), 0.9), torch.tensor([1, 1, 2, 2])
+    first = diffusion.mask_positions(ids, maskable, t, steps)
+    torch.manual_seed(123)  # the global generator plays no part
+    assert torch.equal(first, diffusion.mask_positions(ids, maskable, t, steps))
+    assert not first[:, :3].any() and first.any()
+    assert not torch.equal(first, diffusion.mask_positions(ids, maskable, t, torch.tensor([2, 2, 1, 1])))
+
+
+def test_attention_is_bidirectional_for_masked_diffusion_and_causal_otherwise():
+    model = mdm().eval()
+    causal = build_llama(ModelParams(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2), MaskTokenizer(), 16, 0).eval()
+    causal.load_state_dict(model.state_dict())
+    ids = torch.from_numpy(patterns(2))
+    changed = ids.clone()
+    changed[:, 6] = (changed[:, 6] + 1) % 15  # token j = 6
+    with torch.no_grad():
+        for i in range(6):  # every position i < j sees the change with bidirectional attention, none with causal
+            assert (model(input_ids=ids).logits[:, i] - model(input_ids=changed).logits[:, i]).abs().max() > 1e-6
+            assert torch.equal(causal(input_ids=ids).logits[:, i], causal(input_ids=changed).logits[:, i])
+    with pytest.raises(ValueError, match="predicts the token at each position"):
+        model(input_ids=ids, labels=ids)
+
+
+def train_mdm(directory=None, stop_at=None, steps=8, params=None):
+    model, data = mdm(), patterns(64)
+    objective = diffusion.Objective(params or DiffusionParams(), MASK_ID)
+    val = diffusion.nelbo_fn(objective, [{"input_ids": torch.from_numpy(patterns(8, seed=1))}], "fp32")
+
+    def stopper(state, metrics):
+        if state.step == stop_at:
+            raise Interrupt
+
+    c = cfg(max_steps=steps, lr=0.01, eval_every=max(4, steps // 4), checkpoint_every=2)
+    checkpoints = CheckpointManager(directory, 2) if directory else None
+    result = training.train(model, objective, training.Batches(64, 8, 0, collate(data)), c, val_fn=val, checkpoints=checkpoints,
+                            extensions=[Hook("on_step_end", stopper)])  # fmt: skip
+    return model, result, val
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """500 steps on the counting rows: enough to learn them (about 20 s on 2 cores)."""
+    model, result, _ = train_mdm(steps=500)
+    return model.eval(), result
+
+
+def test_validation_is_a_fixed_monte_carlo_estimate_and_training_lowers_it(trained):
+    model = mdm()
+    val = diffusion.nelbo_fn(diffusion.Objective(DiffusionParams(), MASK_ID), [{"input_ids": torch.from_numpy(patterns(8, seed=1))}], "fp32")
+    first, again = val(model), val(model)
+    assert first == again and first["val/perplexity"] == pytest.approx(math.exp(first["val/nelbo"]))
+    assert first["val/nelbo"] > 0.8 * math.log(16)  # an untrained model: about uniform over the 16 ids
+    assert trained[1]["val/nelbo"] < 0.25 * first["val/nelbo"]
+
+
+@pytest.mark.parametrize("time_steps", ["continuous", "discrete"])
+def test_resume_is_bitwise_exact(tmp_path, time_steps):
+    params = DiffusionParams(time_steps=time_steps)
+    reference, result, _ = train_mdm(tmp_path / "straight", params=params)
+    with pytest.raises(ExtensionError):
+        train_mdm(tmp_path / "killed", stop_at=5, params=params)
+    resumed, resumed_result, _ = train_mdm(tmp_path / "killed", params=params)
+    for (name, a), (_, b) in zip(reference.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert resumed_result["val/loss"] == result["val/loss"]
+
+
+def test_generation_unmasks_a_learned_pattern_and_stops_at_the_stop_token(trained):
+    model = trained[0]
+    prompt = torch.tensor([[3, 4, 5, 6], [9, 10, 11, 12]])
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4)
+    assert torch.equal(out[:, :4], prompt) and not (out == MASK_ID).any()
+    assert out[:, 4:].tolist() == [[7, 8, 9, 10], [13, 14, 0, 1]]  # counting on, modulo 15
+    assert torch.equal(model.generate(prompt, max_new_tokens=4), out)  # greedy: deterministic
+    blocks = model.generate(prompt, max_new_tokens=4, block_length=2, unmask_steps=4)
+    assert blocks[:, 4:].tolist() == [[7, 8, 9, 10], [13, 14, 0, 1]]
+    cut = model.generate(prompt, max_new_tokens=4, eos_token_id=[8, 14], pad_token_id=1)
+    assert cut[:, 4:].tolist() == [[7, 8, 1, 1], [13, 14, 1, 1]]  # everything after the first stop token is padding
+
+
+def test_saved_model_says_its_objective_and_loads_both_ways(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    model = mdm().eval()
+    model.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m/config.json").read_text())
+    assert config["objective"] == "masked_diffusion" and config["mask_token_id"] == MASK_ID
+    assert config["model_type"] == "qllm_diffusion_llama" and (tmp_path / "m/diffusion_model.py").exists()
+    loaded = load_causal_lm(tmp_path / "m")
+    assert isinstance(loaded, QllmDiffusionLlamaForMaskedDiffusion)
+    ids = torch.from_numpy(patterns(2))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert torch.equal(loaded.eval()(input_ids=ids).logits, expected)
+    code = ("import torch; from transformers import AutoModelForCausalLM as A; "
+            f"m = A.from_pretrained({str(tmp_path / 'm')!r}, trust_remote_code=True).eval(); "
+            f"print(type(m).__name__, m(input_ids=torch.tensor({ids.tolist()})).logits.sum().item())")  # fmt: skip
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, total = done.stdout.split()
+    assert name == "QllmDiffusionLlamaForMaskedDiffusion" and float(total) == pytest.approx(expected.sum().item(), abs=1e-3)
