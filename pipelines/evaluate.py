@@ -39,9 +39,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import losses, packed, plots, preference_data, stage, training
+from pipelines.core import diffusion, losses, objectives, packed, plots, preference_data, stage, training
 from pipelines.core.chat_template import normalize_answer, parse_messages, split_last_answer
-from pipelines.core.config import EvaluateParams
+from pipelines.core.config import DiffusionParams, EvaluateParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
 from pipelines.core.outputs import atomic_dir, read_json
@@ -264,7 +264,11 @@ def evaluate_model(
     started = time.perf_counter()
     val_rows = packed.load(tokenized, "validation")
     batches = packed.fixed_batches(val_rows, params.batch_size, params.eval_batches)
-    val_loss = training.mean_loss(model, training.causal_lm_loss, batches, model.device, "fp32")
+    if diffusion.objective_of(model) == "masked_diffusion":  # the NELBO bound per token (its perplexity: a bound)
+        objective = diffusion.Objective(DiffusionParams(), int(model.config.mask_token_id))
+        val_loss = objectives.nelbo_fn(objective, batches, "fp32")(model)["val/loss"]
+    else:
+        val_loss = training.mean_loss(model, training.causal_lm_loss, batches, model.device, "fp32")
 
     predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.max_new_tokens, params.batch_size)
     correct, by_group = exact_match_report(questions, predictions)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import curriculum, diffusion, packed, progressive, stage, training
+from pipelines.core import curriculum, diffusion, objectives, packed, progressive, stage, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import PretrainParams
 from pipelines.core.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
@@ -62,7 +62,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     if diffusion_objective:
         objective = diffusion.Objective(params.diffusion, model.config.mask_token_id)
         loss_fn = objective
-        val_fn = diffusion.nelbo_fn(objective, packed.fixed_batches(val_rows, cfg.micro_batch_size, cfg.eval_batches), cfg.precision)
+        val_fn = objectives.nelbo_fn(objective, packed.fixed_batches(val_rows, cfg.micro_batch_size, cfg.eval_batches), cfg.precision)
     result = training.train(
         model,
         loss_fn,

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import adapters, chat_examples, distributed, finetune, quantize, stage, training
+from pipelines.core import adapters, chat_examples, distributed, finetune, objectives, quantize, stage, training
 from pipelines.core.config import ProbeLoraParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Extension
@@ -115,6 +115,7 @@ def probe_quantized(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
     from pipelines.core.errors import StopRequested, stop_requested
 
     recorder = ActivationGradientRecorder(modules)
+    loss_fn = objectives.chat_objective(model)
     model.enable_input_require_grads()  # backward reaches every layer although no weight trains
     model.train()
     losses = []
@@ -125,7 +126,7 @@ def probe_quantized(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
             for _ in range(cfg.grad_accum_steps):
                 batch = training.to_device(next(iterator), device())
                 with training.autocast(device(), cfg.precision):
-                    loss, _ = chat_examples.chat_loss(model, batch)
+                    loss, _ = loss_fn(model, batch)
                 (loss / cfg.grad_accum_steps).backward()
                 total += float(loss.detach()) / cfg.grad_accum_steps
             recorder.end_step()
@@ -165,6 +166,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     qconfig = quantize.from_params(params, params.train.precision, NAME)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, NAME)
     max_len = params.max_seq_len or model.config.max_position_embeddings
+    params = params.model_copy(update={"packing": objectives.chat_packing(model, params.packing, NAME)})
     train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing))
     if qconfig is not None:  # QLoRA: gradients at the frozen quantized base (see probe_quantized)
@@ -175,7 +177,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
         with CONSTRUCTION:
             model = model.to(device())
         recorder = GradientRecorder(candidate_modules(model, params.target_modules))
-        result = training.train(model, chat_examples.chat_loss, batches, cfg, tracker=tracker, extensions=[recorder], desc=NAME)
+        result = training.train(model, objectives.chat_objective(model), batches, cfg, tracker=tracker, extensions=[recorder], desc=NAME)
         result.pop("history")  # the probe's weights and curves are thrown away
     table = scores(recorder, params.ranks)
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core import diffusion, training
+from pipelines.core import diffusion, objectives, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import DiffusionParams, ModelParams
 from pipelines.core.diffusion_model import QllmDiffusionLlamaForMaskedDiffusion
@@ -95,7 +95,7 @@ def test_attention_is_bidirectional_for_masked_diffusion_and_causal_otherwise():
 def train_mdm(directory=None, stop_at=None, steps=8, params=None):
     model, data = mdm(), patterns(64)
     objective = diffusion.Objective(params or DiffusionParams(), MASK_ID)
-    val = diffusion.nelbo_fn(objective, [{"input_ids": torch.from_numpy(patterns(8, seed=1))}], "fp32")
+    val = objectives.nelbo_fn(objective, [{"input_ids": torch.from_numpy(patterns(8, seed=1))}], "fp32")
 
     def stopper(state, metrics):
         if state.step == stop_at:
@@ -117,7 +117,7 @@ def trained():
 
 def test_validation_is_a_fixed_monte_carlo_estimate_and_training_lowers_it(trained):
     model = mdm()
-    val = diffusion.nelbo_fn(diffusion.Objective(DiffusionParams(), MASK_ID), [{"input_ids": torch.from_numpy(patterns(8, seed=1))}], "fp32")
+    val = objectives.nelbo_fn(diffusion.Objective(DiffusionParams(), MASK_ID), [{"input_ids": torch.from_numpy(patterns(8, seed=1))}], "fp32")
     first, again = val(model), val(model)
     assert first == again and first["val/perplexity"] == pytest.approx(math.exp(first["val/nelbo"]))
     assert first["val/nelbo"] > 0.8 * math.log(16)  # an untrained model: about uniform over the 16 ids
@@ -173,3 +173,47 @@ def test_saved_model_says_its_objective_and_loads_both_ways(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     name, total = done.stdout.split()
     assert name == "QllmDiffusionLlamaForMaskedDiffusion" and float(total) == pytest.approx(expected.sum().item(), abs=1e-3)
+
+
+def test_the_whole_pipeline_runs_a_masked_diffusion_model_end_to_end(tmp_path, mlflow_template_db):
+    """pretrain (masked diffusion) -> sft (answer tokens masked) -> probe_lora / lora -> ref_logprobs /
+    dpo (ELBO log-probabilities) -> evaluate (iterative-unmasking answers, NELBO bound) -> register."""
+    from pathlib import Path
+
+    from pipelines.core import dag, repro
+    from pipelines.core.models import load_model_and_tokenizer
+    from pipelines.core.outputs import read_json
+    from tests.conftest import make_project
+
+    overlay = {"train_tokenizer": {"mask_token": True}, "pretrain": {"objective": "masked_diffusion", "diffusion": {"unmask_steps": 4}}}
+    root = make_project(tmp_path / "project", mlflow_template_db, overlay)
+    try:
+        outcomes = {name: repro.reproduce(root, name).status for name in dag.stages(Path(__file__).resolve().parents[1])}
+    finally:
+        repro.close(root)
+    assert set(outcomes.values()) == {"ran"}, outcomes
+    model, tokenizer = load_model_and_tokenizer(root / "data/models/sft")
+    assert isinstance(model, QllmDiffusionLlamaForMaskedDiffusion) and model.config.mask_token_id == tokenizer.mask_token_id
+    assert tokenizer.mask_token == diffusion.MASK and tokenizer.mask_token_id == len(tokenizer) - 1  # after the trained vocabulary
+    pretrain = read_json(root / "data/metrics/pretrain.json")
+    assert pretrain["objective"] == "masked_diffusion" and pretrain["val/nelbo"] == pretrain["val/loss"] > 0
+    evaluated = read_json(root / "data/metrics/evaluate.json")
+    for name in ("sft", "lora", "dpo"):
+        assert 0 <= evaluated[name]["exact_match"] <= 1 and evaluated[name]["val_perplexity"] > 1
+    predictions = (root / "data/evaluate/sft/predictions.jsonl").read_text().splitlines()
+    assert predictions and all(diffusion.MASK not in json_line for json_line in predictions)
+
+
+def test_fine_tuning_masks_answers_only_and_trains_padding_as_eos():
+    """LLaDA's SFT: prompt tokens stay visible; the padding of each unpacked row becomes EOS
+    targets (attended, maskable), so generation learns to end an answer."""
+    objective = diffusion.Objective(DiffusionParams(), MASK_ID, pad_target=0)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 1, 1]]), "labels": torch.tensor([[-100, -100, 7, 8, -100, -100]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])}  # fmt: skip
+    ready = objective.prepare(batch)
+    assert ready["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0]] and ready["labels"].tolist() == [[-100, -100, 7, 8, 0, 0]]
+    assert ready["attention_mask"].tolist() == [[1] * 6]
+    assert objective.maskable(ready).tolist() == [[False, False, True, True, True, True]]
+    masked = diffusion.mask_positions(ready["input_ids"], objective.maskable(ready), torch.tensor([1.0]), None)
+    assert masked.tolist() == [[False, False, True, True, True, True]]  # t = 1: every maskable token, never the prompt
+    assert objectives.chat_packing(mdm(), True, "sft") is False

@@ -102,8 +102,22 @@ class Objective:
     answer tokens are masked and scored) and `attention_mask` (padding) are optional.
     """
 
-    def __init__(self, params: DiffusionParams, mask_token_id: int) -> None:
-        self.params, self.mask_token_id = params, mask_token_id
+    def __init__(self, params: DiffusionParams, mask_token_id: int, pad_target: int | None = None) -> None:
+        self.params, self.mask_token_id, self.pad_target = params, mask_token_id, pad_target
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch transform of fine-tuning (`pad_target` set, unpacked rows): padding becomes
+        `pad_target` (EOS) tokens that are attended to, masked and predicted like the answer, as
+        LLaDA's SFT does, so that the model learns to fill the rest of a generation window with
+        EOS after its answer."""
+        if self.pad_target is None or "attention_mask" not in batch or batch["attention_mask"].dim() != 2:
+            return batch
+        pad = ~batch["attention_mask"].bool()
+        ids = torch.where(pad, torch.full_like(batch["input_ids"], self.pad_target), batch["input_ids"])
+        out = {**batch, "input_ids": ids, "attention_mask": torch.ones_like(batch["attention_mask"])}
+        if "labels" in batch:
+            out["labels"] = torch.where(pad, ids, batch["labels"])
+        return out
 
     def maskable(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids = batch["input_ids"]
@@ -116,6 +130,7 @@ class Objective:
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], t: torch.Tensor, steps: torch.Tensor | None,
              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        batch = self.prepare(batch)
         ids = batch["input_ids"]
         maskable = self.maskable(batch)
         masked = mask_positions(ids, maskable, t, steps, generator)
@@ -127,38 +142,7 @@ class Objective:
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         t, steps = sample_time_steps(batch["input_ids"].shape[0], self.params)
         loss, masked = self.loss(model, batch, t, steps)
-        return loss, {"train/mask_fraction": float(masked.sum()) / max(1, int(self.maskable(batch).sum()))}
-
-
-def nelbo_fn(objective: Objective, batches: list[dict[str, torch.Tensor]], precision: str):
-    """Validation: the NELBO bound per token (`val/loss`, nats) and `val/perplexity` = exp(bound),
-    averaged over `val_samples` time steps per sequence drawn from a generator seeded by `val_seed`
-    (the same masks at every evaluation)."""
-    import math
-
-    from pipelines.core import training
-
-    params = objective.params
-
-    @torch.no_grad()
-    def evaluate(model: torch.nn.Module) -> dict[str, float]:
-        device = next(model.parameters()).device
-        was_training = model.training
-        model.eval()
-        generator = torch.Generator().manual_seed(params.val_seed)
-        total = 0.0
-        for batch in batches:
-            batch = training.to_device(batch, device)
-            for _ in range(params.val_samples):
-                t, steps = sample_time_steps(batch["input_ids"].shape[0], params, generator)
-                with training.autocast(device, precision):
-                    loss, _ = objective.loss(model, batch, t, steps, generator)
-                total += float(loss)
-        model.train(was_training)
-        bound = total / max(1, len(batches) * params.val_samples)
-        return {"val/loss": bound, "val/nelbo": bound, "val/perplexity": math.exp(min(bound, 50.0))}
-
-    return evaluate
+        return loss, {"train/mask_fraction": float(masked.sum()) / max(1, int(self.maskable(self.prepare(batch)).sum()))}
 
 
 def mask_token_id(tokenizer, where: str) -> int:
@@ -168,3 +152,43 @@ def mask_token_id(tokenizer, where: str) -> int:
         raise QllmError(f"{where}: the tokenizer has no {MASK} token; the masked-diffusion objective needs one "
                         "(train_tokenizer adds it when pretrain.objective is masked_diffusion)")  # fmt: skip
     return int(token)
+
+
+def objective_of(model: torch.nn.Module) -> str:
+    """`masked_diffusion` for a model trained with this objective (its config says so), else `causal`."""
+    return getattr(getattr(model, "config", None), "objective", "causal")
+
+
+ELBO_SAMPLES = 4
+"""Masked draws per sequence when a masked-diffusion model scores an answer (`sequence_elbo`)."""
+
+
+def row_generator(row: torch.Tensor, salt: int) -> torch.Generator:
+    """A generator seeded by a row's tokens (and `salt`): the same row draws the same numbers in any model."""
+    digest = hashlib.blake2b(row.cpu().numpy().tobytes() + salt.to_bytes(4, "little"), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def sequence_elbo(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion: torch.Tensor,
+                  samples: int = ELBO_SAMPLES, eps: float = 1e-3) -> torch.Tensor:  # fmt: skip
+    """A masked-diffusion model's stand-in for the summed log-probability of each row's completion
+    tokens: the evidence lower bound, `-(1/K) sum_k (1/t_k) sum_{masked i} -log p(x_i | x_t_k)`, with
+    only completion tokens masked (the prompt is always visible). The K time steps of a row are
+    antithetic and its masks are seeded by the row's tokens, so a policy and its reference score a
+    pair with the same draws and their difference has little variance (LLaDA 1.5's VRPO); gradients
+    flow for training (DPO)."""
+    rows, width = input_ids.shape
+    generators = [row_generator(input_ids[r], 0) for r in range(rows)]
+    start = torch.stack([torch.rand(1, generator=g) for g in generators])[:, 0]
+    draws = torch.stack([torch.rand(samples, width, generator=g) for g in generators]).to(input_ids.device)  # [rows, K, width]
+    mask_id = int(model.config.mask_token_id)
+    total = torch.zeros(rows, device=input_ids.device)
+    completion = completion.bool()
+    for k in range(samples):
+        t = (eps + (1 - eps) * ((start + k / samples) % 1.0)).to(input_ids.device)
+        masked = (draws[:, k] < t[:, None]) & completion
+        noisy = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
+        logits = model(input_ids=noisy, attention_mask=attention_mask).logits
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[..., None])[..., 0]
+        total = total + (logp * masked).sum(-1) / t
+    return total / samples

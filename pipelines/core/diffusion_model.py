@@ -40,10 +40,16 @@ class QllmDiffusionConfig(LlamaConfig):
         super().__init__(**kwargs)
 
 
-def bidirectional_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """`[batch, 1, length, length]` booleans: query i may attend to key j whenever j is not padding."""
+def bidirectional_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device: torch.device,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`[batch, 1, length, length]` booleans: query i may attend to key j whenever j is not padding
+    and, in packed rows (`position_ids` restarting at 0 for each example), lies in the same example."""
     keys = torch.ones(batch, length, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.to(torch.bool)
-    return keys[:, None, None, :].expand(batch, 1, length, length)
+    mask = keys[:, None, None, :].expand(batch, 1, length, length)
+    if position_ids is not None:
+        segment = (position_ids == 0).cumsum(-1).expand(batch, length)
+        mask = mask & (segment[:, :, None] == segment[:, None, :])[:, None]
+    return mask
 
 
 class QllmDiffusionLlamaForMaskedDiffusion(LlamaForCausalLM):
@@ -57,7 +63,8 @@ class QllmDiffusionLlamaForMaskedDiffusion(LlamaForCausalLM):
                              "on the masked positions (pipelines.core.diffusion), not with labels")  # fmt: skip
         if attention_mask is None or attention_mask.dim() == 2:
             reference = input_ids if input_ids is not None else kwargs["inputs_embeds"]
-            attention_mask = bidirectional_mask(attention_mask, reference.shape[0], reference.shape[1], reference.device)
+            attention_mask = bidirectional_mask(attention_mask, reference.shape[0], reference.shape[1], reference.device,
+                                                kwargs.get("position_ids"))  # fmt: skip
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
 
     @torch.no_grad()

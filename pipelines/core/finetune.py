@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chat_examples, progressive, quantize, training
+from pipelines.core import chat_examples, objectives, progressive, quantize, training
 from pipelines.core.chat_template import parse_messages
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import FinetuneParams, QuantizationParams
@@ -86,6 +86,7 @@ def run(
     qconfig = quantize.from_params(quantization, cfg.precision, quantization_section or desc)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     max_len = params.max_seq_len or model.config.max_position_embeddings
+    params = params.model_copy(update={"packing": objectives.chat_packing(model, params.packing, desc)})
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)  # adapter initialisation is random: make it a function of the seed
@@ -100,6 +101,7 @@ def run(
 
     collate_train = chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing)
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, collate_train)
+    loss_fn = objectives.chat_objective(model)  # the chat loss, or the masked-diffusion objective on answer tokens
     val_fn = None
     if val_rows:
         collate_val = chat_examples.collate(val_rows, tokenizer.pad_token_id, params.packing)
@@ -109,10 +111,13 @@ def run(
         def val_fn(m: torch.nn.Module) -> dict[str, float]:
             return {"val/loss": training.mean_loss(m, chat_examples.chat_loss, val_batches, device(), cfg.precision)}
 
+        if loss_fn is not chat_examples.chat_loss:  # masked diffusion: the NELBO bound of the answers
+            val_fn = objectives.nelbo_fn(loss_fn, val_batches, cfg.precision)
+
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     grow = getattr(params, "progressive", None)  # sft's; adapters (lora) train on a frozen base
     growth = progressive.Growth(grow, cfg, model, desc) if grow is not None and grow.enabled else None  # the base is the first stack
-    result = training.train(model, chat_examples.chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
+    result = training.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
                             growth=growth, desc=desc)  # fmt: skip
     if growth is not None:
         model.requires_grad_(True)  # a growth phase may have left layers frozen

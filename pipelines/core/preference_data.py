@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipelines.core import diffusion
 from pipelines.core.chat_template import parse_messages, render_with_assistant_mask
 from pipelines.core.errors import QllmError
 
@@ -128,6 +129,10 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tu
     positions from the earliest answer on, instead of for every prompt token as well.
     """
     input_ids, completion = batch["input_ids"], batch["completion_mask"]
+    if diffusion.objective_of(model) == "masked_diffusion":  # no exact log-probability: its ELBO (`diffusion.sequence_elbo`)
+        summed = diffusion.sequence_elbo(model, input_ids, batch["attention_mask"], completion)
+        half = summed.shape[0] // 2
+        return summed[:half], summed[half:]
     width = input_ids.shape[1]
     first_answer = int(completion.argmax(dim=1).min())  # earliest answer token in the batch
     keep = width - first_answer + 1  # logits at position t predict token t + 1

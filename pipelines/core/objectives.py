@@ -1,0 +1,65 @@
+"""Which objective trains and validates a model: the causal chat loss, or masked diffusion.
+
+A masked-diffusion model (`pipelines.core.diffusion_model`) says so in its config; the stages
+that fine-tune or evaluate any model ask here for the loss (`chat_objective`) and the validation
+(`nelbo_fn`) that fit it, so the shared loop and the stages stay the same for both objectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from pipelines.core import chat_examples, diffusion, training
+from pipelines.core.config import DiffusionParams
+
+log = logging.getLogger("qllm.objectives")
+
+
+def chat_objective(model: torch.nn.Module):
+    """The fine-tuning loss for `model`: the completion-only chat loss of a causal LM, or, for a
+    masked-diffusion model, that objective on the answer tokens only, as LLaDA's SFT: the prompt is
+    never masked, and each (unpacked) row's padding becomes EOS targets, so generation learns to
+    end an answer; continuous antithetic time steps."""
+    if diffusion.objective_of(model) != "masked_diffusion":
+        return chat_examples.chat_loss
+    eos = model.config.eos_token_id
+    return diffusion.Objective(DiffusionParams(), int(model.config.mask_token_id), pad_target=eos[0] if isinstance(eos, list) else eos)
+
+
+def chat_packing(model: torch.nn.Module, packing: bool, desc: str) -> bool:
+    """Whether fine-tuning packs chats into rows: never for a masked-diffusion model (its padding is
+    trained as EOS, per example)."""
+    if packing and diffusion.objective_of(model) == "masked_diffusion":
+        log.info("%s: a masked-diffusion model fine-tunes on one chat per row (padding trained as EOS); packing is off", desc)
+        return False
+    return packing
+
+
+def nelbo_fn(objective: diffusion.Objective, batches: list[dict[str, torch.Tensor]], precision: str):
+    """Validation: the NELBO bound per token (`val/loss`, nats) and `val/perplexity` = exp(bound),
+    averaged over `val_samples` time steps per sequence drawn from a generator seeded by `val_seed`
+    (the same masks at every evaluation)."""
+    params = objective.params
+
+    @torch.no_grad()
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        generator = torch.Generator().manual_seed(params.val_seed)
+        total = 0.0
+        for batch in batches:
+            batch = training.to_device(batch, device)
+            for _ in range(params.val_samples):
+                t, steps = diffusion.sample_time_steps(batch["input_ids"].shape[0], params, generator)
+                with training.autocast(device, precision):
+                    loss, _ = objective.loss(model, batch, t, steps, generator)
+                total += float(loss)
+        model.train(was_training)
+        bound = total / max(1, len(batches) * params.val_samples)
+        return {"val/loss": bound, "val/nelbo": bound, "val/perplexity": math.exp(min(bound, 50.0))}
+
+    return evaluate
