@@ -217,3 +217,29 @@ def test_fine_tuning_masks_answers_only_and_trains_padding_as_eos():
     masked = diffusion.mask_positions(ready["input_ids"], objective.maskable(ready), torch.tensor([1.0]), None)
     assert masked.tolist() == [[False, False, True, True, True, True]]  # t = 1: every maskable token, never the prompt
     assert objectives.chat_packing(mdm(), True, "sft") is False
+
+
+def test_frozen_trunk_cache_serves_masked_diffusion_by_row_and_time_step():
+    """Discrete time steps: a row's masked input is a function of (row, step), so the frozen trunk's
+    activations repeat; training with and without the cache gives the same weights."""
+    from pipelines.core import progressive
+    from pipelines.core.config import ActivationCacheParams, ProgressiveParams
+
+    params = DiffusionParams(time_steps="discrete", num_time_steps=2, time_step_mask_fractions={0: 0.3, 1: 0.6})
+
+    def run(cache: bool):
+        model, data = mdm(), patterns(16)
+        grow = ProgressiveParams(enabled=True, stacks=[1, 1], steps_per_stack=12, activation_cache=ActivationCacheParams(enabled=cache))
+        c = cfg(max_steps=24, lr=0.01, eval_every=0, checkpoint_every=0)
+        growth = progressive.Growth(grow, c, model, "test")
+        hits = []
+        watch = Hook("on_step_end", lambda state, metrics: state.step == 23 and growth.cache and hits.append(growth.cache.hits))
+        training.train(model, diffusion.Objective(params, MASK_ID), training.Batches(16, 4, 0, collate(data)), c, growth=growth,
+                       extensions=[watch])  # fmt: skip
+        return model, hits
+
+    plain, _ = run(False)
+    cached, hits = run(True)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), cached.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), name
+    assert hits and hits[0] > 0  # 12 frozen steps x 4 rows over 16 distinct rows x 2 steps: repeats hit

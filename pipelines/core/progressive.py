@@ -366,10 +366,12 @@ class ActivationCache:
 
     def _before(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if (self._inside or self.start == 0 or not decoder.training or input_ids is None or kwargs.get("attention_mask") is not None
+        mask = kwargs.get("attention_mask")
+        full = mask is None or (mask.dim() == 4 and bool(mask.all()))  # causal, or bidirectional without padding (masked diffusion)
+        if (self._inside or self.start == 0 or not decoder.training or input_ids is None or not full
                 or kwargs.get("position_ids") is not None or kwargs.get("use_cache")):  # fmt: skip
             return None
-        hidden = self.trunk_output(decoder, input_ids)
+        hidden = self.trunk_output(decoder, input_ids, mask)
         kwargs = {**kwargs, "input_ids": None, "inputs_embeds": hidden, "use_cache": False}
         self._saved = (decoder.layers, decoder.config.num_hidden_layers)
         decoder.layers = torch.nn.ModuleList(list(decoder.layers)[self.start :])
@@ -381,28 +383,30 @@ class ActivationCache:
             decoder.layers, decoder.config.num_hidden_layers = self._saved
             self._saved = None
 
-    def trunk_output(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """The output of the first `start` layers for each row, from the cache or computed."""
+    def trunk_output(self, decoder: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The output of the first `start` layers for each row, from the cache or computed. The key is
+        the row's tokens: under masked diffusion with discrete time steps those are the masked tokens,
+        a function of (row, time step)."""
         keys = [self.key(row) for row in input_ids]
         found = [self.get(key) for key in keys]
         missing = [i for i, tensor in enumerate(found) if tensor is None]
         self.hits += len(keys) - len(missing)
         self.misses += len(missing)
         if missing:
-            computed = self._run_trunk(decoder, input_ids[missing])
+            computed = self._run_trunk(decoder, input_ids[missing], None if mask is None else mask[missing])
             for i, tensor in zip(missing, computed, strict=True):
                 found[i] = tensor
                 self.put(keys[i], tensor)
         return torch.stack([tensor.to(input_ids.device) for tensor in found])
 
-    def _run_trunk(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    def _run_trunk(self, decoder: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         layers, count, norm = decoder.layers, decoder.config.num_hidden_layers, decoder.norm
         self._inside = True
         try:
             decoder.config.num_hidden_layers = self.start
             decoder.norm = torch.nn.Identity()
             with torch.no_grad():
-                return decoder(input_ids=input_ids, use_cache=False).last_hidden_state.detach()
+                return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state.detach()
         finally:
             decoder.layers, decoder.config.num_hidden_layers, decoder.norm = layers, count, norm
             self._inside = False
