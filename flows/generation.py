@@ -48,6 +48,8 @@ def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
 def _load_registered(uri: str, root: Path) -> tuple[Any, Any]:
     import mlflow.transformers
 
+    import pipelines.core.diffusion_model  # noqa: F401  (the pipeline's own model classes, known to the Auto classes)
+    import pipelines.core.memory_model  # noqa: F401
     from flows import lineage
 
     client = lineage.open_client(root)  # the project's registry: tracking.tracking_uri(root)

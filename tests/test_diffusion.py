@@ -202,6 +202,12 @@ def test_the_whole_pipeline_runs_a_masked_diffusion_model_end_to_end(tmp_path, m
         assert 0 <= evaluated[name]["exact_match"] <= 1 and evaluated[name]["val_perplexity"] > 1
     predictions = (root / "data/evaluate/sft/predictions.jsonl").read_text().splitlines()
     assert predictions and all(diffusion.MASK not in json_line for json_line in predictions)
+    # qllm generate, from the directory and from the registry: the same model, the same (greedy) answer
+    from flows import generation
+
+    local = generation.generate(*generation.load(str(root / "data/models/dpo"), root), "What is 2 plus 3?", max_new_tokens=6)
+    registered = generation.generate(*generation.load("models:/qllm/1", root), "What is 2 plus 3?", max_new_tokens=6)
+    assert registered == local and diffusion.MASK not in local
 
 
 def test_fine_tuning_masks_answers_only_and_trains_padding_as_eos():

@@ -70,9 +70,11 @@ class QllmDiffusionLlamaForMaskedDiffusion(LlamaForCausalLM):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 32,
                  unmask_steps: int | None = None, block_length: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
-                 **ignored) -> torch.Tensor:  # fmt: skip
+                 do_sample: bool = False, temperature: float = 1.0, **ignored) -> torch.Tensor:  # fmt: skip
         """The prompt (left-padded rows) followed by `max_new_tokens` unmasked tokens, cut after the
-        first of `eos_token_id` (an id or a list). Greedy: the same inputs give the same answer."""
+        first of `eos_token_id` (an id or a list). Greedy by default (the same inputs give the same
+        answer); `do_sample` with `temperature` > 0 picks each step's tokens with Gumbel noise on the
+        logits (LLaDA's sampling; seed with `torch.manual_seed`)."""
         config = self.config
         mask_id = config.mask_token_id
         if mask_id is None:
@@ -96,7 +98,11 @@ class QllmDiffusionLlamaForMaskedDiffusion(LlamaForCausalLM):
                     continue
                 logits = self(input_ids=x, attention_mask=keep, position_ids=positions).logits.float()
                 logits[..., mask_id] = float("-inf")  # never predict the mask itself
-                guess = logits.argmax(-1)
+                if do_sample and temperature > 0:
+                    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp(1e-20, 1.0)))
+                    guess = (logits / temperature + gumbel).argmax(-1)
+                else:
+                    guess = logits.argmax(-1)
                 confidence = torch.softmax(logits, -1).gather(-1, guess[..., None])[..., 0]
                 masked = x == mask_id
                 masked[:, :start] = False
