@@ -234,3 +234,17 @@ def record_dpo_losses(monkeypatch) -> list[tuple[float, dict]]:
 
     monkeypatch.setattr(dpo, "dpo_loss", recording)
     return seen
+
+
+def load_with_remote_code(model_dir: Path, input_ids: list[list[int]]) -> tuple[str, bool, float]:
+    """Load a saved model with `trust_remote_code=True` in a fresh interpreter that cannot import the
+    pipeline (`-I`, an empty environment): (class name, whether `pipelines` got imported, sum of its
+    logits for `input_ids`)."""
+    code = ("import torch, sys; from transformers import AutoModelForCausalLM as A; "
+            f"m = A.from_pretrained({str(model_dir)!r}, trust_remote_code=True).eval(); "
+            f"print(type(m).__name__, 'pipelines' in sys.modules, m(input_ids=torch.tensor({input_ids})).logits.sum().item())")  # fmt: skip
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd=model_dir.parent, timeout=300,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, imported, total = done.stdout.split()
+    return name, imported == "True", float(total)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.memory import MemoryUsage
 from pipelines.core.memory_model import ProductKeyMemory, QllmMemoryLlamaForCausalLM
 from pipelines.core.models import build_llama, load_causal_lm
+from tests.conftest import load_with_remote_code
 from tests.test_training import FakeTokenizer, Interrupt, cfg, collate, rows
 
 
@@ -79,15 +78,9 @@ def test_model_class_saves_loads_and_adds_the_memory_to_the_mlp(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, logits)
     # elsewhere: transformers' custom-code path, in a fresh interpreter that cannot import the pipeline
-    code = ("import torch, sys; from transformers import AutoModelForCausalLM as A; "
-            f"m = A.from_pretrained({str(tmp_path / 'm')!r}, trust_remote_code=True).eval(); "
-            f"print(type(m).__name__, 'pipelines' in sys.modules, m(input_ids=torch.tensor({ids.tolist()})).logits.sum().item())")  # fmt: skip
-    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    name, imported, total = done.stdout.split()
-    assert name == "QllmMemoryLlamaForCausalLM" and imported == "False"
-    assert float(total) == pytest.approx(logits.sum().item(), abs=1e-4)
+    name, imported, total = load_with_remote_code(tmp_path / "m", ids.tolist())
+    assert name == "QllmMemoryLlamaForCausalLM" and not imported
+    assert total == pytest.approx(logits.sum().item(), abs=1e-4)
 
 
 def test_memory_layers_must_exist():
