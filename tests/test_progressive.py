@@ -309,7 +309,7 @@ def test_sft_grows_the_base_llama_pro_style(tiny_base, tmp_path):
 def test_progressive_is_refused_for_adapter_stages():
     with pytest.raises(ValueError, match=r"lora.progressive\n  Extra inputs are not permitted"):
         Params.model_validate(yaml_params({"lora": {"progressive": {"enabled": True}}}))
-    with pytest.raises(ValueError, match=r"sft.progressive: train.max_steps is 5 but progressive needs 200"):
+    with pytest.raises(ValueError, match=r"sft.progressive: train.max_steps is 5 but progressive needs 80"):
         Params.model_validate(yaml_params({"sft": {"progressive": {"enabled": True}, "train": {"max_steps": 5, "warmup_steps": 0}}}))
 
 
