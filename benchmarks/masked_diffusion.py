@@ -68,11 +68,17 @@ def one_run(root: Path, params, objective: str, seed: int, unmask_steps: int, sk
     out["sft_seconds"] = time.perf_counter() - started
     tuned, tuned_tokenizer = load_for_inference(scratch / f"{objective}-{seed}-sft")
     questions = evaluate.heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
-    started = time.perf_counter()
-    predictions = evaluate.generate_answers(tuned, tuned_tokenizer, questions["prompt"].tolist(), params.evaluate.max_new_tokens,
-                                            params.evaluate.batch_size)  # fmt: skip
-    correct, _ = evaluate.exact_match_report(questions, predictions)
-    out |= {"exact_match": sum(correct) / len(correct), "answer_seconds": time.perf_counter() - started, "example": predictions[:3]}
+    blocks = (None, 4, 1) if masked else (None,)  # LLaDA's semi-autoregressive blocks: one block, 4 tokens, 1 token
+    for block in blocks:
+        if masked:
+            tuned.config.block_length = block
+        started = time.perf_counter()
+        predictions = evaluate.generate_answers(tuned, tuned_tokenizer, questions["prompt"].tolist(), params.evaluate.max_new_tokens,
+                                                params.evaluate.batch_size)  # fmt: skip
+        correct, _ = evaluate.exact_match_report(questions, predictions)
+        suffix = "" if block is None else f"_block{block}"
+        out |= {f"exact_match{suffix}": sum(correct) / len(correct), f"answer_seconds{suffix}": time.perf_counter() - started,
+                f"example{suffix}": predictions[:3]}  # fmt: skip
     return out
 
 
@@ -94,16 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             for objective in results:
                 r = one_run(root, params, objective, seed, args.unmask_steps, args.skip_sft, Path(scratch))
                 results[objective].append(r)
-                em = f", exact match {r['exact_match']:.3f} (answers {r['answer_seconds']:.0f} s; e.g. {r['example']})" if "exact_match" in r else ""
+                em = "".join(f", exact match{k.removeprefix('exact_match').replace('_block', ' block ')} {v:.3f} (e.g. {r['example' + k.removeprefix('exact_match')]})"
+                             for k, v in r.items() if k.startswith("exact_match"))  # fmt: skip
                 print(f"seed {seed} {objective}: val {r['val_loss']:.4f} nats/token -> perplexity{' bound' if objective != 'causal' else ''} "
                       f"{r['perplexity']:.3f} ({r['pretrain_seconds']:.0f} s){em}", flush=True)  # fmt: skip
     print("\nobjective | validation perplexity (mean +- std) | held-out exact match (mean +- std)")
     for objective, runs in results.items():
         ppl = [r["perplexity"] for r in runs]
         line = f"{objective} | {statistics.mean(ppl):.3f} +- {statistics.stdev(ppl) if len(ppl) > 1 else 0:.3f}"
-        if "exact_match" in runs[0]:
-            em = [r["exact_match"] for r in runs]
-            line += f" | {statistics.mean(em):.3f} +- {statistics.stdev(em) if len(em) > 1 else 0:.3f}"
+        for key in [k for k in runs[0] if k.startswith("exact_match")]:
+            em = [r[key] for r in runs]
+            line += f" | {key}: {statistics.mean(em):.3f} +- {statistics.stdev(em) if len(em) > 1 else 0:.3f}"
         print(line)
     return 0
 
