@@ -166,7 +166,6 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     qconfig = quantize.from_params(params, params.train.precision, NAME)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, NAME)
     max_len = params.max_seq_len or model.config.max_position_embeddings
-    params = params.model_copy(update={"packing": objectives.chat_packing(model, params.packing, NAME)})
     train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing))
     if qconfig is not None:  # QLoRA: gradients at the frozen quantized base (see probe_quantized)

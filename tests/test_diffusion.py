@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core import diffusion, objectives, training
+from pipelines.core import chat_examples, diffusion, objectives, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import DiffusionParams, ModelParams
 from pipelines.core.diffusion_model import QllmDiffusionLlamaForMaskedDiffusion
@@ -203,19 +203,16 @@ def test_the_whole_pipeline_runs_a_masked_diffusion_model_end_to_end(tmp_path, m
     assert registered == local and diffusion.MASK not in local
 
 
-def test_fine_tuning_masks_answers_only_and_trains_padding_as_eos():
-    """LLaDA's SFT: prompt tokens stay visible; the padding of each unpacked row becomes EOS
-    targets (attended, maskable), so generation learns to end an answer."""
-    objective = diffusion.Objective(DiffusionParams(), MASK_ID, pad_target=0)
+def test_fine_tuning_masks_answer_tokens_only():
+    """SFT of a masked-diffusion model: prompt and padding stay visible and unscored."""
+    objective = objectives.chat_objective(mdm())
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 1, 1]]), "labels": torch.tensor([[-100, -100, 7, 8, -100, -100]]),
              "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])}  # fmt: skip
-    ready = objective.prepare(batch)
-    assert ready["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0]] and ready["labels"].tolist() == [[-100, -100, 7, 8, 0, 0]]
-    assert ready["attention_mask"].tolist() == [[1] * 6]
-    assert objective.maskable(ready).tolist() == [[False, False, True, True, True, True]]
-    masked = diffusion.mask_positions(ready["input_ids"], objective.maskable(ready), torch.tensor([1.0]), None)
-    assert masked.tolist() == [[False, False, True, True, True, True]]  # t = 1: every maskable token, never the prompt
-    assert objectives.chat_packing(mdm(), True, "sft") is False
+    assert objective.maskable(batch).tolist() == [[False, False, True, True, False, False]]
+    masked = diffusion.mask_positions(batch["input_ids"], objective.maskable(batch), torch.tensor([1.0]), None)
+    assert masked.tolist() == [[False, False, True, True, False, False]]  # t = 1: every answer token, never the prompt
+    assert objectives.chat_objective(build_llama(ModelParams(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                                             num_kv_heads=2), MaskTokenizer(), 16, 0)) is chat_examples.chat_loss  # fmt: skip
 
 
 def test_frozen_trunk_cache_serves_masked_diffusion_by_row_and_time_step():

@@ -102,22 +102,8 @@ class Objective:
     answer tokens are masked and scored) and `attention_mask` (padding) are optional.
     """
 
-    def __init__(self, params: DiffusionParams, mask_token_id: int, pad_target: int | None = None) -> None:
-        self.params, self.mask_token_id, self.pad_target = params, mask_token_id, pad_target
-
-    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The batch transform of fine-tuning (`pad_target` set, unpacked rows): padding becomes
-        `pad_target` (EOS) tokens that are attended to, masked and predicted like the answer, as
-        LLaDA's SFT does, so that the model learns to fill the rest of a generation window with
-        EOS after its answer."""
-        if self.pad_target is None or "attention_mask" not in batch or batch["attention_mask"].dim() != 2:
-            return batch
-        pad = ~batch["attention_mask"].bool()
-        ids = torch.where(pad, torch.full_like(batch["input_ids"], self.pad_target), batch["input_ids"])
-        out = {**batch, "input_ids": ids, "attention_mask": torch.ones_like(batch["attention_mask"])}
-        if "labels" in batch:
-            out["labels"] = torch.where(pad, ids, batch["labels"])
-        return out
+    def __init__(self, params: DiffusionParams, mask_token_id: int) -> None:
+        self.params, self.mask_token_id = params, mask_token_id
 
     def maskable(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids = batch["input_ids"]
@@ -130,7 +116,6 @@ class Objective:
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], t: torch.Tensor, steps: torch.Tensor | None,
              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        batch = self.prepare(batch)
         ids = batch["input_ids"]
         maskable = self.maskable(batch)
         masked = mask_positions(ids, maskable, t, steps, generator)
@@ -142,7 +127,7 @@ class Objective:
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         t, steps = sample_time_steps(batch["input_ids"].shape[0], self.params)
         loss, masked = self.loss(model, batch, t, steps)
-        return loss, {"train/mask_fraction": float(masked.sum()) / max(1, int(self.maskable(self.prepare(batch)).sum()))}
+        return loss, {"train/mask_fraction": float(masked.sum()) / max(1, int(self.maskable(batch).sum()))}
 
 
 def mask_token_id(tokenizer, where: str) -> int:

@@ -86,7 +86,6 @@ def run(
     qconfig = quantize.from_params(quantization, cfg.precision, quantization_section or desc)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     max_len = params.max_seq_len or model.config.max_position_embeddings
-    params = params.model_copy(update={"packing": objectives.chat_packing(model, params.packing, desc)})
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)  # adapter initialisation is random: make it a function of the seed

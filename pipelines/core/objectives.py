@@ -7,7 +7,6 @@ that fine-tune or evaluate any model ask here for the loss (`chat_objective`) an
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -15,27 +14,18 @@ import torch
 from pipelines.core import chat_examples, diffusion, training
 from pipelines.core.config import DiffusionParams
 
-log = logging.getLogger("qllm.objectives")
-
 
 def chat_objective(model: torch.nn.Module):
     """The fine-tuning loss for `model`: the completion-only chat loss of a causal LM, or, for a
-    masked-diffusion model, that objective on the answer tokens only, as LLaDA's SFT: the prompt is
-    never masked, and each (unpacked) row's padding becomes EOS targets, so generation learns to
-    end an answer; continuous antithetic time steps."""
+    masked-diffusion model, that objective on the answer tokens only (the prompt is never masked,
+    as in LLaDA's SFT; continuous antithetic time steps). Packed rows stay apart (the model's
+    bidirectional mask follows their position ids). LLaDA also pads each answer with EOS targets
+    so the model learns to end it; with this pipeline's short answers those targets outnumbered
+    the answers and the model answered with EOS alone (exact match 0 on both worlds), so the answer
+    ends at its `<|im_end|>`, where generation cuts it."""
     if diffusion.objective_of(model) != "masked_diffusion":
         return chat_examples.chat_loss
-    eos = model.config.eos_token_id
-    return diffusion.Objective(DiffusionParams(), int(model.config.mask_token_id), pad_target=eos[0] if isinstance(eos, list) else eos)
-
-
-def chat_packing(model: torch.nn.Module, packing: bool, desc: str) -> bool:
-    """Whether fine-tuning packs chats into rows: never for a masked-diffusion model (its padding is
-    trained as EOS, per example)."""
-    if packing and diffusion.objective_of(model) == "masked_diffusion":
-        log.info("%s: a masked-diffusion model fine-tunes on one chat per row (padding trained as EOS); packing is off", desc)
-        return False
-    return packing
+    return diffusion.Objective(DiffusionParams(), int(model.config.mask_token_id))
 
 
 def nelbo_fn(objective: diffusion.Objective, batches: list[dict[str, torch.Tensor]], precision: str):

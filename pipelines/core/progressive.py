@@ -22,8 +22,8 @@ over `rewarm_steps` after each growth (the schedule itself stays a function of t
 The loop asks `phase_at(step)` before each step; when it changes, `enter(model, phase)` grows the
 model and sets what trains, and the loop builds the new optimizer and schedule. Checkpoints hold
 every weight (a frozen trunk was trained in an earlier phase) and the phase, so a run resumes
-exactly on either side of a growth point (`prepare_resume` grows the model to the checkpoint's
-shape before its weights are loaded).
+exactly on either side of a growth point (the loop grows the model to the checkpoint's phase
+before its weights are loaded).
 
 While the trunk is frozen its output for a training sequence never changes: the time-step
 activation cache (`ActivationCache`) keeps it per sequence and the decoder starts from it at the
