@@ -84,7 +84,7 @@ def _final_entry(root: Path, spec: dag.Stage, upstream: list[str], lock: dict[st
         "stage": spec.name,
         "mlflow_run_id": None,
         "upstream": upstream,
-        "params": _params_from_yaml(root / "params.yaml", spec),
+        "params": _as_json(_params_from_yaml(root / "params.yaml", spec)),
         "deps": deps,
         "outs": {},
     }
@@ -124,7 +124,13 @@ def _collapse(values: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 
 def _lock_params(entry: Mapping[str, Any], name: str) -> dict[str, Any]:
-    return _collapse((entry.get("params") or {}).get("params.yaml") or {}, name)
+    return _as_json(_collapse((entry.get("params") or {}).get("params.yaml") or {}, name))
+
+
+def _as_json(params: dict[str, Any]) -> dict[str, Any]:
+    """Params as the lineage artifact (JSON) holds them: a YAML mapping with number keys
+    (`time_step_mask_fractions: {0: 0.15}`) gets string keys, whichever file it was read from."""
+    return json.loads(json.dumps(params))
 
 
 def _params_from_yaml(path: Path, spec: dag.Stage) -> dict[str, Any]:
