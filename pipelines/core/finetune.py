@@ -115,7 +115,7 @@ def run(
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     grow = getattr(params, "progressive", None)  # sft's; adapters (lora) train on a frozen base
-    growth = progressive.Growth(grow, cfg, model, desc) if grow is not None and grow.enabled else None  # the base is the first stack
+    growth = progressive.Growth(grow, cfg, model, desc, trained=True) if grow is not None and grow.enabled else None  # the base: stack 1
     result = training.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
                             growth=growth, desc=desc)  # fmt: skip
     if growth is not None:

@@ -151,17 +151,20 @@ def head_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 class Growth:
     """The growth schedule of one run: phases, model surgery, what trains, the re-warm, the cache."""
 
-    def __init__(self, grow: ProgressiveParams, cfg: TrainParams, model: torch.nn.Module, desc: str = "pretrain") -> None:
+    def __init__(self, grow: ProgressiveParams, cfg: TrainParams, model: torch.nn.Module, desc: str = "pretrain",
+                 trained: bool = False) -> None:  # fmt: skip
+        """`model`: built whole from config (pretrain: cut to its first stack here), or, with
+        `trained`, a trained model that is the first stack and grows from there (sft)."""
         self.params, self.cfg, self.desc = grow, cfg, desc
         self.phases = phases(grow, cfg.max_steps)
         self.bounds = np.cumsum([0, *grow.stacks]).tolist()
         self.rewarm = cfg.warmup_steps if grow.rewarm_steps is None else grow.rewarm_steps
-        have = len(decoder_layers(model))
-        if have == self.bounds[-1]:
-            truncate(model, self.phases[0].layers)  # built whole (pretrain): trained from its first stack
-        elif have != grow.stacks[0]:  # a trained model (sft) is the first stack and grows from there
-            raise QllmError(f"{desc}.progressive.stacks {grow.stacks}: the model has {have} layers; expected {self.bounds[-1]} (all "
-                            f"stacks, built from config) or {grow.stacks[0]} (the first stack: a trained model to grow)")  # fmt: skip
+        have, expected = len(decoder_layers(model)), grow.stacks[0] if trained else self.bounds[-1]
+        if have != expected:
+            what = "the first stack: the trained model to grow" if trained else "all stacks: the model built from config"
+            raise QllmError(f"{desc}.progressive.stacks {grow.stacks}: the model has {have} layers; expected {expected} ({what})")
+        if not trained:
+            truncate(model, self.phases[0].layers)  # trained from its first stack
         self.current = -1
         self.cache = ActivationCache(grow.activation_cache, desc) if grow.activation_cache.enabled else None
         if self.cache is not None:
