@@ -41,7 +41,7 @@ import torch
 
 from pipelines.core import diffusion, losses, objectives, packed, plots, preference_data, stage, training
 from pipelines.core.chat_template import normalize_answer, parse_messages, split_last_answer
-from pipelines.core.config import DiffusionParams, EvaluateParams
+from pipelines.core.config import EvaluateParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
 from pipelines.core.outputs import atomic_dir, read_json
@@ -265,8 +265,7 @@ def evaluate_model(
     val_rows = packed.load(tokenized, "validation")
     batches = packed.fixed_batches(val_rows, params.batch_size, params.eval_batches)
     if diffusion.objective_of(model) == "masked_diffusion":  # the NELBO bound per token (its perplexity: a bound)
-        objective = diffusion.Objective(DiffusionParams(), int(model.config.mask_token_id))
-        val_loss = objectives.nelbo_fn(objective, batches, "fp32")(model)["val/loss"]
+        val_loss = objectives.nelbo_fn(objectives.chat_objective(model), batches, "fp32")(model)["val/loss"]
     else:
         val_loss = training.mean_loss(model, training.causal_lm_loss, batches, model.device, "fp32")
 

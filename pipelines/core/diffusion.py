@@ -83,8 +83,7 @@ def mask_positions(input_ids: torch.Tensor, maskable: torch.Tensor, t: torch.Ten
     else:
         draws = torch.empty(input_ids.shape)
         for row in range(input_ids.shape[0]):
-            seed = hashlib.blake2b(input_ids[row].cpu().numpy().tobytes() + int(steps[row]).to_bytes(4, "little"), digest_size=8)
-            draws[row] = torch.rand(input_ids.shape[1], generator=torch.Generator().manual_seed(int.from_bytes(seed.digest(), "little") >> 1))
+            draws[row] = torch.rand(input_ids.shape[1], generator=row_generator(input_ids[row], int(steps[row])))
     return (draws.to(input_ids.device) < t.to(input_ids.device)[:, None]) & maskable
 
 

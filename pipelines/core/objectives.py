@@ -31,25 +31,18 @@ def chat_objective(model: torch.nn.Module):
 def nelbo_fn(objective: diffusion.Objective, batches: list[dict[str, torch.Tensor]], precision: str):
     """Validation: the NELBO bound per token (`val/loss`, nats) and `val/perplexity` = exp(bound),
     averaged over `val_samples` time steps per sequence drawn from a generator seeded by `val_seed`
-    (the same masks at every evaluation)."""
+    (the same masks at every evaluation); `training.mean_loss` does the rest."""
     params = objective.params
+    repeated = [batch for batch in batches for _ in range(params.val_samples)]
 
-    @torch.no_grad()
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
-        device = next(model.parameters()).device
-        was_training = model.training
-        model.eval()
         generator = torch.Generator().manual_seed(params.val_seed)
-        total = 0.0
-        for batch in batches:
-            batch = training.to_device(batch, device)
-            for _ in range(params.val_samples):
-                t, steps = diffusion.sample_time_steps(batch["input_ids"].shape[0], params, generator)
-                with training.autocast(device, precision):
-                    loss, _ = objective.loss(model, batch, t, steps, generator)
-                total += float(loss)
-        model.train(was_training)
-        bound = total / max(1, len(batches) * params.val_samples)
+
+        def draw(m: torch.nn.Module, batch: dict[str, torch.Tensor]):
+            t, steps = diffusion.sample_time_steps(batch["input_ids"].shape[0], params, generator)
+            return objective.loss(m, batch, t, steps, generator)
+
+        bound = training.mean_loss(model, draw, repeated, next(model.parameters()).device, precision)
         return {"val/loss": bound, "val/nelbo": bound, "val/perplexity": math.exp(min(bound, 50.0))}
 
     return evaluate

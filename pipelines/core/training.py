@@ -476,8 +476,8 @@ def _train(
         progress = _progress_bar(run)
         try:
             while run.state.step < cfg.max_steps and not run.state.stop:
-                if run.growth is not None and run.growth.phase_at(run.state.step) is not run.phase:
-                    _enter_phase(run, run.growth.phase_at(run.state.step))
+                if run.growth is not None and (phase := run.growth.phase_at(run.state.step)) is not run.phase:
+                    _enter_phase(run, phase)
                 step = _step(run)
                 if step is None:  # a non-finite batch, skipped
                     continue
