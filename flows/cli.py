@@ -19,6 +19,7 @@ After a run:
     qllm lineage models:/qllm@champion [--json]          # registered version -> stages -> raw data
     qllm generate --model models:/qllm@champion --prompt "Where does Tovik live?"
     qllm generate --model data/models/sft --prompt "What is 2 plus 3?" --temperature 0.8 --seed 1
+    qllm generate --model data/models/multimodal --image digit.png --prompt "Which digit is this?"
     qllm compare --last 2 [--all] [--json]               # or: qllm compare RUN_ID RUN_ID ...
 
 Errors the user can act on (unknown model, alias, version or run id, no mlflow.db) exit with 2.
@@ -231,7 +232,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _quiet_downloads()
     from flows import generation
 
-    model, tokenizer = generation.load(args.model, Path(args.project_dir).resolve())
+    root = Path(args.project_dir).resolve()
+    if args.image is not None or generation.is_image_model(args.model, root):
+        if args.image is not None and not generation.is_image_model(args.model, root):
+            raise QllmError(f"{args.model}: a text-only model cannot look at --image; use the multimodal stage's model "
+                            "(data/models/multimodal, or its registered version)")  # fmt: skip
+        model, processor = generation.load_image_model(args.model, root)
+        text = generation.generate_about_image(model, processor, args.image, args.prompt, max_new_tokens=args.max_new_tokens,
+                                               temperature=args.temperature, seed=args.seed, system=args.system)  # fmt: skip
+        print(text)
+        return 0
+    model, tokenizer = generation.load(args.model, root)
     text = generation.generate(
         model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, system=args.system
     )
@@ -274,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--model", required=True, metavar="URI|PATH", help="models:/NAME@ALIAS, models:/NAME/VERSION or a model directory")
     generate.add_argument("--prompt", required=True, help="the user message")
     generate.add_argument("--system", help="an optional system message")
+    generate.add_argument("--image", metavar="PATH", help="an image file to ask about (the multimodal model; README \"Multimodal\")")
     generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most N new tokens (default: 64)")
     generate.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); >0: sample at temperature T")
     generate.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")

@@ -10,6 +10,11 @@ greedy decoding (deterministic); a positive temperature samples, seeded by `seed
 `model` is a registered version (`models:/NAME@ALIAS`, `models:/NAME/VERSION`, loaded with
 `mlflow.transformers.load_model` from the project's registry) or a model directory the pipeline
 wrote: a full model, a LoRA output with `merged/`, or a PEFT adapter (merged into its base).
+
+With an image (`qllm generate --model data/models/multimodal --image digit.png --prompt "Which digit
+is this?"`) the model is the multimodal stage's (a directory, or its registered pyfunc version):
+`load_image_model` and `generate_about_image`; the image goes where the prompt's `<image>` is, or
+in front of it.
 """
 
 from __future__ import annotations
@@ -113,3 +118,97 @@ def generate(
         )
     new_tokens = output[0, encoded["input_ids"].shape[1] :]
     return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+
+
+def is_image_model(model: str, root: Path | str = ".") -> bool:
+    """Whether `model` (a directory or `models:/` URI) is an image-text model (the multimodal stage's)."""
+    import json
+
+    root = Path(root).resolve()
+    if model.startswith("models:/"):
+        from flows import lineage
+
+        client = lineage.open_client(root)
+        version = lineage.model_version(client, model)
+        return version.tags.get("qllm.stage") == "multimodal"
+    config = _local_dir(model, root) / "config.json"
+    try:
+        return "vision_config" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):  # no or no valid config: `load` says what is wrong with the directory
+        return False
+
+
+def _local_dir(model: str, root: Path) -> Path:
+    path = Path(model)
+    if not path.exists() and not path.is_absolute() and (root / path).exists():
+        path = root / path
+    return path
+
+
+def load_image_model(model: str, root: Path | str = ".") -> tuple[Any, Any]:
+    """(model, processor) of the multimodal stage's output directory or its registered version."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    root = Path(root).resolve()
+    if model.startswith("models:/"):
+        import mlflow.pyfunc
+
+        from flows import lineage
+
+        client = lineage.open_client(root)
+        version = lineage.model_version(client, model)
+        location = client.get_model_version_download_uri(version.name, version.version)
+        wrapped = mlflow.pyfunc.load_model(location).unwrap_python_model()
+        return wrapped.model, wrapped.processor
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = _local_dir(model, root)
+    if not (path / "config.json").exists():
+        raise QllmError(f"{model}: no such model directory (expected the multimodal stage's output, e.g. data/models/multimodal)")
+    return AutoModelForImageTextToText.from_pretrained(path), AutoProcessor.from_pretrained(path)
+
+
+def generate_about_image(
+    model: Any,
+    processor: Any,
+    image: Path | str | None,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    system: str | None = None,
+) -> str:
+    """The image-text model's answer to `prompt` about `image` (an image file; None: no image).
+
+    The prompt's `<image>` placeholder marks where the image goes (in front when it has none);
+    decoding as in `generate`."""
+    import torch
+
+    from pipelines.core import vision
+    from pipelines.core.models import stop_token_ids
+
+    if max_new_tokens < 1:
+        raise QllmError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    if temperature < 0:
+        raise QllmError(f"temperature must be 0 (greedy) or positive (got {temperature})")
+    images = None
+    if image is not None:
+        try:
+            images = [vision.open_image(Path(image).read_bytes())]
+        except (OSError, ValueError) as exc:  # missing, unreadable, or not an image Pillow can decode (images.ImageError)
+            raise QllmError(f"{image}: cannot read the image ({exc})") from None
+        if vision.IMAGE_TOKEN not in prompt:
+            prompt = vision.IMAGE_TOKEN + prompt
+    elif vision.IMAGE_TOKEN in prompt:
+        raise QllmError(f"the prompt has an {vision.IMAGE_TOKEN} placeholder but no --image was given")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    encoded = processor(text=[text], images=images, return_tensors="pt").to(model.device)
+    tokenizer = processor.tokenizer
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    model.eval()
+    with torch.no_grad():
+        if temperature > 0:
+            torch.manual_seed(seed)
+        output = model.generate(**encoded, max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(tokenizer),
+                                pad_token_id=tokenizer.pad_token_id, **sampling)  # fmt: skip
+    return tokenizer.decode(output[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -19,6 +19,13 @@ For each model in `evaluate.models` (stage outputs `data/models/<stage>`), `eval
 - for a DPO policy (its directory holds `preference_config.json`): the implicit-reward metrics of
   TRL, `rewards/accuracies`, `rewards/margins`, ..., β·(policy − reference) on the same pairs.
 
+When the multimodal stage ran (`data/models/multimodal` holds a model), an entry `multimodal` too,
+on the held-out image questions (`data/prepared/image_chat/test.parquet`; `pipelines.core.vision.evaluate`):
+`exact_match` of the greedy answers, `image_answer_loss` with each question's own image and
+`shuffled_image_answer_loss` with another question's image (a seeded derangement), their difference
+`image_loss_gap` (how much the image matters) and `image_loss_right_lower_fraction`; its predictions go to
+`data/evaluate/multimodal/predictions.jsonl`. It is not a row of the text comparison.
+
 Also written: `data/evaluate/comparison.csv` (one row per model; logged to MLflow as a table) and
 `data/evaluate/plots/` (`loss_curves.png` from each model's `training_log.csv`/`eval_log.csv`,
 `metrics.png` bars), which dvc.yaml declares as plots (`dvc plots show`).
@@ -50,6 +57,8 @@ NAME = "evaluate"
 HELDOUT_PAIRS = "test.parquet"
 """The held-out preference pairs, in ref_logprobs' output directory."""
 COMPARISON = "comparison.csv"
+MULTIMODAL = "multimodal"
+"""The multimodal stage's model directory, next to the others."""
 PLOTS = "plots"
 COMPARED = ("exact_match", "bleu", "rougeL", "bertscore_f1", "preference_accuracy", "val_loss", "val_perplexity", "rewards/accuracies", "rewards/margins")
 """The columns of the comparison table (those a model has)."""
@@ -295,9 +304,34 @@ def evaluate_model(
     }
 
 
-def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams, preferences: Path | None = None) -> dict[str, dict]:
-    """`{model: metrics}` for every model in `params.models`; predictions under `out/<model>/`,
-    the comparison table and plots under `out/`."""
+def evaluate_multimodal(model_dir: Path, image_dir: Path, out: Path, params: EvaluateParams) -> dict:
+    """The multimodal model's metrics on the held-out image questions (see the module docstring)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from pipelines.core import vision
+
+    chats = vision.read_chats(image_dir, "test")
+    if params.max_questions:
+        chats = chats[: params.max_questions]
+    with CONSTRUCTION:
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+        processor = AutoProcessor.from_pretrained(model_dir)
+    started = time.perf_counter()
+    metrics = vision.evaluate(model.to(device()), processor, chats, max_new_tokens=params.max_new_tokens, batch_size=params.batch_size, device=device())
+    rows = metrics.pop("rows", [])
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "predictions.jsonl", "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    renamed = {"image_questions": "questions", "image_exact_match": "exact_match"}
+    return {renamed.get(k, k): v for k, v in metrics.items()} | {"eval_seconds": round(time.perf_counter() - started, 3)}
+
+
+def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams, preferences: Path | None = None,
+        image_dir: Path | None = None) -> dict[str, dict]:  # fmt: skip
+    """`{model: metrics}` for every model in `params.models` (and `multimodal` when `models_dir/multimodal`
+    holds a model and `image_dir` is given); predictions under `out/<model>/`, the comparison table and
+    plots under `out/`."""
+    from pipelines.core import vision
     questions = heldout_questions(chat_dir, params.max_questions)
     bertscore = BertScore(params.bertscore_model, root, params.bertscore_layer) if params.bertscore_model else None
     pairs = preference_data.from_frame(pd.read_parquet(preferences)) if preferences is not None and preferences.exists() else []
@@ -315,6 +349,8 @@ def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path
         plots.loss_curves({name: models_dir / name for name in params.models}, tmp / PLOTS / "loss_curves.png")
         plots.metric_bars(results, [m for m in ("exact_match", "rougeL", "preference_accuracy") if any(m in r for r in results.values())],
                           tmp / PLOTS / "metrics.png")  # fmt: skip
+        if image_dir is not None and vision.trained(models_dir / MULTIMODAL):
+            results[MULTIMODAL] = evaluate_multimodal(models_dir / MULTIMODAL, image_dir, tmp / MULTIMODAL, params)
     return results
 
 
@@ -332,7 +368,17 @@ def body(ctx: stage.StageContext) -> dict:
     if ctx.params.bertscore_model:
         ctx.log.info("BERTScore with %s, layer %s: its files are not a dvc.yaml dependency (DVC reruns evaluate when the param changes, "
                      "not when the files do)", ctx.params.bertscore_model, "last" if ctx.params.bertscore_layer is None else ctx.params.bertscore_layer)  # fmt: skip
-    results = run(ctx.root, models_dir.pop(), ctx.input("tokenized"), ctx.input("chat"), out, ctx.params, ctx.input("ref_logprobs") / HELDOUT_PAIRS)
+    models_dir = models_dir.pop()
+    if ctx.input("models/multimodal").parent != models_dir:
+        raise QllmError(f"dvc.yaml: evaluate reads the multimodal model from {ctx.input('models/multimodal')}, outside {models_dir}")
+    results = run(ctx.root, models_dir, ctx.input("tokenized"), ctx.input("chat"), out, ctx.params, ctx.input("ref_logprobs") / HELDOUT_PAIRS,
+                  ctx.input("image_chat"))  # fmt: skip
+    image = results.pop("multimodal", None)
+    if image is not None:
+        ctx.tracker.log_artifact(out / "multimodal" / "predictions.jsonl", "predictions/multimodal")
+        ctx.log.info("multimodal: exact match %.1f%% on %d held-out image questions; answer loss %.4f with the right image, %.4f with a "
+                     "shuffled one (gap %.4f)", 100 * image["exact_match"], image["questions"], image["image_answer_loss"],
+                     image["shuffled_image_answer_loss"], image["image_loss_gap"])  # fmt: skip
     for name, metrics in results.items():
         ctx.tracker.log_artifact(out / name / "predictions.jsonl", f"predictions/{name}")
         ctx.log.info(
@@ -343,7 +389,7 @@ def body(ctx: stage.StageContext) -> dict:
         )  # fmt: skip
     ctx.tracker.log_table(pd.read_csv(out / COMPARISON), "comparison.json")
     ctx.tracker.log_artifacts(out / PLOTS, "plots")
-    return results
+    return results | ({"multimodal": image} if image is not None else {})
 
 
 def main(argv: list[str] | None = None) -> int:

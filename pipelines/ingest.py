@@ -2,15 +2,18 @@
 
     python -m pipelines.ingest      # what dvc.yaml runs
 
-Writes `data/ingested/text.parquet`, `chat.parquet` and `preference.parquet` (always all three;
-a kind without sources is an empty file with the kind's columns), in source order. The record
-kinds and accepted input layouts are described in `pipelines/core/readers.py`.
+Writes `data/ingested/text.parquet`, `chat.parquet`, `preference.parquet` and
+`image_chat.parquet` (always all four; a kind without sources is an empty file with the kind's
+columns), in source order. The record kinds and accepted input layouts are described in
+`pipelines/core/readers.py`; an image chat's images are read (and checked to decode) here, and
+stored in the file as their bytes, so later stages need neither the image files nor their paths.
 
 Sources stream through in bounded memory (`readers.iter_source`): records are written as they
 are read, in row groups of at most `readers.BATCH_ROWS` records (fewer when their text reaches
 `readers.BATCH_BYTES` characters; a source's last row group holds the rest), so a later stage can
 read them batch by batch (`pq.ParquetFile(path).iter_batches()`). Every column is a Parquet
-string; the row groups depend only on the input, and the same input gives the same bytes. A
+string but `images` (a list of binary values, `readers.IMAGES_TYPE`); the row groups depend only
+on the input, and the same input gives the same bytes. A
 failure leaves the previous output as it was (`atomic_dir`).
 """
 
@@ -50,7 +53,7 @@ def run(root: Path, out_dir: Path, params: IngestParams, *, progress: bool = Tru
     Args:
         root: project root; relative source paths are resolved against it.
         out_dir: directory to (atomically) replace with `text.parquet`, `chat.parquet`,
-            `preference.parquet`.
+            `preference.parquet`, `image_chat.parquet`.
         params: the `ingest` params section.
         progress: a progress bar per source (shown only on a terminal).
 

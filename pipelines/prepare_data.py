@@ -2,17 +2,22 @@
 
     python -m pipelines.prepare_data      # what dvc.yaml runs
 
-Reads `data/ingested/{text,chat,preference}.parquet` and writes
+Reads `data/ingested/{text,chat,preference,image_chat}.parquet` and writes
 `data/prepared/<kind>/<split>.parquet` for every kind and split (train, validation, test: always
-all nine files, empty ones with the kind's columns). Per kind, in order:
+all twelve files, empty ones with the kind's columns). Per kind, in order:
 
-1. normalise every string (`cleaning.normalize_text`): the text; each message content; the
-   prompt's contents, chosen and rejected. An empty system message is removed (it says nothing).
+1. normalise every string (`cleaning.normalize_text`): the text; each message content (an image
+   chat's `<image>` tags stay as they are); the prompt's contents, chosen and rejected. An empty
+   system message is removed (it says nothing). Images are never re-encoded: the `images` column
+   (`list<binary>`) leaves as it came from `ingest`.
 2. drop records, each counted under the first reason that applies: `empty` (an empty text,
    message content, chosen or rejected), `too_short` / `too_long` (characters outside
    `[min_chars, max_chars]`: the text; the sum of the contents; prompt contents + chosen +
-   rejected), `chosen_equals_rejected`, `duplicate` (same content as an earlier record, when
-   `dedup`; id, source and split ignored) and `near_duplicate` (text only, when `near_dedup`).
+   rejected), `image_size` (an image chat with an image side outside
+   `[image_min_side, image_max_side]` pixels), `chosen_equals_rejected`, `duplicate` (same
+   content as an earlier record, when `dedup`; id, source and split ignored; an image chat's
+   content is its messages and the SHA-256 of each image's bytes) and `near_duplicate` (text
+   only, when `near_dedup`).
 3. send `split: auto` records to train or validation by a hash of their content
    (`cleaning.assign_split`); explicit splits are kept.
 
@@ -47,16 +52,18 @@ import pyarrow.parquet as pq
 from pipelines.core import cleaning, parallel, stage
 from pipelines.core.config import PrepareDataParams
 from pipelines.core.errors import QllmError
+from pipelines.core.images import IMAGE_TOKEN, ImageError, count_placeholders, image_size, sha256_hex
 from pipelines.core.outputs import atomic_dir, record_batches
 
 NAME = "prepare_data"
 SPLITS = ("train", "validation", "test")
-REASONS = ("empty", "too_short", "too_long", "chosen_equals_rejected", "duplicate", "near_duplicate")
+REASONS = ("empty", "too_short", "too_long", "image_size", "chosen_equals_rejected", "duplicate", "near_duplicate")
 # What each drop reason means, for the warning a non-zero count logs.
 REASON_HELP = {
     "empty": "an empty text, message, chosen or rejected",
     "too_short": "fewer characters than prepare_data.min_chars",
     "too_long": "more characters than prepare_data.max_chars",
+    "image_size": "an image with a side below prepare_data.image_min_side or above image_max_side pixels",
     "chosen_equals_rejected": "chosen and rejected are the same answer",
     "duplicate": "the same content as an earlier record",
     "near_duplicate": "MinHash similarity >= prepare_data.near_dedup_threshold to an earlier text",
@@ -65,6 +72,11 @@ REASON_HELP = {
 
 class PrepareDataError(QllmError, ValueError):
     """The ingested data is missing or not what `ingest` writes."""
+
+
+IMAGES_TYPE = pa.list_(pa.binary())
+"""The `images` column (`readers.IMAGES_TYPE`, repeated as `KindRules.columns` are): each image's
+file bytes; every other column is a string."""
 
 
 # --------------------------------------------------------------------------- per-kind rules
@@ -91,6 +103,11 @@ def _normalize_chat(frame: pd.DataFrame, form: str) -> pd.DataFrame:
     return frame.assign(messages=[_normalize_messages(m, form) for m in frame["messages"]])
 
 
+def _image_key(messages: str, images: list[bytes]) -> str:
+    """An image chat's content: its messages and what its images are (the SHA-256 of their bytes)."""
+    return _dumps([messages, [sha256_hex(data) for data in images]])
+
+
 def _normalize_preference(frame: pd.DataFrame, form: str) -> pd.DataFrame:
     return frame.assign(
         prompt=[_normalize_messages(p, form) for p in frame["prompt"]],
@@ -105,7 +122,7 @@ class KindRules:
 
     columns: tuple[str, ...]
     """The kind's columns, as `ingest` writes them (`readers.COLUMNS`, repeated here so that this
-    stage depends on cleaning.py only, as dvc.yaml says)."""
+    stage depends on cleaning.py and images.py only, as dvc.yaml says)."""
     normalize: Callable[[pd.DataFrame, str], pd.DataFrame]
     parts: Callable[[pd.DataFrame], list[list[str]]]
     """Every string of each record: emptiness and length are judged over these."""
@@ -113,6 +130,8 @@ class KindRules:
     """The record's content (id, source and split left out): dedup and split key."""
     same_answers: Callable[[pd.DataFrame], np.ndarray] | None = None
     near_dedup_text: Callable[[pd.DataFrame], list[str]] | None = None
+    images: Callable[[pd.DataFrame], list[list[bytes]]] | None = None
+    """The image bytes of each record, measured against `image_min_side`/`image_max_side`."""
 
 
 KINDS: dict[str, KindRules] = {
@@ -138,6 +157,13 @@ KINDS: dict[str, KindRules] = {
         key=lambda f: [_dumps([p, c, r]) for p, c, r in zip(f["prompt"], f["chosen"], f["rejected"], strict=True)],
         same_answers=lambda f: (f["chosen"] == f["rejected"]).to_numpy(dtype=bool),
     ),
+    "image_chat": KindRules(
+        columns=("id", "source", "split", "messages", "images"),
+        normalize=_normalize_chat,
+        parts=lambda f: [_contents(m) for m in f["messages"]],
+        key=lambda f: [_image_key(m, i) for m, i in zip(f["messages"], f["images"], strict=True)],
+        images=lambda f: list(f["images"]),
+    ),
 }
 
 
@@ -148,6 +174,9 @@ BATCH_ROWS = 2048
 number of workers."""
 ROW_GROUP_ROWS = 65_536
 """Rows per row group of the output files (fewer in a file's last one)."""
+IMAGE_ROW_GROUP_ROWS = 1024
+"""... but of the image_chat files, whose rows hold images: a row group is read whole, so it is kept
+to a size a later stage can hold in memory."""
 BUCKETS = 16
 """Buckets of the dedup shuffles: each holds the hashes (or band keys) of one key range, so
 duplicates meet in one bucket and each bucket is deduplicated on its own, in parallel."""
@@ -169,6 +198,12 @@ def open_ingested(path: Path, kind: str) -> pq.ParquetFile:
     missing = [c for c in KINDS[kind].columns if c not in source.schema_arrow.names]
     if missing:
         raise PrepareDataError(f"{path}: missing columns {', '.join(missing)} (was it written by ingest?)")
+    if "images" in KINDS[kind].columns:
+        found = source.schema_arrow.field("images").type
+        if not (pa.types.is_list(found) or pa.types.is_large_list(found)) or not (
+            pa.types.is_binary(found.value_type) or pa.types.is_large_binary(found.value_type)
+        ):
+            raise PrepareDataError(f"{path}: column images is {found}, expected list<binary> (was it written by ingest?)")
     return source
 
 
@@ -185,9 +220,31 @@ def record_reasons(frame: pd.DataFrame, rules: KindRules, params: PrepareDataPar
     mark(np.array([any(s == "" for s in p) for p in parts], dtype=bool), "empty")
     mark(lengths < params.min_chars, "too_short")
     mark(lengths > params.max_chars, "too_long")
+    if rules.images is not None:
+        mark(_bad_image_sizes(frame, rules.images(frame), params), "image_size")
     if rules.same_answers is not None:
         mark(rules.same_answers(frame), "chosen_equals_rejected")
     return codes
+
+
+def _bad_image_sizes(frame: pd.DataFrame, images: list[list[bytes]], params: PrepareDataParams) -> np.ndarray:
+    """Which records have an image with a side outside `[image_min_side, image_max_side]` pixels
+    (measured from the image's header)."""
+    low, high = params.image_min_side, params.image_max_side
+    flags = np.zeros(len(images), dtype=bool)
+    for row, (record_id, messages, record) in enumerate(zip(frame["id"], frame["messages"], images, strict=True)):
+        if (tags := count_placeholders(messages)) != len(record):  # normalisation can make one (NFKC: a fullwidth ＜image＞)
+            raise PrepareDataError(f"image_chat record {record_id!r}: {tags} {IMAGE_TOKEN} placeholders after {params.normalize} "
+                                   f"normalisation but {len(record)} images; write the tag as {IMAGE_TOKEN} only where an image goes")  # fmt: skip
+        for index, data in enumerate(record):
+            try:
+                width, height = image_size(data)
+            except ImageError as exc:
+                raise PrepareDataError(f"image_chat record {record_id!r}: images[{index}]: {exc} (was it written by ingest?)") from None
+            if min(width, height) < low or max(width, height) > high:
+                flags[row] = True
+                break
+    return flags
 
 
 class _Scanned(NamedTuple):
@@ -204,7 +261,14 @@ def _scan(task: tuple[str, PrepareDataParams, pa.Table]) -> _Scanned:
     """A worker's share of pass 1: normalise one batch, judge each record on its own, hash it."""
     kind, params, batch = task
     rules = KINDS[kind]
-    frame = rules.normalize(batch.to_pandas().astype("str"), params.normalize)
+    schema = _schema(kind)
+    strings = [field.name for field in schema if field.type == pa.string()]
+    # Only the string columns become `str` (astype would turn image bytes into their repr); the
+    # images are read as lists of bytes to judge and hash, and leave as the Arrow column they came in.
+    frame = batch.select(strings).to_pandas().astype("str")
+    if rules.images is not None:
+        frame = frame.assign(images=pd.Series(batch.column("images").to_pylist(), index=frame.index, dtype=object))
+    frame = rules.normalize(frame, params.normalize)
     codes = record_reasons(frame, rules, params)
     keys = rules.key(frame)
     digests = np.frombuffer(b"".join(hashlib.sha256(k.encode("utf-8")).digest()[:16] for k in keys), dtype=">u8")
@@ -217,13 +281,16 @@ def _scan(task: tuple[str, PrepareDataParams, pa.Table]) -> _Scanned:
         kept = np.flatnonzero(codes == _KEEP)
         texts = rules.near_dedup_text(frame)
         signatures[kept] = cleaning.minhash_signatures([texts[i] for i in kept], NUM_PERM)
-    frame = frame.assign(split=splits)[list(rules.columns)]
-    records = pa.Table.from_pandas(frame, schema=_schema(kind), preserve_index=False)
+    frame = frame.assign(split=splits)[strings]
+    records = pa.Table.from_pandas(frame, schema=pa.schema([schema.field(name) for name in strings]), preserve_index=False)
+    if rules.images is not None:
+        columns = [batch.column(name).cast(IMAGES_TYPE) if name == "images" else records.column(name) for name in schema.names]
+        records = pa.Table.from_arrays(columns, schema=schema)
     return _Scanned(records, codes, digests.reshape(-1, 2).astype(np.uint64), signatures)
 
 
 def _schema(kind: str) -> pa.Schema:
-    return pa.schema([(name, pa.string()) for name in KINDS[kind].columns])
+    return pa.schema([(name, IMAGES_TYPE if name == "images" else pa.string()) for name in KINDS[kind].columns])
 
 
 def _exact_bucket(path: Path) -> np.ndarray:
@@ -309,7 +376,8 @@ def prepare_kind(kind: str, source: pq.ParquetFile, out: Path, spool: Path, para
 
     out.mkdir()
     counts = dict.fromkeys(SPLITS, 0)
-    writers = {split: _Writer(out / f"{split}.parquet", _schema(kind)) for split in SPLITS}
+    group = min(ROW_GROUP_ROWS, IMAGE_ROW_GROUP_ROWS) if rules.images is not None else ROW_GROUP_ROWS
+    writers = {split: _Writer(out / f"{split}.parquet", _schema(kind), group) for split in SPLITS}
     try:
         start = 0
         for batch in record_batches(spool / "records.parquet", BATCH_ROWS):
@@ -340,20 +408,21 @@ def _scatter(files, dtype: np.dtype, by: np.ndarray, **columns: np.ndarray) -> N
 
 
 class _Writer:
-    """A Parquet file written in row groups of `ROW_GROUP_ROWS` rows, whatever the batches."""
+    """A Parquet file written in row groups of `group` rows, whatever the batches."""
 
-    def __init__(self, path: Path, schema: pa.Schema):
+    def __init__(self, path: Path, schema: pa.Schema, group: int):
         self.writer, self.schema, self.pending, self.rows = pq.ParquetWriter(path, schema), schema, [], 0
+        self.group = group
 
     def add(self, table: pa.Table) -> None:
         self.pending.append(table)
         self.rows += len(table)
-        while self.rows >= ROW_GROUP_ROWS:
-            self._flush(ROW_GROUP_ROWS)
+        while self.rows >= self.group:
+            self._flush(self.group)
 
     def _flush(self, rows: int) -> None:
         table = pa.concat_tables(self.pending)
-        self.writer.write_table(table.slice(0, rows), row_group_size=ROW_GROUP_ROWS)
+        self.writer.write_table(table.slice(0, rows), row_group_size=self.group)
         rest = table.slice(rows)
         self.pending, self.rows = ([rest] if len(rest) else []), len(rest)
 
@@ -364,7 +433,7 @@ class _Writer:
 
 
 def run(in_dir: Path, out_dir: Path, params: PrepareDataParams) -> dict[str, Any]:
-    """Prepare every kind and write `<out_dir>/<kind>/<split>.parquet` (all nine files).
+    """Prepare every kind and write `<out_dir>/<kind>/<split>.parquet` (all twelve files).
 
     Args:
         in_dir: `data/ingested` (one `<kind>.parquet` per kind).

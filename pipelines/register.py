@@ -5,7 +5,9 @@
 Logs the model of stage `register.model` (a LoRA adapter merged into its base) with its tokenizer
 as an `mlflow.transformers` text-generation model, so
 `mlflow.transformers.load_model("models:/qllm@champion")` returns a working pipeline (and
-`mlflow.pyfunc.load_model` works too), and registers it under `register.model_name`.
+`mlflow.pyfunc.load_model` works too), and registers it under `register.model_name`. The multimodal
+model (`register.model: multimodal`) is logged as a pyfunc over its directory
+(`pipelines.core.image_chat_pyfunc`: `predict` takes image bytes and questions).
 
 The gate: the new version takes alias `register.alias` (champion) only if its `register.metric`
 in data/metrics/evaluate.json (default held-out exact match) is at least the champion's plus
@@ -139,16 +141,28 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
     import mlflow
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model-card lookups must not reach for the hub
-    model, tokenizer = load_for_inference(model_dir, root)
     client = tracking.client(root)
     with tracking.fluent_uris(tracking.tracking_uri(root)), mlflow.start_run(run_id=run_id):
-        info = mlflow.transformers.log_model(
-            transformers_model={"model": model, "tokenizer": tokenizer},
-            name="model",
-            task="text-generation",
-            pip_requirements=pip_requirements(),
-            registered_model_name=params.model_name,
-        )
+        if params.model == "multimodal":  # no image-text-to-text task in mlflow.transformers: a pyfunc over the directory
+            from pipelines.core.image_chat_pyfunc import ImageChatModel, signature
+
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=ImageChatModel(),
+                signature=signature(),
+                artifacts={"model": str(model_dir)},
+                pip_requirements=[*pip_requirements(), f"pillow=={version('pillow')}"],
+                registered_model_name=params.model_name,
+            )
+        else:
+            model, tokenizer = load_for_inference(model_dir, root)
+            info = mlflow.transformers.log_model(
+                transformers_model={"model": model, "tokenizer": tokenizer},
+                name="model",
+                task="text-generation",
+                pip_requirements=pip_requirements(),
+                registered_model_name=params.model_name,
+            )
         trail = lineage.build(root)
         lineage.log_lineage(client, run_id, trail)
     model_version = str(info.registered_model_version)

@@ -5,14 +5,16 @@
 Writes `pretrain.txt`, `chat_{train,heldout}.jsonl`, `preference_{train,heldout}.jsonl` and
 `world.json` (see `pipelines/core/sample_world.py`), or with `sample_data.corpus: real_text` the same files
 from real text that ships in packages (`pipelines/core/real_text.py`). With `sample_data.enabled: false` it writes only a
-README, so the stage stays in the graph while `ingest` reads your own data.
+README, so the stage stays in the graph while `ingest` reads your own data. With
+`sample_data.images.enabled` it also writes real digit images with questions about them
+(`images/`, `image_chat_{train,heldout}.jsonl`: `pipelines/core/digits.py`) for the multimodal stage.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core import real_text, sample_world, stage
+from pipelines.core import digits, real_text, sample_world, stage
 from pipelines.core.config import SampleDataParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
@@ -49,6 +51,8 @@ def run(out: Path, params: SampleDataParams) -> dict[str, int]:
                     counts = sample_world.write_sample(tmp, params)
             except sample_world.WorldError as exc:
                 raise QllmError(f"params.yaml: {NAME}: {exc}") from None
+        if params.enabled and params.images.enabled:
+            counts |= digits.write_images(tmp, params.images, params.seed)
     return counts
 
 

@@ -110,6 +110,7 @@ EXPECTED = {
         ["p.csv-1", "p.csv", "auto", '[{"role": "user", "content": "Q2"}]', "good", "bad"],
         ["hh.jsonl-0", "hh.jsonl", "auto", '[{"role": "user", "content": "hi"}]', "hello", "go away"],
     ],
+    "image_chat": [],  # (tests/test_image_records.py)
 }
 EXPECTED_SOURCES = {
     "notes.txt": 4, "docs": 4, "t.jsonl": 4, "t.csv": 3, "t.tsv": 1, "t.json": 2, "pq": 5,
@@ -137,10 +138,10 @@ def test_mixed_sources_give_the_records_of_the_whole_file_reader(tmp_path, monke
         path = tmp_path / "out" / f"{kind}.parquet"
         frame = pd.read_parquet(path)
         assert list(frame.columns) == list(COLUMNS[kind])
-        assert all(str(dtype) == "str" for dtype in frame.dtypes)
+        assert all(str(dtype) == "str" for name, dtype in frame.dtypes.items() if name != "images")
         assert frame.values.tolist() == records, kind
         assert pq.ParquetFile(path).schema_arrow == readers.SCHEMAS[kind]
-        if rows is not None:  # one row group per batch, a source's last one holds the rest
+        if rows is not None and records:  # one row group per batch, a source's last one holds the rest
             assert sum(row_groups(path)) == len(records) and max(row_groups(path)) <= rows
             assert len(row_groups(path)) >= len(records) / rows
 

@@ -8,12 +8,13 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
 from pipelines import prepare_data
 from pipelines.core import cleaning, stage
 from pipelines.core.config import PrepareDataParams
-from pipelines.core.readers import COLUMNS, empty_frame
+from pipelines.core.readers import COLUMNS, SCHEMAS, empty_frame
 from tests.conftest import REPO
 
 SPLITS = ("train", "validation", "test")
@@ -43,10 +44,13 @@ def frame(kind: str, rows: list[dict]) -> pd.DataFrame:
 
 
 def write_ingested(root: Path, text=(), chat=(), preference=()) -> Path:
+    """The ingested files of the string kinds from rows, and an empty image_chat file (as ingest
+    writes it without image_chat sources; tests/test_image_records.py has the image chats)."""
     folder = root / "data/ingested"
     folder.mkdir(parents=True, exist_ok=True)
     for kind, rows in (("text", text), ("chat", chat), ("preference", preference)):
         frame(kind, list(rows)).to_parquet(folder / f"{kind}.parquet", index=False)
+    pq.write_table(SCHEMAS["image_chat"].empty_table(), folder / "image_chat.parquet")
     return folder
 
 
@@ -155,25 +159,27 @@ def test_auto_split_is_by_content_and_stable(tmp_path):
     assert sorted(read_out(tmp_path / "out2", "text", "validation")["text"]) == sorted(validation)
 
 
-def test_always_nine_files_with_schema_and_no_temporaries(tmp_path):
+def test_always_twelve_files_with_schema_and_no_temporaries(tmp_path):
     in_dir = write_ingested(tmp_path, text=[{"text": "only text"}])
     out = tmp_path / "data/prepared"
     (out / "stale").mkdir(parents=True)  # replaced as a whole
     metrics = prepare_data.run(in_dir, out, params())
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.parquet")) == sorted(
-        f"{kind}/{split}.parquet" for kind in ("text", "chat", "preference") for split in SPLITS
+        f"{kind}/{split}.parquet" for kind in ("text", "chat", "preference", "image_chat") for split in SPLITS
     )
     assert not (out / "stale").exists()
-    for kind in ("chat", "preference"):
+    for kind in ("chat", "preference", "image_chat"):
         assert metrics[kind] == {"in": 0, "dropped": NO_DROPS, "out": dict.fromkeys(SPLITS, 0)}
         for split in SPLITS:
             empty = read_out(out, kind, split)
             assert len(empty) == 0 and list(empty.columns) == list(COLUMNS[kind])
+            assert pq.read_schema(out / kind / f"{split}.parquet") == SCHEMAS[kind]  # image_chat's images: list<binary>
     assert not list(tmp_path.glob("data/.tmp-*"))
 
 
 def test_kind_columns_match_what_ingest_writes():
     assert {kind: rules.columns for kind, rules in prepare_data.KINDS.items()} == COLUMNS
+    assert {kind: prepare_data._schema(kind) for kind in prepare_data.KINDS} == SCHEMAS
 
 
 def test_missing_ingested_file_is_an_error(tmp_path):

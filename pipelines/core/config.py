@@ -52,6 +52,18 @@ class Section(BaseModel):
 # --------------------------------------------------------------------------------------- stages
 
 
+class SampleImagesParams(Section):
+    """Real images for the multimodal stage: scikit-learn's handwritten digits as PNG files with
+    questions about them (`pipelines/core/digits.py`)."""
+
+    enabled: bool = False
+    """Also write `images/`, `image_chat_train.jsonl` and `image_chat_heldout.jsonl`."""
+    heldout_fraction: float = Field(0.2, gt=0, lt=1)
+    """Share of the images whose question is only asked in evaluation (never trained on)."""
+    max_images: int = Field(0, ge=0)
+    """Use at most this many of the 1,797 scans (0: all), e.g. for tests."""
+
+
 class SampleDataParams(Section):
     """The built-in synthetic world: entities with attributes plus small-number arithmetic."""
 
@@ -93,9 +105,11 @@ class SampleDataParams(Section):
     """Share of SFT conversations with two question/answer turns."""
     system_prompt: str = "Answer with one word or number."
     """System message of every chat; empty for none."""
+    images: SampleImagesParams = SampleImagesParams()
+    """Real digit images with questions, for the optional multimodal stage (README "Multimodal")."""
 
 
-SourceKind = Literal["text", "chat", "preference"]
+SourceKind = Literal["text", "chat", "preference", "image_chat"]
 SourceFormat = Literal["jsonl", "json", "parquet", "csv", "text", "hf"]
 
 
@@ -105,7 +119,8 @@ class SourceParams(Section):
     path: str
     """File, directory, or (with `format: hf`) a `datasets` path or hub name."""
     kind: SourceKind
-    """What the records are: `text` (pretraining), `chat` (SFT) or `preference` (DPO)."""
+    """What the records are: `text` (pretraining), `chat` (SFT), `preference` (DPO) or `image_chat`
+    (image-text chats: a chat plus its `images`, one `<image>` tag each in the user turns)."""
     format: SourceFormat | None = None
     """jsonl, json, parquet, csv, text (a .txt/.md file or a directory of them) or hf."""
     split: Literal["auto", "train", "validation", "test"] = "auto"
@@ -151,11 +166,21 @@ class PrepareDataParams(Section):
     """Share of `split: auto` records sent to validation (by content hash, so stable)."""
     seed: int = 0
     """Salt of the split hash: a different seed gives a different (still stable) split."""
+    image_min_side: int = Field(4, ge=1)
+    """Drop `image_chat` records with an image narrower or shorter than this many pixels (too small
+    to show anything)."""
+    image_max_side: int = Field(4096, ge=1)
+    """Drop `image_chat` records with an image wider or higher than this many pixels (what a vision
+    encoder resizes anyway, at a large cost in memory)."""
 
     @model_validator(mode="after")
     def _range(self) -> PrepareDataParams:
         if self.min_chars > self.max_chars:
             raise ValueError(f"min_chars ({self.min_chars}) must not exceed max_chars ({self.max_chars})")
+        if self.image_min_side > self.image_max_side:
+            raise ValueError(
+                f"image_min_side ({self.image_min_side}) must not exceed image_max_side ({self.image_max_side})"
+            )
         return self
 
 
@@ -673,6 +698,53 @@ class DpoParams(Section):
     train: TrainParams = TrainParams()
 
 
+class VisionParams(Section):
+    """The vision tower of the multimodal model: a SigLIP vision transformer built from config."""
+
+    image_size: int = Field(16, ge=1)
+    """Side in pixels every image is resized to."""
+    patch_size: int = Field(4, ge=1)
+    """Side of a patch: an image becomes (image_size / patch_size)^2 tokens of the language model."""
+    hidden_size: int = Field(64, ge=1)
+    intermediate_size: int = Field(128, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _fits(self) -> VisionParams:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}")
+        return self
+
+
+class MultimodalParams(Section):
+    """The optional LLaVA-style image-chat stage (`pipelines/multimodal.py`, README "Multimodal")."""
+
+    enabled: bool = False
+    """Train the multimodal model. Off: the stage writes only a README (no cost)."""
+    base_model: str = "data/models/sft"
+    """The language model: this pipeline's SFT model (or `data/models/pretrain`)."""
+    vision: VisionParams = VisionParams()
+    projector_act: str = "gelu"
+    """Activation between the projector's two linear layers (LLaVA-1.5's MLP projector)."""
+    vision_tower: Literal["trainable", "frozen"] = "trainable"
+    """LLaVA freezes a pretrained tower; this one is built from config (nothing can be downloaded),
+    so by default it learns with the projector."""
+    alignment_steps: int = Field(100, ge=0)
+    """Phase 1, feature alignment: the first steps train the projector (and the tower), the
+    language model is frozen."""
+    language_model: Literal["full", "frozen"] = "full"
+    """Phase 2, instruction tuning: the language model trains too (`full`) or stays frozen."""
+    instruction_lr: float = Field(3e-4, gt=0)
+    """Peak learning rate of phase 2 (phase 1 uses `train.lr`), re-warmed over `train.warmup_steps`."""
+    max_seq_len: int = Field(0, ge=0)
+    """Longest chat in tokens, image tokens included (0: the language model's context); longer
+    chats are dropped and counted, never cut (an image's tokens must stay whole)."""
+    train: TrainParams = TrainParams()
+
+
 ModelStage = Literal["pretrain", "sft", "lora", "dpo"]
 
 
@@ -705,8 +777,9 @@ class EvaluateParams(Section):
 
 
 class RegisterParams(Section):
-    model: ModelStage = "dpo"
-    """Which stage's model to register."""
+    model: ModelStage | Literal["multimodal"] = "dpo"
+    """Which stage's model to register (`multimodal`: the image-chat model, gated on its entry in
+    evaluate.json, where `exact_match` is the held-out image questions')."""
     model_name: str = Field("qllm", min_length=1)
     """Registered model name in the MLflow model registry."""
     alias: str = Field("champion", min_length=1)
@@ -770,6 +843,7 @@ class Params(Section):
     lora: LoraParams = LoraParams()
     ref_logprobs: RefLogprobsParams = RefLogprobsParams()
     dpo: DpoParams = DpoParams()
+    multimodal: MultimodalParams = MultimodalParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
 

@@ -8,14 +8,20 @@
 
 Every record kind is a DataFrame of `str` columns (`COLUMNS`): `id, source, split` plus
 `text` (text), `messages` (chat: a JSON list of {role, content}) or `prompt` (a JSON message list
-ending with a user turn), `chosen`, `rejected` (preference). The layouts people have are
+ending with a user turn), `chosen`, `rejected` (preference); `image_chat` (LLaMA-Factory's
+multimodal layout) is a chat's `messages` plus `images`, the one column that is not a string: the
+bytes of each image file, unchanged (Arrow `list<binary>`, `IMAGES_TYPE`). The layouts people have are
 recognised from their keys (`LAYOUTS`), no `columns` map needed: chats as OpenAI `messages` (with
 per-message `name` and `weight`: 0 marks an assistant turn that is context, not a target),
 ShareGPT `conversations` (`from`/`value`, `human`/`gpt`/`system`), `prompt`/`completion`, Alpaca
 `instruction`/`input`/`output` and Dolly `instruction`/`context`/`response`; preferences with a
 `prompt`, or without one (TRL's implicit prompt: `chosen`/`rejected` conversations; Anthropic
 HH-RLHF: `\n\nHuman:`/`\n\nAssistant:` transcripts), whose shared turns become the prompt. A chat needs an assistant turn; a
-held-out chat (`split: test`) must end with one, the reference answer `evaluate` scores. Anything
+held-out chat (`split: test`) must end with one, the reference answer `evaluate` scores. An image
+chat is a `messages` or ShareGPT `conversations` chat with an `images` list, each entry a path
+(relative to the source's folder, or absolute), the bytes, or a `{bytes, path}` object as
+`datasets` Image features give it (the bytes when there are any); its user turns hold one
+`<image>` per image, in order, and every image must decode (`pipelines/core/images.py`). Anything
 wrong with the input is a `ReaderError` naming the file, the 1-based line (JSONL, text, CSV) or
 the 0-based record index (JSON, Parquet, hf), and what was expected.
 
@@ -51,6 +57,7 @@ import pyarrow.fs as pafs
 
 from pipelines.core.config import SourceParams
 from pipelines.core.errors import QllmError
+from pipelines.core.images import IMAGE_TOKEN, ImageError, check_image, count_placeholders
 
 
 class ReaderError(QllmError, ValueError):
@@ -61,7 +68,11 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "text": ("id", "source", "split", "text"),
     "chat": ("id", "source", "split", "messages"),
     "preference": ("id", "source", "split", "prompt", "chosen", "rejected"),
+    "image_chat": ("id", "source", "split", "messages", "images"),
 }
+IMAGES_TYPE = pa.list_(pa.binary())
+"""The type of the `images` column (every other column is a string): per record, the bytes of
+each image file as the source held them, in the order of the chat's `<image>` tags."""
 ROLES = ("system", "user", "assistant")
 
 EXTENSIONS = {
@@ -81,8 +92,9 @@ _FORMATS_HELP = "jsonl (.jsonl, .ndjson), json, parquet, csv (.csv, .tsv), text 
 
 
 def empty_frame(kind: str) -> pd.DataFrame:
-    """A zero-row frame with the columns (all `str`) of one record kind."""
-    return pd.DataFrame({name: pd.Series([], dtype="str") for name in COLUMNS[kind]})
+    """A zero-row frame with the columns of one record kind: `str`, but `images` (lists of bytes,
+    so `object`)."""
+    return pd.DataFrame({name: pd.Series([], dtype=object if name == "images" else "str") for name in COLUMNS[kind]})
 
 
 # ------------------------------------------------------------------------------------- formats
@@ -701,6 +713,11 @@ LAYOUTS: dict[str, tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple
         (("prompt", "chosen", "rejected"), _preference),
         (("chosen", "rejected"), _preference_implicit),
     ),
+    # The chat layouts that carry messages; `_batches` reads the `images` beside them.
+    "image_chat": (
+        (("messages", "images"), _chat_messages),
+        (("conversations", "images"), _chat_sharegpt),
+    ),
 }
 
 
@@ -747,6 +764,69 @@ def _check_heldout_chat(messages: str, where: str) -> None:
             f"{where}: a held-out chat (split: test) must end with an assistant turn, the reference answer "
             f"that evaluate scores (this one ends with a {last} turn)"
         )
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _image(item: Any, at: str, folder: Path, shown: str) -> bytes:
+    """One entry of `images` as its file's bytes, unchanged, after checking that Pillow decodes
+    them: a path (relative to `folder`, the source's folder, which errors call `shown`), bytes,
+    or a `{bytes, path}` object (`datasets` Image features), whose bytes win when there are any."""
+    if isinstance(item, dict):
+        if item.get("bytes") is None and item.get("path") is None:
+            raise _Bad(f"{at} is a {{bytes, path}} object with neither (expected the image's bytes or its path)")
+        item = item["bytes"] if item.get("bytes") is not None else item["path"]
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        data = bytes(item)
+        named = f"{at} ({_counted(len(data), 'byte')} given in the record)"
+    elif isinstance(item, str):
+        if not item:
+            raise _Bad(f"{at} is an empty path (expected an image file's path)")
+        path = Path(item)
+        named = f"{at} {item!r}"
+        try:
+            data = (path if path.is_absolute() else folder / path).read_bytes()
+        except FileNotFoundError:
+            looked = item if path.is_absolute() else (Path(shown) / path).as_posix()
+            raise _Bad(f"{named}: image file not found (looked for {looked}; a relative path is relative to the source's folder)") from None
+        except IsADirectoryError:
+            raise _Bad(f"{named}: expected an image file, got a directory") from None
+        except OSError as exc:
+            raise _Bad(f"{named}: cannot read ({exc.strerror})") from None
+    else:
+        raise _Bad(f"{at} must be an image path, bytes or a {{bytes, path}} object, got {_type_name(item)}")
+    try:
+        check_image(data)
+    except ImageError as exc:
+        raise _Bad(f"{named}: {exc}") from None
+    return data
+
+
+def _images(record: dict[str, Any], messages: str, folder: Path, shown: str) -> list[bytes]:
+    """The `images` of an image chat whose checked `messages` (JSON) are given: each image's bytes,
+    in order. Its `<image>` tags must all be in user turns, one per image (a chat without images
+    has none; a null `images` is none)."""
+    value = record["images"]
+    if value is None:
+        value = []
+    if isinstance(value, (np.ndarray, tuple)):
+        value = list(value)
+    if not isinstance(value, list):
+        raise _Bad(f"'images' must be a list of image paths, bytes or {{bytes, path}} objects, got {_type_name(value)}")
+    turns = json.loads(messages)
+    label = "messages" if "messages" in record else "conversations"  # (the layout's priority)
+    for index, message in enumerate(turns):
+        if message["role"] != "user" and IMAGE_TOKEN in message["content"]:
+            raise _Bad(f"{IMAGE_TOKEN} in {label}[{index}], whose role is {message['role']}: images go in user turns only")
+    tags = count_placeholders(turns)
+    if tags != len(value):
+        raise _Bad(
+            f"{_counted(tags, IMAGE_TOKEN + ' placeholder')} in the user turns but {_counted(len(value), 'image')} "
+            f"in 'images' (each image needs one {IMAGE_TOKEN} where it goes, in order)"
+        )
+    return [_image(item, f"images[{index}]", folder, shown) for index, item in enumerate(value)]
 
 
 def _id_hashes(ids: list[str]) -> np.ndarray:
@@ -852,10 +932,13 @@ def _batches(
     batch_rows: int,
     batch_bytes: int,
     bar: Any = None,
-) -> Iterator[list[list[str]]]:
+    folder: tuple[Path, str] | None = None,
+) -> Iterator[list[list[Any]]]:
     """The records of `table` as column lists (the kind's `COLUMNS`) of at most `batch_rows`
-    records or about `batch_bytes` of text, checking fields and ids (`open_table` opens the
-    source again, to find the first of two equal ids); `bar` (a tqdm) is advanced a batch at a time."""
+    records or about `batch_bytes` of text (and image bytes), checking fields and ids
+    (`open_table` opens the source again, to find the first of two equal ids); `bar` (a tqdm) is
+    advanced a batch at a time. `folder` is where an image chat's relative image paths start, and
+    how errors show it (`_source_folder`)."""
     if table.columns is not None:
         try:
             _layout(source.kind, _rename(dict.fromkeys(table.columns), source.columns))
@@ -873,7 +956,9 @@ def _batches(
         return None
 
     kind, columns, split = source.kind, source.columns, source.split
-    heldout = kind == "chat" and split == "test"
+    heldout = kind in ("chat", "image_chat") and split == "test"
+    with_images = kind == "image_chat"
+    image_folder, shown_folder = folder if folder is not None else (Path("."), ".")
     progress, shown_done = table.progress, 0
     seen = _SeenIds(f"{name}-", first_of)
     ids: list[str] = []
@@ -925,6 +1010,8 @@ def _batches(
                         layouts.clear()
                     convert = layouts[keys] = _layout(kind, keys)
                 values = convert(record)
+                if with_images:
+                    found = _images(record, values[0], image_folder, shown_folder)
             except _Missing as missing:
                 raise ReaderError(_missing_message(where, missing.args[0], source, raw, "field")) from None
             except _Bad as bad:
@@ -938,9 +1025,12 @@ def _batches(
                 given_at.append(len(ids))
                 record_id = given if type(given) is str else _record_id(record, name, index)
             ids.append(record_id)
-            for column, value in zip(fields, values):  # noqa: B905 (a layout gives one value a field)
+            for column, value in zip(fields, values):  # noqa: B905 (a layout gives one value a field; images come apart)
                 column.append(value)
                 size += len(value)
+            if with_images:
+                fields[-1].append(found)
+                size += sum(map(len, found))
             if len(ids) >= batch_rows or size >= batch_bytes:
                 yield batch()
     except _DuplicateId:
@@ -955,9 +1045,11 @@ def _batches(
         yield batch()
 
 
-SCHEMAS: dict[str, pa.Schema] = {kind: pa.schema([(c, pa.string()) for c in columns]) for kind, columns in COLUMNS.items()}
+SCHEMAS: dict[str, pa.Schema] = {
+    kind: pa.schema([(c, IMAGES_TYPE if c == "images" else pa.string()) for c in columns]) for kind, columns in COLUMNS.items()
+}
 BATCH_ROWS = 8192  # records per batch (a row group of ingest's output) ...
-BATCH_BYTES = 32 << 20  # ... or fewer, when their fields (but the id, source, split) reach this many characters
+BATCH_BYTES = 32 << 20  # ... or fewer, when their fields (but the id, source, split) reach this many characters (or image bytes)
 # For the batches (and ingest's Parquet writer): malloc hands the memory of a written batch back,
 # where Arrow's default (mimalloc) kept about twice as much resident, as fast (measured).
 MEMORY_POOL = pa.system_memory_pool
@@ -968,10 +1060,24 @@ def source_name(source: SourceParams) -> str:
     return source.name or Path(source.path).name
 
 
+def _resolve(source: SourceParams, root: Path) -> Path:
+    path = Path(source.path)
+    return path if path.is_absolute() else Path(root) / path
+
+
+def _source_folder(source: SourceParams, root: Path) -> tuple[Path, str]:
+    """Where relative image paths of the source start, and how errors show it: the folder holding
+    the source file, or the source itself when it is a directory (a Parquet data set, a saved
+    `datasets` directory)."""
+    resolved = _resolve(source, root)
+    if resolved.is_dir():
+        return resolved, source.path
+    return resolved.parent, Path(source.path).parent.as_posix()
+
+
 def _open_source(source: SourceParams, root: Path) -> Callable[[], Table]:
     """A function that opens the source afresh (for a second pass) as its format's `Table`."""
-    path = Path(source.path)
-    resolved = path if path.is_absolute() else Path(root) / path
+    resolved = _resolve(source, root)
     shown = source.path
     fmt = source.format
     if fmt is None:
@@ -1007,7 +1113,8 @@ def iter_source(
             files, records for Parquet and `datasets`.
 
     Yields:
-        `pa.RecordBatch`es of schema `SCHEMAS[source.kind]` (the kind's `COLUMNS`, all strings).
+        `pa.RecordBatch`es of schema `SCHEMAS[source.kind]` (the kind's `COLUMNS`, all strings
+        but image_chat's `images`, `IMAGES_TYPE`).
 
     Raises:
         ReaderError: the source is missing, unreadable, empty or does not fit its kind (raised
@@ -1026,9 +1133,11 @@ def iter_source(
     else:
         bar = None
     pool = MEMORY_POOL()
+    folder = _source_folder(source, root) if source.kind == "image_chat" else None
     with contextlib.nullcontext() if bar is None else bar:
-        for columns in _batches(table, open_table, source, name, batch_rows, batch_bytes, bar):
-            yield pa.record_batch([pa.array(column, pa.string(), memory_pool=pool) for column in columns], schema=schema)
+        for columns in _batches(table, open_table, source, name, batch_rows, batch_bytes, bar, folder):
+            arrays = [pa.array(column, field.type, memory_pool=pool) for column, field in zip(columns, schema, strict=True)]
+            yield pa.record_batch(arrays, schema=schema)
 
 
 def read_source(source: SourceParams, root: Path) -> pd.DataFrame:
@@ -1039,9 +1148,14 @@ def read_source(source: SourceParams, root: Path) -> pd.DataFrame:
         root: directory against which a relative `source.path` is resolved (the project root).
 
     Returns:
-        A DataFrame with the kind's `COLUMNS`, every value a `str`, in source order.
+        A DataFrame with the kind's `COLUMNS`, every value a `str` (image_chat's `images`: a list
+        of `bytes` a record), in source order.
 
     Raises:
         ReaderError: the source is missing, unreadable, empty or does not fit its kind.
     """
-    return pa.Table.from_batches(list(iter_source(source, root)), schema=SCHEMAS[source.kind]).to_pandas()
+    table = pa.Table.from_batches(list(iter_source(source, root)), schema=SCHEMAS[source.kind])
+    frame = table.to_pandas()
+    if "images" in frame:  # (to_pandas gives numpy arrays of bytes)
+        frame["images"] = pd.Series(table.column("images").to_pylist(), index=frame.index, dtype=object)
+    return frame

@@ -1,0 +1,123 @@
+"""The optional multimodal stage: a LLaVA-style image-chat model on the pipeline's language model.
+
+    python -m pipelines.multimodal     # what dvc.yaml runs; writes data/models/multimodal/
+    qllm run --params params/multimodal.yaml             # digit images + this stage, end to end
+    qllm generate data/models/multimodal --image digit.png "Which digit is this?"
+
+With `multimodal.enabled: false` (the default) it writes only a README: no model is loaded, no
+cost. Enabled, it builds `LlavaForConditionalGeneration` around `multimodal.base_model` (the SFT
+model) with a SigLIP vision tower from config (`pipelines.core.vision`), encodes the prepared
+`image_chat` records (train and validation; the held-out ones are evaluate's), and trains with the
+shared loop in LLaVA's two phases: alignment (projector and tower; language model frozen) for
+`alignment_steps`, then instruction tuning. Checkpoints, exact resume, stop signals and MLflow
+are the loop's. The output is a Hugging Face model directory plus processor:
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    model = AutoModelForImageTextToText.from_pretrained("data/models/multimodal")
+    processor = AutoProcessor.from_pretrained("data/models/multimodal")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipelines.core import stage
+from pipelines.core.config import MultimodalParams
+from pipelines.core.errors import QllmError
+from pipelines.core.outputs import atomic_dir
+
+NAME = "multimodal"
+
+DISABLED_README = """\
+# Multimodal stage disabled
+
+`multimodal.enabled` is false, so no image-chat model was trained. To train one on the sample
+digit images: `qllm run --params params/multimodal.yaml` (README "Multimodal").
+"""
+
+
+def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, checkpoint_dir: Path | None = None) -> dict[str, Any]:
+    """Train the image-chat model on `image_dir/{train,validation}.parquet`; save it to `out`."""
+    import torch
+
+    from pipelines.core import training, vision
+    from pipelines.core.checkpoint import CheckpointManager
+    from pipelines.core.models import (
+        CONSTRUCTION,
+        configure_generation,
+        device,
+        load_model_and_tokenizer,
+        parameter_counts,
+    )
+
+    cfg = params.train
+    with CONSTRUCTION:
+        language_model, tokenizer = load_model_and_tokenizer(params.base_model)
+        model, processor = vision.build(language_model, tokenizer, params.vision, params.projector_act, cfg.seed)
+    del language_model
+    per_image = vision.image_tokens(model.config)
+    max_len = params.max_seq_len or model.config.text_config.max_position_embeddings
+    metrics: dict[str, Any] = {"image_tokens": per_image}
+    data = {}
+    for split in ("train", "validation"):
+        data[split] = vision.encode(processor, vision.read_chats(image_dir, split), max_len, per_image)
+        metrics |= data[split].stats.as_metrics(f"data/{split}_")
+    if not data["train"].rows:
+        raise QllmError(f"{Path(image_dir) / 'train.parquet'}: no image chat left to train on (dropped as longer than {max_len} tokens: "
+                        f"{data['train'].stats.dropped_too_long}); raise multimodal.max_seq_len or add image_chat sources")  # fmt: skip
+    pad = tokenizer.pad_token_id
+    batches = training.Batches(len(data["train"].rows), cfg.micro_batch_size, cfg.seed, vision.collate(data["train"], pad))
+    val_fn = None
+    if data["validation"].rows:
+        n_val = len(data["validation"].rows) if not cfg.eval_batches else min(len(data["validation"].rows), cfg.eval_batches * cfg.micro_batch_size)
+        collate_val = vision.collate(data["validation"], pad)
+        val_batches = [collate_val(np.arange(i, min(i + cfg.micro_batch_size, n_val))) for i in range(0, n_val, cfg.micro_batch_size)]
+
+        def val_fn(m: torch.nn.Module) -> dict[str, float]:
+            return {"val/loss": training.mean_loss(m, vision.image_chat_loss, val_batches, device(), cfg.precision)}
+
+    phases = vision.Phases(params, model)
+    counts = parameter_counts(model)
+    if tracker is not None:
+        tracker.log_params({f"{NAME}.{k}": v for k, v in counts.items()} | {f"{NAME}.image_tokens": per_image})
+    checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
+    result = training.train(model, vision.image_chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
+                            growth=phases, desc=NAME)  # fmt: skip
+    model.requires_grad_(True)
+
+    def save(tmp: Path) -> None:
+        configure_generation(model, tokenizer)
+        model.cpu().save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+
+    result = training.finish(result, out, save)
+    return {**result, **counts, **metrics}
+
+
+def body(ctx: stage.StageContext) -> dict[str, Any]:
+    params = ctx.params
+    if not params.enabled:
+        with atomic_dir(ctx.output()) as tmp:
+            (tmp / "README.md").write_text(DISABLED_README, encoding="utf-8")
+        ctx.log.info("multimodal: disabled (multimodal.enabled is false)")
+        return {"enabled": False}
+    base = ctx.root / params.base_model
+    if base.exists():
+        params = params.model_copy(update={"base_model": str(base)})
+    if base != ctx.input("models/sft"):
+        ctx.log.warning("multimodal.base_model=%s is not a dependency in dvc.yaml: DVC will not notice when it changes", ctx.params.base_model)
+    metrics = run(ctx.input("image_chat"), ctx.output(), params, ctx.tracker, ctx.checkpoint_dir)
+    ctx.log.info("multimodal: %d steps, val/loss %.4f, %d train chats (%d image tokens each image)", metrics["steps"],
+                 metrics.get("val/loss", float("nan")), metrics["data/train_examples"], metrics["image_tokens"])  # fmt: skip
+    return {"enabled": True, **metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
