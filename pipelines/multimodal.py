@@ -39,8 +39,11 @@ digit images: `qllm run --params params/multimodal.yaml` (README "Multimodal").
 """
 
 
-def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, checkpoint_dir: Path | None = None) -> dict[str, Any]:
-    """Train the image-chat model on `image_dir/{train,validation}.parquet`; save it to `out`."""
+def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, checkpoint_dir: Path | None = None,
+        base_for_users: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Train the image-chat model on `image_dir/{train,validation}.parquet`; save it to `out`.
+    `base_for_users`: how the saved config names its language model (default: `params.base_model`;
+    the stage passes the path as params.yaml writes it, so no absolute path reaches the output)."""
     import torch
 
     from pipelines.core import training, vision
@@ -89,6 +92,7 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
     model.requires_grad_(True)
 
     def save(tmp: Path) -> None:
+        model.config.text_config._name_or_path = params.base_model if base_for_users is None else base_for_users
         configure_generation(model, tokenizer)
         model.cpu().save_pretrained(tmp, safe_serialization=True)
         processor.save_pretrained(tmp)
@@ -109,7 +113,7 @@ def body(ctx: stage.StageContext) -> dict[str, Any]:
         params = params.model_copy(update={"base_model": str(base)})
     if base != ctx.input("models/sft"):
         ctx.log.warning("multimodal.base_model=%s is not a dependency in dvc.yaml: DVC will not notice when it changes", ctx.params.base_model)
-    metrics = run(ctx.input("image_chat"), ctx.output(), params, ctx.tracker, ctx.checkpoint_dir)
+    metrics = run(ctx.input("image_chat"), ctx.output(), params, ctx.tracker, ctx.checkpoint_dir, base_for_users=ctx.params.base_model)
     ctx.log.info("multimodal: %d steps, val/loss %.4f, %d train chats (%d image tokens each image)", metrics["steps"],
                  metrics.get("val/loss", float("nan")), metrics["data/train_examples"], metrics["image_tokens"])  # fmt: skip
     return {"enabled": True, **metrics}

@@ -285,6 +285,9 @@ def test_the_multimodal_branch_runs_end_to_end(tmp_path, mlflow_template_db):
     evaluated = read_json(root / "data/metrics/evaluate.json")["multimodal"]
     assert evaluated["questions"] == 8 and 0 <= evaluated["exact_match"] <= 1  # evaluate.max_questions: 8 in the tiny profile
     assert {"image_answer_loss", "shuffled_image_answer_loss", "image_loss_gap"} <= set(evaluated)
+    for path in (root / "data/models/multimodal").rglob("*"):  # same bytes in any directory: no absolute path in the output
+        assert path.is_dir() or str(root).encode() not in path.read_bytes(), path
+    assert json.loads((root / "data/models/multimodal/config.json").read_text())["text_config"]["_name_or_path"] == "data/models/sft"
     registered = read_json(root / "data/register/registered.json")
     assert registered["stage"] == "multimodal" and registered["model_name"] == "qllm-vision"
     image = root / "data/sample/images/digit-0000.png"
