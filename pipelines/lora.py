@@ -10,7 +10,9 @@ has never seen).
 
 With `lora.allocation: quantum_opt` (the default) the targeted modules and their ranks come from
 `data/quantum_opt/allocation.json` (`apply_allocation`); `uniform` uses rank `r` on every
-`target_modules` entry.
+`target_modules` entry; `adalora` (PEFT's AdaLoRA) and `qubo_in_loop` (the QUBO re-solved every
+`adaptive.every` steps) start every module at rank `adaptive.init_r` and allocate the budget while
+training (`pipelines.core.rank_allocation`).
 
 Output: a PEFT adapter directory (`PeftModel.from_pretrained(base, "data/models/lora")`, or
 `AutoPeftModelForCausalLM.from_pretrained` from the project root: the adapter records its base as
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core import adapters, finetune, quantize, stage
+from pipelines.core import adapters, finetune, quantize, rank_allocation, stage
 from pipelines.core.config import LoraParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import read_json
@@ -30,6 +32,8 @@ from pipelines.core.outputs import read_json
 NAME = "lora"
 SECTION = "lora.adapter"
 """Where the adapter's settings are in params (errors name their keys under it)."""
+ADAPTIVE = ("adalora", "qubo_in_loop")
+"""The allocations made while training (`pipelines.core.rank_allocation`)."""
 ALLOCATION_FILE = "allocation.json"
 """The file of quantum_opt's output directory that gives the modules and their ranks."""
 
@@ -55,9 +59,19 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
     adapter = params.adapter
     qconfig = quantize.from_params(adapter, params.train.precision, SECTION)
     quantized_base = (params.base_model, qconfig) if qconfig is not None else None
+    wrap, extensions = adapters.wrap(adapter, SECTION), None
+    if params.allocation in ADAPTIVE:  # SVD-form adapters whose ranks are allocated while they train
+        steps = params.train.max_steps
+        wrap = rank_allocation.wrap(adapter, params.adaptive, steps, SECTION)
+        if params.allocation == "adalora":
+            def extensions(model, tracker):
+                return [rank_allocation.AdaLoraSchedule(model, tracker)]
+        else:
+            def extensions(model, tracker):
+                return [rank_allocation.QuboReallocation(model, params.adaptive, steps, tracker)]
     return finetune.run(
-        chat_dir, out, params, wrap=adapters.wrap(adapter, SECTION), save=adapters.save(base_for_users, adapter.merge, quantized_base),
-        tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME, quantization=adapter, quantization_section=SECTION,
+        chat_dir, out, params, wrap=wrap, save=adapters.save(base_for_users, adapter.merge, quantized_base),
+        tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME, quantization=adapter, quantization_section=SECTION, extensions=extensions,
     )
 
 

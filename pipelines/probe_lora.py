@@ -12,8 +12,11 @@ step before clipping: the accumulated gradient `G_m = Σ_b ∇W_m L_b` and the p
   a rank-r update of m can capture (Eckart–Young: the best rank-r approximation of G_m keeps
   exactly its r largest squared singular values);
 - cost `c[m][r] = r·(d_in + d_out)`: the trainable parameters of a rank-r adapter on m;
-- redundancy `ρ[m,m'] = max(0, corr_b(g_m, g_m'))`: modules whose gradient energy rises and
-  falls together over the steps are likely to learn overlapping things.
+- redundancy `ρ[m,m'] = max(0, corr_b(Δ log g_m, Δ log g_m'))` (`probe_lora.redundancy: detrended`):
+  modules whose gradient energy rises and falls together from step to step are likely to learn
+  overlapping things. The correlation of the energies themselves (`energy`, the first version) is
+  dominated by the downward trend every energy shares as the loss falls (mean ρ 0.93), which
+  penalises every pair alike; the changes of the logs remove that trend.
 
 The probe's weights are thrown away; only the scores are written.
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import adapters, chat_examples, distributed, finetune, objectives, quantize, stage, training
+from pipelines.core import adapters, chat_examples, distributed, finetune, objectives, quantize, qubo, stage, training
 from pipelines.core.config import ProbeLoraParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Extension
@@ -138,7 +141,7 @@ def probe_quantized(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
     return recorder, {"steps": len(losses), "train_loss": losses[-1] if losses else float("nan")}
 
 
-def scores(recorder, ranks: list[int]) -> dict:
+def scores(recorder, ranks: list[int], redundancy: str = "detrended") -> dict:
     """Values, costs and redundancies from the recorded gradients (see the module docstring)."""
     total = sum(float(g.pow(2).sum()) for g in recorder.accumulated.values())
     if not total > 0:
@@ -152,13 +155,14 @@ def scores(recorder, ranks: list[int]) -> dict:
         shapes[name] = {"d_in": d_in, "d_out": d_out, "energy_share": float(squared[-1]) / total}
     names = sorted(recorder.energies)
     series = np.array([recorder.energies[n] for n in names])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        correlation = np.nan_to_num(np.corrcoef(series)) if series.shape[1] > 1 else np.zeros((len(names), len(names)))
-    redundancy = {
-        f"{a}|{b}": round(max(0.0, float(correlation[i, j])), 6)
-        for (i, a), (j, b) in itertools.combinations(enumerate(names), 2)
-    }
-    return {"ranks": ranks, "values": values, "costs": costs, "redundancy": redundancy, "modules": shapes, "steps": series.shape[1]}
+    if redundancy == "detrended":
+        detrended = qubo.detrended_redundancy(names, series)
+        pairs = {f"{a}|{b}": detrended.get((a, b), 0.0) for a, b in itertools.combinations(names, 2)}
+    else:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            correlation = np.nan_to_num(np.corrcoef(series)) if series.shape[1] > 1 else np.zeros((len(names), len(names)))
+        pairs = {f"{a}|{b}": round(max(0.0, float(correlation[i, j])), 6) for (i, a), (j, b) in itertools.combinations(enumerate(names), 2)}
+    return {"ranks": ranks, "values": values, "costs": costs, "redundancy": pairs, "modules": shapes, "steps": series.shape[1]}
 
 
 def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dict:
@@ -178,7 +182,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
         recorder = GradientRecorder(candidate_modules(model, params.target_modules))
         result = training.train(model, objectives.chat_objective(model), batches, cfg, tracker=tracker, extensions=[recorder], desc=NAME)
         result.pop("history")  # the probe's weights and curves are thrown away
-    table = scores(recorder, params.ranks)
+    table = scores(recorder, params.ranks, params.redundancy)
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output
         with atomic_dir(out) as tmp:
             write_json(tmp / SCORES_FILE, table)

@@ -40,11 +40,25 @@ def test_values_are_the_svd_energy_of_the_accumulated_gradient():
     recorder.accumulated["a"] = torch.tensor([[3.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # singular values 3, 1
     recorder.accumulated["b"] = torch.tensor([[0.0, 0.0], [0.0, 2.0]])  # singular value 2
     recorder.energies = {"a": [1.0, 2.0, 3.0], "b": [3.0, 2.0, 1.0]}  # perfectly anti-correlated
-    table = probe_lora.scores(recorder, [1, 2])
+    table = probe_lora.scores(recorder, [1, 2], redundancy="energy")
     total = 9 + 1 + 4
     assert table["values"]["a"] == {1: pytest.approx(9 / total), 2: pytest.approx(10 / total)}
     assert table["values"]["b"] == {1: pytest.approx(4 / total), 2: pytest.approx(4 / total)}
     assert table["costs"]["a"] == {1: 5, 2: 10} and table["redundancy"] == {"a|b": 0.0}  # max(0, -1)
+
+
+def test_detrended_redundancy_compares_the_changes_of_the_energies():
+    """Both energies fall (the trend every module shares as the loss falls): `energy` calls them
+    redundant; their changes from step to step disagree, which `detrended` sees."""
+    recorder = probe_lora.GradientRecorder({"a": torch.nn.Linear(2, 2, bias=False), "b": torch.nn.Linear(2, 2, bias=False),
+                                            "c": torch.nn.Linear(2, 2, bias=False)})  # fmt: skip
+    for name in recorder.accumulated:
+        recorder.accumulated[name] = torch.eye(2)
+    recorder.energies = {"a": [8.0, 4.0, 3.0, 1.5, 1.2], "b": [8.0, 6.0, 3.0, 2.5, 1.2], "c": [16.0, 8.0, 6.0, 3.0, 2.4]}
+    raw = probe_lora.scores(recorder, [1], redundancy="energy")["redundancy"]
+    detrended = probe_lora.scores(recorder, [1])["redundancy"]
+    assert raw["a|b"] > 0.9 and detrended["a|b"] == 0.0  # a halves when b barely moves, and the other way round
+    assert raw["a|c"] > 0.9 and detrended["a|c"] == pytest.approx(1.0)  # c moves exactly as a does (twice as big)
 
 
 def test_unknown_candidate_is_a_clear_error(tiny_base, tmp_path):

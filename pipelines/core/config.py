@@ -585,14 +585,60 @@ class SftParams(FinetuneParams):
     identity`): `stacks[0]` is the base model's layer count."""
 
 
+class AdaptiveParams(Section):
+    """Ranks allocated while training (`lora.allocation: adalora | qubo_in_loop`;
+    `pipelines/core/rank_allocation.py`): SVD-form adapters on `adapter.target_modules`, starting at
+    rank `init_r`, masked down to the budget of rank `budget_rank` on every module."""
+
+    init_r: int = Field(12, ge=1)
+    """Rank every module starts with."""
+    budget_rank: int = Field(8, ge=1)
+    """The final budget: rank `budget_rank` on every module (AdaLoRA: its `target_r`, an average rank;
+    qubo_in_loop: the parameters of that, as quantum_opt's `budget_rank` counts them)."""
+    tinit: int = Field(10, ge=0)
+    """Steps before the first re-allocation (all `init_r` components train)."""
+    tfinal: int = Field(30, ge=0)
+    """Last steps with the allocation fixed."""
+    every: int = Field(10, ge=1)
+    """Steps between re-allocations (AdaLoRA's `deltaT`; the QUBO is re-solved this often)."""
+    beta1: float = Field(0.85, gt=0, lt=1)
+    """Smoothing of the importance (sensitivity) of each rank component."""
+    beta2: float = Field(0.85, gt=0, lt=1)
+    """Smoothing of its uncertainty."""
+    orth_reg_weight: float = Field(0.5, ge=0)
+    """AdaLoRA's penalty keeping P and Q orthogonal."""
+    lam: float = Field(0.02, ge=0)
+    """qubo_in_loop: weight of the redundancy penalty (as `quantum_opt.lam`)."""
+    ranks: list[int] = Field(default_factory=lambda: [2, 4, 6, 8, 10, 12], min_length=1)
+    """qubo_in_loop: the ranks a module may get (0, no adapter, always can)."""
+    solver: Literal["sa", "tabu", "milp", "exact"] = "sa"
+    """qubo_in_loop: the QUBO solver of each re-allocation."""
+    timeout: float = Field(5.0, gt=0)
+    """qubo_in_loop: seconds a solve may take."""
+    reference_timeout: float = Field(2.0, ge=0)
+    """qubo_in_loop: seconds for the MILP optimum each solve's gap is logged against (0: no gap)."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> AdaptiveParams:
+        if self.budget_rank > self.init_r:
+            raise ValueError(f"budget_rank ({self.budget_rank}) must not exceed init_r ({self.init_r}): the budget is reached by masking")
+        if max(self.ranks) > self.init_r or min(self.ranks) < 1:
+            raise ValueError(f"ranks {self.ranks} must lie in 1..init_r ({self.init_r})")
+        return self
+
+
 class LoraParams(FinetuneParams):
     """LoRA instruction tuning: the `sft` procedure (the fields above) with an `adapter`."""
 
     adapter: LoraAdapterParams = LoraAdapterParams()
     """The adapter: rank, targets, a quantized base, merging (the same block as `dpo.lora`)."""
-    allocation: Literal["quantum_opt", "uniform"] = "quantum_opt"
+    allocation: Literal["quantum_opt", "uniform", "adalora", "qubo_in_loop"] = "quantum_opt"
     """`quantum_opt`: target modules and per-module ranks from the `quantum_opt` stage (its
-    `data/quantum_opt/allocation.json`); `uniform`: rank `adapter.r` on every `adapter.target_modules` entry."""
+    `data/quantum_opt/allocation.json`); `uniform`: rank `adapter.r` on every `adapter.target_modules`
+    entry; `adalora` (PEFT's AdaLoRA) and `qubo_in_loop` (the QUBO re-solved during training):
+    ranks allocated while training, as `adaptive` says."""
+    adaptive: AdaptiveParams = AdaptiveParams()
+    """The in-training allocations' settings (`allocation: adalora | qubo_in_loop`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -606,8 +652,16 @@ class LoraParams(FinetuneParams):
 
     @model_validator(mode="after")
     def _layers_with_allocation(self) -> LoraParams:
-        if self.allocation == "quantum_opt" and self.adapter.layers_to_transform:
-            raise ValueError("adapter.layers_to_transform applies to allocation: uniform; the quantum_opt allocation chooses the modules of every layer itself")
+        if self.allocation != "uniform" and self.adapter.layers_to_transform:
+            raise ValueError(f"adapter.layers_to_transform applies to allocation: uniform; the {self.allocation} allocation chooses the modules of every layer itself")
+        if self.allocation in ("adalora", "qubo_in_loop"):
+            adaptive = self.adaptive
+            if adaptive.tinit + adaptive.tfinal >= self.train.max_steps:
+                raise ValueError(f"adaptive.tinit ({adaptive.tinit}) + adaptive.tfinal ({adaptive.tfinal}) must leave steps of train.max_steps "
+                                 f"({self.train.max_steps}) to re-allocate in")  # fmt: skip
+            if self.adapter.quantization != "none":
+                raise ValueError(f"allocation {self.allocation} trains SVD-form (AdaLoRA) adapters, which do not sit on a quantized base here: "
+                                 "use adapter.quantization: none")  # fmt: skip
         return self
 
 
@@ -620,6 +674,10 @@ class ProbeLoraParams(FinetuneParams, QuantizationParams):
     """Candidate modules (name suffixes); every matching linear layer of every block is probed."""
     ranks: list[int] = Field(default_factory=lambda: [4, 8, 16], min_length=1)
     """Candidate ranks r for which the captured gradient energy v[m][r] is reported."""
+    redundancy: Literal["detrended", "energy"] = "detrended"
+    """How two modules' redundancy is measured over the probe's steps: `detrended`, the correlation of
+    the step-to-step changes of their log gradient energies; `energy`, of the energies themselves
+    (the first version: dominated by the common downward trend of all energies, mean 0.93)."""
 
     @field_validator("ranks")
     @classmethod
@@ -732,12 +790,12 @@ class MultimodalParams(Section):
     vision_tower: Literal["trainable", "frozen"] = "trainable"
     """LLaVA freezes a pretrained tower; this one is built from config (nothing can be downloaded),
     so by default it learns with the projector."""
-    alignment_steps: int = Field(100, ge=0)
+    alignment_steps: int = Field(400, ge=0)
     """Phase 1, feature alignment: the first steps train the projector (and the tower), the
     language model is frozen."""
     language_model: Literal["full", "frozen"] = "full"
     """Phase 2, instruction tuning: the language model trains too (`full`) or stays frozen."""
-    instruction_lr: float = Field(3e-4, gt=0)
+    instruction_lr: float = Field(1e-3, gt=0)
     """Peak learning rate of phase 2 (phase 1 uses `train.lr`), re-warmed over `train.warmup_steps`."""
     max_seq_len: int = Field(0, ge=0)
     """Longest chat in tokens, image tokens included (0: the language model's context); longer

@@ -25,6 +25,9 @@ The points, in the order they come in a run:
 - `on_train_begin(state)`: after a resumed run restored its state (`state.step` is where it goes on)
 - `on_gradients(state)`: after backward (and unscaling), before clipping and the optimizer: the
   raw gradients of the step are in `.grad`; never for a batch skipped as non-finite
+- `on_optimizer_step(state)`: right after the optimizer and schedule step, before the gradients
+  are cleared (`state.step` is still the step's 0-based index): where AdaLoRA-style rank
+  allocation reads the step's gradients and masks what the step updated
 - `on_step_end(state, metrics)`: after the optimizer step; `metrics` holds the last logged values
 - `on_log(state, metrics, step)`: the loop reports metrics at `step`: the training metrics every
   `train.log_every` steps, validation metrics after each evaluation, `train/skipped_nonfinite` when
@@ -62,7 +65,7 @@ from typing import Any
 
 from pipelines.core.errors import QllmError, StopRequested
 
-HOOKS = ("on_train_begin", "on_gradients", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
+HOOKS = ("on_train_begin", "on_gradients", "on_optimizer_step", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
 
 BUILTIN = {
     "mlflow_metrics": "pipelines.core.loggers:MlflowMetrics",
@@ -88,6 +91,10 @@ class Extension:
 
     def on_gradients(self, state) -> None:
         """After backward, before clipping and the optimizer: `.grad` holds the step's raw gradients."""
+
+    def on_optimizer_step(self, state) -> None:
+        """After the optimizer and schedule step, before `zero_grad`: `.grad` still holds the step's
+        (clipped) gradients; `state.step` is the 0-based index of this step."""
 
     def on_step_end(self, state, metrics: dict[str, float]) -> None:
         """After the optimizer step; `metrics`: the last logged values."""

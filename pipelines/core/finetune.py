@@ -79,9 +79,11 @@ def run(
     desc: str = "finetune",
     quantization: QuantizationParams | None = None,
     quantization_section: str = "",
+    extensions: Callable[[torch.nn.Module, Any], list] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`.
-    `quantization`: a quantized, frozen base (QLoRA), as the section `quantization_section` asks."""
+    `quantization`: a quantized, frozen base (QLoRA), as the section `quantization_section` asks.
+    `extensions(model, tracker)`: loop extensions for the wrapped model (e.g. rank allocation)."""
     cfg = params.train
     qconfig = quantize.from_params(quantization, cfg.precision, quantization_section or desc)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
@@ -117,7 +119,7 @@ def run(
     grow = getattr(params, "progressive", None)  # sft's; adapters (lora) train on a frozen base
     growth = progressive.Growth(grow, cfg, model, desc, trained=True) if grow is not None and grow.enabled else None  # the base: stack 1
     result = training.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
-                            growth=growth, desc=desc)  # fmt: skip
+                            extensions=extensions(model, tracker) if extensions else (), growth=growth, desc=desc)  # fmt: skip
     if growth is not None:
         model.requires_grad_(True)  # a growth phase may have left layers frozen
 

@@ -699,3 +699,21 @@ def greedy(values: Mapping, costs: Mapping, budget) -> Allocation:
     alloc = _allocation(p, _upgrade(p, np.zeros(len(p.modules), dtype=int)), "greedy")
     alloc.wall_seconds = time.monotonic() - started
     return alloc
+
+
+def detrended_redundancy(names: list[str], energies: np.ndarray, floor: float = 1e-30) -> dict[tuple[str, str], float]:
+    """ρ[a, b] = max(0, corr(Δ log g_a, Δ log g_b)) over the steps of `energies` ([modules, steps]):
+    the correlation of the step-to-step changes of the gradient energies, not of the energies
+    themselves, whose common downward trend makes every pair look alike."""
+    if energies.ndim != 2 or energies.shape[1] < 3:
+        return {}
+    changes = np.diff(np.log(np.maximum(energies, floor)), axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        correlation = np.nan_to_num(np.corrcoef(changes))
+    out = {}
+    for i, a in enumerate(names):
+        for j in range(i + 1, len(names)):
+            rho = float(correlation[i, j])
+            if rho > 0:
+                out[(a, names[j])] = round(rho, 6)
+    return out

@@ -636,6 +636,7 @@ def _step(run: _Run) -> _Step | None:
     oom.check()
     run.scaler.update()
     run.scheduler.step()
+    run.hooks.call("on_optimizer_step", run.state)
     run.optimizer.zero_grad(set_to_none=True)
     run.state.step += 1
     run.window_tokens += tokens

@@ -1,0 +1,206 @@
+"""The honest table: LoRA rank allocations at one parameter budget, several seeds, two worlds.
+
+    python -m benchmarks.allocation_table --project DIR [--project DIR2 ...] [--seeds 0,1,2,3,4]
+                                          [--lams 0,0.02,0.1,0.5] [--arms qubo,qubo_in_loop,greedy,uniform,adalora,random]
+    python -m benchmarks.allocation_table --scaling        # solver wall time and gap at 1x, 4x, 16x the modules
+
+Each DIR is a project after `qllm run --until pretrain` (it needs data/models/pretrain,
+data/prepared/chat, data/tokenized); e.g. the default world and one with `sample_data.seed: 1`.
+Per project, in this process, with params.yaml's `probe_lora`, `quantum_opt` and `lora` settings:
+
+1. the probe (`probe_lora.run`, detrended redundancy) on the training chats;
+2. λ chosen on the *validation* chats (never on the held-out questions): for each of `--lams`,
+   the QUBO allocation trains LoRA (seed 0) and the one with the lowest chat validation loss wins;
+3. every arm at the budget of rank `quantum_opt.budget_rank` on every candidate module, for every
+   seed (LoRA initialisation and data order): `qubo` (static, the chosen λ), `qubo_in_loop` (the
+   QUBO re-solved during training, `lora.allocation: qubo_in_loop`), `greedy` (value per
+   parameter), `uniform` (rank `budget_rank` everywhere), `adalora` (PEFT's AdaLoRA, target rank
+   `budget_rank`: the same rank count, whose parameter count depends on where the ranks go) and
+   `random` (random ranks that fit, a new draw per seed);
+4. the held-out exact match (as `evaluate` computes it) and chat validation loss of each run.
+
+Prints one line per run, then per world a table (mean +- std over seeds, the parameters used,
+and a paired t-test of each arm against `uniform` and against `qubo` on held-out exact match).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipelines import lora, probe_lora, quantum_opt
+from pipelines.core import params_file, qubo
+from pipelines.evaluate import evaluate_model, heldout_questions
+
+ARMS = ("qubo", "qubo_in_loop", "greedy", "uniform", "adalora", "random")
+
+
+def random_allocation(values: dict, costs: dict, budget: int, seed: int) -> dict[str, int]:
+    """Random modules in random order get a random rank that still fits the budget."""
+    rng = random.Random(seed)
+    modules = sorted(values)
+    rng.shuffle(modules)
+    ranks, left = dict.fromkeys(values, 0), budget
+    for module in modules:
+        fitting = [r for r, c in costs[module].items() if c <= left]
+        if fitting:
+            ranks[module] = rng.choice(fitting)
+            left -= costs[module][ranks[module]]
+    return ranks
+
+
+def train_and_score(root: Path, params, allocation: str, ranks: dict | None, seed: int, questions, scratch: Path, name: str) -> dict:
+    base = params.lora.model_copy(update={"base_model": str(root / params.lora.base_model), "allocation": "uniform" if ranks is not None else allocation})
+    base = base.model_copy(update={"adapter": base.adapter.model_copy(update={"merge": True})})
+    run_params = lora.apply_allocation(base, {"rank_pattern": ranks}) if ranks is not None else base
+    run_params = run_params.model_copy(update={"train": run_params.train.model_copy(update={"seed": seed, "checkpoint_every": 0, "extensions": []})})
+    out = scratch / f"{name}-{seed}"
+    started = time.perf_counter()
+    metrics = lora.run(root / "data/prepared/chat", out, run_params)
+    seconds = time.perf_counter() - started
+    result = evaluate_model(out, root, root / "data/tokenized", questions, out / "eval", params.evaluate)
+    parameters = metrics.get("allocation/active_parameters")
+    if parameters is None:
+        parameters = sum(r * (s["d_in"] + s["d_out"]) for m, r in ranks.items() for s in [SHAPES[m]] if r > 0)
+    return {"arm": name, "seed": seed, "val_loss": round(metrics["val/loss"], 4), "exact_match": result["exact_match"], "parameters": int(parameters),
+            "train_seconds": round(seconds, 1)}  # fmt: skip
+
+
+SHAPES: dict = {}
+
+
+def paired(a: list[float], b: list[float]) -> str:
+    from scipy import stats
+
+    if len(a) < 2 or a == b:
+        return "n/a"
+    diff = np.array(a) - np.array(b)
+    if not diff.std():
+        return f"{100 * diff.mean():+.1f} (no spread)"
+    return f"{100 * diff.mean():+.1f}, p={stats.ttest_rel(a, b).pvalue:.3f}"
+
+
+def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scratch: Path) -> list[dict]:
+    params, _ = params_file.load(root)
+    probe = params.probe_lora.model_copy(update={"base_model": str(root / params.probe_lora.base_model)})
+    probe = probe.model_copy(update={"train": probe.train.model_copy(update={"extensions": []})})
+    probe_lora.run(root / "data/prepared/chat", scratch / "probe", probe)
+    values, costs, redundancy, shapes = quantum_opt.load_scores(scratch / "probe" / probe_lora.SCORES_FILE)
+    SHAPES.clear()
+    SHAPES.update(shapes)
+    q = params.quantum_opt
+    budget = quantum_opt.budget_for(shapes, q)
+    questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
+    mean_rho = float(np.mean(list(redundancy.values()) or [0.0]))
+    print(f"# {root}: {len(values)} modules, budget {budget} parameters (rank {q.budget_rank}), detrended redundancy mean {mean_rho:.3f} "
+          f"over {len(redundancy)} positive pairs", flush=True)  # fmt: skip
+
+    def solve(lam: float) -> dict:
+        return dict(qubo.allocate_ranks(values, costs, budget, redundancy, lam=lam, solver=q.solver, seed=q.seed, timeout=q.timeout))
+
+    chosen_lam, best = None, None
+    for lam in lams:  # λ on the validation chats
+        row = train_and_score(root, params, "uniform", solve(lam), 0, questions, scratch, f"lam{lam}")
+        print(json.dumps({"world": str(root), "select_lam": lam, **row}), flush=True)
+        if best is None or row["val_loss"] < best:
+            chosen_lam, best = lam, row["val_loss"]
+    print(f"# λ = {chosen_lam} (lowest chat validation loss {best:.4f})", flush=True)
+    static = {"qubo": solve(chosen_lam), "greedy": dict(qubo.greedy(values, costs, budget)), "uniform": {m: q.budget_rank for m in values}}
+    rows = []
+    for arm in arms:
+        for seed in seeds:
+            if arm in ("adalora", "qubo_in_loop"):
+                row = train_and_score(root, params, arm, None, seed, questions, scratch, arm)
+            else:
+                ranks = random_allocation(values, costs, budget, 100 + seed) if arm == "random" else static[arm]
+                row = train_and_score(root, params, "uniform", ranks, seed, questions, scratch, arm)
+            row |= {"world": str(root), "lam": chosen_lam}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    table(rows)
+    return rows
+
+
+def table(rows: list[dict]) -> None:
+    by_arm: dict[str, list[dict]] = {}
+    for row in rows:
+        by_arm.setdefault(row["arm"], []).append(row)
+
+    def spread(values: list[float], scale: float = 1.0) -> str:
+        return f"{scale * statistics.mean(values):.{1 if scale == 100 else 4}f} +- {scale * (statistics.stdev(values) if len(values) > 1 else 0.0):.{1 if scale == 100 else 4}f}"
+
+    em = {arm: [r["exact_match"] for r in sorted(group, key=lambda r: r["seed"])] for arm, group in by_arm.items()}
+    print("\n| allocation | parameters | chat val/loss | held-out exact match (%) | vs uniform (points, paired t) | vs qubo |")
+    print("|---|---|---|---|---|---|")
+    for arm, group in by_arm.items():
+        parameters = sorted({r["parameters"] for r in group})
+        shown = f"{parameters[0]:,}" if len(parameters) == 1 else f"{min(parameters):,}-{max(parameters):,}"
+        print(f"| {arm} | {shown} | {spread([r['val_loss'] for r in group])} | {spread(em[arm], 100)} | "
+              f"{paired(em[arm], em['uniform']) if 'uniform' in em and arm != 'uniform' else ''} | "
+              f"{paired(em[arm], em['qubo']) if 'qubo' in em and arm != 'qubo' else ''} |", flush=True)  # fmt: skip
+
+
+def scaling(root: Path | None, timeout: float, reference_timeout: float) -> None:
+    """sa's wall time and gap to the MILP optimum on the probe's problem and on 4x and 16x the modules
+    (each module copied with its values scaled by a random factor in [0.5, 1.5], redundancy kept within copies)."""
+    rng = np.random.default_rng(0)
+    if root is not None:
+        values, costs, redundancy, shapes = quantum_opt.load_scores(root / "data/probe_lora" / quantum_opt.SCORES_FILE)
+    else:  # a synthetic probe: 28 modules, decreasing returns in rank
+        values = {f"m{i:02d}": {r: float(rng.uniform(0.01, 0.05)) * np.log1p(r) for r in (4, 8, 16)} for i in range(28)}
+        costs = {m: {r: r * 256 for r in (4, 8, 16)} for m in values}
+        redundancy = {(a, b): float(rng.uniform(0, 0.3)) for a in values for b in values if a < b and rng.random() < 0.2}
+        shapes = {m: {"d_in": 128, "d_out": 128} for m in values}
+    print("| modules | variables | sa wall s | MILP wall s | gap to MILP |\n|---|---|---|---|---|")
+    for factor in (1, 4, 16):
+        v, c, rho = {}, {}, {}
+        for k in range(factor):
+            scale = {m: rng.uniform(0.5, 1.5) for m in values}
+            v |= {f"{m}#{k}": {r: x * scale[m] / factor for r, x in ranks.items()} for m, ranks in values.items()}
+            c |= {f"{m}#{k}": dict(ranks) for m, ranks in costs.items()}
+            rho |= {tuple(sorted((f"{a}#{k}", f"{b}#{k}"))): x for (a, b), x in redundancy.items()}
+        budget = factor * sum(8 * (s["d_in"] + s["d_out"]) for s in shapes.values())
+        sa = qubo.allocate_ranks(v, c, budget, rho, lam=0.02, solver="sa", seed=0, timeout=timeout)
+        milp = qubo.allocate_ranks(v, c, budget, rho, lam=0.02, solver="milp", timeout=reference_timeout)
+        gap = (milp.objective - sa.objective) / milp.objective if milp.objective > 0 else 0.0
+        print(f"| {len(v)} | {sa.num_variables} | {sa.wall_seconds:.2f} | {milp.wall_seconds:.2f}{'' if milp.solver == 'milp' else ' (limit)'} | "
+              f"{100 * gap:.2f}% |", flush=True)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--project", type=Path, action="append", default=[])
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--lams", default="0,0.02,0.1,0.5")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--scaling", action="store_true", help="only the solver scaling table")
+    parser.add_argument("--timeout", type=float, default=10.0, help="sa timeout for --scaling")
+    parser.add_argument("--reference-timeout", type=float, default=60.0, help="MILP time limit for --scaling")
+    args = parser.parse_args(argv)
+    if args.scaling:
+        scaling(args.project[0].resolve() if args.project else None, args.timeout, args.reference_timeout)
+        return 0
+    seeds = [int(s) for s in args.seeds.split(",")]
+    lams = [float(x) for x in args.lams.split(",")]
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+    everything = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for index, root in enumerate(args.project):
+            scratch = Path(tmp) / f"world{index}"
+            scratch.mkdir()
+            everything += world(root.resolve(), seeds, lams, arms, scratch)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
