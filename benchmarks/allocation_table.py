@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -39,25 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.lora_allocation import random_allocation
 from pipelines import lora, probe_lora, quantum_opt
 from pipelines.core import params_file, qubo
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 ARMS = ("qubo", "qubo_in_loop", "greedy", "uniform", "adalora", "random")
-
-
-def random_allocation(values: dict, costs: dict, budget: int, seed: int) -> dict[str, int]:
-    """Random modules in random order get a random rank that still fits the budget."""
-    rng = random.Random(seed)
-    modules = sorted(values)
-    rng.shuffle(modules)
-    ranks, left = dict.fromkeys(values, 0), budget
-    for module in modules:
-        fitting = [r for r, c in costs[module].items() if c <= left]
-        if fitting:
-            ranks[module] = rng.choice(fitting)
-            left -= costs[module][ranks[module]]
-    return ranks
 
 
 def train_and_score(root: Path, params, allocation: str, ranks: dict | None, seed: int, questions, scratch: Path, name: str) -> dict:
@@ -112,13 +98,13 @@ def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scra
     def solve(lam: float) -> dict:
         return dict(qubo.allocate_ranks(values, costs, budget, redundancy, lam=lam, solver=q.solver, seed=q.seed, timeout=q.timeout))
 
-    chosen_lam, best = None, None
-    for lam in lams:  # λ on the validation chats
+    chosen_lam, best = (lams[0], None) if len(lams) == 1 else (None, None)
+    for lam in lams if len(lams) > 1 else []:  # λ on the validation chats (one given: taken as chosen)
         row = train_and_score(root, params, "uniform", solve(lam), 0, questions, scratch, f"lam{lam}")
         print(json.dumps({"world": str(root), "select_lam": lam, **row}), flush=True)
         if best is None or row["val_loss"] < best:
             chosen_lam, best = lam, row["val_loss"]
-    print(f"# λ = {chosen_lam} (lowest chat validation loss {best:.4f})", flush=True)
+    print(f"# λ = {chosen_lam}" + (f" (lowest chat validation loss {best:.4f})" if best is not None else " (given)"), flush=True)
     static = {"qubo": solve(chosen_lam), "greedy": dict(qubo.greedy(values, costs, budget)), "uniform": {m: q.budget_rank for m in values}}
     rows = []
     for seed in seeds:  # every arm of a seed before the next seed: a stopped run still compares them all

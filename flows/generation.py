@@ -89,14 +89,7 @@ def generate(
     Returns:
         The generated text, special tokens removed, surrounding whitespace stripped.
     """
-    import torch
-
-    from pipelines.core.models import stop_token_ids
-
-    if max_new_tokens < 1:
-        raise QllmError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-    if temperature < 0:
-        raise QllmError(f"temperature must be 0 (greedy) or positive (got {temperature})")
+    _check_decoding(max_new_tokens, temperature)
     if not getattr(tokenizer, "chat_template", None):
         raise QllmError(
             "the model's tokenizer has no chat template (train it with the pipeline's train_tokenizer stage)"
@@ -104,20 +97,31 @@ def generate(
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    return _decode(model, tokenizer, encoded, max_new_tokens, temperature, seed)
+
+
+def _check_decoding(max_new_tokens: int, temperature: float) -> None:
+    if max_new_tokens < 1:
+        raise QllmError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    if temperature < 0:
+        raise QllmError(f"temperature must be 0 (greedy) or positive (got {temperature})")
+
+
+def _decode(model: Any, tokenizer: Any, encoded: Any, max_new_tokens: int, temperature: float, seed: int) -> str:
+    """Generate after `encoded` (greedy, or sampled at `temperature` seeded by `seed`) up to the end
+    of the turn; the new text, special tokens removed."""
+    import torch
+
+    from pipelines.core.models import stop_token_ids
+
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     model.eval()
     with torch.no_grad():
         if temperature > 0:
             torch.manual_seed(seed)
-        output = model.generate(
-            **encoded,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=stop_token_ids(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-        )
-    new_tokens = output[0, encoded["input_ids"].shape[1] :]
-    return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+        output = model.generate(**encoded, max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(tokenizer),
+                                pad_token_id=tokenizer.pad_token_id, **sampling)  # fmt: skip
+    return tokenizer.decode(output[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def is_image_model(model: str, root: Path | str = ".") -> bool:
@@ -181,15 +185,9 @@ def generate_about_image(
 
     The prompt's `<image>` placeholder marks where the image goes (in front when it has none);
     decoding as in `generate`."""
-    import torch
-
     from pipelines.core import vision
-    from pipelines.core.models import stop_token_ids
 
-    if max_new_tokens < 1:
-        raise QllmError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-    if temperature < 0:
-        raise QllmError(f"temperature must be 0 (greedy) or positive (got {temperature})")
+    _check_decoding(max_new_tokens, temperature)
     images = None
     if image is not None:
         try:
@@ -203,12 +201,4 @@ def generate_about_image(
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     encoded = processor(text=[text], images=images, return_tensors="pt").to(model.device)
-    tokenizer = processor.tokenizer
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    model.eval()
-    with torch.no_grad():
-        if temperature > 0:
-            torch.manual_seed(seed)
-        output = model.generate(**encoded, max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(tokenizer),
-                                pad_token_id=tokenizer.pad_token_id, **sampling)  # fmt: skip
-    return tokenizer.decode(output[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    return _decode(model, processor.tokenizer, encoded, max_new_tokens, temperature, seed)

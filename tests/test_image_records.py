@@ -22,8 +22,8 @@ from pipelines import ingest, prepare_data
 from pipelines.core import images
 from pipelines.core.config import IngestParams, PrepareDataParams, SourceParams
 from pipelines.core.readers import COLUMNS, IMAGES_TYPE, SCHEMAS, ReaderError, empty_frame, read_source
+from tests.test_readers import SRC, jsonl, write
 
-SRC = "data/sources"
 SPLITS = ("train", "validation", "test")
 
 
@@ -42,21 +42,6 @@ def png(width: int = 8, height: int = 8, value: int = 0, noise: bool = False) ->
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def write(root: Path, name: str, content: str | bytes) -> str:
-    """Write `data/sources/<name>` under root; return its relative path (as in params.yaml)."""
-    path = root / SRC / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(content, bytes):
-        path.write_bytes(content)
-    else:
-        path.write_text(content, encoding="utf-8")
-    return f"{SRC}/{name}"
-
-
-def jsonl(records: list) -> str:
-    return "".join(json.dumps(r) + "\n" for r in records)
 
 
 def chat(question: str, answer: str) -> list[dict]:

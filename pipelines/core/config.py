@@ -615,7 +615,7 @@ class AdaptiveParams(Section):
     """qubo_in_loop: the QUBO solver of each re-allocation."""
     timeout: float = Field(5.0, gt=0)
     """qubo_in_loop: seconds a solve may take."""
-    reference_timeout: float = Field(2.0, ge=0)
+    reference_timeout: float = Field(1.0, ge=0)
     """qubo_in_loop: seconds for the MILP optimum each solve's gap is logged against (0: no gap)."""
 
     @model_validator(mode="after")
