@@ -195,7 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validate-values", type=int, default=8, metavar="N", help="single-module probes checking the values (0: skip)")
     parser.add_argument("--timeout", type=float, default=10.0, help="sa timeout for --scaling")
     parser.add_argument("--reference-timeout", type=float, default=60.0, help="MILP time limit for --scaling")
+    parser.add_argument("--aggregate", type=Path, nargs="+", metavar="LOG", help="only the tables of the runs in these outputs (the last row of an arm, seed and world wins)")
     args = parser.parse_args(argv)
+    if args.aggregate:
+        rows = {}
+        for path in args.aggregate:
+            for line in path.read_text().splitlines():
+                if line.startswith("{") and '"arm"' in line and "select_lam" not in line and '"module"' not in line:
+                    row = json.loads(line)
+                    rows[(row["world"], row["arm"], row["seed"])] = row
+        for name in sorted({w for w, _, _ in rows}):
+            print(f"\n## {name}")
+            table([r for (w, _, _), r in sorted(rows.items(), key=lambda item: (ARMS.index(item[0][1]), item[0][2])) if w == name])
+        return 0
     if args.scaling:
         scaling(args.project[0].resolve() if args.project else None, args.timeout, args.reference_timeout)
         return 0

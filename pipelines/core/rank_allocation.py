@@ -43,13 +43,16 @@ ADAPTER = "default"
 
 def adalora_config(adapter: LoraAdapterParams, adaptive: AdaptiveParams, max_steps: int, trainable_token_ids: list[int] = ()):
     """PEFT's `AdaLoraConfig`: `adapter.target_modules` at rank `init_r`, target average rank
-    `budget_rank`, the schedule of `adaptive` over `max_steps`."""
+    `budget_rank`, the schedule of `adaptive` over `max_steps`. AdaLoRA scales its update by
+    `lora_alpha / init_r` at every rank; `lora_alpha` is set so that this is the uniform adapter's
+    `adapter.lora_alpha / adapter.r`, the update scale every allocation of the lora stage keeps
+    (as `lora.apply_allocation` does per module)."""
     from peft import AdaLoraConfig
 
     return AdaLoraConfig(
         init_r=adaptive.init_r, target_r=adaptive.budget_rank, tinit=adaptive.tinit, tfinal=adaptive.tfinal, deltaT=adaptive.every,
         beta1=adaptive.beta1, beta2=adaptive.beta2, orth_reg_weight=adaptive.orth_reg_weight, total_step=max_steps,
-        lora_alpha=adapter.lora_alpha, lora_dropout=adapter.lora_dropout, target_modules=list(adapter.target_modules),
+        lora_alpha=adapter.lora_alpha * adaptive.init_r / adapter.r, lora_dropout=adapter.lora_dropout, target_modules=list(adapter.target_modules),
         trainable_token_indices={"embed_tokens": list(trainable_token_ids)} if trainable_token_ids else None, task_type="CAUSAL_LM",
     )  # fmt: skip
 
