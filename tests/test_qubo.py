@@ -181,7 +181,7 @@ def test_as_dict_is_json():
 
 
 def test_solver_names():
-    assert qubo.SOLVERS == ("exact", "sa", "tabu", "milp", "dwave", "qaoa")
+    assert qubo.SOLVERS == ("exact", "sa", "tabu", "milp", "dwave", "qaoa", "greedy")
 
 
 # ---------------------------------------------------------------- repair
@@ -330,7 +330,7 @@ BAD = {
     "rho below 0": (dict(redundancy={("a", "b"): -0.1}), r"outside \[0, 1\]"),
     "negative budget": (dict(budget=-1), "budget must be >= 0"),
     "negative lam": (dict(lam=-0.5), "lam must be >= 0"),
-    "unknown solver": (dict(solver="annealer"), "unknown solver 'annealer'; expected one of exact, sa, tabu, milp, dwave, qaoa"),
+    "unknown solver": (dict(solver="annealer"), "unknown solver 'annealer'; expected one of exact, sa, tabu, milp, dwave, qaoa, greedy"),
     "unknown fallback": (dict(solver="qaoa", fallback="qpu"), "unknown fallback 'qpu'"),
     "zero timeout": (dict(timeout=0), "timeout must be > 0"),
     "zero num_reads": (dict(num_reads=0), "num_reads must be a positive integer or None"),
@@ -370,6 +370,8 @@ def test_greedy_baseline():
         alloc = qubo.greedy(values, costs, budget)
         assert isinstance(alloc, Allocation) and alloc.feasible and set(alloc) == set(values)
         assert alloc.objective <= brute_force(values, costs, budget) + 1e-9
+        as_solver = qubo.allocate_ranks(values, costs, budget, solver="greedy")  # quantum_opt.solver: greedy
+        assert dict(as_solver) == dict(alloc) and as_solver.solver == "greedy"
 
 
 def large_instance(modules: int = 72):

@@ -690,9 +690,10 @@ class ProbeLoraParams(FinetuneParams, QuantizationParams):
 class QuantumOptParams(Section):
     """LoRA rank allocation as a QUBO over the probe's scores (see pipelines/core/qubo.py)."""
 
-    solver: Literal["exact", "sa", "tabu", "milp", "dwave", "qaoa"] = "sa"
+    solver: Literal["exact", "sa", "tabu", "milp", "dwave", "qaoa", "greedy"] = "sa"
     """`sa`/`tabu` (dwave-samplers), `milp` (scipy, exact), `exact` (enumeration, small only),
-    `dwave` (D-Wave Leap: extra `dwave` + DWAVE_API_TOKEN), `qaoa` (extra `qaoa`, <= max_qubits)."""
+    `dwave` (D-Wave Leap: extra `dwave` + DWAVE_API_TOKEN), `qaoa` (extra `qaoa`, <= max_qubits),
+    `greedy` (the value-per-parameter heuristic, redundancy ignored: the classical baseline)."""
     fallback: Literal["sa"] | None = None
     """Solve with `sa` (logged) when the chosen backend is unavailable or too small."""
     lam: float = Field(0.02, ge=0)

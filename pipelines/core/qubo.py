@@ -16,6 +16,8 @@ and b overlap. Choose at most one rank r_m per module (0 = no adapter: value 0, 
 solvers in `SOLVERS`:
 
 - `exact`: enumerates every allocation (small problems only); no BQM.
+- `greedy`: the value-per-parameter heuristic (`greedy`), no BQM and no redundancy: the classical
+  baseline every other solver is measured against.
 - `milp`: scipy's HiGHS on the original problem (pairwise penalties linearised); the reference optimum.
 - `sa`, `tabu`: dwave-samplers on the BQM (seeded).
 - `dwave`: D-Wave Leap's hybrid sampler (extra `dwave` and a Leap token).
@@ -605,6 +607,11 @@ def _solve_bqm(sample: Callable[[dimod.BinaryQuadraticModel, float, _Options], d
                        penalties=meta["penalties"])  # fmt: skip
 
 
+def _solve_greedy(p: _Problem, o: _Options) -> Allocation:
+    """The classical baseline as a solver: value per parameter, redundancy ignored (`greedy`)."""
+    return _allocation(p, _upgrade(p, np.zeros(len(p.modules), dtype=int)), "greedy")
+
+
 _SOLVE: dict[str, Callable[[_Problem, _Options], Allocation]] = {
     "exact": _solve_exact,
     "sa": functools.partial(_solve_bqm, _sample_sa, "sa"),
@@ -612,6 +619,7 @@ _SOLVE: dict[str, Callable[[_Problem, _Options], Allocation]] = {
     "milp": _solve_milp,
     "dwave": functools.partial(_solve_bqm, _sample_dwave, "dwave"),
     "qaoa": functools.partial(_solve_bqm, _sample_qaoa, "qaoa"),
+    "greedy": _solve_greedy,
 }
 SOLVERS = tuple(_SOLVE)
 
@@ -695,8 +703,7 @@ def greedy(values: Mapping, costs: Mapping, budget) -> Allocation:
         greedy(values, costs, budget).objective
     """
     started = time.monotonic()
-    p = _problem(values, costs, budget)
-    alloc = _allocation(p, _upgrade(p, np.zeros(len(p.modules), dtype=int)), "greedy")
+    alloc = _solve_greedy(_problem(values, costs, budget), None)
     alloc.wall_seconds = time.monotonic() - started
     return alloc
 
