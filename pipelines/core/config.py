@@ -696,11 +696,12 @@ class QuantumOptParams(Section):
     `greedy` (the value-per-parameter heuristic, redundancy ignored: the classical baseline)."""
     fallback: Literal["sa"] | None = None
     """Solve with `sa` (logged) when the chosen backend is unavailable or too small."""
-    lam: float = Field(0.02, ge=0)
+    lam: float = Field(0.1, ge=0)
     """Weight λ of the redundancy penalty between correlated modules. Values are shares of one
-    gradient energy (Σ v <= 1) while the penalty sums over M·(M−1)/2 pairs: with the probe's
-    ρ ≈ 0.9 on 28 modules, λ = 0.02 costs uniform rank 8 about a fifth of its value; λ = 0.5
-    leaves room for 2-4 adapters only (README, "Quantum-optimised LoRA ranks")."""
+    gradient energy (Σ v <= 1) while the penalty sums over M·(M−1)/2 pairs. 0.1 had the lowest
+    chat *validation* loss over {0, 0.02, 0.1} averaged over two worlds (benchmarks/RESULTS.md,
+    issue 22); with the detrended redundancy it leaves part of the budget unspent (65,536 of
+    94,208 parameters on the default world)."""
     budget_rank: int = Field(8, ge=1)
     """Budget B = the trainable parameters of rank `budget_rank` on every candidate module."""
     budget: int = Field(0, ge=0)
