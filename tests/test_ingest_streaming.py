@@ -173,7 +173,7 @@ def test_a_source_bigger_than_a_row_group_streams_in_several(tmp_path):
             SourceParams(path=write(tmp_path, "more.txt", "last\n"), kind="text"),
         ]
     )
-    assert ingest.run(tmp_path, tmp_path / "out", params)["records"] == {"text": n + 1, "chat": n, "preference": 0}
+    assert ingest.run(tmp_path, tmp_path / "out", params)["records"] == {"text": n + 1, "chat": n, "preference": 0, "image_chat": 0}
     rest = n - 2 * readers.BATCH_ROWS
     assert row_groups(tmp_path / "out/chat.parquet") == [readers.BATCH_ROWS, readers.BATCH_ROWS, rest]
     assert row_groups(tmp_path / "out/text.parquet") == [readers.BATCH_ROWS, readers.BATCH_ROWS, rest, 1]
