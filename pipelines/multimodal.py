@@ -63,11 +63,8 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
     del language_model
     per_image = vision.image_tokens(model.config)
     max_len = params.max_seq_len or model.config.text_config.max_position_embeddings
-    metrics: dict[str, Any] = {"image_tokens": per_image}
-    data = {}
-    for split in ("train", "validation"):
-        data[split] = vision.encode(processor, vision.read_chats(image_dir, split), max_len, per_image)
-        metrics |= data[split].stats.as_metrics(f"data/{split}_")
+    data, metrics = vision.build_rows(processor, image_dir, max_len, per_image)
+    metrics["image_tokens"] = per_image
     if not data["train"].rows:
         raise QllmError(f"{Path(image_dir) / 'train.parquet'}: no image chat left to train on (dropped as longer than {max_len} tokens: "
                         f"{data['train'].stats.dropped_too_long}); raise multimodal.max_seq_len or add image_chat sources")  # fmt: skip

@@ -32,7 +32,7 @@ class Recorder:
         self.metrics.append((step, dict(metrics)))
 
     def log_params(self, *args, **kwargs):
-        pass
+        """(finetune logs the parameter counts; this stand-in keeps only metrics)"""
 
 
 def train_lora(tiny_base, out, allocation, checkpoints=None, stop_at=None, tracker=None, **train):

@@ -174,6 +174,16 @@ def encode(processor, chats: list[tuple[list[dict], list[bytes]]], max_len: int,
     return ImageRows(rows, pixels, stats)
 
 
+def build_rows(processor, image_dir: Path, max_len: int, per_image: int) -> tuple[dict[str, ImageRows], dict[str, float]]:
+    """Training and validation rows of `image_dir/{train,validation}.parquet`, and their encoding
+    counts as metrics (`data/<split>_examples`, ..., as `finetune.build_rows` names them)."""
+    data, metrics = {}, {}
+    for split in ("train", "validation"):
+        data[split] = encode(processor, read_chats(image_dir, split), max_len, per_image)
+        metrics |= data[split].stats.as_metrics(f"data/{split}_")
+    return data, metrics
+
+
 def collate(data: ImageRows, pad_id: int) -> Callable[[np.ndarray], dict[str, Any]]:
     """Right-padded rows with an attention mask (`chat_examples.collate`) plus `pixel_values`:
     the images of the batch's rows in row order, as the model matches image tokens to images."""
@@ -263,7 +273,7 @@ class Phases:
         return {"train/phase": float(self.current)}
 
     def close(self) -> None:
-        pass
+        """Nothing to release (the growth interface's end-of-run call)."""
 
 
 # ---------------------------------------------------------------------------- evaluation
