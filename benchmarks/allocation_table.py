@@ -1,7 +1,8 @@
 """The honest table: LoRA rank allocations at one parameter budget, several seeds, two worlds.
 
     python -m benchmarks.allocation_table --project DIR [--project DIR2 ...] [--seeds 0,1,2,3,4]
-                                          [--lams 0,0.02,0.1] [--arms qubo,qubo_in_loop,greedy,uniform,adalora,random]
+                                          [--lams 0,0.02,0.1] [--menus 4,8,16] [--peer-lrs 0.003]
+                                          [--arms qubo,qubo_in_loop,greedy,uniform,adalora,random]
     python -m benchmarks.allocation_table --scaling        # solver wall time and gap at 1x, 4x, 16x the modules
 
 Each DIR is a project after `qllm run --until pretrain` (it needs data/models/pretrain,
@@ -9,8 +10,13 @@ data/prepared/chat, data/tokenized); e.g. the default world and one with `sample
 Per project, in this process, with params.yaml's `probe_lora`, `quantum_opt` and `lora` settings:
 
 1. the probe (`probe_lora.run`, detrended redundancy) on the training chats;
-2. λ chosen on the *validation* chats (never on the held-out questions): for each of `--lams`,
-   the QUBO allocation trains LoRA (seed 0) and the one with the lowest chat validation loss wins;
+2. λ and the budget split chosen on the *validation* chats (never on the held-out questions): for
+   each rank menu of `--menus` (the ranks a module may get: how finely the budget may be split,
+   e.g. many modules at rank 4 or few at 16; the probe scores the union) and each of `--lams`, the
+   QUBO allocation trains LoRA (seed 0) and the pair with the lowest chat validation loss wins;
+   `greedy` and `random` use the same menu. `--peer-lrs` does the same for the peers that allocate
+   while training (`adalora`, `qubo_in_loop`): their learning rate is chosen on the validation chats
+   (seed 0), as a user tuning them would;
 3. every arm at the budget of rank `quantum_opt.budget_rank` on every candidate module, for every
    seed (LoRA initialisation and data order): `qubo` (static, the chosen λ), `qubo_in_loop` (the
    QUBO re-solved during training, `lora.allocation: qubo_in_loop`), `greedy` (value per
@@ -77,9 +83,21 @@ def paired(a: list[float], b: list[float]) -> str:
     return f"{100 * diff.mean():+.1f}, p={stats.ttest_rel(a, b).pvalue:.3f}"
 
 
-def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scratch: Path, validate_values: int = 0) -> list[dict]:
+def with_lr(params, lr: float):
+    """`params` with the lora stage's learning rate set to `lr`."""
+    return params.model_copy(update={"lora": params.lora.model_copy(update={"train": params.lora.train.model_copy(update={"lr": lr})})})
+
+
+def restrict(table: dict, menu: list[int]) -> dict:
+    """A probe's per-module, per-rank table with only the ranks of `menu`."""
+    return {m: {r: x for r, x in by_rank.items() if r in menu} for m, by_rank in table.items()}
+
+
+def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scratch: Path, validate_values: int = 0,
+          menus: list[list[int]] | None = None, peer_lrs: list[float] | None = None) -> list[dict]:  # fmt: skip
     params, _ = params_file.load(root)
-    probe = params.probe_lora.model_copy(update={"base_model": str(root / params.probe_lora.base_model)})
+    menus = menus or [list(params.probe_lora.ranks)]
+    probe = params.probe_lora.model_copy(update={"base_model": str(root / params.probe_lora.base_model), "ranks": sorted({r for m in menus for r in m})})
     probe = probe.model_copy(update={"train": probe.train.model_copy(update={"extensions": []})})
     probe_lora.run(root / "data/prepared/chat", scratch / "probe", probe)
     values, costs, redundancy, shapes = quantum_opt.load_scores(scratch / "probe" / probe_lora.SCORES_FILE)
@@ -95,30 +113,52 @@ def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scra
     if validate_values:
         validate(root, params, values, questions, scratch, validate_values)
 
-    def solve(lam: float) -> dict:
-        return dict(qubo.allocate_ranks(values, costs, budget, redundancy, lam=lam, solver=q.solver, seed=q.seed, timeout=q.timeout))
+    def solve(lam: float, menu: list[int]) -> dict:
+        return dict(qubo.allocate_ranks(restrict(values, menu), restrict(costs, menu), budget, redundancy, lam=lam, solver=q.solver, seed=q.seed,
+                                        timeout=q.timeout))  # fmt: skip
 
-    chosen_lam, best = (lams[0], None) if len(lams) == 1 else (None, None)
-    for lam in lams if len(lams) > 1 else []:  # λ on the validation chats (one given: taken as chosen)
-        row = train_and_score(root, params, "uniform", solve(lam), 0, questions, scratch, f"lam{lam}")
-        print(json.dumps({"world": str(root), "select_lam": lam, **row}), flush=True)
+    candidates = [(lam, menu) for menu in menus for lam in lams]
+    (chosen_lam, menu), best = candidates[0], None
+    for lam, candidate in candidates if len(candidates) > 1 else []:  # on the validation chats (one given: taken as chosen)
+        row = train_and_score(root, params, "uniform", solve(lam, candidate), 0, questions, scratch, f"lam{lam}-menu{'-'.join(map(str, candidate))}")
+        print(json.dumps({"world": str(root), "select_lam": lam, "menu": candidate, **row}), flush=True)
         if best is None or row["val_loss"] < best:
-            chosen_lam, best = lam, row["val_loss"]
-    print(f"# λ = {chosen_lam}" + (f" (lowest chat validation loss {best:.4f})" if best is not None else " (given)"), flush=True)
-    static = {"qubo": solve(chosen_lam), "greedy": dict(qubo.greedy(values, costs, budget)), "uniform": {m: q.budget_rank for m in values}}
+            (chosen_lam, menu), best = (lam, candidate), row["val_loss"]
+    chosen = f"λ = {chosen_lam}, ranks {menu}"
+    print(f"# {chosen}" + (f" (lowest chat validation loss {best:.4f})" if best is not None else " (given)"), flush=True)
+    lrs = {arm: choose_lr(root, params, arm, peer_lrs, questions, scratch) for arm in ("adalora", "qubo_in_loop") if arm in arms}
+    static = {
+        "qubo": solve(chosen_lam, menu), "greedy": dict(qubo.greedy(restrict(values, menu), restrict(costs, menu), budget)),
+        "uniform": {m: q.budget_rank for m in values},
+    }  # fmt: skip
     rows = []
     for seed in seeds:  # every arm of a seed before the next seed: a stopped run still compares them all
         for arm in arms:
-            if arm in ("adalora", "qubo_in_loop"):
-                row = train_and_score(root, params, arm, None, seed, questions, scratch, arm)
+            if arm in lrs:
+                row = train_and_score(root, with_lr(params, lrs[arm]), arm, None, seed, questions, scratch, arm) | {"lr": lrs[arm]}
             else:
-                ranks = random_allocation(values, costs, budget, 100 + seed) if arm == "random" else static[arm]
+                ranks = random_allocation(restrict(values, menu), restrict(costs, menu), budget, 100 + seed) if arm == "random" else static[arm]
                 row = train_and_score(root, params, "uniform", ranks, seed, questions, scratch, arm)
-            row |= {"world": str(root), "lam": chosen_lam}
+            row |= {"world": str(root), "lam": chosen_lam, "menu": menu}
             rows.append(row)
             print(json.dumps(row), flush=True)
     table(rows)
     return rows
+
+
+def choose_lr(root: Path, params, arm: str, lrs: list[float] | None, questions, scratch: Path) -> float:
+    """The learning rate of `arm` with the lowest chat validation loss (seed 0); the stage's own if
+    one or none is given."""
+    if not lrs or len(lrs) == 1:
+        return lrs[0] if lrs else params.lora.train.lr
+    best = None
+    for lr in lrs:
+        row = train_and_score(root, with_lr(params, lr), arm, None, 0, questions, scratch, f"{arm}-lr{lr}")
+        print(json.dumps({"world": str(root), "select_lr": lr, **row}), flush=True)
+        if best is None or row["val_loss"] < best[1]:
+            best = (lr, row["val_loss"])
+    print(f"# {arm}: lr {best[0]} (lowest chat validation loss {best[1]:.4f})", flush=True)
+    return best[0]
 
 
 def validate(root: Path, params, values: dict, questions, scratch: Path, count: int, rank: int = 8, steps: int = 40) -> None:
@@ -190,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", type=Path, action="append", default=[])
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--lams", default="0,0.02,0.1")
+    parser.add_argument("--menus", default="", help="rank menus to choose from on validation, ';'-separated (e.g. '4,8,16;2,4,8;8,16,32'); default: probe_lora.ranks")
+    parser.add_argument("--peer-lrs", default="", help="learning rates to choose from on validation for adalora and qubo_in_loop (default: lora.train.lr)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--scaling", action="store_true", help="only the solver scaling table")
     parser.add_argument("--validate-values", type=int, default=8, metavar="N", help="single-module probes checking the values (0: skip)")
@@ -201,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = {}
         for path in args.aggregate:
             for line in path.read_text().splitlines():
-                if line.startswith("{") and '"arm"' in line and "select_lam" not in line and '"module"' not in line:
+                if line.startswith("{") and '"arm"' in line and "select_l" not in line and '"module"' not in line:
                     row = json.loads(line)
                     rows[(row["world"], row["arm"], row["seed"])] = row
         for name in sorted({w for w, _, _ in rows}):
@@ -214,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     lams = [float(x) for x in args.lams.split(",")]
     arms = [a for a in args.arms.split(",") if a]
+    menus = [[int(r) for r in menu.split(",")] for menu in args.menus.split(";") if menu.strip()] or None
+    peer_lrs = [float(x) for x in args.peer_lrs.split(",") if x] or None
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
@@ -222,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         for index, root in enumerate(args.project):
             scratch = Path(tmp) / f"world{index}"
             scratch.mkdir()
-            everything += world(root.resolve(), seeds, lams, arms, scratch, args.validate_values)
+            everything += world(root.resolve(), seeds, lams, arms, scratch, args.validate_values, menus, peer_lrs)
     return 0
 
 

@@ -6,7 +6,10 @@
 DIR is a project after `qllm run --until tokenize` (it needs data/tokenized, data/tokenizer and
 data/prepared/chat). For every precision and seed this runs the `pretrain` and `sft` stages' code
 with the project's params.yaml plus `--set` (the seed sets both stages' `train.seed`), then scores
-the SFT model as `evaluate` does (greedy held-out exact match). Prints one line per run and, per
+the SFT model as `evaluate` does (greedy held-out exact match), and probes the pretrained model itself:
+`pretrain_qa_heldout` is its greedy completion of `Question: <q>\nAnswer:` (the plain form of the
+pretraining text's QA lines) for the held-out people, the skill SFT needs and cannot add
+(`--pretrain-only` stops there: a cheaper screen of pretraining settings). Prints one line per run and, per
 precision, mean +- standard deviation and the range: the spread, not the best run. `--jsonl`
 appends every run as a JSON line (for the tables in benchmarks/RESULTS.md). `--cache DIR` keeps each
 pretrained model under DIR, named by its params, seed and precision, and reuses it: sweeps over `sft.*`
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from pipelines import pretrain, sft
-from pipelines.core import config, dag, params_file, precision, stage
+from pipelines.core import config, dag, models, params_file, precision, sample_world, stage
 from pipelines.core.outputs import read_json, write_json
 from pipelines.evaluate import evaluate_model, heldout_questions
 
@@ -54,7 +57,27 @@ def reads(root: Path, name: str, what: str) -> Path:
     return stage.StageContext(name=name, root=root, params=None, tracker=None).input(what)
 
 
-def one_run(root: Path, params, seed: int, precision_name: str, questions, work: Path, cache: Path | None = None) -> dict:
+@torch.no_grad()
+def qa_probe(model_dir: Path, tokenizer_dir: Path, sample_params) -> float:
+    """Share of held-out people's facts the pretrained model completes after `Question: ...\nAnswer:`
+    (greedy, first wording of each question; the answer's first word must match)."""
+    world = sample_world.build_world(sample_params)
+    heldout = [fact for fact in sample_world.facts(world, heldout=True) if fact.kind != sample_world.ARITH]
+    model = models.load_causal_lm(model_dir).eval()
+    tokenizer = models.load_tokenizer(tokenizer_dir)
+    correct = 0
+    for fact in heldout:
+        prompt = f"Question: {fact.ask(sample_world.QUESTION_TEMPLATES[fact.kind][0])}\nAnswer:"
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id or 0)
+        words = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split()
+        correct += bool(words) and words[0].strip(".,").lower() == fact.answer.lower()
+    return correct / max(1, len(heldout))
+
+
+def one_run(
+    root: Path, params, seed: int, precision_name: str, questions, work: Path, cache: Path | None = None, pretrain_only: bool = False,
+) -> dict:
     tokenized, tokenizer = reads(root, "pretrain", "tokenized"), reads(root, "pretrain", "tokenizer")
     pre_params = _with(params.pretrain, seed, precision_name)
     sft_params = _with(params.sft, seed, precision_name)
@@ -71,22 +94,23 @@ def one_run(root: Path, params, seed: int, precision_name: str, questions, work:
         if cache is not None:
             write_json(pre_out / "metrics.json", pre)
     pre_seconds = pre["train_seconds"]
+    probe = round(qa_probe(pre_out, tokenizer, params.sample_data), 4)
+    row = {"seed": seed, "precision": precision_name, "pretrain_val_perplexity": round(pre["val/perplexity"], 4),
+           "pretrain_qa_heldout": probe, "pretrain_seconds": round(pre_seconds, 1)}  # fmt: skip
+    if pretrain_only:
+        return row
     sft_params = sft_params.model_copy(update={"base_model": str(pre_out)})
     started = time.perf_counter()
     tuned = sft.run(reads(root, "sft", "chat"), sft_out, sft_params, checkpoint_dir=work / "sft-checkpoints")  # best-weight restore with early stopping
     sft_seconds = time.perf_counter() - started
     evaluate = params.evaluate.model_copy(update={"models": ["sft"]})
     result = evaluate_model(sft_out, root, tokenized, questions, work / "eval", evaluate)
-    return {
-        "seed": seed,
-        "precision": precision_name,
-        "pretrain_val_perplexity": round(pre["val/perplexity"], 4),
+    return row | {
         "sft_val_loss": round(tuned.get("val/loss", float("nan")), 4),
         "sft_exact_match": round(result["exact_match"], 4),
-        "pretrain_seconds": round(pre_seconds, 1),
         "sft_steps": tuned["steps"], "sft_best_step": tuned["best_step"],
         "sft_seconds": round(sft_seconds, 1),
-    }
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="", help="a name for this setting in the output")
     parser.add_argument("--jsonl", type=Path, help="append each run as a JSON line")
     parser.add_argument("--cache", type=Path, help="keep and reuse pretrained models here")
+    parser.add_argument("--pretrain-only", action="store_true", help="pretrain and probe only (no sft, no evaluate)")
     args = parser.parse_args(argv)
     root = args.project.resolve()
     params, _ = params_file.load(root, overrides=args.overrides)
@@ -109,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         resolved = precision.resolve(name)
         for seed in args.seeds:
             with tempfile.TemporaryDirectory() as tmp:
-                row = one_run(root, params, seed, resolved, questions, Path(tmp), args.cache)
+                row = one_run(root, params, seed, resolved, questions, Path(tmp), args.cache, args.pretrain_only)
             row |= {"label": args.label, "overrides": args.overrides, **machine}
             runs.setdefault(resolved, []).append(row)
             print(json.dumps(row), flush=True)
@@ -118,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                     handle.write(json.dumps(row) + "\n")
     for name, rows in runs.items():
         summary = []
-        for key in ("pretrain_val_perplexity", "sft_exact_match", "pretrain_seconds", "sft_seconds"):
-            values = [r[key] for r in rows]
+        for key in ("pretrain_val_perplexity", "pretrain_qa_heldout", "sft_exact_match", "pretrain_seconds", "sft_seconds"):
+            values = [r[key] for r in rows if key in r]
+            if not values:
+                continue
             sd = statistics.stdev(values) if len(values) > 1 else 0.0
             summary.append(f"{key} {statistics.mean(values):.4g} +- {sd:.2g} [{min(values):.4g}, {max(values):.4g}]")
         print(f"{args.label or 'setting'} {name} ({len(rows)} seeds): " + "; ".join(summary))
