@@ -145,6 +145,17 @@ def test_solvers_find_the_optimum_of_small_instances(solver, case):
     assert alloc.num_variables == (0 if solver in ("exact", "milp") else build_bqm(values, costs, budget, red, 0.5)[0].num_variables)
 
 
+def test_milp_bound_brackets_the_optimum():
+    """HiGHS's dual bound: equal to the optimum when it proves it, and never below what any solver
+    finds; other solvers carry none."""
+    values, costs, budget, red = random_instance(seed=11, modules=3, ranks=(4, 8, 16))
+    optimum = brute_force(values, costs, budget, red, 0.5)
+    milp = allocate_ranks(values, costs, budget, red, lam=0.5, solver="milp")
+    assert milp.solver == "milp" and milp.bound == pytest.approx(optimum, rel=1e-6)
+    sa = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", seed=0)
+    assert sa.bound is None and sa.objective <= milp.bound + 1e-9
+
+
 @pytest.mark.parametrize("solver", ["exact", "sa", "tabu", "milp"])
 def test_modules_with_different_candidate_ranks(solver):
     """a: 4 or 8, b: only 16, c: 4, 8 or 16 (tables of different widths)."""

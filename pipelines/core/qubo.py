@@ -82,8 +82,12 @@ class Allocation(dict):
 
     def __init__(self, ranks: Mapping[str, int], *, solver: str, objective: float, cost: int, budget: int,
                  energy: float | None = None, repaired: bool = False, num_variables: int = 0,
-                 penalties: Mapping[str, float] | None = None, wall_seconds: float = 0.0):  # fmt: skip
+                 penalties: Mapping[str, float] | None = None, wall_seconds: float = 0.0, bound: float | None = None):  # fmt: skip
         super().__init__(ranks)
+        # milp only: HiGHS's proven upper bound on the objective (its dual bound); the optimum lies
+        # in [objective, bound], so (bound - x) / bound bounds any allocation's gap even when
+        # HiGHS stopped at its time limit
+        self.bound = None if bound is None else float(bound)
         self.solver = solver
         self.objective = float(objective)
         self.cost = int(cost)
@@ -501,8 +505,11 @@ def _solve_milp(p: _Problem, o: _Options) -> Allocation:
     for (i, j), x in zip(variables, result.x, strict=False):
         if x > 0.5:
             k[i] = j
-    # HiGHS returns its best feasible point at the time limit (status 1): say it is not proven optimal
-    return _allocation(p, k, "milp" if result.status == 0 else f"milp (stopped: {result.message})")
+    # HiGHS returns its best feasible point at the time limit (status 1): say it is not proven optimal,
+    # and keep its dual bound (it minimises −objective, so −bound is the objective's upper bound)
+    dual = getattr(result, "mip_dual_bound", None)
+    bound = -float(dual) if dual is not None and np.isfinite(dual) else None
+    return _allocation(p, k, "milp" if result.status == 0 else f"milp (stopped: {result.message})", bound=bound)
 
 
 # ---------------------------------------------------------------- BQM samplers
