@@ -1,7 +1,7 @@
 """The honest table: LoRA rank allocations at one parameter budget, several seeds, two worlds.
 
     python -m benchmarks.allocation_table --project DIR [--project DIR2 ...] [--seeds 0,1,2,3,4]
-                                          [--lams 0,0.02,0.1] [--menus 4,8,16] [--peer-lrs 0.003]
+                                          [--lams 0,0.02,0.1] [--menus 4,8,16] [--peer-lrs 0.003] [--static-lrs 0.003]
                                           [--arms qubo,qubo_in_loop,greedy,uniform,adalora,random]
     python -m benchmarks.allocation_table --scaling        # solver wall time and gap at 1x, 4x, 16x the modules
 
@@ -16,7 +16,8 @@ Per project, in this process, with params.yaml's `probe_lora`, `quantum_opt` and
    QUBO allocation trains LoRA (seed 0) and the pair with the lowest chat validation loss wins;
    `greedy` and `random` use the same menu. `--peer-lrs` does the same for the peers that allocate
    while training (`adalora`, `qubo_in_loop`): their learning rate is chosen on the validation chats
-   (seed 0), as a user tuning them would;
+   (seed 0), as a user tuning them would, and `--static-lrs` one rate for the static arms (chosen
+   with uniform ranks: they train the same adapters);
 3. every arm at the budget of rank `quantum_opt.budget_rank` on every candidate module, for every
    seed (LoRA initialisation and data order): `qubo` (static, the chosen λ), `qubo_in_loop` (the
    QUBO re-solved during training, `lora.allocation: qubo_in_loop`), `greedy` (value per
@@ -94,7 +95,8 @@ def restrict(table: dict, menu: list[int]) -> dict:
 
 
 def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scratch: Path, validate_values: int = 0,
-          menus: list[list[int]] | None = None, peer_lrs: list[float] | None = None) -> list[dict]:  # fmt: skip
+          menus: list[list[int]] | None = None, peer_lrs: list[float] | None = None,
+          static_lrs: list[float] | None = None) -> list[dict]:  # fmt: skip
     params, _ = params_file.load(root)
     menus = menus or [list(params.probe_lora.ranks)]
     probe = params.probe_lora.model_copy(update={"base_model": str(root / params.probe_lora.base_model), "ranks": sorted({r for m in menus for r in m})})
@@ -131,6 +133,9 @@ def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scra
         "qubo": solve(chosen_lam, menu), "greedy": dict(qubo.greedy(restrict(values, menu), restrict(costs, menu), budget)),
         "uniform": {m: q.budget_rank for m in values},
     }  # fmt: skip
+    # the static arms train the same adapters with other ranks: one learning rate for all of them,
+    # chosen with uniform ranks (after λ and the menu, which were chosen at the stage's own rate)
+    static_lr = choose_lr(root, params, "static", static_lrs, questions, scratch, ranks=static["uniform"])
     rows = []
     for seed in seeds:  # every arm of a seed before the next seed: a stopped run still compares them all
         for arm in arms:
@@ -138,7 +143,7 @@ def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scra
                 row = train_and_score(root, with_lr(params, lrs[arm]), arm, None, seed, questions, scratch, arm) | {"lr": lrs[arm]}
             else:
                 ranks = random_allocation(restrict(values, menu), restrict(costs, menu), budget, 100 + seed) if arm == "random" else static[arm]
-                row = train_and_score(root, params, "uniform", ranks, seed, questions, scratch, arm)
+                row = train_and_score(root, with_lr(params, static_lr), "uniform", ranks, seed, questions, scratch, arm) | {"lr": static_lr}
             row |= {"world": str(root), "lam": chosen_lam, "menu": menu}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -146,14 +151,14 @@ def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scra
     return rows
 
 
-def choose_lr(root: Path, params, arm: str, lrs: list[float] | None, questions, scratch: Path) -> float:
-    """The learning rate of `arm` with the lowest chat validation loss (seed 0); the stage's own if
-    one or none is given."""
+def choose_lr(root: Path, params, arm: str, lrs: list[float] | None, questions, scratch: Path, ranks: dict | None = None) -> float:
+    """The learning rate of `arm` (static arms: trained with `ranks`) with the lowest chat validation
+    loss (seed 0); the stage's own if one or none is given."""
     if not lrs or len(lrs) == 1:
         return lrs[0] if lrs else params.lora.train.lr
     best = None
     for lr in lrs:
-        row = train_and_score(root, with_lr(params, lr), arm, None, 0, questions, scratch, f"{arm}-lr{lr}")
+        row = train_and_score(root, with_lr(params, lr), arm if ranks is None else "uniform", ranks, 0, questions, scratch, f"{arm}-lr{lr}")
         print(json.dumps({"world": str(root), "select_lr": lr, **row}), flush=True)
         if best is None or row["val_loss"] < best[1]:
             best = (lr, row["val_loss"])
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lams", default="0,0.02,0.1")
     parser.add_argument("--menus", default="", help="rank menus to choose from on validation, ';'-separated (e.g. '4,8,16;2,4,8;8,16,32'); default: probe_lora.ranks")
     parser.add_argument("--peer-lrs", default="", help="learning rates to choose from on validation for adalora and qubo_in_loop (default: lora.train.lr)")
+    parser.add_argument("--static-lrs", default="", help="learning rates to choose from on validation (uniform ranks) for the static arms (default: lora.train.lr)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--scaling", action="store_true", help="only the solver scaling table")
     parser.add_argument("--validate-values", type=int, default=8, metavar="N", help="single-module probes checking the values (0: skip)")
@@ -262,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = [a for a in args.arms.split(",") if a]
     menus = [[int(r) for r in menu.split(",")] for menu in args.menus.split(";") if menu.strip()] or None
     peer_lrs = [float(x) for x in args.peer_lrs.split(",") if x] or None
+    static_lrs = [float(x) for x in args.static_lrs.split(",") if x] or None
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
@@ -270,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         for index, root in enumerate(args.project):
             scratch = Path(tmp) / f"world{index}"
             scratch.mkdir()
-            everything += world(root.resolve(), seeds, lams, arms, scratch, args.validate_values, menus, peer_lrs)
+            everything += world(root.resolve(), seeds, lams, arms, scratch, args.validate_values, menus, peer_lrs, static_lrs)
     return 0
 
 
