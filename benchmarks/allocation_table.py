@@ -135,7 +135,8 @@ def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scra
     }  # fmt: skip
     # the static arms train the same adapters with other ranks: one learning rate for all of them,
     # chosen with uniform ranks (after λ and the menu, which were chosen at the stage's own rate)
-    static_lr = choose_lr(root, params, "static", static_lrs, questions, scratch, ranks=static["uniform"])
+    has_static = any(arm not in ("adalora", "qubo_in_loop") for arm in arms)
+    static_lr = choose_lr(root, params, "static", static_lrs if has_static else None, questions, scratch, ranks=static["uniform"])
     rows = []
     for seed in seeds:  # every arm of a seed before the next seed: a stopped run still compares them all
         for arm in arms:
