@@ -35,6 +35,7 @@ import torch
 
 from pipelines import pretrain, sft
 from pipelines.core import config, dag, models, params_file, precision, sample_world, stage
+from pipelines.core.chat_template import normalize_answer
 from pipelines.core.outputs import read_json, write_json
 from pipelines.evaluate import evaluate_model, heldout_questions
 
@@ -60,7 +61,9 @@ def reads(root: Path, name: str, what: str) -> Path:
 @torch.no_grad()
 def qa_probe(model_dir: Path, tokenizer_dir: Path, sample_params) -> float:
     """Share of held-out people's facts the pretrained model completes after `Question: ...\nAnswer:`
-    (greedy, first wording of each question; the answer's first word must match)."""
+    (greedy, first wording of each question). The first word is compared, with `evaluate`'s
+    normalisation: a pretrained model runs on past the answer (". Liviki works as ..."), where
+    `evaluate` would compare the whole first line."""
     world = sample_world.build_world(sample_params)
     heldout = [fact for fact in sample_world.facts(world, heldout=True) if fact.kind != sample_world.ARITH]
     model = models.load_causal_lm(model_dir).eval()
@@ -71,7 +74,7 @@ def qa_probe(model_dir: Path, tokenizer_dir: Path, sample_params) -> float:
         ids = torch.tensor([tokenizer(prompt)["input_ids"]])
         out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id or 0)
         words = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split()
-        correct += bool(words) and words[0].strip(".,").lower() == fact.answer.lower()
+        correct += bool(words) and normalize_answer(words[0]) == normalize_answer(fact.answer)
     return correct / max(1, len(heldout))
 
 
