@@ -8,11 +8,11 @@ lora_dropout, target_modules, layers_to_transform, rank_pattern/alpha_pattern, b
 plus the embedding rows of `lora.adapter.trainable_tokens` (the chat markers, which the pretrained base
 has never seen).
 
-With `lora.allocation: quantum_opt` (the default) the targeted modules and their ranks come from
-`data/quantum_opt/allocation.json` (`apply_allocation`); `uniform` uses rank `r` on every
-`target_modules` entry; `adalora` (PEFT's AdaLoRA) and `qubo_in_loop` (the QUBO re-solved every
-`adaptive.every` steps) start every module at rank `adaptive.init_r` and allocate the budget while
-training (`pipelines.core.rank_allocation`).
+With `lora.allocation: qubo_in_loop` (the default: the QUBO re-solved every `adaptive.every`
+steps) and `adalora` (PEFT's AdaLoRA) every module starts at rank `adaptive.init_r` and the budget
+is allocated while training (`pipelines.core.rank_allocation`); with `quantum_opt` the targeted
+modules and their ranks come from `data/quantum_opt/allocation.json` (`apply_allocation`);
+`uniform` uses rank `r` on every `target_modules` entry.
 
 Output: a PEFT adapter directory (`PeftModel.from_pretrained(base, "data/models/lora")`, or
 `AutoPeftModelForCausalLM.from_pretrained` from the project root: the adapter records its base as

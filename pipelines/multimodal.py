@@ -27,7 +27,6 @@ import numpy as np
 from pipelines.core import stage
 from pipelines.core.config import MultimodalParams
 from pipelines.core.errors import QllmError
-from pipelines.core.outputs import atomic_dir
 
 NAME = "multimodal"
 
@@ -101,8 +100,7 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
 def body(ctx: stage.StageContext) -> dict[str, Any]:
     params = ctx.params
     if not params.enabled:
-        with atomic_dir(ctx.output()) as tmp:
-            (tmp / "README.md").write_text(DISABLED_README, encoding="utf-8")
+        stage.placeholder(ctx, DISABLED_README)
         ctx.log.info("multimodal: disabled (multimodal.enabled is false)")
         return {"enabled": False}
     base = ctx.root / params.base_model

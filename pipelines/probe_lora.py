@@ -18,7 +18,9 @@ step before clipping: the accumulated gradient `G_m = Σ_b ∇W_m L_b` and the p
   dominated by the downward trend every energy shares as the loss falls (mean ρ 0.93), which
   penalises every pair alike; the changes of the logs remove that trend.
 
-The probe's weights are thrown away; only the scores are written.
+The probe's weights are thrown away; only the scores are written. Only `lora.allocation:
+quantum_opt` reads them (the stage lists that key in dvc.yaml): with any other allocation the
+stage trains nothing and writes a README saying so.
 """
 
 from __future__ import annotations
@@ -198,7 +200,21 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     }
 
 
+UNUSED_README = """\
+# LoRA probe not run
+
+`lora.allocation` is not `quantum_opt`: the lora stage allocates its ranks itself (or uses
+uniform ranks), so no static allocation needs these scores. For the static QUBO allocation
+(this probe, then quantum_opt): `lora.allocation: quantum_opt` (README "LoRA rank allocation").
+"""
+
+
 def body(ctx: stage.StageContext) -> dict:
+    allocation = ctx.param("lora.allocation")
+    if allocation != "quantum_opt":  # only the static allocation reads the scores
+        stage.placeholder(ctx, UNUSED_README)  # the same bytes for every other allocation
+        ctx.log.info("probe_lora: not needed (lora.allocation is %s)", allocation)
+        return {"used": False}
     params = finetune.resolve_base(ctx, ctx.input("models/pretrain"))
     out = ctx.output()
     metrics = run(ctx.input("chat"), out, params, ctx.tracker)
@@ -207,7 +223,7 @@ def body(ctx: stage.StageContext) -> dict:
         "probed %d modules over %d steps; most gradient energy in %s (%.1f%%), mean redundancy %.3f",
         metrics["modules"], metrics["steps"], metrics["top_module"], 100 * metrics["top_energy_share"], metrics["mean_redundancy"],
     )
-    return metrics
+    return {"used": True, **metrics}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,8 @@ solver is known; in data/metrics/quantum_opt.json, with the solve time), the gre
 value-per-parameter allocation and uniform rank `budget_rank`.
 
 `allocation.json` gives `lora` its `target_modules` and `rank_pattern` (the modules with rank
-> 0), with `lora.allocation: quantum_opt`.
+> 0), with `lora.allocation: quantum_opt`; with any other allocation (the default re-solves the
+QUBO inside lora's training loop) the stage solves nothing and writes a README saying so.
 """
 
 from __future__ import annotations
@@ -111,7 +112,21 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
     }
 
 
+UNUSED_README = """\
+# No static LoRA rank allocation
+
+`lora.allocation` is not `quantum_opt`: the lora stage allocates its ranks while it trains or
+uses uniform ranks (README "LoRA rank allocation"), so nothing was solved here. For the static
+QUBO allocation: `lora.allocation: quantum_opt`.
+"""
+
+
 def body(ctx: stage.StageContext) -> dict:
+    allocation = ctx.param("lora.allocation")
+    if allocation != "quantum_opt":  # the lora stage reads this output only with the static allocation
+        stage.placeholder(ctx, UNUSED_README)  # the same bytes for every other allocation
+        ctx.log.info("quantum_opt: not needed (lora.allocation is %s)", allocation)
+        return {"used": False}
     metrics = run(ctx.input("probe_lora") / SCORES_FILE, ctx.output(), ctx.params, ctx.tracker)
     if metrics["gap_to_milp"] is None:
         reference = "no MILP reference"
@@ -124,7 +139,7 @@ def body(ctx: stage.StageContext) -> dict:
         "n/a" if metrics["uniform_objective"] is None else f"{metrics['uniform_objective']:.4f}",
         metrics["cost"], metrics["budget"], metrics["modules_with_adapter"], " (repaired to fit the budget)" if metrics["repaired"] else "",
     )
-    return {k: v for k, v in metrics.items() if v is not None}
+    return {"used": True, **{k: v for k, v in metrics.items() if v is not None}}
 
 
 def main(argv: list[str] | None = None) -> int:

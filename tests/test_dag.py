@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,13 @@ def test_stage_module_deps_and_params_match_dvc_yaml(name):
     assert spec.cmd == f"python -m pipelines.{name}"
     module = importlib.import_module(spec.module)
     assert name == module.NAME and callable(module.body) and callable(module.main)  # the stage contract
-    assert spec.params == (name,) and name in Params.model_fields
+    assert spec.params[0] == name and name in Params.model_fields  # its own section, then keys of others it reads (ctx.param)
+    for key in spec.params[1:]:
+        section, *path = key.split(".")
+        node = Params.model_fields[section].default
+        for part in path:
+            node = getattr(node, part)  # an existing key (AttributeError otherwise)
+        assert path and f'ctx.param("{key}")' in inspect.getsource(module), f"{name} lists {key} in dvc.yaml but does not read it"
     code_deps = {d.removeprefix("pipelines/").removesuffix(".py").replace("/", ".") for d in spec.deps if d.endswith(".py")}
     assert f"pipelines/{name}.py" in spec.deps
     needed = (closure(name) - INFRASTRUCTURE) | {name} | ({"core.precision"} if name == "probe_device" else set())

@@ -17,9 +17,10 @@ TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, ev
 
 
 def lora_params(tiny_base, **kw) -> LoraParams:
-    """`LoraParams` from flat keywords: the adapter's go to `adapter`."""
+    """`LoraParams` from flat keywords: the adapter's go to `adapter`; plain LoRA (`allocation:
+    uniform`) unless `allocation` says otherwise."""
     adapter = {"r": 4, "lora_alpha": 8} | {k: kw.pop(k) for k in list(kw) if k in LoraAdapterParams.model_fields}
-    return LoraParams(base_model=str(tiny_base / "model"), train=TRAIN, adapter=adapter, **kw)
+    return LoraParams(base_model=str(tiny_base / "model"), train=TRAIN, adapter=adapter, **{"allocation": "uniform", **kw})
 
 
 def wrapped(tiny_base, params):
@@ -60,9 +61,10 @@ def test_layer_outside_the_model_is_a_clear_error(tiny_base, index):
         wrapped(tiny_base, lora_params(tiny_base, allocation="uniform", layers_to_transform=[index]))
 
 
-def test_layers_to_transform_needs_the_uniform_allocation(tiny_base):
-    with pytest.raises(ValueError, match="layers_to_transform applies to allocation: uniform"):
-        lora_params(tiny_base, layers_to_transform=[-1])
+@pytest.mark.parametrize("allocation", ["quantum_opt", "adalora", "qubo_in_loop"])
+def test_layers_to_transform_needs_the_uniform_allocation(tiny_base, allocation):
+    with pytest.raises(ValueError, match=f"layers_to_transform applies to allocation: uniform; the {allocation} allocation chooses"):
+        lora_params(tiny_base, layers_to_transform=[-1], allocation=allocation)
 
 
 @pytest.mark.parametrize(("field", "value"), [("target_modules", ["q_projx"]), ("rank_pattern", {"layers.9.mlp.up_proj": 2})])

@@ -250,49 +250,115 @@ def test_override_runs_in_a_workspace_and_reuses_upstream(first, project):
     assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], project).stdout)
 
 
-def test_quantum_allocation_drives_lora(first, project):
-    allocation = json.loads((project / "data/quantum_opt/allocation.json").read_text())
-    metrics = json.loads((project / "data/metrics/quantum_opt.json").read_text())
-    scores = json.loads((project / "data/probe_lora/scores.json").read_text())
+TINY_MODULES = 4 * (32 + 32) + 3 * (32 + 64)  # tiny profile, one layer: q/k/v/o 32->32, gate/up 32->64, down 64->32
+
+
+def test_the_in_loop_qubo_allocates_lora_ranks_while_it_trains(first, project):
+    """The default `lora.allocation: qubo_in_loop`: no static probe or solve (their outputs say so),
+    the QUBO re-solved inside lora's loop, the adapter within the budget, evaluated and registered."""
+    for name in ("probe_lora", "quantum_opt"):
+        assert [p.name for p in (project / "data" / name).iterdir()] == ["README.md"]
+        assert "`lora.allocation` is not `quantum_opt`" in (project / "data" / name / "README.md").read_text()
+        assert json.loads((project / f"data/metrics/{name}.json").read_text())["used"] is False
+    lora = json.loads((project / "data/metrics/lora.json").read_text())
+    budget = 4 * TINY_MODULES  # lora.adaptive.budget_rank 4 on every module (tiny profile)
+    assert 0 < lora["allocation/active_parameters"] <= budget and 1 <= lora["allocation/modules_with_rank"] <= 7
+    client = mlflow_client(project)
+    energy = client.get_metric_history(lora["mlflow_run_id"], "qubo/energy")
+    # tinit 1, every 1, the last re-allocation at max_steps 6 - tfinal 2: steps 1..4 (0-based), logged 1-based
+    assert sorted(m.step for m in energy) == [2, 3, 4, 5]
+    assert {m.value for m in client.get_metric_history(lora["mlflow_run_id"], "qubo/feasible")} == {1.0}
+    assert all(m.value >= -1e-9 for m in client.get_metric_history(lora["mlflow_run_id"], "qubo/gap_to_milp"))
+    adapter = json.loads((project / "data/models/lora/adapter_config.json").read_text())
+    assert adapter["peft_type"] == "ADALORA" and adapter["init_r"] == 6 and adapter["base_model_name_or_path"] == "data/models/pretrain"
+    assert (project / "data/models/lora/merged/model.safetensors").exists()
+    assert 0 <= json.loads((project / "data/metrics/evaluate.json").read_text())["lora"]["exact_match"] <= 1
+
+
+def test_the_in_loop_adapter_registers_as_the_merged_model(first, project):
+    """`register.model: lora` with the in-loop (AdaLoRA-format) adapter: the registered model is
+    the adapter merged into its base, the same weights as `data/models/lora/merged/`."""
+    import mlflow
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flows.pipeline import pipeline
+
+    summary = pipeline(overrides=["register.model=lora"], project_dir=str(project))
+    assert [s["name"] for s in summary["stages"] if s["status"] == "ran"] == ["base_model", "probe_device", "register"]
+    ws = Path(summary["workspace"])
+    version = json.loads((ws / "data/register/registered.json").read_text())["version"]
+    assert mlflow_client(project).get_model_version("qllm", str(version)).tags["dvc.model_md5"] == lock_outs(ws)["data/models/lora"]
+    merged = AutoModelForCausalLM.from_pretrained(project / "data/models/lora/merged").state_dict()
+    with tracking.fluent_uris(f"sqlite:///{project / 'mlflow.db'}"):
+        registered = mlflow.transformers.load_model(f"models:/qllm/{version}").model.state_dict()
+    assert registered.keys() == merged.keys() and all(torch.allclose(registered[k].float(), merged[k].float(), atol=1e-6) for k in merged)
+    base = AutoModelForCausalLM.from_pretrained(project / "data/models/pretrain").state_dict()
+    assert any(not torch.equal(merged[k], base[k]) for k in merged if k.endswith("_proj.weight"))  # the adapter is in there
+
+
+@pytest.fixture(scope="module")
+def static(first, project) -> dict:
+    """The static allocation: probe_lora's scores, quantum_opt's QUBO, lora on its modules and ranks."""
+    from flows.pipeline import pipeline
+
+    return pipeline(overrides=["lora.allocation=quantum_opt"], project_dir=str(project))
+
+
+def test_static_quantum_allocation_drives_lora(static):
+    ran = [s["name"] for s in static["stages"] if s["status"] == "ran"]
+    assert ran == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "evaluate", "register"]
+    ws = Path(static["workspace"])
+    allocation = json.loads((ws / "data/quantum_opt/allocation.json").read_text())
+    metrics = json.loads((ws / "data/metrics/quantum_opt.json").read_text())
+    scores = json.loads((ws / "data/probe_lora/scores.json").read_text())
     assert len(allocation["ranks"]) == len(scores["values"]) == 7  # 1 layer (tiny profile) x 7 projections
     budget = sum(8 * (s["d_in"] + s["d_out"]) for s in scores["modules"].values())  # rank 8 everywhere
-    assert allocation["feasible"] and allocation["cost"] <= budget == metrics["budget"]
+    assert budget == 8 * TINY_MODULES
+    assert allocation["feasible"] and allocation["cost"] <= budget == metrics["budget"] and metrics["used"] is True
     assert metrics["solver"] == "sa" and metrics["objective"] >= metrics["greedy_objective"] - 1e-9
     assert metrics["gap_to_milp"] <= 0.01  # the tiny instance: sa within 1 % of the MILP
-    adapter = json.loads((project / "data/models/lora/adapter_config.json").read_text())
+    adapter = json.loads((ws / "data/models/lora/adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA"
     assert adapter["rank_pattern"] == allocation["rank_pattern"] and sorted(adapter["target_modules"]) == allocation["target_modules"]
     assert {m: adapter["alpha_pattern"][m] / r for m, r in adapter["rank_pattern"].items()} == \
         dict.fromkeys(adapter["rank_pattern"], adapter["lora_alpha"] / adapter["r"])  # fmt: skip
 
 
-def test_changing_the_solver_reruns_from_quantum_opt(first, project):
+def test_changing_the_solver_reruns_from_quantum_opt(static, project):
     from flows.pipeline import pipeline
 
-    summary = pipeline(overrides=["quantum_opt.solver=milp"], project_dir=str(project))
+    summary = pipeline(overrides=["lora.allocation=quantum_opt", "quantum_opt.solver=milp"], project_dir=str(project))
     status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
     ran = [n for n, (st, _) in status.items() if st == "ran"]
     assert ran[:4] == ["base_model", "probe_device", "quantum_opt", "lora"], status
     # Outputs are byte-stable: when MILP picks the allocation sa picked, lora trains the same adapter,
     # bytes and all, and DVC finds evaluate and register up to date; otherwise they rerun.
     lock = lambda root: {o["path"]: o["md5"] for o in yaml.safe_load((root / "dvc.lock").read_text())["stages"]["lora"]["outs"]}  # noqa: E731
-    same_adapter = lock(Path(summary["workspace"]))["data/models/lora"] == lock(project)["data/models/lora"]
+    same_adapter = lock(Path(summary["workspace"]))["data/models/lora"] == lock(Path(static["workspace"]))["data/models/lora"]
     assert ran[4:] == ([] if same_adapter else ["evaluate", "register"]), status
     assert status["probe_lora"] == ("cached", "run-cache")
     metrics = json.loads((Path(summary["workspace"]) / "data/metrics/quantum_opt.json").read_text())
     assert metrics["solver"] == "milp" and metrics["gap_to_milp"] == 0.0
+    # With the default (in-loop) allocation the static solve is not used: quantum_opt reruns for its
+    # changed params, writes the same placeholder, and lora stays cached.
+    summary = pipeline(overrides=["quantum_opt.solver=milp"], project_dir=str(project))
+    assert [s["name"] for s in summary["stages"] if s["status"] == "ran"] == ["base_model", "probe_device", "quantum_opt"]
 
 
-def test_uniform_lora_rank_reruns_only_lora_and_downstream(first, project):
+def test_uniform_lora_rank_retrains_lora_and_downstream(static, project):
     from flows.pipeline import pipeline
 
     summary = pipeline(overrides=["lora.allocation=uniform", "lora.adapter.r=2"], project_dir=str(project))
-    ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
-    assert ran == ["base_model", "probe_device", "lora", "evaluate", "register"]
-    trainable = json.loads((Path(summary["workspace"]) / "data/metrics/lora.json").read_text())["trainable_parameters"]
-    quantum = json.loads((project / "data/metrics/lora.json").read_text())["trainable_parameters"]
-    cost = json.loads((project / "data/quantum_opt/allocation.json").read_text())["cost"]
-    budget = json.loads((project / "data/metrics/quantum_opt.json").read_text())["budget"]
-    assert trainable - quantum == budget // 4 - cost  # rank 2 everywhere vs the allocation; same trainable tokens
+    status = {s["name"]: s["status"] for s in summary["stages"]}
+    # probe_lora and quantum_opt list lora.allocation, so they rerun, writing the same placeholder: no static allocation either
+    assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "evaluate", "register"]
+    ws, static_ws = Path(summary["workspace"]), Path(static["workspace"])
+    assert lock_outs(ws)["data/quantum_opt"] == lock_outs(project)["data/quantum_opt"]
+    trainable = json.loads((ws / "data/metrics/lora.json").read_text())["trainable_parameters"]
+    quantum = json.loads((static_ws / "data/metrics/lora.json").read_text())["trainable_parameters"]
+    cost = json.loads((static_ws / "data/quantum_opt/allocation.json").read_text())["cost"]
+    assert trainable - quantum == 2 * TINY_MODULES - cost  # rank 2 everywhere vs the allocation; same trainable tokens
 
 
 def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):
@@ -316,13 +382,16 @@ def test_until_stops_after_the_stage(first, project):
     assert summary["stages"][-1]["status"] == "ran" and summary["model_version"] is None
 
 
-def test_qlora_in_the_sample_pipeline_reruns_only_lora_and_what_follows(first, project):
+def test_qlora_in_the_sample_pipeline_retrains_lora_and_what_follows(first, project):
     from flows.pipeline import pipeline
 
-    summary = pipeline(overrides=["lora.adapter.quantization=nf4"], project_dir=str(project))
+    # QLoRA trains plain LoRA adapters on the quantized base (the in-training allocations' SVD form does not sit on one)
+    summary = pipeline(overrides=["lora.allocation=uniform", "lora.adapter.quantization=nf4"], project_dir=str(project))
     status = {s["name"]: s["status"] for s in summary["stages"]}
-    assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "lora", "evaluate", "register"], status
+    static = ("probe_lora", "quantum_opt")  # their placeholders: run for the changed lora.allocation, or from the run-cache
+    assert [n for n, st in status.items() if st == "ran" and n not in static] == ["base_model", "probe_device", "lora", "evaluate", "register"], status
     ws = Path(summary["workspace"])
+    assert all(lock_outs(ws)[f"data/{n}"] == lock_outs(project)[f"data/{n}"] for n in static)
     lora_metrics = json.loads((ws / "data/metrics/lora.json").read_text())
     assert lora_metrics["linear_weight_bytes"] > 0 and lora_metrics["steps"] == 6
     assert "quantization_config" not in json.loads((ws / "data/models/lora/merged/config.json").read_text())  # merged: a plain model

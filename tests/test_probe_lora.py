@@ -68,7 +68,7 @@ def test_unknown_candidate_is_a_clear_error(tiny_base, tmp_path):
 
 
 def test_lora_applies_an_allocation_with_consistent_scaling():
-    params = LoraParams(adapter={"r": 4, "lora_alpha": 8.0})
+    params = LoraParams(allocation="quantum_opt", adapter={"r": 4, "lora_alpha": 8.0})
     allocation = {"rank_pattern": {"model.layers.0.self_attn.q_proj": 16, "model.layers.1.mlp.up_proj": 4, "model.layers.1.mlp.down_proj": 0}}
     applied = lora.apply_allocation(params, allocation).adapter
     assert applied.target_modules == ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"]

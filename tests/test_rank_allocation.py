@@ -135,3 +135,6 @@ def test_adaptive_settings_are_checked():
         AdaptiveParams(init_r=4, budget_rank=8)
     with pytest.raises(ValueError, match=r"must leave steps of train.max_steps \(16\)"):
         LoraParams(allocation="adalora", adaptive={"tinit": 10, "tfinal": 6}, train={"max_steps": 16, "warmup_steps": 1})
+    with pytest.raises(ValueError, match=r"allocation qubo_in_loop trains SVD-form .* use adapter.quantization: none, or allocation: quantum_opt or uniform for QLoRA"):
+        LoraParams(adapter={"quantization": "nf4"})  # the default allocation: QLoRA names the way out
+    assert LoraParams(allocation="uniform", adapter={"quantization": "nf4"}).adapter.quantization == "nf4"

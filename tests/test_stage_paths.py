@@ -52,6 +52,19 @@ def test_an_unknown_name_says_what_the_stage_declares():
     assert str(error.value) == "stage sft: no output 'metrics/sft.json' in dvc.yaml outs (declared: data/models/sft)"
 
 
+def test_keys_of_other_sections_come_only_as_dvc_yaml_lists_them():
+    from pipelines.core import stage
+
+    listed = stage.listed_params(REPO, STAGES["quantum_opt"])
+    assert listed == {"lora.allocation": params_file.load(REPO)[0].lora.allocation}
+    ctx = StageContext(name="quantum_opt", root=REPO, params=None, tracker=None, listed=listed)
+    assert ctx.param("lora.allocation") == listed["lora.allocation"]
+    with pytest.raises(QllmError) as error:
+        ctx.param("lora.train.lr")
+    assert str(error.value) == "stage quantum_opt: params key 'lora.train.lr' is not listed under params in dvc.yaml (listed: quantum_opt, lora.allocation)"
+    assert stage.listed_params(REPO, STAGES["sft"]) == {}
+
+
 def test_an_ambiguous_name_or_a_missing_one_among_several_outputs_is_an_error(tmp_path):
     (tmp_path / "dvc.yaml").write_text(
         "stages:\n  s:\n    cmd: python -m pipelines.s\n    deps: [pipelines/s.py, data/a/x, data/b/x]\n    outs: [data/o1, data/o2]\n"

@@ -632,11 +632,12 @@ class LoraParams(FinetuneParams):
 
     adapter: LoraAdapterParams = LoraAdapterParams()
     """The adapter: rank, targets, a quantized base, merging (the same block as `dpo.lora`)."""
-    allocation: Literal["quantum_opt", "uniform", "adalora", "qubo_in_loop"] = "quantum_opt"
-    """`quantum_opt`: target modules and per-module ranks from the `quantum_opt` stage (its
+    allocation: Literal["quantum_opt", "uniform", "adalora", "qubo_in_loop"] = "qubo_in_loop"
+    """`qubo_in_loop` (the QUBO re-solved during training; the measured winner, tied with AdaLoRA)
+    and `adalora` (PEFT's AdaLoRA): ranks allocated while training, as `adaptive` says;
+    `quantum_opt`: target modules and per-module ranks from the `quantum_opt` stage (its
     `data/quantum_opt/allocation.json`); `uniform`: rank `adapter.r` on every `adapter.target_modules`
-    entry; `adalora` (PEFT's AdaLoRA) and `qubo_in_loop` (the QUBO re-solved during training):
-    ranks allocated while training, as `adaptive` says."""
+    entry."""
     adaptive: AdaptiveParams = AdaptiveParams()
     """The in-training allocations' settings (`allocation: adalora | qubo_in_loop`)."""
 
@@ -661,7 +662,7 @@ class LoraParams(FinetuneParams):
                                  f"({self.train.max_steps}) to re-allocate in")  # fmt: skip
             if self.adapter.quantization != "none":
                 raise ValueError(f"allocation {self.allocation} trains SVD-form (AdaLoRA) adapters, which do not sit on a quantized base here: "
-                                 "use adapter.quantization: none")  # fmt: skip
+                                 "use adapter.quantization: none, or allocation: quantum_opt or uniform for QLoRA")  # fmt: skip
         return self
 
 

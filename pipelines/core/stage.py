@@ -20,7 +20,7 @@ from typing import Any
 
 from pipelines.core import config, dag, params_file, resources, tracking, workspace
 from pipelines.core.errors import QllmError, stop_when_parent_dies
-from pipelines.core.outputs import read_json, write_json
+from pipelines.core.outputs import atomic_dir, read_json, write_json
 
 RUN_RECORD = "mlflow_run.json"
 """In a training stage's checkpoint directory: the id of the MLflow run that writes there."""
@@ -40,6 +40,15 @@ class StageContext:
     tracker: tracking.Tracker
     fingerprint: str = ""
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("qllm"))
+    listed: dict[str, Any] = field(default_factory=dict)
+    """Values of the keys of other sections the stage lists under `params` in dvc.yaml (`param`)."""
+
+    def param(self, key: str) -> Any:
+        """A params.yaml value outside the stage's section, by dotted key (`lora.allocation`): only a
+        key the stage lists under `params` in dvc.yaml, so that DVC reruns the stage when it changes."""
+        if key not in self.listed:
+            raise QllmError(f"stage {self.name}: params key {key!r} is not listed under params in dvc.yaml (listed: {', '.join(self.spec.params)})")
+        return self.listed[key]
 
     @property
     def spec(self) -> dag.Stage:
@@ -83,6 +92,14 @@ class StageContext:
         return workspace.checkpoint_dir(self.root, self.name, self.fingerprint)
 
 
+def placeholder(ctx: StageContext, text: str) -> None:
+    """The stage's only output as a README saying why nothing else was made (a stage its params
+    switch off): DVC still tracks an output, the same bytes on every run, so what depends on it
+    stays cached."""
+    with atomic_dir(ctx.output()) as tmp:
+        (tmp / "README.md").write_text(text, encoding="utf-8")
+
+
 def dependency_digests(root: Path, spec: dag.Stage) -> dict[str, str]:
     """DVC md5 of every dependency that exists (code and data), keyed by its dvc.yaml path."""
     return {dep: dag.dvc_md5(root / dep) for dep in spec.deps if (root / dep).exists()}
@@ -122,9 +139,25 @@ def _distributed():
     return distributed
 
 
-def fingerprint(name: str, params: Any, digests: dict[str, str]) -> str:
-    """What names a stage's checkpoints: its params section and the DVC md5 of every dependency."""
-    return config.digest({"stage": name, "params": config.to_plain(params), "deps": digests})
+def fingerprint(name: str, params: Any, digests: dict[str, str], listed: dict[str, Any] | None = None) -> str:
+    """What names a stage's checkpoints: its params section (and the other keys it lists) and the
+    DVC md5 of every dependency."""
+    return config.digest({"stage": name, "params": config.to_plain(params), "deps": digests, **({"listed": listed} if listed else {})})
+
+
+def listed_params(root: Path, spec: dag.Stage) -> dict[str, Any]:
+    """The values of the dotted keys of other sections that `spec` lists under `params`."""
+    keys = [key for key in spec.params if key != spec.name]
+    if not keys:
+        return {}
+    node_of = config.to_plain(params_file.load(root)[0])
+    values = {}
+    for key in keys:
+        node = node_of
+        for part in key.split("."):
+            node = node[part]
+        values[key] = node
+    return values
 
 
 def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, parent_run_id: str | None) -> dict[str, Any]:
@@ -138,8 +171,9 @@ def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any
         return _execute(name, body, root, params, parent_run_id)
     # other ranks: the same body (they train), no lock, no MLflow run, no metrics file
     spec = dag.stages(root)[name]
-    ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=fingerprint(name, params, dependency_digests(root, spec)),
-                       log=logging.getLogger(f"qllm.{name}"))  # fmt: skip
+    listed = listed_params(root, spec)
+    ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=fingerprint(name, params, dependency_digests(root, spec), listed),
+                       log=logging.getLogger(f"qllm.{name}"), listed=listed)  # fmt: skip
     return body(ctx) or {}
 
 
@@ -150,7 +184,8 @@ def _execute(
     started = time.perf_counter()
     spec = dag.stages(root)[name]
     digests = dependency_digests(root, spec)
-    key = fingerprint(name, params, digests)
+    listed = listed_params(root, spec)
+    key = fingerprint(name, params, digests, listed)
     tags = {"qllm.stage": name, "qllm.fingerprint": key}
     with contextlib.ExitStack() as stack:
         checkpoints = workspace.checkpoint_dir(root, name, key) if _trains(params) else None
@@ -165,12 +200,12 @@ def _execute(
         )
         if checkpoints is not None:
             write_json(checkpoints / RUN_RECORD, {"run_id": tracker.run_id, "store": _store_id(root)})
-        tracker.log_params({name: params})
+        tracker.log_params({name: params, **listed})
         for dep, md5 in digests.items():
             if not dep.endswith(".py"):
                 tracker.log_dataset(dep, context="input", digest=md5, name=dep)
         tracker.set_tags({f"qllm.dep.{dep}": md5 for dep, md5 in digests.items()})
-        ctx = StageContext(name=name, root=root, params=params, tracker=tracker, fingerprint=key, log=log)
+        ctx = StageContext(name=name, root=root, params=params, tracker=tracker, fingerprint=key, log=log, listed=listed)
         with resources.PeakMemory() as peak:
             metrics = body(ctx) or {}
         metrics = {**metrics, **({"precision": params.train.precision} if _trains(params) else {}),
