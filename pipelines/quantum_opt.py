@@ -65,6 +65,8 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
 
     # negative when the MILP stopped at its time limit short of what the sampler found
     gap = (reference.objective - allocation.objective) / reference.objective if reference and reference.objective > 0 else None
+    # HiGHS's proven upper bound on the optimum: the chosen allocation is at most this far from it
+    bound_gap = max(0.0, (reference.bound - allocation.objective) / reference.bound) if reference and reference.bound else None
     chosen = {m: r for m, r in allocation.items() if r > 0}
     if not chosen:
         raise QllmError(f"quantum_opt: the budget ({budget} parameters) is below the cheapest adapter; no module gets a rank "
@@ -103,6 +105,7 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
         "milp_objective": round(reference.objective, 6) if reference else None,
         "milp_optimal": reference.solver == "milp" if reference else None,
         "gap_to_milp": round(gap, 6) if gap is not None else None,
+        "gap_to_bound": round(bound_gap, 6) if bound_gap is not None else None,
         "greedy_objective": round(record["greedy_objective"], 6),
         "uniform_objective": round(record["uniform_objective"], 6) if uniform else None,
         "cost": allocation.cost,

@@ -107,8 +107,9 @@ def test_quantum_opt_writes_the_allocation_and_its_reference(tmp_path):
     assert not {"wall_seconds", "gap_to_milp", "milp_objective"} & set(allocation) and metrics["solve_seconds"] >= 0
     assert metrics["objective"] == pytest.approx(0.5 - 0.02 * 0.5 * (0.3 * 0.2) ** 0.5, abs=1e-6)
     assert metrics["gap_to_milp"] == 0.0 and metrics["milp_optimal"] and metrics["budget"] == 20
+    assert metrics["gap_to_bound"] == pytest.approx(0.0, abs=1e-4)  # the MILP proved the optimum: its bound is the exact solver's objective
     skipped = quantum_opt.run(scores, tmp_path / "out2", QuantumOptParams(budget_rank=1, reference_timeout=0))
-    assert skipped["gap_to_milp"] is None and skipped["milp_objective"] is None
+    assert skipped["gap_to_milp"] is None and skipped["milp_objective"] is None and skipped["gap_to_bound"] is None
 
 
 def test_quantum_opt_budget_below_every_adapter_is_a_clear_error(tmp_path):

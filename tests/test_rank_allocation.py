@@ -87,6 +87,7 @@ def test_qubo_in_loop_solves_on_schedule_within_the_parameter_budget(tiny_base, 
     for _, m in solves:
         assert m["qubo/feasible"] == 1.0 and m["qubo/active_parameters"] <= budget and m["qubo/wall_seconds"] > 0
         assert m["qubo/gap_to_milp"] > -1e-9  # the MILP reference is an upper bound (up to its time limit)
+        assert m["qubo/gap_to_bound"] >= max(m["qubo/gap_to_milp"], 0.0) - 1e-9  # the bound is at least the MILP's best
     assert 0 < metrics["allocation/active_parameters"] <= budget
 
 

@@ -214,13 +214,17 @@ class QuboReallocation(_Logging):
         values, costs, redundancy = self.problem()
         started = time.perf_counter()
         allocation = qubo.allocate_ranks(values, costs, self.budget, redundancy, lam=self.params.lam, solver=self.params.solver,
-                                         seed=self.solves, timeout=self.params.timeout)  # fmt: skip
+                                         seed=self.solves, timeout=self.params.timeout, num_reads=self.params.num_reads or None)  # fmt: skip
         seconds = time.perf_counter() - started
-        gap = None
+        gap = bound_gap = None
         if self.params.reference_timeout and self.params.solver != "milp":
             reference = qubo.allocate_ranks(values, costs, self.budget, redundancy, lam=self.params.lam, solver="milp",
                                             timeout=self.params.reference_timeout)  # fmt: skip
+            # to HiGHS's best allocation at its time limit (negative: the solver found a better one) ...
             gap = (reference.objective - allocation.objective) / reference.objective if reference.objective > 0 else 0.0
+            # ... and to its proven upper bound on the optimum: the solver's allocation is at most this far from it
+            if reference.bound is not None and reference.bound > 0:
+                bound_gap = max(0.0, (reference.bound - allocation.objective) / reference.bound)
         scores = self._scores()
         self.keep = {}
         for name in self.names:
@@ -235,10 +239,12 @@ class QuboReallocation(_Logging):
                    "qubo/modules_with_rank": float(sum(1 for r in allocation.values() if r > 0))}  # fmt: skip
         if gap is not None:
             metrics["qubo/gap_to_milp"] = gap
+        if bound_gap is not None:
+            metrics["qubo/gap_to_bound"] = bound_gap
         self._log(metrics, step)
+        reference_note = "" if gap is None else f" (MILP at its limit: {100 * gap:+.2f}%" + ("" if bound_gap is None else f"; within {100 * bound_gap:.2f}% of the optimum") + ")"
         log.info("step %d: QUBO re-allocation %d (%s): %d of %d parameters on %d modules, objective %.4f%s, %.2f s", step, self.solves,
-                 allocation.solver, allocation.cost, self.budget, metrics["qubo/modules_with_rank"], allocation.objective,
-                 "" if gap is None else f" (gap to MILP {100 * gap:.2f}%)", seconds)  # fmt: skip
+                 allocation.solver, allocation.cost, self.budget, metrics["qubo/modules_with_rank"], allocation.objective, reference_note, seconds)  # fmt: skip
 
     def _apply(self) -> None:
         """Zero the Λ entries of the components not kept (AdaLoRA's masking)."""
