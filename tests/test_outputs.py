@@ -20,10 +20,28 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
 
 
 def test_stale_temporaries_of_a_killed_run_are_cleaned(tmp_path):
-    (tmp_path / ".tmp-out-abc").mkdir()
+    (tmp_path / ".tmp-out-abc").mkdir()  # an older run's (no process id)
     with atomic_dir(tmp_path / "out") as tmp:
         (tmp / "x").write_text("")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_live_writers_temporary_is_not_stale(tmp_path):
+    """Two runs writing one shared file at once: neither removes the other's work in progress."""
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = tmp_path / f".tmp-m.json-{gone.stdout.strip()}-dead1"
+    live = tmp_path / f".tmp-m.json-{os.getppid()}-live1"  # a live process (our parent), writing right now
+    longer = tmp_path / ".tmp-m.json-x-abc"  # not ours: a temporary of "m.json-x"
+    for path in (dead, live, longer):
+        path.write_text("")
+    write_json(tmp_path / "m.json", {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.json", live.name, longer.name])
+    with atomic_file(tmp_path / "n.json") as tmp:
+        assert tmp.name.startswith(f".tmp-n.json-{os.getpid()}-")
 
 
 def test_atomic_file_and_json(tmp_path):

@@ -1,15 +1,17 @@
 """Atomic stage outputs: write into a temporary sibling, rename into place only when complete.
 
-A stage killed half-way (even by SIGKILL) leaves at most a `.tmp-<name>-*` sibling, never a
-directory or file that looks finished. The temporary is a sibling, never inside a DVC output, so
+A stage killed half-way (even by SIGKILL) leaves at most a `.tmp-<name>-<pid>-*` sibling, never
+a directory or file that looks finished. The temporary is a sibling, never inside a DVC output, so
 DVC does not see it: `dvc status` reports the stage's output as missing (changed), and the next
-write of the same output removes the leftover first.
+write of the same output removes the leftover first, unless the process that made it is still
+alive: two runs may write one shared file (the machine's `.qllm/device-probe.json`) at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,11 +29,31 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def clean_stale_temps(parent: Path, name: str) -> None:
-    """Remove temporaries a killed run left next to `parent/name`."""
-    if parent.is_dir():
-        for stale in parent.glob(f"{TMP_PREFIX}{name}-*"):
-            _remove(stale)
+    """Remove temporaries a killed run left next to `parent/name`: those of `name` (not of a
+    longer name that starts with it) whose process is gone, or that carry no process id (older
+    runs). A live process's temporary is another writer's work in progress, left alone."""
+    if not parent.is_dir():
+        return
+    ours = re.compile(rf"{re.escape(TMP_PREFIX + name)}-(?:(\d+)-)?[^-]+")
+    for candidate in parent.glob(f"{TMP_PREFIX}{name}-*"):
+        match = ours.fullmatch(candidate.name)
+        if match and not (match.group(1) and _alive(int(match.group(1)))):
+            _remove(candidate)
+
+
+def _prefix(path: Path) -> str:
+    return f"{TMP_PREFIX}{path.name}-{os.getpid()}-"
 
 
 @contextmanager
@@ -40,7 +62,7 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(path.parent, path.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_prefix(path), dir=path.parent))
     try:
         yield tmp
     except BaseException:
@@ -56,7 +78,7 @@ def atomic_file(path: Path | str) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(path.parent, path.name)
-    fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=_prefix(path), dir=path.parent)
     os.close(fd)
     tmp = Path(name)
     try:
