@@ -55,14 +55,15 @@ def test_an_unknown_name_says_what_the_stage_declares():
 def test_keys_of_other_sections_come_only_as_dvc_yaml_lists_them():
     from pipelines.core import stage
 
-    listed = stage.listed_params(REPO, STAGES["quantum_opt"])
-    assert listed == {"lora.allocation": params_file.load(REPO)[0].lora.allocation}
+    params = params_file.load(REPO)[0]
+    listed = stage.listed_params(params, STAGES["quantum_opt"])
+    assert listed == {"lora.allocation": params.lora.allocation}
     ctx = StageContext(name="quantum_opt", root=REPO, params=None, tracker=None, listed=listed)
     assert ctx.param("lora.allocation") == listed["lora.allocation"]
     with pytest.raises(QllmError) as error:
         ctx.param("lora.train.lr")
     assert str(error.value) == "stage quantum_opt: params key 'lora.train.lr' is not listed under params in dvc.yaml (listed: quantum_opt, lora.allocation)"
-    assert stage.listed_params(REPO, STAGES["sft"]) == {}
+    assert stage.listed_params(params, STAGES["sft"]) == {}
 
 
 def test_an_ambiguous_name_or_a_missing_one_among_several_outputs_is_an_error(tmp_path):

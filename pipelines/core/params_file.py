@@ -205,9 +205,3 @@ def load(root: Path | str = ".", overlays: list[Path | str] = (), overrides: lis
         except ValidationError as exc:
             raise ParamsError(_format_errors(exc, "--set", {})) from None
     return validate(data), data
-
-
-def load_section(name: str, root: Path | str = ".") -> Any:
-    """Load and validate `<root>/params.yaml` and return one stage's section."""
-    params, _ = load(root)
-    return getattr(params, name)

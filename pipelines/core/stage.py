@@ -125,12 +125,13 @@ def execute(
     MLflow run: its metrics file records `mlflow_run_id: null`.
     """
     root = Path(root).resolve()
-    params = params_file.load_section(name, root)
+    everything, _ = params_file.load(root)
+    params, listed = getattr(everything, name), listed_params(everything, dag.stages(root)[name])
     if _trains(params):
         params = _resolve_precision(name, params)
     if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.core.distributed
-        return _execute_distributed(name, body, root, params, parent_run_id)
-    return _execute(name, body, root, params, parent_run_id, tracked)
+        return _execute_distributed(name, body, root, params, listed, parent_run_id)
+    return _execute(name, body, root, params, listed, parent_run_id, tracked)
 
 
 def _distributed():
@@ -145,22 +146,20 @@ def fingerprint(name: str, params: Any, digests: dict[str, str], listed: dict[st
     return config.digest({"stage": name, "params": config.to_plain(params), "deps": digests, **({"listed": listed} if listed else {})})
 
 
-def listed_params(root: Path, spec: dag.Stage) -> dict[str, Any]:
+def listed_params(params: config.Params, spec: dag.Stage) -> dict[str, Any]:
     """The values of the dotted keys of other sections that `spec` lists under `params`."""
-    keys = [key for key in spec.params if key != spec.name]
-    if not keys:
-        return {}
-    node_of = config.to_plain(params_file.load(root)[0])
     values = {}
-    for key in keys:
-        node = node_of
-        for part in key.split("."):
-            node = node[part]
-        values[key] = node
+    for key in spec.params:
+        if key != spec.name:
+            node = params
+            for part in key.split("."):
+                node = getattr(node, part)
+            values[key] = config.to_plain(node) if hasattr(node, "model_dump") else node  # a section: plain JSON
     return values
 
 
-def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, parent_run_id: str | None) -> dict[str, Any]:
+def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, listed: dict[str, Any],
+                         parent_run_id: str | None) -> dict[str, Any]:  # fmt: skip
     distributed = _distributed()
     if not distributed.under_launcher():
         distributed.launch(dag.stages(root)[name].module, root, params.train.nproc, parent_run_id)
@@ -168,23 +167,22 @@ def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any
         return read_json(metrics_file) if metrics_file.exists() else {}
     distributed.setup()
     if distributed.is_main():
-        return _execute(name, body, root, params, parent_run_id)
+        return _execute(name, body, root, params, listed, parent_run_id)
     # other ranks: the same body (they train), no lock, no MLflow run, no metrics file
     spec = dag.stages(root)[name]
-    listed = listed_params(root, spec)
     ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=fingerprint(name, params, dependency_digests(root, spec), listed),
                        log=logging.getLogger(f"qllm.{name}"), listed=listed)  # fmt: skip
     return body(ctx) or {}
 
 
 def _execute(
-    name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, parent_run_id: str | None, tracked: bool = True
+    name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, listed: dict[str, Any], parent_run_id: str | None,
+    tracked: bool = True,
 ) -> dict[str, Any]:
     log = logging.getLogger(f"qllm.{name}")
     started = time.perf_counter()
     spec = dag.stages(root)[name]
     digests = dependency_digests(root, spec)
-    listed = listed_params(root, spec)
     key = fingerprint(name, params, digests, listed)
     tags = {"qllm.stage": name, "qllm.fingerprint": key}
     with contextlib.ExitStack() as stack:
