@@ -229,8 +229,7 @@ def scaling(root: Path | None, timeout: float, reference_timeout: float) -> None
         budget = factor * sum(8 * (s["d_in"] + s["d_out"]) for s in shapes.values())
         sa = qubo.allocate_ranks(v, c, budget, rho, lam=0.02, solver="sa", seed=0, timeout=timeout)
         milp = qubo.allocate_ranks(v, c, budget, rho, lam=0.02, solver="milp", timeout=reference_timeout)
-        gap = (milp.objective - sa.objective) / milp.objective if milp.objective > 0 else float("nan")
-        bound_gap = (milp.bound - sa.objective) / milp.bound if milp.bound else float("nan")
+        gap, bound_gap = (float("nan") if g is None else g for g in qubo.gaps(sa, milp))
         print(f"| {len(v)} | {sa.num_variables} | {sa.wall_seconds:.2f} | {milp.wall_seconds:.2f}{'' if milp.solver == 'milp' else ' (limit)'} | "
               f"{sa.objective:.4f} | {milp.objective:.4f} | {milp.bound:.4f} | {100 * gap:.2f}% | {100 * bound_gap:.2f}% |", flush=True)  # fmt: skip
 

@@ -63,10 +63,7 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
     def score(ranks: dict) -> float:  # every allocation on the same objective (redundancy included)
         return qubo.objective(ranks, values, redundancy, params.lam)
 
-    # negative when the MILP stopped at its time limit short of what the sampler found
-    gap = (reference.objective - allocation.objective) / reference.objective if reference and reference.objective > 0 else None
-    # HiGHS's proven upper bound on the optimum: the chosen allocation is at most this far from it
-    bound_gap = max(0.0, (reference.bound - allocation.objective) / reference.bound) if reference and reference.bound else None
+    gap, bound_gap = qubo.gaps(allocation, reference) if reference else (None, None)
     chosen = {m: r for m, r in allocation.items() if r > 0}
     if not chosen:
         raise QllmError(f"quantum_opt: the budget ({budget} parameters) is below the cheapest adapter; no module gets a rank "

@@ -23,7 +23,15 @@ import pytest
 
 from pipelines.core import qubo
 from pipelines.core.errors import QllmError
-from pipelines.core.qubo import Allocation, BackendUnavailable, QuantumError, TooManyQubits, allocate_ranks, build_bqm
+from pipelines.core.qubo import (
+    Allocation,
+    BackendUnavailable,
+    QuantumError,
+    TooManyQubits,
+    allocate_ranks,
+    build_bqm,
+    gaps,
+)
 
 HAND_VALUES = {"a": {4: 0.3, 8: 0.55}, "b": {4: 0.2, 8: 0.25}}
 HAND_COSTS = {"a": {4: 40, 8: 80}, "b": {4: 60, 8: 120}}
@@ -154,6 +162,9 @@ def test_milp_bound_brackets_the_optimum():
     assert milp.solver == "milp" and milp.bound == pytest.approx(optimum, rel=1e-6)
     sa = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", seed=0)
     assert sa.bound is None and sa.objective <= milp.bound + 1e-9
+    to_best, to_bound = gaps(sa, milp)  # against a proven optimum both gaps are sa's true gap
+    assert to_best == pytest.approx((optimum - sa.objective) / optimum, abs=1e-6) and to_bound == pytest.approx(to_best, abs=1e-6)
+    assert gaps(milp, sa) == (pytest.approx((sa.objective - milp.objective) / sa.objective), None)  # no bound: no bound gap
 
 
 @pytest.mark.parametrize("solver", ["exact", "sa", "tabu", "milp"])

@@ -703,6 +703,15 @@ def allocate_ranks(values: Mapping, costs: Mapping, budget, redundancy: Mapping 
     return alloc
 
 
+def gaps(found: Allocation, reference: Allocation) -> tuple[float | None, float | None]:
+    """`found`'s relative gap to a MILP `reference`: to its best allocation (negative when HiGHS
+    stopped at its time limit short of what `found` reached) and to its proven upper bound on the
+    optimum (`found` is at most this far from the optimum, >= 0). None where undefined."""
+    to_best = (reference.objective - found.objective) / reference.objective if reference.objective > 0 else None
+    to_bound = max(0.0, (reference.bound - found.objective) / reference.bound) if reference.bound else None
+    return to_best, to_bound
+
+
 def greedy(values: Mapping, costs: Mapping, budget) -> Allocation:
     """The value-per-parameter baseline: from no adapters, repeatedly take the upgrade with the
     best value gained per parameter added that still fits (redundancy ignored).

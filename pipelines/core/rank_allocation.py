@@ -220,11 +220,7 @@ class QuboReallocation(_Logging):
         if self.params.reference_timeout and self.params.solver != "milp":
             reference = qubo.allocate_ranks(values, costs, self.budget, redundancy, lam=self.params.lam, solver="milp",
                                             timeout=self.params.reference_timeout)  # fmt: skip
-            # to HiGHS's best allocation at its time limit (negative: the solver found a better one) ...
-            gap = (reference.objective - allocation.objective) / reference.objective if reference.objective > 0 else 0.0
-            # ... and to its proven upper bound on the optimum: the solver's allocation is at most this far from it
-            if reference.bound is not None and reference.bound > 0:
-                bound_gap = max(0.0, (reference.bound - allocation.objective) / reference.bound)
+            gap, bound_gap = qubo.gaps(allocation, reference)
         scores = self._scores()
         self.keep = {}
         for name in self.names:
