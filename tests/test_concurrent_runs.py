@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from pipelines.core import dag, repro, workspace
-from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
+from tests.conftest import ALWAYS_CHANGED, REPO, dvc_up_to_date, make_project, run
 
 # --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------
 
@@ -55,6 +55,62 @@ def test_the_same_stage_in_two_workspaces_at_once_runs_once(toy):
     assert all((ws / "data/a/out.txt").read_text() == "xx" for ws in workspaces)
     for ws in workspaces:
         assert "up to date" in run([sys.executable, "-m", "dvc", "status", "a"], ws).stdout
+
+
+# DVC writes a run-cache entry to a temporary it then renames; a reader loads the newest file of the
+# entry's directory and deletes one it cannot parse. This writer (another process, as another
+# `qllm run` is) stops for 2 s with its temporary half written.
+SLOW_RUN_CACHE_WRITER = """
+import sys, time
+from pathlib import Path
+import dvc.utils.serialize as serialize
+from pipelines.core import repro
+
+ws, started = Path(sys.argv[1]), Path(sys.argv[2])
+real = serialize.dump_yaml
+
+def slow_dump(path, data, **kwargs):
+    real(path, data, **kwargs)
+    if "runs" in Path(path).parts:
+        text = Path(path).read_text()
+        with open(path, "w") as file:
+            file.write(text[: len(text) // 2])
+            file.flush()
+            started.write_text("")
+            time.sleep(2)
+            file.write(text[len(text) // 2 :])
+
+def body(ws, name, parent_run_id):
+    (ws / "data/a").mkdir(parents=True, exist_ok=True)
+    (ws / "data/a/out.txt").write_text("xx")
+
+serialize.dump_yaml = slow_dump
+print(repro.reproduce(ws, "a", execute=body).reason)
+"""
+
+
+def test_a_run_cache_entry_being_written_is_not_read_by_another_workspace(toy, tmp_path):
+    writer_ws, reader_ws = (workspace.prepare(toy, {"a": {"n": 2}, "b": {"m": m}}) for m in (2, 3))
+    started = tmp_path / "writing"
+    command = [sys.executable, "-c", SLOW_RUN_CACHE_WRITER, str(writer_ws), str(started)]
+    writer = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and writer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), writer.communicate()[1][-3000:]
+
+    def must_not_run(ws: Path, name: str, parent_run_id) -> None:
+        raise AssertionError("the reader ran stage a: it should have restored the writer's outputs")
+
+    try:
+        outcome = repro.reproduce(reader_ws, "a", execute=must_not_run)  # while the temporary is half written
+    finally:
+        out, err = writer.communicate(timeout=120)
+        repro.close(reader_ws)
+    assert writer.returncode == 0, err[-3000:]
+    assert out.strip() == "executed"
+    assert (outcome.status, outcome.reason) == ("cached", "run-cache")
+    assert (reader_ws / "data/a/out.txt").read_text() == "xx"
 
 
 # --- two real `qllm run`s ---------------------------------------------------------------------------------

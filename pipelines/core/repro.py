@@ -18,6 +18,8 @@ Concurrent runs (run workspaces of one project share its DVC cache) never comput
 twice at once: step 3 holds a lock named by DVC's run-cache key (command + dependency hashes +
 params) in `.qllm/locks/`. A second run that reaches the same stage with the same inputs waits,
 then finds the first one's run-cache entry and restores it (step 2 again) instead of running.
+Reads and writes of the run-cache itself take a project-wide lock too (`_run_cache_lock`): DVC
+makes them safe within one repo, not across workspaces that share a cache.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def reproduce(
         if stage.always_changed:  # probe_device: reads the machine in milliseconds, never cached, trains nothing
             execute = run_in_process
         stage.remove_outs(ignore_remove=False, force=False)
-        restored = not force and _restore(repo, stage)
+        restored = not force and _restore(root, repo, stage)
         if not restored:
             stage.save_deps()
             key = _run_cache_key(stage)
@@ -140,7 +142,7 @@ def reproduce(
                 # A fresh stage object: `stage` now has the new dependency hashes next to the old
                 # outputs' hashes, which `restore` would take for a run-cache entry.
                 (fresh,) = repo.stage.collect(f"{dag.DVC_FILE}:{name}")
-                if _restore(repo, fresh):
+                if _restore(root, repo, fresh):
                     stage, restored = fresh, True
         if not restored:
             log.info("%s: running", name)
@@ -177,12 +179,29 @@ def unchanged(root: Path | str, names: list[str]) -> list[StageOutcome] | None:
     return [done[name] for name in names]
 
 
-def _restore(repo, stage) -> bool:
+def _run_cache_lock(root: Path) -> contextlib.AbstractContextManager:
+    """Held while this process reads or writes DVC's run-cache, which the project's workspaces share.
+
+    DVC writes a run-cache entry as a temporary file in the entry's directory, then renames it;
+    a reader lists that directory and loads the newest file, and deletes one it cannot parse as
+    corrupted. `repo.lock` is per workspace, so without this lock another workspace's reader can
+    load the writer's half-written temporary, delete it, and either the writer's rename or the
+    reader's delete fails (FileNotFoundError). Taken innermost (after `repo.lock`) and held only
+    for the restore or the save.
+    """
+    from pipelines.core import workspace
+
+    path = workspace.project_root(root) / workspace.LOCKS_DIR / "run-cache.lock"
+    return workspace.file_lock(path, "DVC's run-cache")
+
+
+def _restore(root: Path, repo, stage) -> bool:
     """Outputs restored from DVC's run-cache (an entry for the same command, deps and params)."""
     from dvc.stage.cache import RunCacheNotFoundError
 
     try:
-        repo.stage_cache.restore(stage)
+        with _run_cache_lock(root):
+            repo.stage_cache.restore(stage)
     except RunCacheNotFoundError:
         return False
     return True
@@ -190,8 +209,10 @@ def _restore(repo, stage) -> bool:
 
 def _commit(root: Path, repo, stage) -> None:
     with _repo_lock, contextlib.chdir(root), repo.lock:
-        stage.save()  # hashes outputs and records the run-cache entry
+        stage.save(run_cache=False)  # hashes the outputs
         stage.commit()  # moves outputs into the DVC cache (links them back)
+        with _run_cache_lock(root):  # the run-cache entry, published once the objects it names are cached
+            repo.stage_cache.save(stage)
         stage.dump(update_pipeline=False)  # dvc.lock
 
 
