@@ -22,6 +22,26 @@ TEST_ENV = {
 }
 
 
+
+def _absl_handler_writes_to_the_real_stderr() -> None:
+    """absl (imported by TensorBoard) makes a logging handler on the `sys.stderr` of the moment it is
+    first imported, and closes that stream whenever a later `logging.config.dictConfig` (Prefect's
+    and MLflow's, on their first import) shuts old handlers down, unless it is `sys.stderr` then.
+    Inside a test, `sys.stderr` may be DVC's colorama wrapper around pytest's capture file, which
+    pytest swaps back afterwards: absl would then close pytest's capture file, and the run dies
+    with `lost sys.stderr` (e.g. tests/test_multimodal.py then tests/test_pipeline_e2e.py alone).
+    Nothing attaches absl's handler to a logger here, so pointing it at the real stderr, which absl
+    never closes, changes no output."""
+    try:
+        import absl.logging
+    except ImportError:
+        return
+    absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
+
+
+_absl_handler_writes_to_the_real_stderr()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_env(tmp_path_factory):
     """No telemetry, no network lookups, and Prefect/MLflow state in a temporary home."""
