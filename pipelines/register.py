@@ -177,8 +177,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
     for key, tag in tags.items():  # the metric tags first: the next gate reads them
         client.set_model_version_tag(params.model_name, model_version, key, tag)
     # gate and alias as one step: two runs registering at once must not both beat the same champion
-    lock = project_root(root) / workspace.LOCKS_DIR / f"registry-{params.model_name}.lock"
-    with workspace.file_lock(lock, f"the registry entry {params.model_name!r}"):
+    with workspace.project_lock(root, f"registry-{params.model_name}", f"the registry entry {params.model_name!r}"):
         decision = gate(client, params, value)
         client.set_registered_model_alias(params.model_name, decision.alias, model_version)
     client.set_model_version_tag(params.model_name, model_version, "gate.decision", decision.alias)

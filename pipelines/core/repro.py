@@ -191,8 +191,7 @@ def _run_cache_lock(root: Path) -> contextlib.AbstractContextManager:
     """
     from pipelines.core import workspace
 
-    path = workspace.project_root(root) / workspace.LOCKS_DIR / "run-cache.lock"
-    return workspace.file_lock(path, "DVC's run-cache")
+    return workspace.project_lock(root, "run-cache", "DVC's run-cache")
 
 
 def _restore(root: Path, repo, stage) -> bool:
@@ -229,8 +228,7 @@ def _same_inputs_lock(root: Path, name: str, key: str | None) -> contextlib.Abst
 
     if key is None:
         return contextlib.nullcontext()
-    path = workspace.project_root(root) / workspace.LOCKS_DIR / f"{key}.lock"
-    return workspace.file_lock(path, f"stage {name} with the same inputs (it runs once, then this run restores its outputs)")
+    return workspace.project_lock(root, key, f"stage {name} with the same inputs (it runs once, then this run restores its outputs)")
 
 
 def _outcome(stage, status: str, reason: str, started: float) -> StageOutcome:

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,12 @@ def file_lock(path: Path | str, what: str, timeout: float = -1) -> Iterator[None
         yield
     finally:
         lock.release()
+
+
+def project_lock(root: Path | str, name: str, what: str) -> AbstractContextManager[None]:
+    """`file_lock` on `.qllm/locks/<name>.lock` of the project `root` belongs to: one lock for
+    the project and all its run workspaces."""
+    return file_lock(project_root(root) / LOCKS_DIR / f"{name}.lock", what)
 
 
 @contextmanager
