@@ -23,6 +23,10 @@ After a run:
     qllm compare --last 2 [--all] [--json]               # or: qllm compare RUN_ID RUN_ID ...
 
 Errors the user can act on (unknown model, alias, version or run id, no mlflow.db) exit with 2.
+
+Every relative path on the command line (`--params`, `--summary-json`, `--model`, `--image`) is
+relative to `--project-dir` (default: the current directory), never to where the command is typed:
+`--project-dir DIR` runs as if started in DIR, like `git -C DIR`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 from flows import preflight
 from pipelines.core import dag, params_file
 from pipelines.core.errors import QllmError, ask_stop, clear_stop, request_stop, stop_requested, stop_signal
+from pipelines.core.outputs import project_path
 
 
 def _open_tracking(root: Path) -> None:
@@ -95,7 +100,7 @@ def _no_change_summary(root: Path, params_data: dict, until: str | None) -> dict
 def _finish(summary: dict, args: argparse.Namespace) -> int:
     _print_summary(summary)
     if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+        project_path(args.summary_json, Path(args.project_dir).resolve()).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
@@ -238,7 +243,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise QllmError(f"{args.model}: a text-only model cannot look at --image; use the multimodal stage's model "
                             "(data/models/multimodal, or its registered version)")  # fmt: skip
         model, processor = generation.load_image_model(args.model, root)
-        text = generation.generate_about_image(model, processor, args.image, args.prompt, max_new_tokens=args.max_new_tokens,
+        image = None if args.image is None else project_path(args.image, root)
+        text = generation.generate_about_image(model, processor, image, args.prompt, max_new_tokens=args.max_new_tokens,
                                                temperature=args.temperature, seed=args.seed, system=args.system)  # fmt: skip
         print(text)
         return 0
@@ -272,13 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--record", action="store_true",
                      help="record a Prefect flow run and an MLflow run even when every stage is up to date (by default such a run only checks)")
     run.add_argument("--summary-json", metavar="FILE", help="write the run summary (stages, statuses, seconds, run id) as JSON")
-    run.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
+    run.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
     run.set_defaults(func=cmd_run)
 
     lineage = sub.add_parser("lineage", help="a registered model's chain of stages back to the raw data (run ids, params, md5s)")
     lineage.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@ALIAS or models:/NAME/VERSION, e.g. models:/qllm@champion")
     lineage.add_argument("--json", action="store_true", help="print the lineage as JSON")
-    lineage.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
+    lineage.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
     lineage.set_defaults(func=cmd_lineage)
 
     generate = sub.add_parser("generate", help="answer a prompt with a registered model or a model directory (chat template)")
@@ -289,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most N new tokens (default: 64)")
     generate.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); >0: sample at temperature T")
     generate.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
-    generate.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
+    generate.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
     generate.set_defaults(func=cmd_generate)
 
     compare = sub.add_parser("compare", help="params and metrics of MLflow runs side by side (only differing keys by default)")
@@ -297,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--last", type=int, metavar="N", help="the last N pipeline runs instead of run ids")
     compare.add_argument("--all", action="store_true", help="every key, not only those whose values differ")
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    compare.add_argument("--project-dir", default=".", metavar="DIR", help="project root (default: current directory)")
+    compare.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
     compare.set_defaults(func=cmd_compare)
     return parser
 

@@ -30,8 +30,8 @@ def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
     """(model, tokenizer) for a `models:/` URI or a model directory.
 
     Args:
-        model: `models:/NAME@ALIAS`, `models:/NAME/VERSION`, or a path (relative to the current
-            directory, else to `root`).
+        model: `models:/NAME@ALIAS`, `models:/NAME/VERSION`, or a model directory (absolute, or
+            relative to `root`).
         root: the project (its `mlflow.db` holds the registry; adapters' base paths resolve here).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub from a local model
@@ -40,12 +40,10 @@ def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
         return _load_registered(model, root)
     from pipelines.core.models import load_for_inference
 
-    path = Path(model)
-    if not path.exists() and not path.is_absolute() and (root / path).exists():
-        path = root / path
+    path = _local_dir(model, root)
     if not path.is_dir():
         raise QllmError(
-            f"{model}: no such model directory (expected a `save_pretrained` directory or models:/NAME@ALIAS)"
+            f"{model}: no such model directory{_in(root)} (expected a `save_pretrained` directory or models:/NAME@ALIAS)"
         )
     return load_for_inference(path, root)
 
@@ -143,10 +141,15 @@ def is_image_model(model: str, root: Path | str = ".") -> bool:
 
 
 def _local_dir(model: str, root: Path) -> Path:
-    path = Path(model)
-    if not path.exists() and not path.is_absolute() and (root / path).exists():
-        path = root / path
-    return path
+    """A model directory: absolute, or relative to the project `root` (never the current directory)."""
+    from pipelines.core.outputs import project_path
+
+    return project_path(model, root)
+
+
+def _in(root: Path) -> str:
+    """` in ROOT` for a message about a relative path, when root is not the current directory."""
+    return "" if root == Path.cwd().resolve() else f" in {root}"
 
 
 def load_image_model(model: str, root: Path | str = ".") -> tuple[Any, Any]:
@@ -167,7 +170,7 @@ def load_image_model(model: str, root: Path | str = ".") -> tuple[Any, Any]:
 
     path = _local_dir(model, root)
     if not (path / "config.json").exists():
-        raise QllmError(f"{model}: no such model directory (expected the multimodal stage's output, e.g. data/models/multimodal)")
+        raise QllmError(f"{model}: no such model directory{_in(root)} (expected the multimodal stage's output, e.g. data/models/multimodal)")
     return AutoModelForImageTextToText.from_pretrained(path), AutoProcessor.from_pretrained(path)
 
 

@@ -3,6 +3,7 @@
     lm_eval --model hf --model_args pretrained=data/models/sft \\
         --include_path lm_eval_tasks --tasks qllm_heldout --apply_chat_template
     python -m flows.lm_eval_task data/models/lora    # that command for any model the pipeline saved
+    python -m flows.lm_eval_task data/models/lora --root PROJECT   # ... of another project (cd PROJECT && lm_eval ...)
 
 The task (`lm_eval_tasks/qllm_heldout/`, shipped with the code) scores a model as `evaluate` does:
 
@@ -86,18 +87,29 @@ def process_results(doc: dict, results: list[str]) -> dict[str, float]:
 def model_args(model_dir: Path | str, root: Path | str = ".") -> str:
     """`--model_args` for lm_eval's `hf` model that load what `evaluate` scores for `model_dir`
     (`models.load_for_inference`): the model, its `merged/`, or a PEFT adapter on its base (the
-    base named in `adapter_config.json`, relative to `root`); a pointer directory
-    (`data/models/pretrain` when `pretrain` trained nothing) stands for the base it names."""
-    from pipelines.core.model_source import follow
+    base named in `adapter_config.json`); a pointer directory (`data/models/pretrain` when
+    `pretrain` trained nothing) stands for the base it names.
 
-    model_dir = Path(model_dir)
-    if (model_dir / "merged" / "config.json").exists():
-        return f"pretrained={model_dir / 'merged'}"
-    adapter_config = model_dir / "adapter_config.json"
+    A relative `model_dir`, and a relative base, are relative to the project `root` (never to the
+    current directory), and so are the paths in the result: lm_eval runs in `root` (`command`)."""
+    from pipelines.core.model_source import follow
+    from pipelines.core.models import model_location
+
+    root = Path(root)
+    given = Path(model_dir)
+    where = given if given.is_absolute() else root / given
+
+    def shown(path: Path | str) -> str:  # as lm_eval, run in root, reads it
+        if isinstance(path, Path) and not given.is_absolute() and path.resolve().is_relative_to(root.resolve()):
+            return path.resolve().relative_to(root.resolve()).as_posix()
+        return str(path)
+
+    if (where / "merged" / "config.json").exists():
+        return f"pretrained={shown(where / 'merged')}"
+    adapter_config = where / "adapter_config.json"
     if adapter_config.exists():
         settings = json.loads(adapter_config.read_text())
-        base = settings["base_model_name_or_path"]
-        base = follow(Path(root) / base if (Path(root) / base).exists() else base)
+        base = follow(model_location(settings["base_model_name_or_path"], root))
         base_config = Path(base) / "config.json"
         tied = base_config.exists() and json.loads(base_config.read_text()).get("tie_word_embeddings", False)
         if settings.get("trainable_token_indices") and tied:
@@ -106,14 +118,16 @@ def model_args(model_dir: Path | str, root: Path | str = ".") -> str:
                 "base with tied embeddings: lm_eval's tie_weights() on the PEFT model fails); write merged/ "
                 "(`adapter.merge: true`) and evaluate that"
             )
-        return f"pretrained={base},peft={model_dir}"
-    if not model_dir.is_dir():
-        raise QllmError(f"{model_dir}: no such model directory")
-    return f"pretrained={follow(model_dir)}"
+        return f"pretrained={shown(base)},peft={shown(where)}"
+    if not where.is_dir():
+        elsewhere = not given.is_absolute() and root.resolve() != Path.cwd().resolve()
+        raise QllmError(f"{model_dir}: no such model directory" + (f" in {root.resolve()}" if elsewhere else ""))
+    return f"pretrained={shown(follow(where))}"
 
 
 def command(model_dir: Path | str, root: Path | str = ".") -> list[str]:
-    """The `lm_eval` command line that scores `model_dir` on the held-out questions."""
+    """The `lm_eval` command line that scores `model_dir`, to run in the project `root` (the task
+    reads `data/prepared/chat` there; `main` prints a `cd` in front when root is elsewhere)."""
     tasks_dir = TASKS_DIR.relative_to(Path(root).resolve()) if TASKS_DIR.is_relative_to(Path(root).resolve()) else TASKS_DIR
     return ["lm_eval", "--model", "hf", "--model_args", model_args(model_dir, root), "--include_path", str(tasks_dir),
             "--tasks", TASK, "--apply_chat_template"]  # fmt: skip
@@ -121,12 +135,15 @@ def command(model_dir: Path | str, root: Path | str = ".") -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.lm_eval_task", description=__doc__.split("\n", 1)[0])
-    parser.add_argument("models", nargs="+", help="model directories the pipeline saved (e.g. data/models/sft)")
-    parser.add_argument("--root", default=".", help="project root: adapters name their base relative to it (default: .)")
+    parser.add_argument("models", nargs="+", help="model directories the pipeline saved, relative to the project root (e.g. data/models/sft)")
+    parser.add_argument("--root", default=".", help="project root: model directories and adapters' bases are relative to it (default: .)")
     args = parser.parse_args(argv)
+    root = Path(args.root)
+    elsewhere = root.resolve() != Path.cwd().resolve()
     try:
         for model_dir in args.models:
-            print(shlex.join(command(model_dir, args.root)))
+            line = shlex.join(command(model_dir, root))
+            print(f"cd {shlex.quote(str(root.resolve()))} && {line}" if elsewhere else line)
     except QllmError as exc:
         parser.exit(2, f"error: {exc}\n")
     return 0

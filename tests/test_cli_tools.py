@@ -200,8 +200,7 @@ def generate(capsys, project: Path, model: str, prompt: str, *options: str) -> t
 
 @pytest.fixture
 def in_project(project, monkeypatch) -> Path:
-    """Run from the project: a relative --model is looked up in the current directory first, so
-    a data/ in the checkout the tests run from must not shadow the project's models."""
+    """Run from the project, as a user does."""
     monkeypatch.chdir(project)
     return project
 
@@ -297,3 +296,60 @@ def test_compare_errors(runs, project, capsys):
     assert code == 2 and "give run ids or --last N (not both)" in err
     code, _, err = qllm(capsys, "compare", "--last", "1", "--project-dir", str(project))
     assert code == 2 and "need at least two runs" in err
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+@pytest.fixture
+def decoy(tmp_path, monkeypatch) -> Path:
+    """The current directory: another directory holding a decoy at every relative path the tests
+    below name, each one unusable, so a command that looked here instead of in --project-dir fails."""
+    here = tmp_path / "elsewhere"
+    for model in ("data/models/sft", "data/models/lora"):
+        (here / model / "merged").mkdir(parents=True)
+        (here / model / "config.json").write_text("{}")  # not a model
+        (here / model / "merged/config.json").write_text("{}")
+    (here / "mlflow.db").write_text("not a database")
+    (here / "params").mkdir()
+    (here / "params/extra.yaml").write_text("evaluate: {max_new_tokens: -5}\n")  # invalid
+    monkeypatch.chdir(here)
+    return here
+
+
+def test_every_command_resolves_relative_paths_against_the_project_not_the_current_directory(runs, project, decoy, capsys):
+    """`--project-dir DIR` runs as if started in DIR (like `git -C`): `qllm run --params/--summary-json`,
+    `qllm generate --model`, `qllm lineage`, `qllm compare` and the lm-eval helper, typed in a
+    directory that holds a decoy at each of their relative paths."""
+    import shlex
+    import subprocess
+    import sys
+
+    at = ("--project-dir", str(project))
+    (project / "params").mkdir(exist_ok=True)
+    (project / "params/extra.yaml").write_text("evaluate: {max_new_tokens: 2}\n")  # the second run's effective params
+    code, out, err = qllm(capsys, "run", "--params", "params/extra.yaml", "--summary-json", "summary.json", *at)
+    assert code == 0, err
+    summary = json.loads((project / "summary.json").read_text())
+    assert not (decoy / "summary.json").exists() and summary["model_version"] == "2"  # nothing stale: the second run's workspace
+    assert {s["status"] for s in summary["stages"]} == {"cached", "ran"} and all(
+        s["status"] == "cached" for s in summary["stages"] if s["name"] not in ALWAYS_CHANGED
+    )
+    code, answer, err = generate(capsys, project, "data/models/sft", "Where does Tovik live?", "--max-new-tokens", "6")
+    assert code == 0, err
+    model, tokenizer = generation.load(str(project / "data/models/sft"), project)
+    assert answer.strip() == generation.generate(model, tokenizer, "Where does Tovik live?", max_new_tokens=6)
+    code, out, err = qllm(capsys, "lineage", "models:/qllm/1", "--json", *at)
+    assert code == 0 and json.loads(out)["version"] == "1", err
+    code, out, err = qllm(capsys, "compare", "--last", "2", "--json", *at)
+    assert code == 0 and json.loads(out)["params"]["evaluate.max_new_tokens"] == ["4", "2"], err
+    code, _, err = generate(capsys, project, "data/models/none", "hi")
+    assert code == 2 and f"data/models/none: no such model directory in {project}" in err
+    # the lm-eval helper: data/models/sft has no merged/ in the project (the decoy has one)
+    printed = subprocess.run([sys.executable, "-m", "flows.lm_eval_task", "data/models/sft", "data/models/lora", "--root", str(project)],
+                             capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    for line, expected in zip(printed, ("pretrained=data/models/sft", "pretrained=data/models/lora/merged"), strict=True):
+        cd, command = line.split(" && ")
+        assert shlex.split(cd) == ["cd", str(project)]
+        argv = shlex.split(command)
+        assert argv[argv.index("--model_args") + 1] == expected

@@ -261,7 +261,7 @@ def test_disabled_stage_writes_a_readme_and_loads_nothing(tmp_path, mlflow_templ
     assert json.loads((root / "data/metrics/multimodal.json").read_text())["enabled"] is False
 
 
-def test_the_multimodal_branch_runs_end_to_end(tmp_path, mlflow_template_db):
+def test_the_multimodal_branch_runs_end_to_end(tmp_path, mlflow_template_db, monkeypatch, capsys):
     """params/multimodal.yaml over the tiny profile: digit images -> ingest -> prepare_data -> the
     multimodal stage -> evaluate (its image metrics) -> register (a pyfunc) -> qllm generate --image."""
     import yaml
@@ -297,6 +297,19 @@ def test_the_multimodal_branch_runs_end_to_end(tmp_path, mlflow_template_db):
     assert from_registry == local
     assert cli.main(["generate", "--model", "models:/qllm-vision@champion", "--project-dir", str(root), "--image", str(image),
                      "--prompt", "Which digit is this?", "--max-new-tokens", "4"]) == 0  # fmt: skip
+    # From another directory holding decoys at the same relative paths (a disabled stage's placeholder
+    # README, as in a checkout after `make run`, and another image): --project-dir decides, not the cwd.
+    decoy = tmp_path / "elsewhere"
+    (decoy / "data/models/multimodal").mkdir(parents=True)
+    (decoy / "data/models/multimodal/README.md").write_text("multimodal.enabled is false\n")
+    (decoy / "data/sample/images").mkdir(parents=True)
+    (decoy / "data/sample/images/digit-0000.png").write_bytes(b"not an image")
+    monkeypatch.chdir(decoy)
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", "data/models/multimodal", "--image", "data/sample/images/digit-0000.png", "--project-dir",
+                     str(root), "--prompt", "Which digit is this?", "--max-new-tokens", "4"]) == 0, capsys.readouterr().err  # fmt: skip
+    assert capsys.readouterr().out.strip() == local
+    monkeypatch.chdir(root)
     import mlflow.pyfunc
 
     from pipelines.core import tracking

@@ -26,11 +26,10 @@ duplicate `.bin`/`.onnx`/`.gguf` weights)."""
 
 
 def _local(name: str, root: Path) -> Path | None:
-    from pipelines.core.models import local_model_dir
+    from pipelines.core.models import local_model_dir, model_location
 
-    path = Path(name)
-    candidate = path if path.is_absolute() else root / path
-    return local_model_dir(candidate) if candidate.exists() else local_model_dir(name)
+    location = model_location(name, root)
+    return local_model_dir(location) if isinstance(location, Path) else None  # a Path: missing -> a clear error
 
 
 def hub_snapshot(name: str, revision: str | None) -> Path:

@@ -119,6 +119,22 @@ def local_model_dir(path: Path | str) -> Path | None:
     return None
 
 
+def model_location(name: str | Path, root: Path | str) -> Path | str:
+    """Where a model named in params or an adapter's config is: an absolute path, a path relative
+    to the project `root` (never to the current directory), or a hub id (returned as the string).
+
+    A name that exists under `root`, or cannot be a hub id (see `HUB_ID`), or lies under `data/`
+    is a local path under `root`; loading a missing one is then a clear "no such model directory"."""
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return path
+    local = Path(root) / path
+    text = str(name)
+    if isinstance(name, Path) or local.exists() or not HUB_ID.fullmatch(text) or text.startswith("data/"):
+        return local
+    return text
+
+
 def _check_tokenizer_files(path: Path | str) -> None:
     local = local_model_dir(path)
     if local is not None and not any((local / name).exists() for name in TOKENIZER_FILES):
@@ -234,7 +250,7 @@ def load_for_inference(model_dir: Path | str, root: Path | str = "."):
         from peft import PeftModel
 
         base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
-        base_path = Path(root) / base if (Path(root) / base).exists() else base
+        base_path = model_location(base, root)
         tokenizer = load_tokenizer(model_dir)
         with CONSTRUCTION:
             model = PeftModel.from_pretrained(load_causal_lm(base_path), str(model_dir)).merge_and_unload()

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipelines.core.config import PARAMS_FILE, Params, ParamsError
+from pipelines.core.outputs import project_path
 
 
 def _reject_duplicate_keys(node: yaml.Node, prefix: tuple[str, ...], path: Path, seen: set[int] | None = None) -> None:
@@ -188,13 +189,14 @@ def _shown(path: Path) -> str:
 def load(root: Path | str = ".", overlays: list[Path | str] = (), overrides: list[str] = ()) -> tuple[Params, dict[str, Any]]:
     """Load `<root>/params.yaml`, merge `--params` overlays and `--set` overrides, validate.
 
+    A relative overlay path is relative to `root` (never to the current directory).
     Returns the typed params and the plain merged mapping (what a run workspace writes out).
     """
     base_path = Path(root) / PARAMS_FILE
     data = read_yaml(base_path)
     validate(data, _shown(base_path), base_path.read_text(encoding="utf-8"))
     for overlay in overlays:
-        overlay_path = Path(overlay)
+        overlay_path = project_path(overlay, root)
         layer = read_yaml(overlay_path)
         data = deep_merge(data, layer)
         validate(data, _shown(overlay_path), overlay_path.read_text(encoding="utf-8"))
