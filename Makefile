@@ -15,19 +15,45 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install run test test-all bench lock clean-outputs serve stop
 
-$(VENV)/.installed: pyproject.toml requirements.lock
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+# Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
+# PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
+# configuration, so the find-links pip is configured with (PIP_FIND_LINKS, or `pip config get
+# global.find-links`: e.g. a directory holding a local torch wheel) are handed to it.
+# `make install INSTALLER=pip` installs with plain pip instead (slower; README "Installing").
+INSTALLER ?= uv
+UV_VERSION ?= 0.13.9
+UV ?= $(or $(shell command -v uv 2>/dev/null),$(abspath $(VENV)/bin/uv))
+FIND_LINKS ?= $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_FIND_LINKS_ARGS = $(foreach link,$(FIND_LINKS),--find-links $(link))
+ifeq ($(INSTALLER),uv)
+PIP_INSTALL = $(UV) pip install --quiet --python $(PY) $(UV_FIND_LINKS_ARGS)
+else
+PIP_INSTALL = $(PY) -m pip install --quiet
+endif
+# uv, unlike pip, compiles no bytecode at install; Python writes it at first import unless
+# PYTHONDONTWRITEBYTECODE is set. Make's commands write it into .venv and the checkout (git-ignored),
+# so every later `qllm run` or `dvc repro` starts from bytecode: a no-change run answers in about a
+# second instead of compiling its imports every time.
+unexport PYTHONDONTWRITEBYTECODE
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# uv itself, when it is not on PATH (make install, make lock)
+$(abspath $(VENV)/bin/uv): | $(VENV)/bin/python
+	$(PY) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
+
+$(VENV)/.installed: pyproject.toml requirements.lock | $(VENV)/bin/python $(if $(filter uv,$(INSTALLER)),$(UV))
 	# torch first, so no other package drags in a different (e.g. multi-GB CUDA) build
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,dwave,qaoa,dask]"
+	$(PIP_INSTALL) "$(TORCH_SPEC)"
+	$(PIP_INSTALL) -c requirements.lock -e ".[test,dwave,qaoa,dask]"
 	touch $@
 
 install: $(VENV)/.installed
 
 # The peers (TRL, lm-evaluation-harness) the tests and benchmarks compare against: not in `make run`'s install.
 $(VENV)/.installed-peers: $(VENV)/.installed
-	$(PY) -m pip install --quiet -c requirements.lock -e ".[peers]"
+	$(PIP_INSTALL) -c requirements.lock -e ".[peers]"
 	touch $@
 
 run: install
@@ -49,9 +75,15 @@ stop:
 bench: install $(VENV)/.installed-peers
 	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.train_throughput
 
-# Re-pin every transitive dependency from the current .venv (commit the result).
-lock: install $(VENV)/.installed-peers
-	$(PY) -m pip freeze --exclude-editable | grep -v '^torch==' > requirements.lock
+# Re-pin every transitive dependency with uv (commit the result): the ranges of pyproject.toml,
+# every extra, resolved for .venv's Python; each pin of the current requirements.lock that still
+# fits is kept (`make lock UPGRADE=1` takes the newest versions instead). torch stays out: TORCH_SPEC
+# decides its build, and is the constraint the rest is resolved against.
+LOCK_EXTRAS := test dwave qaoa dask peers dev
+lock: | $(VENV)/bin/python $(UV)
+	echo "$(TORCH_SPEC)" > $(VENV)/torch-spec.txt
+	$(UV) pip compile pyproject.toml $(foreach extra,$(LOCK_EXTRAS),--extra $(extra)) --python $(PY) $(UV_FIND_LINKS_ARGS) \
+	  -c $(VENV)/torch-spec.txt --no-emit-package torch --quiet --no-header --no-annotate $(if $(UPGRADE),--upgrade) -o requirements.lock
 
 clean-outputs:
 	rm -rf data/sample data/ingested data/prepared data/tokenizer data/tokenized data/models \
