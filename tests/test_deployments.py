@@ -89,16 +89,24 @@ def flow_run_state(env: dict, project: Path, flow_run_id: str) -> str:
         return client.read_flow_run(UUID(flow_run_id)).state.type.value
 
 
-def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(served):
+def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(served, tmp_path):
     """`prefect flow-run cancel`: the worker signals the cancel intent, then SIGTERMs the flow-run
     process; Prefect's engine raises TerminationSignal in the flow, which stops pretrain after its
-    step with a checkpoint before the run is marked Cancelled (the worker waits 30 s, then SIGKILLs)."""
+    step with a checkpoint before the run is marked Cancelled (the worker waits 30 s, then SIGKILLs).
+
+    Training is held at step 20 (`tests/hold_training.py`) until the stop arrives, so the cancel
+    always meets a running pretrain, on any machine: no race with how fast 200 steps train."""
     from mlflow import MlflowClient
+
+    from tests import hold_training
 
     project, record, env = served
     worker_log = Path(record["services"]["prefect-worker"]["log"])
     seen = worker_log.stat().st_size
-    params = ["until=pretrain", 'overrides=["pretrain.train.max_steps=200"]']
+    held = tmp_path / "held"
+    hold = hold_training.install(project)  # flow runs work in the project directory, which imports it
+    extensions = f"pretrain.train.extensions=[mlflow_metrics, {{name: '{hold}', step: 20, marker: '{held}'}}]"
+    params = ["until=pretrain", "overrides=" + json.dumps(["pretrain.train.max_steps=200", extensions])]
     started = subprocess.run([PREFECT, "deployment", "run", "qllm-pipeline/default", *[a for p in params for a in ("--param", p)]],
                              cwd=project, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr
@@ -109,11 +117,12 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
             log.seek(seen)
             return log.read().decode(errors="replace")
 
-    deadline = time.monotonic() + 240
-    while not re.search(r"pretrain step \d+/200", new_log()):
+    deadline = time.monotonic() + 300  # a bound for a broken run only: the wait is for the state "held at step 20"
+    while not held.exists():
         assert time.monotonic() < deadline, new_log()[-3000:]
         assert flow_run_state(env, project, flow_run_id) not in ("COMPLETED", "FAILED", "CRASHED"), new_log()[-3000:]
         time.sleep(0.2)
+    assert int(held.read_text()) == 20
     cancelled = subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], cwd=project, env=env, capture_output=True, text=True, timeout=60)
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
     asked = time.monotonic()
@@ -121,7 +130,7 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
         assert time.monotonic() - asked < 60, new_log()[-3000:]
         time.sleep(0.5)
     stopped = re.search(r"pretrain: SIGTERM at step (\d+): checkpoint saved in (\S+);", new_log())
-    assert stopped and int(stopped.group(1)) < 200, new_log()[-3000:]
+    assert stopped and int(stopped.group(1)) == 20, new_log()[-3000:]  # the step it was held after
     assert (Path(stopped.group(2)) / f"step-{int(stopped.group(1)):08d}" / "manifest.json").exists()
     uri = f"sqlite:///{project / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)

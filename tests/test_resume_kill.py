@@ -30,11 +30,15 @@ import pytest
 import yaml
 
 from pipelines.core import dag, repro
-from tests.conftest import make_project, run
+from tests.conftest import REPO, make_project, run
 
 UPSTREAM = ["sample_data", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
-MAX_STEPS = 40  # the kill lands after step 10: 25+ steps left, >0.5 s even at ~20 ms/step
-PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 5, "keep_checkpoints": 3}}}
+MAX_STEPS = 40
+HELD = "held"
+PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 5, "keep_checkpoints": 3, "extensions": [
+    "mlflow_metrics", {"name": "tests.hold_training:HoldAtStep", "step": 12, "marker": HELD}]}}}  # fmt: skip
+"""The kill lands while pretrain is held after step 12 (`tests/hold_training.py`), its newest checkpoint
+at step 10, on any machine; a run that finds the marker `held` in its project does not hold."""
 MODEL = "data/models/pretrain"
 
 
@@ -63,7 +67,8 @@ def copy_project(base: Path, dest: Path) -> Path:
 
 
 def stage_process(root: Path, *args: str, stderr) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], cwd=root, stdout=subprocess.DEVNULL, stderr=stderr, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # tests.hold_training
+    return subprocess.Popen([sys.executable, *args], cwd=root, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
 
 
 def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 120.0):
@@ -111,11 +116,11 @@ def test_kill9_mid_training_resumes_exactly_and_continues_its_mlflow_run(base, t
 
     with open(tmp_path / "killed.log", "wb") as log:
         process = stage_process(killed, "-m", "pipelines.pretrain", stderr=log)
-        wait_for(lambda: [s for s in checkpoint_steps(killed) if s > 10], process, "a checkpoint past step 10")
+        wait_for((killed / HELD).exists, process, "pretrain held after step 12")
         kill9(process)
     killed_at_ms = int(time.time() * 1000)
     at_kill = checkpoint_steps(killed)
-    assert at_kill and max(at_kill) < MAX_STEPS, at_kill
+    assert at_kill and max(at_kill) == 10, at_kill
     assert not (killed / MODEL).exists()  # nothing that looks like a finished model
     (interrupted,) = pretrain_runs(killed)
     assert interrupted.info.status == "RUNNING"  # SIGKILL: nobody could end the run
@@ -127,6 +132,7 @@ def test_kill9_mid_training_resumes_exactly_and_continues_its_mlflow_run(base, t
     assert match, caplog.text[-3000:]
     resumed_from = int(match.group(1))
     assert resumed_from == max(at_kill)  # the newest checkpoint (each is renamed into place complete)
+    (reference / HELD).write_text("not held")
     assert reproduce(reference, "pretrain").status == "ran"  # the uninterrupted run
 
     # Exact resume: every weight bitwise equal, and the whole output directory (weights, config,

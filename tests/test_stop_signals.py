@@ -30,12 +30,15 @@ import pytest
 
 from pipelines.core import dag, repro
 from pipelines.core.extensions import Hook
-from tests.conftest import make_project
+from tests.conftest import REPO, make_project
 
 MAX_STEPS = 200
-PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 50}}}
+HELD = "held"
+"""Written by `tests/hold_training.py` in the project when pretrain is held at step 20, until a stop."""
+PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 50, "extensions": [
+    "mlflow_metrics", {"name": "tests.hold_training:HoldAtStep", "step": 20, "marker": HELD}]}}}  # fmt: skip
+"""Training waits at step 20 for the signal each test sends: the signal always meets a running pretrain."""
 QLLM = str(Path(sys.executable).parent / "qllm")
-TRAINING = re.compile(r"pretrain step \d+/")
 
 
 def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path):
@@ -91,21 +94,26 @@ def base(tmp_path_factory, mlflow_template_db) -> Path:
     return root
 
 
+def with_repo() -> dict[str, str]:
+    """The environment with this repository on PYTHONPATH: stages import `tests.hold_training`."""
+    return os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
 def start(root: Path, command: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
-        return subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT, env=with_repo())
 
 
-def wait_for_log(process: subprocess.Popen, log: Path, pattern: re.Pattern, timeout: float = 180.0) -> None:
+def wait_until_held(process: subprocess.Popen, root: Path, log: Path, timeout: float = 300.0) -> None:
+    """Until pretrain is held at step 20 (a state); `timeout` only bounds a broken run."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pattern.search(log.read_text(errors="replace")):
-            return
+    while not (root / HELD).exists():
         if process.poll() is not None:
-            pytest.fail(f"exited ({process.returncode}) before {pattern.pattern!r}:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"exited ({process.returncode}) before pretrain reached step 20:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"pretrain did not reach step 20 in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
-    process.kill()
-    pytest.fail(f"timed out waiting for {pattern.pattern!r}:\n{log.read_text()[-3000:]}")
 
 
 def exit_within(process: subprocess.Popen, seconds: float, log: Path) -> tuple[int, float]:
@@ -139,20 +147,20 @@ def test_sigterm_to_qllm_run_checkpoints_stops_and_the_rerun_resumes(base, tmp_p
     root = shutil.copytree(base, tmp_path / "project", symlinks=True)
     log = tmp_path / "run.log"
     process = start(root, [QLLM, "run", "--until", "pretrain"], log)
-    wait_for_log(process, log, TRAINING)
+    wait_until_held(process, root, log)
     process.send_signal(signal.SIGTERM)
     returncode, seconds = exit_within(process, 60, log)
     text = log.read_text()
     assert returncode == 128 + signal.SIGTERM, text[-3000:]
     stopped = re.search(r"pretrain: SIGTERM at step (\d+): checkpoint saved in", text)
-    assert stopped and int(stopped.group(1)) < MAX_STEPS, text[-3000:]
+    assert stopped and int(stopped.group(1)) == int((root / HELD).read_text()) == 20, text[-3000:]  # the step it was held after
     assert "error: stopped by SIGTERM" in text
     assert max(checkpoint_steps(root)) == int(stopped.group(1))  # the step in progress finished and was saved
     assert not (root / "data/models/pretrain").exists()
     statuses = run_statuses(root)
     assert statuses["pretrain"] == "KILLED" and statuses["pipeline"] == "KILLED", statuses
 
-    rerun = subprocess.run([QLLM, "run", "--until", "pretrain"], cwd=root, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run([QLLM, "run", "--until", "pretrain"], cwd=root, capture_output=True, text=True, timeout=300, env=with_repo())
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     assert f"pretrain: resumed from step {stopped.group(1)}" in rerun.stderr, rerun.stderr[-3000:]
     assert run_statuses(root)["pretrain"] == "FINISHED" and (root / "data/models/pretrain").exists()
@@ -163,7 +171,7 @@ def test_qllm_run_ends_with_a_clear_error_when_its_prefect_api_dies(base, tmp_pa
     root = shutil.copytree(base, tmp_path / "project", symlinks=True)
     log = tmp_path / "run.log"
     process = start(root, [QLLM, "run", "--until", "pretrain"], log)
-    wait_for_log(process, log, TRAINING)
+    wait_until_held(process, root, log)
     (api,) = [pid for pid in children(process.pid) if "uvicorn" in Path(f"/proc/{pid}/cmdline").read_text()]
     os.kill(api, signal.SIGKILL)
     returncode, seconds = exit_within(process, 60, log)
@@ -182,7 +190,7 @@ def test_sigterm_to_dvc_repro_stops_its_stage_with_a_checkpoint(base, tmp_path):
     log = tmp_path / "repro.log"
     dvc = [sys.executable, "-m", "dvc", "repro", "pretrain"]
     process = start(root, dvc, log)
-    wait_for_log(process, log, TRAINING)
+    wait_until_held(process, root, log)
     stage = children(process.pid)  # the stage command (`$SHELL -c` execs it)
     process.send_signal(signal.SIGTERM)  # to dvc only, as `kill PID` does
     exit_within(process, 30, log)
@@ -194,6 +202,6 @@ def test_sigterm_to_dvc_repro_stops_its_stage_with_a_checkpoint(base, tmp_path):
     assert stopped, text[-3000:]
     assert max(checkpoint_steps(root)) == int(stopped.group(1))
 
-    rerun = subprocess.run(dvc, cwd=root, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(dvc, cwd=root, capture_output=True, text=True, timeout=300, env=with_repo())
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     assert f"pretrain: resumed from step {stopped.group(1)}" in rerun.stdout + rerun.stderr
