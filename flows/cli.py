@@ -118,6 +118,10 @@ def _sigterm(signum: int, frame=None) -> None:
     request_stop(signum, frame)
 
 
+STOP_GRACE_ENV = "QLLM_STOP_GRACE_SECONDS"
+"""Seconds the stages get to finish their step and checkpoint once the temporary Prefect API died (default 30)."""
+
+
 def _api_lost(returncode: int, pid: int) -> None:
     """The temporary Prefect API died during the run (`LocalApi.watch`, in its watch thread).
 
@@ -130,13 +134,18 @@ def _api_lost(returncode: int, pid: int) -> None:
 
     from prefect.settings import PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW, temporary_settings
 
+    from flows.local_api import seconds
     from pipelines.core import tracking
 
     with temporary_settings({PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW: "ignore"}):  # this thread has no flow run
         ask_stop("the Prefect API exited")
-    deadline = time.monotonic() + 30.0  # a training step and its checkpoint (other stages ignore the stop)
+    grace = seconds(STOP_GRACE_ENV, 30.0)  # a training step and its checkpoint (other stages ignore the stop)
+    deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(name != "pipeline" for name in tracking.open_runs().values()):
         time.sleep(0.1)
+    if still := sorted(name for name in tracking.open_runs().values() if name != "pipeline"):
+        print(f"warning: {', '.join(still)} still running {grace:g} s after the stop request; the newest checkpoint stays "
+              f"(a step that takes longer needs a larger ${STOP_GRACE_ENV})", file=sys.stderr, flush=True)  # fmt: skip
     ended = tracking.end_open_runs("FAILED")
     print(f"error: the temporary Prefect API (pid {pid}) exited with code {returncode} during the run, so the run stopped: "
           "training stages saved a checkpoint after their current step (see the log above)"

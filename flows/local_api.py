@@ -32,10 +32,29 @@ from pathlib import Path
 
 from pipelines.core.errors import QllmError
 
+START_TIMEOUT_ENV = "QLLM_SERVER_START_TIMEOUT"
+"""Seconds a server this project starts (the temporary Prefect API, `make serve`'s services) may take
+to answer: 120 by default; a slow or busy machine may need more."""
 
-def wait_http(url: str, process: subprocess.Popen, what: str, timeout: float, poll: float = 0.2, hint: str = "") -> None:
+
+def seconds(variable: str, default: float) -> float:
+    """A time limit in seconds from the environment variable `variable` (a positive number), else `default`."""
+    text = os.environ.get(variable)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise QllmError(f"{variable}={text!r}: expected a positive number of seconds")
+    return value
+
+
+def wait_http(url: str, process: subprocess.Popen, what: str, timeout: float | None = None, poll: float = 0.2, hint: str = "") -> None:
     """Return once `url` answers 200; a clear error if `process` exits first or time runs out
-    (`hint`, e.g. "; see server.log", is appended to either)."""
+    (`hint`, e.g. "; see server.log", is appended to either). `timeout`: $QLLM_SERVER_START_TIMEOUT or 120 s."""
+    timeout = seconds(START_TIMEOUT_ENV, 120.0) if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -44,7 +63,8 @@ def wait_http(url: str, process: subprocess.Popen, what: str, timeout: float, po
             if response.status == 200:
                 return
         time.sleep(poll)
-    raise QllmError(f"{what} did not answer on {url} within {timeout:.0f}s{hint}")
+    raise QllmError(f"{what} did not answer on {url} within {timeout:g} s{hint}; on a slow or busy machine, "
+                    f"raise ${START_TIMEOUT_ENV} (seconds)")
 
 
 def _die_with_parent() -> None:
@@ -104,7 +124,7 @@ class LocalApi:
             self._starting.close()
             raise
 
-    def wait(self, timeout: float = 120.0) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         try:
             wait_http(f"{self.url}/health", self.process, "the temporary Prefect server", timeout, poll=0.05)
         finally:

@@ -28,6 +28,8 @@ from pipelines.core import tracking
 from pipelines.core.errors import QllmError
 
 PROBE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_ENV = "QLLM_TRACKING_PROBE_TIMEOUT"
+"""Seconds an MLflow server may take to answer the probe (default `PROBE_TIMEOUT_S`)."""
 
 
 def redact(uri: str) -> str:
@@ -75,14 +77,17 @@ def _unwritable(path: Path) -> str | None:
     return None if os.access(directory, os.W_OK | os.X_OK) else f"directory {directory} is not writable"
 
 
-def check_tracking(root: Path | str = ".", timeout: float = PROBE_TIMEOUT_S) -> str:
+def check_tracking(root: Path | str = ".", timeout: float | None = None) -> str:
     """Raise `QllmError` if the MLflow tracking store of `root` cannot be used; return its URI
     (redacted).
 
     Args:
         root: the project (or run workspace) directory whose default store is `mlflow.db`.
-        timeout: seconds to wait for an MLflow server's answer.
+        timeout: seconds to wait for an MLflow server's answer ($QLLM_TRACKING_PROBE_TIMEOUT, else 5).
     """
+    from flows.local_api import seconds
+
+    timeout = seconds(PROBE_TIMEOUT_ENV, PROBE_TIMEOUT_S) if timeout is None else timeout
     uri = tracking.tracking_uri(root)
     shown = redact(uri)
     scheme = urllib.parse.urlsplit(uri).scheme.lower()
@@ -92,7 +97,8 @@ def check_tracking(root: Path | str = ".", timeout: float = PROBE_TIMEOUT_S) -> 
             raise QllmError(
                 f"MLflow tracking server {shown} is unreachable ({reason}): start it "
                 f"(`mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db`) "
-                f"or unset MLFLOW_TRACKING_URI to log to the local sqlite:///mlflow.db"
+                f"or unset MLFLOW_TRACKING_URI to log to the local sqlite:///mlflow.db (a server that is up but slow to answer: "
+                f"raise ${PROBE_TIMEOUT_ENV}, now {timeout:g} s)"
             )
     elif scheme == "sqlite":
         database = uri.split(":///", 1)[1] if ":///" in uri else ""

@@ -78,7 +78,7 @@ def _spawn(command: list[str], root: Path, env: dict[str, str], log: Path) -> su
         return subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port: int = DEFAULT_PORTS["mlflow"], timeout: float = 120.0) -> dict:
+def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port: int = DEFAULT_PORTS["mlflow"], timeout: float | None = None) -> dict:
     """Start the services (refuses if a recorded set is still running); returns the record."""
     root = root.resolve()
     state = root / STATE_DIR

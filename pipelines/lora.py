@@ -68,7 +68,7 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
                 return [rank_allocation.AdaLoraSchedule(model, tracker)]
         else:
             def extensions(model, tracker):
-                return [rank_allocation.QuboReallocation(model, params.adaptive, steps, tracker)]
+                return [rank_allocation.QuboReallocation(model, params.adaptive, steps, tracker, NAME)]
     return finetune.run(
         chat_dir, out, params, wrap=wrap, save=adapters.save(base_for_users, adapter.merge, quantized_base),
         tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME, quantization=adapter, quantization_section=SECTION, extensions=extensions,

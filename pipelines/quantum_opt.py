@@ -51,12 +51,13 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
     allocation = qubo.allocate_ranks(
         values, costs, budget, redundancy, lam=params.lam, solver=params.solver, seed=params.seed,
         timeout=params.timeout, max_qubits=params.max_qubits, fallback=params.fallback, num_reads=params.num_reads or None,
+        setting="quantum_opt.timeout",
     )  # fmt: skip
     if params.solver == "milp" or not params.reference_timeout:
         reference = allocation if params.solver == "milp" else None
-    else:
-        reference = qubo.allocate_ranks(values, costs, budget, redundancy, lam=params.lam, solver="milp",
-                                           seed=params.seed, timeout=params.reference_timeout)  # fmt: skip
+    else:  # only measures: None (logged) where HiGHS finds nothing in time on this machine
+        reference = qubo.reference(values, costs, budget, redundancy, lam=params.lam, seed=params.seed, timeout=params.reference_timeout,
+                                   setting="quantum_opt.reference_timeout")  # fmt: skip
     greedy = qubo.greedy(values, costs, budget)
     uniform = {m: params.budget_rank for m in values} if all(params.budget_rank in v for v in values.values()) else None
 

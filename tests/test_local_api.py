@@ -66,3 +66,29 @@ def test_runs_starting_together_migrate_the_prefect_database_one_at_a_time(tmp_p
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["held while starting: yes", "released once answering: yes", "errors: []"], done.stdout + done.stderr[-3000:]
+
+
+def test_a_server_that_is_slow_to_start_fails_with_the_setting_to_raise(monkeypatch):
+    """The wait for a server to answer is a time limit the machine's speed decides: its error says
+    which setting gives a slower machine more time, and a bad value of that setting is refused."""
+    import time
+
+    import pytest
+
+    from flows import local_api
+    from pipelines.core.errors import QllmError
+
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # alive, never answers
+    try:
+        monkeypatch.setenv(local_api.START_TIMEOUT_ENV, "0.5")
+        started = time.monotonic()
+        with pytest.raises(QllmError, match=r"the server did not answer on http://127\.0\.0\.1:9/health within 0\.5 s; on a slow or busy "
+                                            r"machine, raise \$QLLM_SERVER_START_TIMEOUT \(seconds\)"):  # fmt: skip
+            local_api.wait_http("http://127.0.0.1:9/health", process, "the server")
+        assert time.monotonic() - started < 5
+        monkeypatch.setenv(local_api.START_TIMEOUT_ENV, "soon")
+        with pytest.raises(QllmError, match=r"QLLM_SERVER_START_TIMEOUT='soon': expected a positive number of seconds"):
+            local_api.wait_http("http://127.0.0.1:9/health", process, "the server")
+    finally:
+        process.kill()
+        process.wait()

@@ -91,6 +91,28 @@ def test_qubo_in_loop_solves_on_schedule_within_the_parameter_budget(tiny_base, 
     assert 0 < metrics["allocation/active_parameters"] <= budget
 
 
+def test_qubo_in_loop_trains_on_when_its_reference_solve_finds_nothing_in_time(tiny_base, tmp_path, monkeypatch, caplog):
+    """The per-solve MILP reference only measures: where HiGHS finds nothing in time the solve logs
+    it, has no gap metrics, and training goes on to the same adapter (the allocation never used it)."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from tests.test_probe_lora import no_solution_in_time
+
+    train_lora(tiny_base, tmp_path / "measured", "qubo_in_loop")
+    no_solution_in_time(monkeypatch)
+    tracker = Recorder()
+    with caplog.at_level(logging.WARNING, logger="qllm.quantum"):
+        metrics = train_lora(tiny_base, tmp_path / "out", "qubo_in_loop", tracker=tracker)
+    solves = [m for _, m in tracker.metrics if "qubo/energy" in m]
+    assert len(solves) == 5 and not any("qubo/gap_to_milp" in m or "qubo/gap_to_bound" in m for m in solves)
+    assert caplog.text.count("no MILP reference") == 5 and "raise lora.adaptive.reference_timeout" in caplog.text
+    assert metrics["steps"] == 12 + 4
+    expected, got = load_file(tmp_path / "measured" / "adapter_model.safetensors"), load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
 def test_qubo_in_loop_masks_the_components_it_did_not_keep(tiny_base):
     from pipelines.core.models import load_causal_lm, load_tokenizer
 

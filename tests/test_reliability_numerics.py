@@ -198,6 +198,7 @@ def health_server():
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's naming
+            time.sleep(self.server.delay)
             self.send_response(self.server.status)
             self.end_headers()
             self.wfile.write(b"OK")
@@ -206,7 +207,7 @@ def health_server():
             """No request lines on stderr: the test output is about the preflight, not the server."""
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.status = 200
+    server.status, server.delay = 200, 0.0
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -225,6 +226,17 @@ def test_unreachable_server_fails_fast_with_what_to_do_and_no_credentials(tmp_pa
     assert message.startswith(f"MLflow tracking server http://127.0.0.1:{port}/ is unreachable (")
     assert "mlflow server --host 127.0.0.1" in message and "unset MLFLOW_TRACKING_URI" in message and "sqlite:///mlflow.db" in message
     assert "alice" not in message and "s3cret" not in message
+
+
+def test_a_server_slower_than_the_probe_fails_with_the_setting_to_raise(tmp_path, monkeypatch, health_server):
+    uri = f"http://127.0.0.1:{health_server.server_port}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    health_server.delay = 1.0
+    monkeypatch.setenv(preflight.PROBE_TIMEOUT_ENV, "0.2")
+    with pytest.raises(QllmError, match=r"is unreachable \(.*timed out.*raise \$QLLM_TRACKING_PROBE_TIMEOUT, now 0\.2 s\)"):
+        preflight.check_tracking(tmp_path)
+    monkeypatch.setenv(preflight.PROBE_TIMEOUT_ENV, "5")
+    assert preflight.check_tracking(tmp_path) == uri
 
 
 def test_reachable_server_passes_and_a_failing_gateway_does_not(tmp_path, monkeypatch, health_server):
