@@ -42,7 +42,7 @@ from pathlib import Path
 from flows import preflight
 from pipelines.core import dag, params_file
 from pipelines.core.errors import QllmError, ask_stop, clear_stop, request_stop, stop_requested, stop_signal
-from pipelines.core.outputs import project_path
+from pipelines.core.paths import project_path
 
 
 def _open_tracking(root: Path) -> None:

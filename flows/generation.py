@@ -142,7 +142,7 @@ def is_image_model(model: str, root: Path | str = ".") -> bool:
 
 def _local_dir(model: str, root: Path) -> Path:
     """A model directory: absolute, or relative to the project `root` (never the current directory)."""
-    from pipelines.core.outputs import project_path
+    from pipelines.core.paths import project_path
 
     return project_path(model, root)
 

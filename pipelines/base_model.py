@@ -26,27 +26,39 @@ content hash or commit, nothing that varies between runs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipelines.core import model_source, stage
-from pipelines.core.config import BaseModelParams
+from pipelines.core import model_source, world
 from pipelines.core.outputs import write_json
+from pipelines.core.paths import project_root
+
+if TYPE_CHECKING:
+    from pipelines.core.config import BaseModelParams
 
 NAME = "base_model"
-TRACKED = False
-"""No MLflow run: it runs on every pipeline run; the base is in the training stages' lineage."""
+"""A stage that reads the world (`pipelines.core.world`): no MLflow run; the base is in the
+training stages' lineage."""
 
 
-def run(root: Path, out: Path, params: BaseModelParams) -> dict[str, Any]:
-    from pipelines.core.workspace import project_root
-
-    record = model_source.resolve(params, project_root(root))
+def run(root: Path, out: Path, params: BaseModelParams | None) -> dict[str, Any]:
+    """Write what `out` records of the base (`{"name": null}` for None: pretrained here)."""
+    record = {"name": None} if params is None else model_source.resolve(params, project_root(root))
     write_json(out, record)
     return record
 
 
-def body(ctx: stage.StageContext) -> dict:
-    record = run(ctx.root, ctx.output(), ctx.params)
+def params(ctx: world.Context) -> BaseModelParams | None:
+    """The `base_model` section, validated with the rest of params.yaml (errors name file and line);
+    None for the default, nothing set (pretrain one here), known without importing the schema."""
+    if set(ctx.section) <= {"name", "revision"} and all(value is None for value in ctx.section.values()):
+        return None
+    from pipelines.core import params_file  # pydantic: only where a base model is named
+
+    return params_file.load(ctx.root)[0].base_model
+
+
+def body(ctx: world.Context) -> dict:
+    record = run(ctx.root, ctx.output(), params(ctx))
     if record["name"] is None:
         ctx.log.info("base model: pretrained here (base_model.name is null)")
     else:
@@ -55,7 +67,7 @@ def body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, body, argv, tracked=TRACKED)
+    return world.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

@@ -32,13 +32,13 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from pipelines.core import stage
+from pipelines.core import world
 from pipelines.core.outputs import read_json, write_json
+from pipelines.core.paths import project_root
 
 NAME = "probe_device"
-TRACKED = False
-"""No MLflow run: the stage runs on every pipeline run and `dvc repro` and trains nothing; what it
-finds is in every training stage's params (`<stage>.train.precision`) and metrics (`precision`)."""
+"""A stage that reads the world (`pipelines.core.world`): no MLflow run; what it finds is in every
+training stage's params (`<stage>.train.precision`) and metrics (`precision`)."""
 
 
 CACHE = ".qllm/device-probe.json"
@@ -95,9 +95,7 @@ def run(out: Path, cache: Path | None = None) -> tuple[dict[str, Any], bool]:
     return cap, cached
 
 
-def body(ctx: stage.StageContext) -> dict:
-    from pipelines.core.workspace import project_root
-
+def body(ctx: world.Context) -> dict:
     cap, cached = run(ctx.output(), project_root(ctx.root) / CACHE)
     ctx.log.info("device %s, native bf16: %s -> precision auto is %s%s", cap["device"], "yes" if cap["bf16_native"] else "no", cap["auto"],
                  " (known for this machine: torch not asked)" if cached else "")  # fmt: skip
@@ -105,7 +103,7 @@ def body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage.main(NAME, body, argv, tracked=TRACKED)
+    return world.main(NAME, body, argv)
 
 
 if __name__ == "__main__":

@@ -137,10 +137,13 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     assert inputs == {d: outs[d] for d in ("data/base_model.json", "data/device.json", "data/tokenized", "data/tokenizer")}
     pretrain_metrics = json.loads((project / "data/metrics/pretrain.json").read_text())
     assert pretrain_metrics["mlflow_run_id"] == pretrain.info.run_id
-    # every stage records its peak memory; a training stage's run has the loggers' output too
-    with_metrics = [n for n, spec in dag.stages(project).items() if dag.metrics_file(n) in spec.metrics]
-    peaks = {n: json.loads((project / dag.metrics_file(n)).read_text()).get("peak_rss_mb") for n in with_metrics}
+    # every stage records its time and peak memory, but the two that read the world on every run: their
+    # metrics keep their bytes while the world does (so dvc.lock does too); a training stage's run has the loggers' output
+    with_metrics = {n: json.loads((project / dag.metrics_file(n)).read_text()) for n, spec in dag.stages(project).items()
+                    if dag.metrics_file(n) in spec.metrics}  # fmt: skip
+    peaks = {n: m.get("peak_rss_mb") for n, m in with_metrics.items() if n not in ALWAYS_CHANGED}
     assert all(peak is not None and peak > 10 for peak in peaks.values()), peaks  # MB; a Python process holds more
+    assert all(not {"seconds", "peak_rss_mb"} & set(with_metrics[n]) for n in ALWAYS_CHANGED)
     assert "system/process_rss_megabytes" in pretrain.data.metrics and "system/cpu_utilization_percentage" in pretrain.data.metrics
     events = project / "tensorboard" / "pretrain" / pretrain.info.run_id
     assert list(events.glob("events.out.tfevents.*")) and client.list_artifacts(pretrain.info.run_id, "tensorboard")
@@ -433,10 +436,30 @@ def test_cli_prints_one_line_per_stage_and_writes_the_summary(first, project, tm
 def test_no_change_check_stops_at_the_first_stale_stage(first, project):
     from pipelines.core import repro
 
+    lock = project / "dvc.lock"
+    recorded = lock.read_bytes()
     outcomes = repro.unchanged(project, STAGES)
     assert [(o.name, o.status, o.reason) for o in outcomes] == [
         (n, "ran", "executed") if n in ALWAYS_CHANGED else (n, "cached", "up-to-date") for n in STAGES
     ]
+    assert lock.read_bytes() == recorded  # the world stages found what dvc.lock says: it is not rewritten
+    # Another machine's answer (the probe's cache, under this machine's key, says the other precision):
+    # dvc.lock records the new data/device.json and the training stages are stale.
+    cache = project / ".qllm/device-probe.json"
+    saved_cache = cache.read_bytes()
+    probe = json.loads(saved_cache)
+    mine = probe["capability"]
+    probe["capability"] = mine | {"bf16_native": not mine["bf16_native"], "auto": "fp32" if mine["auto"] == "bf16" else "bf16"}
+    try:
+        cache.write_text(json.dumps(probe))
+        assert repro.unchanged(project, STAGES) is None
+        locked = yaml.safe_load(lock.read_text())["stages"]["probe_device"]["outs"]
+        assert {o["path"]: o["md5"] for o in locked}["data/device.json"] == dag.dvc_md5(project / "data/device.json")
+        assert json.loads((project / "data/device.json").read_text())["auto"] != mine["auto"]
+    finally:
+        cache.write_bytes(saved_cache)
+        assert repro.unchanged(project, STAGES) is not None  # this machine again: every stage up to date
+        repro.close(project)
     params = project / "params.yaml"
     saved = params.read_bytes()
     try:

@@ -85,7 +85,7 @@ def _params(entries: Iterable, stage: str) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=8)
 def _load(path: Path, mtime_ns: int) -> dict[str, Stage]:
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # libyaml where built in
     stages = data.get("stages")
     if not isinstance(stages, dict) or not stages:
         raise DagError(f"{path}: expected a non-empty 'stages' mapping")
@@ -181,18 +181,26 @@ def source_paths(root: Path | str = ".") -> list[str]:
 
 
 def dvc_md5(path: Path | str) -> str:
-    """The md5 DVC records for a file or directory (`<md5>.dir` for directories)."""
-    from dvc_data.hashfile.hash import file_md5
-    from dvc_objects.fs.local import LocalFileSystem
+    """The md5 DVC records for a file or directory (`<md5>.dir` for directories).
 
-    fs = LocalFileSystem()
+    A file's is the md5 of its bytes (DVC 3's `hash: md5`), computed here without importing
+    dvc_data (a tenth of a second in every stage process); a directory's is DVC's own tree hash."""
     path = str(path)
     if not Path(path).is_dir():
-        return file_md5(path, fs)
+        import hashlib
+
+        digest = hashlib.md5()
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
     import tempfile
 
     from dvc_data.hashfile.build import build
     from dvc_data.hashfile.db import HashFileDB
+    from dvc_objects.fs.local import LocalFileSystem
+
+    fs = LocalFileSystem()
 
     with tempfile.TemporaryDirectory() as tmp:
         _, _, obj = build(HashFileDB(fs, tmp), path, fs, "md5", dry_run=True)

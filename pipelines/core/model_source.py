@@ -10,11 +10,13 @@ every stage that loads `data/models/pretrain` gets the base.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipelines.core.config import BaseModelParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import read_json
+
+if TYPE_CHECKING:  # the base_model stage reads the world on every run: no schema import unless a base is named
+    from pipelines.core.config import BaseModelParams
 
 RECORD = "data/base_model.json"
 """What the `base_model` stage writes (its `dvc.yaml` out)."""

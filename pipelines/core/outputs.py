@@ -22,16 +22,6 @@ from typing import Any
 TMP_PREFIX = ".tmp-"
 
 
-def project_path(path: Path | str, root: Path | str) -> Path:
-    """A path a user gave on the command line or in params: absolute, or relative to the project
-    `root`, never to the current directory. Kept as typed where the two mean the same (root is the
-    current directory), so messages show it as the user wrote it."""
-    path = Path(path).expanduser()
-    if path.is_absolute() or Path(root).resolve() == Path.cwd().resolve():
-        return path
-    return Path(root) / path
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)

@@ -101,13 +101,15 @@ def warm_imports() -> None:
 
 def run_in_process(root: Path, name: str, parent_run_id: str | None) -> None:
     """Execute `pipelines.<name>` in this process (what `python -m pipelines.<name>` runs)."""
-    from pipelines.core import stage
+    from pipelines.core import stage, world
 
-    module = importlib.import_module(dag.stages(root)[name].module)
-    tracked = getattr(module, "TRACKED", True)
-    if tracked:  # an untracked stage (probe_device) reads the machine: no transformers, no MLflow run
-        warm_imports()
-    stage.execute(module.NAME, module.body, root, parent_run_id=parent_run_id, tracked=tracked)
+    spec = dag.stages(root)[name]
+    module = importlib.import_module(spec.module)
+    if spec.always_changed:  # it reads the world (probe_device, base_model): milliseconds, no MLflow run
+        world.execute(module.NAME, module.body, root)
+        return
+    warm_imports()
+    stage.execute(module.NAME, module.body, root, parent_run_id=parent_run_id)
 
 
 def reproduce(
@@ -126,13 +128,15 @@ def reproduce(
         (stage,) = repo.stage.collect(f"{dag.DVC_FILE}:{name}")
         if not force and not stage.changed():
             return _outcome(stage, "cached", "up-to-date", started)
-        if stage.always_changed:  # probe_device: reads the machine in milliseconds, never cached, trains nothing
-            execute = run_in_process
-        stage.remove_outs(ignore_remove=False, force=False)
-        restored = not force and _restore(root, repo, stage)
-        if not restored:
-            stage.save_deps()
-            key = _run_cache_key(stage)
+        reads_world = stage.always_changed
+        if not reads_world:
+            stage.remove_outs(ignore_remove=False, force=False)
+            restored = not force and _restore(root, repo, stage)
+            if not restored:
+                stage.save_deps()
+                key = _run_cache_key(stage)
+    if reads_world:
+        return _read_world(root, repo, stage, parent_run_id, started)
     if restored:
         _commit(root, repo, stage)
         return _outcome(stage, "cached", "run-cache", started)
@@ -151,25 +155,50 @@ def reproduce(
     return _outcome(stage, "cached" if restored else "ran", "run-cache" if restored else "executed", started)
 
 
+def _read_world(root: Path, repo, stage, parent_run_id: str | None, started: float) -> StageOutcome:
+    """Run a stage that reads the world (`always_changed`: probe_device, base_model; milliseconds,
+    in this process) and record it in dvc.lock only if what it wrote, its code or its params differ
+    from the entry there: DVC's `status` then says nothing but "always changed". On a no-change run
+    that skips rewriting dvc.lock twice, most of what a no-change `qllm run` cost. Its outputs are
+    written atomically over the old ones, so they are not removed first."""
+    run_in_process(root, stage.name, parent_run_id)
+    with _repo_lock, contextlib.chdir(root), repo.lock:
+        recorded = stage.status() == {stage.addressing: ["always changed"]}
+    if not recorded:
+        _commit(root, repo, stage)
+    return _outcome(stage, "ran", "executed", started)
+
+
 def unchanged(root: Path | str, names: list[str]) -> list[StageOutcome] | None:
     """The outcomes of bringing `names` (in DAG order) up to date when none of them is stale, else None.
 
     What `dvc repro` does on a no-change run, without the work when something is stale: a stage
     with `always_changed` (probe_device, base_model: each reads the world in milliseconds) runs, as
-    it would in any run; then every other stage is checked with `stage.changed()` (as `dvc status`
-    does, `dvc.yaml` and `dvc.lock` read once), and the answer is None if one is stale. So a run
-    that then starts the full flow has only repeated those milliseconds. (An `always_changed` stage
-    downstream of another stage would have to wait for it: then the answer is None too.)
+    it would in any run (`_read_world`); then every other stage is checked with `stage.changed()`
+    (as `dvc status` does), and the answer is None if one is stale. `dvc.yaml`, `dvc.lock` and each
+    params file are parsed once for all of it (again only if a world-reading stage rewrote
+    dvc.lock). So a run that then starts the full flow has only repeated those milliseconds. (An
+    `always_changed` stage downstream of another stage would have to wait for it: then the answer
+    is None too.)
     """
     root = Path(root).resolve()
     first = [name for name in names if dag.stages(root)[name].always_changed]
     if any(dag.upstream(root, name) for name in first):
         return None
-    done = {name: reproduce(root, name) for name in first}
-    close(root)  # a new Repo object reads the dvc.lock those stages rewrote
-    repo = _repo(root)
-    with _repo_lock, contextlib.chdir(root), repo.lock:
-        stages = {stage.name: stage for stage in repo.index.stages}
+    lock = root / "dvc.lock"
+
+    def parsed() -> tuple[object, dict]:
+        repo = _repo(root)
+        with _repo_lock, contextlib.chdir(root), repo.lock:
+            return repo, {stage.name: stage for stage in repo.index.stages}
+
+    before = lock.stat().st_mtime_ns if lock.exists() else None
+    repo, stages = parsed()
+    done = {name: _read_world(root, repo, stages[name], None, time.perf_counter()) for name in first}
+    if (lock.stat().st_mtime_ns if lock.exists() else None) != before:
+        close(root)  # a new Repo object reads the dvc.lock those stages rewrote
+        repo, stages = parsed()
+    with _repo_lock, contextlib.chdir(root), repo.lock, _params_files_read_once():
         started = time.perf_counter()
         for name in names:
             if name not in done:
@@ -177,6 +206,35 @@ def unchanged(root: Path | str, names: list[str]) -> list[StageOutcome] | None:
                     return None
                 done[name] = _outcome(stages[name], "cached", "up-to-date", started)
     return [done[name] for name in names]
+
+
+@contextlib.contextmanager
+def _params_files_read_once():
+    """While `unchanged` checks every stage: each params file parsed once, not once per stage that
+    lists params (DVC reads params.yaml anew for each: 15 parses, a quarter of a no-change `qllm
+    run`). Callers get their own copy. Where DVC's reader is not where this expects it, nothing
+    changes."""
+    import copy
+
+    from dvc.dependency import param
+
+    original = getattr(param, "load_path", None)
+    if original is None:
+        yield
+        return
+    parsed: dict = {}
+
+    def load_path(fs_path, fs, **kwargs):
+        key = (str(fs_path), repr(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = original(fs_path, fs, **kwargs)
+        return copy.deepcopy(parsed[key])
+
+    param.load_path = load_path
+    try:
+        yield
+    finally:
+        param.load_path = original
 
 
 def _run_cache_lock(root: Path) -> contextlib.AbstractContextManager:

@@ -105,9 +105,7 @@ def dependency_digests(root: Path, spec: dag.Stage) -> dict[str, str]:
     return {dep: dag.dvc_md5(root / dep) for dep in spec.deps if (root / dep).exists()}
 
 
-def execute(
-    name: str, body: Callable[[StageContext], dict[str, Any]], root: Path | str = ".", parent_run_id: str | None = None, tracked: bool = True
-) -> dict[str, Any]:
+def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path | str = ".", parent_run_id: str | None = None) -> dict[str, Any]:
     """Run one stage: validate params, open its MLflow run, call `body`, write its metrics JSON.
 
     The fingerprint (params section + DVC md5 of every dependency) names the checkpoint directory,
@@ -121,8 +119,8 @@ def execute(
     Under torchrun, every rank runs `body`; rank 0 alone holds the checkpoint lock, opens the MLflow
     run and writes the metrics file (the other ranks get a tracker that logs nothing).
 
-    `tracked=False` (probe_device, which runs on every pipeline run and trains nothing) opens no
-    MLflow run: its metrics file records `mlflow_run_id: null`.
+    The stages that read the world (probe_device, base_model) have their own, lighter contract:
+    `pipelines.core.world`.
     """
     root = Path(root).resolve()
     everything, _ = params_file.load(root)
@@ -131,7 +129,7 @@ def execute(
         params = _resolve_precision(name, params)
     if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.core.distributed
         return _execute_distributed(name, body, root, params, listed, parent_run_id)
-    return _execute(name, body, root, params, listed, parent_run_id, tracked)
+    return _execute(name, body, root, params, listed, parent_run_id)
 
 
 def _distributed():
@@ -176,8 +174,7 @@ def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any
 
 
 def _execute(
-    name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, listed: dict[str, Any], parent_run_id: str | None,
-    tracked: bool = True,
+    name: str, body: Callable[[StageContext], dict[str, Any]], root: Path, params: Any, listed: dict[str, Any], parent_run_id: str | None
 ) -> dict[str, Any]:
     log = logging.getLogger(f"qllm.{name}")
     started = time.perf_counter()
@@ -191,11 +188,7 @@ def _execute(
         if checkpoints is not None:
             stack.enter_context(workspace.checkpoint_lock(checkpoints))
             resume_run_id = _unfinished_run(root, checkpoints)
-        tracker = (
-            stack.enter_context(tracking.run(name, root, tags=tags, parent_run_id=parent_run_id, resume_run_id=resume_run_id))
-            if tracked
-            else tracking.Tracker(None, None)
-        )
+        tracker = stack.enter_context(tracking.run(name, root, tags=tags, parent_run_id=parent_run_id, resume_run_id=resume_run_id))
         if checkpoints is not None:
             write_json(checkpoints / RUN_RECORD, {"run_id": tracker.run_id, "store": _store_id(root)})
         tracker.log_params({name: params, **listed})
@@ -260,7 +253,7 @@ def _unfinished_run(root: Path, checkpoints: Path) -> str | None:
     return run_id if status is not None and status != "FINISHED" else None
 
 
-def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[str] | None = None, tracked: bool = True) -> int:
+def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[str] | None = None) -> int:
     """Command-line entry of a stage (`python -m pipelines.<name> [--root DIR]`).
 
     Under `dvc repro` (which sets DVC_STAGE) the stage also stops, with a checkpoint, when dvc is
@@ -273,7 +266,7 @@ def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[s
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        execute(name, body, args.root, tracked=tracked)
+        execute(name, body, args.root)
     except QllmError as exc:
         print(f"error: {name}: {exc}", file=sys.stderr)
         return 1

@@ -24,23 +24,14 @@ import yaml
 
 from pipelines.core import config, dag, params_file
 from pipelines.core.errors import QllmError
-from pipelines.core.outputs import read_json, write_json
+from pipelines.core.outputs import write_json
+from pipelines.core.paths import MARKER, project_root
 
 log = logging.getLogger("qllm.workspace")
 
-MARKER = ".qllm-workspace.json"
 RUNS_DIR = ".qllm/runs"
 CHECKPOINTS_DIR = ".qllm/checkpoints"
 LOCKS_DIR = ".qllm/locks"
-
-
-def project_root(path: Path | str = ".") -> Path:
-    """The project a directory belongs to: itself, or the project that created the workspace."""
-    path = Path(path).resolve()
-    marker = path / MARKER
-    if marker.exists():
-        return Path(read_json(marker)["project_root"])
-    return path
 
 
 def checkpoint_dir(root: Path | str, stage: str, fingerprint: str) -> Path:
