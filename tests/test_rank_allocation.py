@@ -86,8 +86,10 @@ def test_qubo_in_loop_solves_on_schedule_within_the_parameter_budget(tiny_base, 
     budget = ADAPTIVE.budget_rank * 2 * (2 * (32 + 32) + (32 + 64) + (64 + 32))
     for _, m in solves:
         assert m["qubo/feasible"] == 1.0 and m["qubo/active_parameters"] <= budget and m["qubo/wall_seconds"] > 0
-        assert m["qubo/gap_to_milp"] > -1e-9  # the MILP reference is an upper bound (up to its time limit)
-        assert m["qubo/gap_to_bound"] >= max(m["qubo/gap_to_milp"], 0.0) - 1e-9  # the bound is at least the MILP's best
+    last = solves[-1][1]  # the allocation the adapter keeps: the one compared with the MILP reference
+    assert last["qubo/gap_to_milp"] > -1e-9  # the MILP reference is an upper bound (up to its time limit)
+    assert last["qubo/gap_to_bound"] >= max(last["qubo/gap_to_milp"], 0.0) - 1e-9  # the bound is at least the MILP's best
+    assert not any("qubo/gap_to_milp" in m for _, m in solves[:-1])
     assert 0 < metrics["allocation/active_parameters"] <= budget
 
 
@@ -107,7 +109,7 @@ def test_qubo_in_loop_trains_on_when_its_reference_solve_finds_nothing_in_time(t
         metrics = train_lora(tiny_base, tmp_path / "out", "qubo_in_loop", tracker=tracker)
     solves = [m for _, m in tracker.metrics if "qubo/energy" in m]
     assert len(solves) == 5 and not any("qubo/gap_to_milp" in m or "qubo/gap_to_bound" in m for m in solves)
-    assert caplog.text.count("no MILP reference") == 5 and "raise lora.adaptive.reference_timeout" in caplog.text
+    assert caplog.text.count("no MILP reference") == 1 and "raise lora.adaptive.reference_timeout" in caplog.text  # the last solve's
     assert metrics["steps"] == 12 + 4
     expected, got = load_file(tmp_path / "measured" / "adapter_model.safetensors"), load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert all(torch.equal(expected[name], got[name]) for name in expected)

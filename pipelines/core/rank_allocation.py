@@ -209,7 +209,9 @@ class QuboReallocation(_Logging):
             costs[name] = {r: r * (d_in + d_out) for r in self.ranks}
         return values, costs, qubo.detrended_redundancy(self.names, np.array(self.energies).T)
 
-    def solve(self, step: int) -> None:
+    def solve(self, step: int, last: bool = False) -> None:
+        """Re-allocate at `step` (1-based); `last`: the final re-allocation, whose gaps to the MILP
+        reference are logged (`reference_timeout`)."""
         from pipelines.core import qubo
 
         values, costs, redundancy = self.problem()
@@ -219,7 +221,7 @@ class QuboReallocation(_Logging):
                                          setting=f"{self.setting}.timeout")  # fmt: skip
         seconds = time.perf_counter() - started
         gap = bound_gap = None
-        if self.params.reference_timeout and self.params.solver != "milp":
+        if last and self.params.reference_timeout and self.params.solver != "milp":
             # only measures: None (logged) where HiGHS finds nothing in time on this machine; training goes on
             reference = qubo.reference(values, costs, self.budget, redundancy, lam=self.params.lam, timeout=self.params.reference_timeout,
                                        setting=f"{self.setting}.reference_timeout")  # fmt: skip
@@ -265,7 +267,7 @@ class QuboReallocation(_Logging):
         if step < self.max_steps - self.params.tfinal:
             self._record()
         if self.due(step):
-            self.solve(step + 1)
+            self.solve(step + 1, last=step == self.max_steps - self.params.tfinal)
         else:
             self._apply()
 
