@@ -45,13 +45,18 @@ from pipelines.core.errors import QllmError, ask_stop, clear_stop, request_stop,
 from pipelines.core.paths import project_path
 
 
-def _open_tracking(root: Path) -> None:
-    """Import DVC and open the MLflow store (cached) while the Prefect API boots."""
+def _warm_up(root: Path, models: bool) -> None:
+    """While the Prefect API boots in its own process: import DVC, open the MLflow store (cached),
+    and, when a stage of the run loads models (`models`), import torch, transformers and PEFT
+    (`repro.warm_imports`, about 5 s), which the first such stage would otherwise do on the
+    pipeline's critical path."""
     import dvc.repo  # noqa: F401
 
-    from pipelines.core import tracking
+    from pipelines.core import repro, tracking
 
     tracking.client(root)
+    if models:
+        repro.warm_imports()
 
 
 def _print_summary(summary: dict) -> None:
@@ -174,19 +179,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from flows.local_api import prefect_api
 
-    # A no-change run is mostly start-up: the Prefect API boots in its own process while this one
-    # imports the flow and opens the MLflow store.
+    # The Prefect API boots in its own process while this one imports the flow and warms up.
+    models = any(dag.MODELS_MODULE in dag.stages(root)[name].deps for name in dag.order(root, args.until))
     with prefect_api() as api:
-        warmup = threading.Thread(target=_open_tracking, args=(root,), daemon=True)
+        warmup = threading.Thread(target=_warm_up, args=(root, models), daemon=True)
         warmup.start()
         from flows.pipeline import pipeline
 
-        warmup.join()
         settings = {}
         if api is not None:
             api.wait()
             api.watch(_api_lost)
             settings = {PREFECT_API_URL: api.url}
+        warmup.join()
         # First SIGTERM/Ctrl-C: training stages checkpoint after their current step and stop, no new
         # stage starts; a second one interrupts at once (see _sigterm for how Prefect takes part).
         previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm), signal.SIGINT: signal.signal(signal.SIGINT, request_stop)}

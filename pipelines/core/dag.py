@@ -20,6 +20,10 @@ METRICS_DIR = "data/metrics"
 """Every stage writes its metrics to `METRICS_DIR/<stage>.json` (its `dvc.yaml` `metrics` entry)."""
 
 
+MODELS_MODULE = "pipelines/core/models.py"
+"""A stage that lists it among its deps loads models (torch, transformers)."""
+
+
 def metrics_file(name: str) -> str:
     """The metrics file of stage `name`, relative to the workspace."""
     return f"{METRICS_DIR}/{name}.json"
