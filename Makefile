@@ -59,11 +59,16 @@ $(VENV)/.installed-peers: $(VENV)/.installed
 run: install
 	PATH="$(BIN):$$PATH" $(VENV)/bin/qllm run $(ARGS)
 
+# The suite on every core (pytest-xdist: one worker per core; a module's tests stay on one worker,
+# so its module-scoped tiny pipeline runs once). `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= auto
+PYTEST = PATH="$(BIN):$$PATH" $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+
 test: install $(VENV)/.installed-peers
-	PATH="$(BIN):$$PATH" $(PY) -m pytest $(ARGS)
+	$(PYTEST) $(ARGS)
 
 test-all: install $(VENV)/.installed-peers
-	PATH="$(BIN):$$PATH" $(PY) -m pytest -m "slow or not slow" $(ARGS)
+	$(PYTEST) -m "slow or not slow" $(ARGS)
 
 # Local Prefect server + process worker (pool "qllm") + MLflow UI on 127.0.0.1; `make stop` ends them.
 serve: install

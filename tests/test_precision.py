@@ -134,6 +134,8 @@ def test_stage_resolves_and_records_precision(monkeypatch):
 def test_probe_device_remembers_the_answer_until_the_machine_changes(monkeypatch, tmp_path):
     from pipelines import probe_device
 
+    for name in probe_device.ENVIRONMENT:  # the machine as it is (CI caps it to AVX2; the test sets the cap itself below)
+        monkeypatch.delenv(name, raising=False)
     _cpu(monkeypatch, amx=True)
     asked = []
     real = precision.capability

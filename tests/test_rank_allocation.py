@@ -87,8 +87,9 @@ def test_qubo_in_loop_solves_on_schedule_within_the_parameter_budget(tiny_base, 
     for _, m in solves:
         assert m["qubo/feasible"] == 1.0 and m["qubo/active_parameters"] <= budget and m["qubo/wall_seconds"] > 0
     last = solves[-1][1]  # the allocation the adapter keeps: the one compared with the MILP reference
-    assert last["qubo/gap_to_milp"] > -1e-9  # the MILP reference is an upper bound (up to its time limit)
-    assert last["qubo/gap_to_bound"] >= max(last["qubo/gap_to_milp"], 0.0) - 1e-9  # the bound is at least the MILP's best
+    # HiGHS's best at its 1 s limit depends on the machine's speed (-12% under a loaded suite); its dual
+    # bound does not fail to bound: sa is at most gap_to_bound from the optimum, at least as far as from HiGHS's best
+    assert last["qubo/gap_to_bound"] >= max(last["qubo/gap_to_milp"], 0.0) - 1e-9
     assert not any("qubo/gap_to_milp" in m for _, m in solves[:-1])
     assert 0 < metrics["allocation/active_parameters"] <= budget
 

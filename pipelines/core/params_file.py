@@ -45,6 +45,17 @@ def _reject_duplicate_keys(node: yaml.Node, prefix: tuple[str, ...], path: Path,
             _reject_duplicate_keys(item, (*prefix, str(index)), path, seen)
 
 
+def _load(text: str, path: Path, loader_class: type) -> Any:
+    loader = loader_class(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _reject_duplicate_keys(node, (), path)
+        return loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping, with errors that name the file and line (a duplicate key is one)."""
     try:
@@ -53,18 +64,15 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ParamsError(f"{path}: file not found") from None
     except UnicodeDecodeError as exc:
         raise ParamsError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    loader = FAST_LOADER(text)
     try:
-        node = loader.get_single_node()
-        if node is not None:
-            _reject_duplicate_keys(node, (), path)
-        data = loader.construct_document(node) if node is not None else None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ParamsError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
-    finally:
-        loader.dispose()
+        data = _load(text, path, FAST_LOADER)
+    except yaml.YAMLError:  # libyaml's messages are terser ("did not find expected ','"): the pure-Python one's, with the same line
+        try:
+            data = _load(text, path, yaml.SafeLoader)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f":{mark.line + 1}" if mark is not None else ""
+            raise ParamsError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
