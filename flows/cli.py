@@ -10,7 +10,7 @@ unreachable `MLFLOW_TRACKING_URI` server fails in seconds) before anything start
 Prefect flow `qllm-pipeline` locally (Prefect's ephemeral API; set PREFECT_API_URL to use a
 server), and prints one line per stage: `NAME ran|cached SECONDS`. When every stage is up to date
 it says so within a second or two and records nothing (no Prefect flow run, no MLflow run: nothing
-ran; `--record` records one anyway, see `_no_change_summary`). The exit code is non-zero when
+ran; `--record` records one anyway, see `_check`). The exit code is non-zero when
 a stage fails: 1, or 128 + the signal number (143 for SIGTERM, 130 for SIGINT) when a stop signal
 ended the run (training checkpointed its last step: rerun the same command to resume).
 
@@ -73,9 +73,9 @@ def _print_summary(summary: dict) -> None:
         print(f"mlflow run {summary['mlflow_run_id']}  ({summary['seconds']:.1f}s)")
 
 
-def _no_change_summary(root: Path, params_data: dict, until: str | None) -> dict | None:
-    """The summary of a run in which every stage is up to date, found without Prefect or MLflow
-    (`repro.unchanged`), or None when a stage is stale and the flow has work to do.
+def _check(root: Path, params_data: dict, until: str | None) -> tuple[dict | None, str | None]:
+    """(the summary of a run in which every stage is up to date, found without Prefect or MLflow
+    (`repro.check`), else None; the first stale stage, else None).
 
     A no-change `qllm run` used to spend seconds starting a Prefect API and importing Prefect and
     MLflow only to record a flow run and a parent run in which every stage is `cached`: the
@@ -91,15 +91,26 @@ def _no_change_summary(root: Path, params_data: dict, until: str | None) -> dict
     ws = workspace.prepare(root, params_data)
     try:
         with workspace.locked(ws):
-            outcomes = repro.unchanged(ws, dag.order(ws, until))
+            outcomes, stale = repro.check(ws, dag.order(ws, until))
     finally:
         repro.close(ws)
-    if outcomes is None:
-        return None
+    if stale is not None:
+        return None, stale
     registered = ws / "data" / "register" / "registered.json"
     version = json.loads(registered.read_text())["version"] if any(o.name == "register" for o in outcomes) and registered.exists() else None
     return {"stages": [o.as_dict() for o in outcomes], "mlflow_run_id": None, "model_version": version, "workspace": str(ws),
-            "seconds": round(time.perf_counter() - started, 3)}  # fmt: skip
+            "seconds": round(time.perf_counter() - started, 3)}, None  # fmt: skip
+
+
+def _loads_models(root: Path, args: argparse.Namespace, stale: str | None) -> bool:
+    """Whether a stage that may run loads models (so the warm-up imports torch and transformers):
+    the first stale stage or one after it, a forced stage, or `--from-stage` and what follows."""
+    order = dag.order(root, args.until)
+    starts = [name for name in (stale, args.from_stage, *args.force) if name is not None and name in order]
+    if not starts:
+        return False
+    may_run = order[min(order.index(name) for name in starts):]
+    return any(dag.MODELS_MODULE in dag.stages(root)[name].deps for name in may_run)
 
 
 def _finish(summary: dict, args: argparse.Namespace) -> int:
@@ -170,8 +181,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise QllmError(f"unknown stage {name!r}; stages are: {', '.join(stage_names)}")
     # An MLflow server that is down would otherwise fail the first stage only after Prefect started.
     preflight.check_tracking(root)
-    if not (args.record or args.force or args.from_stage) and (summary := _no_change_summary(root, params_data, args.until)) is not None:
-        return _finish(summary, args)
+    stale = None
+    if not (args.force or args.from_stage):
+        summary, stale = _check(root, params_data, args.until)
+        if summary is not None and not args.record:
+            return _finish(summary, args)
 
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "qllm")
     from prefect.exceptions import TerminationSignal
@@ -180,7 +194,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.local_api import prefect_api
 
     # The Prefect API boots in its own process while this one imports the flow and warms up.
-    models = any(dag.MODELS_MODULE in dag.stages(root)[name].deps for name in dag.order(root, args.until))
+    models = _loads_models(root, args, stale)
     with prefect_api() as api:
         warmup = threading.Thread(target=_warm_up, args=(root, models), daemon=True)
         warmup.start()

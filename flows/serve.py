@@ -92,9 +92,14 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
     bin_dir = Path(sys.executable).parent
     services: dict[str, dict] = {}
     try:
+        # The two servers boot side by side (each takes seconds); the worker needs the Prefect one first.
         log = state / "prefect-server.log"
         server = _spawn([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)], root, env, log)
         services["prefect-server"] = {"pid": server.pid, "url": f"http://127.0.0.1:{prefect_port}", "log": str(log)}
+        ui_log = state / "mlflow-ui.log"
+        uri = f"sqlite:///{root / 'mlflow.db'}"
+        ui = _spawn([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(mlflow_port)], root, env, ui_log)
+        services["mlflow-ui"] = {"pid": ui.pid, "url": f"http://127.0.0.1:{mlflow_port}", "log": str(ui_log)}
         wait_http(f"{prefect_url}/health", server, "the Prefect server", timeout, hint=f"; see {log}")
         created = subprocess.run([str(bin_dir / "prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
                                  cwd=root, env=env, capture_output=True, text=True)  # fmt: skip
@@ -103,11 +108,7 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
         log = state / "prefect-worker.log"
         worker = _spawn([str(bin_dir / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"], root, env, log)
         services["prefect-worker"] = {"pid": worker.pid, "pool": POOL, "log": str(log)}
-        log = state / "mlflow-ui.log"
-        uri = f"sqlite:///{root / 'mlflow.db'}"
-        ui = _spawn([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(mlflow_port)], root, env, log)
-        services["mlflow-ui"] = {"pid": ui.pid, "url": f"http://127.0.0.1:{mlflow_port}", "log": str(log)}
-        wait_http(f"http://127.0.0.1:{mlflow_port}/health", ui, "the MLflow UI", timeout, hint=f"; see {log}")
+        wait_http(f"http://127.0.0.1:{mlflow_port}/health", ui, "the MLflow UI", timeout, hint=f"; see {ui_log}")
     except BaseException:
         _stop_all(services)  # nothing is left running, so no record: `make stop` must not kill reused PIDs
         raise

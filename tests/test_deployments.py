@@ -95,7 +95,7 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
     step with a checkpoint before the run is marked Cancelled (the worker waits 30 s, then SIGKILLs).
 
     Training is held at step 20 (`tests/hold_training.py`) until the stop arrives, so the cancel
-    always meets a running pretrain, on any machine: no race with how fast 200 steps train."""
+    always meets a running pretrain, on any machine: no race with how fast training is."""
     from mlflow import MlflowClient
 
     from tests import hold_training
@@ -106,7 +106,7 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
     held = tmp_path / "held"
     hold = hold_training.install(project)  # flow runs work in the project directory, which imports it
     extensions = f"pretrain.train.extensions=[mlflow_metrics, {{name: '{hold}', step: 20, marker: '{held}'}}]"
-    params = ["until=pretrain", "overrides=" + json.dumps(["pretrain.train.max_steps=200", extensions])]
+    params = ["until=pretrain", "overrides=" + json.dumps(["pretrain.train.max_steps=30", extensions])]
     started = subprocess.run([PREFECT, "deployment", "run", "qllm-pipeline/default", *[a for p in params for a in ("--param", p)]],
                              cwd=project, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr

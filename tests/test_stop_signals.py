@@ -1,8 +1,8 @@
 """Stop signals and a lost Prefect API through the real entry points, in real processes.
 
 Each test copies one tiny project whose stages before `pretrain` ran once (in-process), with
-pretrain long enough (200 steps) that a signal lands mid-training, and waits for a training log
-line before acting:
+pretrain held after step 20 (`tests/hold_training.py`) until a stop arrives, and acts once it is
+held, so the signal lands mid-training on any machine:
 
 - `qllm run` + SIGTERM: Prefect's engine owns SIGTERM while the flow runs; the flow hands it to
   the stages, so pretrain finishes its step, checkpoints and stops; the process exits 143 within
@@ -32,7 +32,7 @@ from pipelines.core import dag, repro
 from pipelines.core.extensions import Hook
 from tests.conftest import REPO, make_project
 
-MAX_STEPS = 200
+MAX_STEPS = 30  # held after step 20 until the signal; the rerun trains the last 10
 HELD = "held"
 """Written by `tests/hold_training.py` in the project when pretrain is held at step 20, until a stop."""
 PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 50, "extensions": [
@@ -84,7 +84,7 @@ def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, mlflow_template_db) -> Path:
-    """A tiny project (pretrain: 200 steps) with every stage before pretrain run and in dvc.lock."""
+    """A tiny project (pretrain: 30 steps, held after 20) with every stage before pretrain run and in dvc.lock."""
     root = make_project(tmp_path_factory.mktemp("stop") / "base", mlflow_template_db, PRETRAIN)
     try:
         for name in [name for name in dag.order(root, "pretrain") if name != "pretrain"]:

@@ -170,21 +170,28 @@ def _read_world(root: Path, repo, stage, parent_run_id: str | None, started: flo
 
 
 def unchanged(root: Path | str, names: list[str]) -> list[StageOutcome] | None:
-    """The outcomes of bringing `names` (in DAG order) up to date when none of them is stale, else None.
+    """The outcomes of bringing `names` (in DAG order) up to date when none of them is stale, else
+    None (`check`)."""
+    outcomes, stale = check(root, names)
+    return None if stale is not None else outcomes
+
+
+def check(root: Path | str, names: list[str]) -> tuple[list[StageOutcome], str | None]:
+    """(the outcomes of `names`, in DAG order, up to the first stale one; its name, or None).
 
     What `dvc repro` does on a no-change run, without the work when something is stale: a stage
     with `always_changed` (probe_device, base_model: each reads the world in milliseconds) runs, as
     it would in any run (`_read_world`); then every other stage is checked with `stage.changed()`
-    (as `dvc status` does), and the answer is None if one is stale. `dvc.yaml`, `dvc.lock` and each
-    params file are parsed once for all of it (again only if a world-reading stage rewrote
-    dvc.lock). So a run that then starts the full flow has only repeated those milliseconds. (An
-    `always_changed` stage downstream of another stage would have to wait for it: then the answer
-    is None too.)
+    (as `dvc status` does) up to the first stale one. `dvc.yaml`, `dvc.lock` and each params file
+    are parsed once for all of it (again only if a world-reading stage rewrote dvc.lock). So a run
+    that then starts the full flow has only repeated those milliseconds. (An `always_changed`
+    stage downstream of another stage would have to wait for it: then that stage counts as the
+    first stale one.)
     """
     root = Path(root).resolve()
     first = [name for name in names if dag.stages(root)[name].always_changed]
-    if any(dag.upstream(root, name) for name in first):
-        return None
+    if waiting := [name for name in first if dag.upstream(root, name)]:
+        return [], waiting[0]
     lock = root / "dvc.lock"
 
     def parsed() -> tuple[object, dict]:
@@ -203,9 +210,9 @@ def unchanged(root: Path | str, names: list[str]) -> list[StageOutcome] | None:
         for name in names:
             if name not in done:
                 if stages[name].changed():
-                    return None
+                    return [done[n] for n in names if n in done], name
                 done[name] = _outcome(stages[name], "cached", "up-to-date", started)
-    return [done[name] for name in names]
+    return [done[name] for name in names], None
 
 
 @contextlib.contextmanager
