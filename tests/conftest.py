@@ -22,6 +22,11 @@ TEST_ENV = {
 }
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core (`make test`): each worker's torch and the processes its tests start use
+    # one thread, instead of every worker spreading over every core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _absl_handler_writes_to_the_real_stderr() -> None:
     """absl (imported by TensorBoard) makes a logging handler on the `sys.stderr` of the moment it is
