@@ -13,13 +13,30 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
 class QllmError(Exception):
     """An error the user can act on (bad input, bad params, missing file): printed as one clear
     message naming the file, line or key, with a non-zero exit code and no traceback."""
+
+
+def stage_command(name: str, run: Callable[[str], object], argv: list[str] | None = None) -> int:
+    """`python -m pipelines.<name> [--root DIR]`, what dvc.yaml runs: parse the arguments, log to
+    stderr, `run(root)`; a `QllmError` is one `error:` line and exit code 1."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m pipelines.{name}", description=f"Run the {name} stage.")
+    parser.add_argument("--root", default=".", help="project (or run workspace) directory; default: cwd")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        run(args.root)
+    except QllmError as exc:
+        print(f"error: {name}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 class StopRequested(QllmError):

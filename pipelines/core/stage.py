@@ -7,11 +7,9 @@ A stage module is `run(...)` over paths and typed params plus a `main()` that ca
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.core import config, dag, params_file, resources, tracking, workspace
-from pipelines.core.errors import QllmError, stop_when_parent_dies
+from pipelines.core.errors import QllmError, stage_command, stop_when_parent_dies
 from pipelines.core.outputs import atomic_dir, read_json, write_json
 
 RUN_RECORD = "mlflow_run.json"
@@ -261,13 +259,4 @@ def main(name: str, body: Callable[[StageContext], dict[str, Any]], argv: list[s
     """
     if os.environ.get("DVC_STAGE"):
         stop_when_parent_dies()
-    parser = argparse.ArgumentParser(prog=f"python -m pipelines.{name}", description=f"Run the {name} stage.")
-    parser.add_argument("--root", default=".", help="project (or run workspace) directory; default: cwd")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        execute(name, body, args.root)
-    except QllmError as exc:
-        print(f"error: {name}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return stage_command(name, lambda root: execute(name, body, root), argv)

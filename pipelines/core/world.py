@@ -19,9 +19,7 @@ runs (no timings, no memory peaks), so `dvc.lock` keeps its bytes too.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +28,7 @@ from typing import Any
 import yaml
 
 from pipelines.core import dag
-from pipelines.core.errors import QllmError
+from pipelines.core.errors import QllmError, stage_command
 from pipelines.core.outputs import write_json
 
 PARAMS_FILE = "params.yaml"
@@ -76,13 +74,4 @@ def execute(name: str, body: Callable[[Context], dict[str, Any]], root: Path | s
 
 def main(name: str, body: Callable[[Context], dict[str, Any]], argv: list[str] | None = None) -> int:
     """Command-line entry (`python -m pipelines.<name> [--root DIR]`, what dvc.yaml runs)."""
-    parser = argparse.ArgumentParser(prog=f"python -m pipelines.{name}", description=f"Run the {name} stage.")
-    parser.add_argument("--root", default=".", help="project (or run workspace) directory; default: cwd")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        execute(name, body, args.root)
-    except QllmError as exc:
-        print(f"error: {name}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return stage_command(name, lambda root: execute(name, body, root), argv)
