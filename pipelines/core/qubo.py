@@ -407,42 +407,73 @@ def _decode(p: _Problem, labels: list, samples: np.ndarray) -> tuple[np.ndarray,
 
 
 def _moves(p: _Problem, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(objective gained, parameters added) by moving module i to option j, for every (i, j)."""
-    rows = np.arange(len(k))
+    """For allocations k (samples x modules): (objective gained, parameters added) by moving module
+    i of sample s to option j, for every (s, i, j)."""
+    rows = np.arange(k.shape[1])
     root = np.sqrt(p.value)
+    at = root[rows, k]  # (samples, modules)
     # only module i's own terms change: its value and λ·ρ·sqrt(v_i·v_n) with each neighbour n
-    shared = p.overlap @ root[rows, k]
-    gain = p.value - p.value[rows, k][:, None] - shared[:, None] * (root - root[rows, k][:, None])
-    return gain, p.cost - p.cost[rows, k][:, None]
+    # (einsum's own loop: the same sums in the same order for any number of samples)
+    shared = np.einsum("si,ij->sj", at, p.overlap)
+    gain = p.value[None] - p.value[rows, k][..., None] - shared[..., None] * (root[None] - at[..., None])
+    return gain, p.cost[None] - p.cost[rows, k][..., None]
 
 
+def _best_move(score: np.ndarray, pick: Callable) -> tuple[np.ndarray, np.ndarray]:
+    """(module, option) of each sample's best move: `pick` (np.argmin, np.argmax) over its (i, j),
+    the first in row order among equals."""
+    return np.unravel_index(pick(score.reshape(len(score), -1), axis=1), score.shape[1:])
+
+
+def _each(step: Callable[[_Problem, np.ndarray], np.ndarray]) -> Callable[[_Problem, np.ndarray], np.ndarray]:
+    """`step` over allocations (samples x modules), for one allocation (a vector) too."""
+
+    @functools.wraps(step)
+    def over(p: _Problem, k: np.ndarray) -> np.ndarray:
+        k = np.asarray(k)
+        return step(p, k[None])[0] if k.ndim == 1 else step(p, k)
+
+    return over
+
+
+@_each
 def _fit(p: _Problem, k: np.ndarray) -> np.ndarray:
-    """Downgrade (or drop) modules until the budget holds, each time the move that loses the least
-    objective per parameter saved."""
-    k, cost = k.copy(), _cost(p, k)
-    while cost > p.budget:
-        gain, added = _moves(p, k)
+    """Downgrade (or drop) modules of each allocation (samples x modules) until the budget holds,
+    each time the move that loses the least objective per parameter saved."""
+    k = k.copy()
+    cost = p.cost[np.arange(k.shape[1]), k].sum(axis=1)
+    while (over := np.flatnonzero(cost > p.budget)).size:
+        gain, added = _moves(p, k[over])
         loss_per_saved = np.where(p.valid & (added < 0), gain / np.minimum(added, -1), np.inf)
-        i, j = np.unravel_index(np.argmin(loss_per_saved), loss_per_saved.shape)
-        k[i], cost = j, cost + int(added[i, j])
+        i, j = _best_move(loss_per_saved, np.argmin)
+        k[over, i] = j
+        cost[over] += added[np.arange(len(over)), i, j]
     return k
 
 
+@_each
 def _upgrade(p: _Problem, k: np.ndarray) -> np.ndarray:
-    """Take upgrades that fit and raise the objective, the most objective per parameter first."""
-    k, cost = k.copy(), _cost(p, k)
-    while True:
-        gain, added = _moves(p, k)
-        ok = p.valid & (added > 0) & (added <= p.budget - cost) & (gain > 1e-12)
-        if not ok.any():
-            return k
-        per_parameter = np.where(ok, gain / np.maximum(added, 1), -np.inf)
-        i, j = np.unravel_index(np.argmax(per_parameter), per_parameter.shape)
-        k[i], cost = j, cost + int(added[i, j])
+    """Take upgrades that fit and raise the objective, the most objective per parameter first, in
+    each allocation (samples x modules) until none is left."""
+    k = k.copy()
+    cost = p.cost[np.arange(k.shape[1]), k].sum(axis=1)
+    going = np.arange(len(k))
+    while going.size:
+        gain, added = _moves(p, k[going])
+        ok = p.valid & (added > 0) & (added <= (p.budget - cost[going])[:, None, None]) & (gain > 1e-12)
+        movable = ok.reshape(len(going), -1).any(axis=1)
+        going, gain, added, ok = going[movable], gain[movable], added[movable], ok[movable]
+        if not going.size:
+            break
+        i, j = _best_move(np.where(ok, gain / np.maximum(added, 1), -np.inf), np.argmax)
+        k[going, i] = j
+        cost[going] += added[np.arange(len(going)), i, j]
+    return k
 
 
 def _repair(p: _Problem, k: np.ndarray) -> np.ndarray:
-    """A feasible allocation from any: fit the budget, then use what it leaves."""
+    """Feasible allocations from any (samples x modules): fit the budget, then use what it leaves.
+    All samples at once: a greedy step of every sample per pass, not one sample's steps after another's."""
     return _upgrade(p, _fit(p, k))
 
 
@@ -609,15 +640,14 @@ def _solve_bqm(sample: Callable[[dimod.BinaryQuadraticModel, float, _Options], d
     order = np.argsort(samples.record.energy, kind="stable")
     k, clean = _decode(p, list(samples.variables), samples.record.sample[order])
     _, first = np.unique(k, axis=0, return_index=True)  # the same allocation with other slack: once
+    first = np.sort(first)
+    repaired = _repair(p, k[first])
     best = None
-    for n in np.sort(first):
+    for n, fixed in zip(first, repaired, strict=True):
         broken = not clean[n] or _cost(p, k[n]) > p.budget
-        fixed = _repair(p, k[n])
         score = _score(p, fixed)
         if best is None or score > best[0] + 1e-12:
             best = (score, fixed, samples.record.energy[order[n]], broken)
-        if time.monotonic() > o.deadline:
-            break
     _, fixed, energy, broken = best
     return _allocation(p, fixed, name, energy=energy, repaired=broken, num_variables=bqm.num_variables,
                        penalties=meta["penalties"])  # fmt: skip
