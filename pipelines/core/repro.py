@@ -189,10 +189,12 @@ def check(root: Path | str, names: list[str]) -> tuple[list[StageOutcome], str |
     first stale one.)
     """
     root = Path(root).resolve()
+    lock = root / "dvc.lock"
+    if names and not lock.exists():  # nothing has run here yet (a fresh clone): every stage is stale
+        return [], names[0]
     first = [name for name in names if dag.stages(root)[name].always_changed]
     if waiting := [name for name in first if dag.upstream(root, name)]:
         return [], waiting[0]
-    lock = root / "dvc.lock"
 
     def parsed() -> tuple[object, dict]:
         repo = _repo(root)
