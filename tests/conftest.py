@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import pipelines  # noqa: F401  (first: it keys torch.compile's kernel cache by the CPU cap before torch fixes it)
+
 REPO = Path(__file__).resolve().parents[1]
 PROJECT_FILES = ["pipelines", "tasks", "flows", "params", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
 TEST_ENV = {
