@@ -310,6 +310,13 @@ class TrainParams(Section):
     compiler). The first steps pay the compilation (tens of seconds on a CPU) and every new
     sequence length may recompile; off by default because at the default sizes it does not pay
     back within a stage (benchmarks/RESULTS.md). Results differ from eager by float rounding."""
+    loss_chunk_tokens: int = Field(0, ge=0)
+    """Apply the output head and the cross-entropy to at most this many trained tokens at a time,
+    recomputing each chunk's logits in the backward pass, so the logits of a large vocabulary
+    (Qwen2.5: 151,936 tokens, 0.6 MB per token in fp32) are never held for the whole batch
+    (`pipelines.core.chunked_loss`); only positions with a label are scored. The loss is the same
+    up to float rounding. 0: the model's own loss over every position (the default: at the
+    sample's 872-token vocabulary chunking saves nothing). Causal LM losses only; not with FSDP."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Autocast dtype. `auto`: bf16 on CUDA devices and CPUs with bf16 matrix units (AMX,
     AVX512-BF16), fp16 on older CUDA devices, fp32 elsewhere (`pipelines.core.precision`); the resolved

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chat_examples, objectives, progressive, quantize, training
+from pipelines.core import chat_examples, chunked_loss, objectives, progressive, quantize, training
 from pipelines.core.chat_template import parse_messages
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import FinetuneParams, QuantizationParams
@@ -103,6 +103,9 @@ def run(
     collate_train = chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing)
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, collate_train)
     loss_fn = objectives.chat_objective(model)  # the chat loss, or the masked-diffusion objective on answer tokens
+    if cfg.loss_chunk_tokens and loss_fn is not chat_examples.chat_loss:
+        raise QllmError(f"{desc}.train.loss_chunk_tokens: the masked-diffusion objective scores its own masked tokens; set it to 0")
+    loss_fn = chunked_loss.for_loop(loss_fn, model, cfg, desc)
     val_fn = None
     if val_rows:
         collate_val = chat_examples.collate(val_rows, tokenizer.pad_token_id, params.packing)
@@ -110,9 +113,10 @@ def run(
         val_batches = [collate_val(np.arange(i, min(i + cfg.micro_batch_size, n_val))) for i in range(0, n_val, cfg.micro_batch_size)]
 
         def val_fn(m: torch.nn.Module) -> dict[str, float]:
-            return {"val/loss": training.mean_loss(m, chat_examples.chat_loss, val_batches, device(), cfg.precision)}
+            return {"val/loss": training.mean_loss(m, val_loss, val_batches, device(), cfg.precision)}
 
-        if loss_fn is not chat_examples.chat_loss:  # masked diffusion: the NELBO bound of the answers
+        val_loss = loss_fn if cfg.loss_chunk_tokens else chat_examples.chat_loss
+        if not cfg.loss_chunk_tokens and loss_fn is not chat_examples.chat_loss:  # masked diffusion: the NELBO bound of the answers
             val_fn = objectives.nelbo_fn(loss_fn, val_batches, cfg.precision)
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
