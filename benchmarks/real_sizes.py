@@ -3,7 +3,7 @@ fine-tuning profile measured at real sizes.
 
     python -m benchmarks.real_sizes make-base --shape qwen2.5-0.5b --out models/qwen05   # a base directory
     python -m benchmarks.real_sizes stage --project DIR --base models/qwen05 --stage lora [--quantization nf4]
-        [--steps 3] [--seq-len 256] [--no-gradient-checkpointing] [--loss-chunk 0]        # one stage, its own process
+        [--steps 3] [--seq-len 256] [--no-gradient-checkpointing] [--loss-chunk 0] [--merge]   # one stage, its own process
 
 `make-base` writes a `save_pretrained` directory: a randomly initialised model with the shape of
 the named model (hidden size, layers, heads, the full 151,936-row vocabulary of Qwen2.5, tied
@@ -131,7 +131,7 @@ def stage(args: argparse.Namespace) -> dict:
     update = {"base_model": str(Path(args.base).resolve()), "train": train, "max_seq_len": args.seq_len, "packing": True}
     if args.stage == "lora":
         update["allocation"] = "uniform"
-        update["adapter"] = section.adapter.model_copy(update={"quantization": args.quantization, "merge": False})
+        update["adapter"] = section.adapter.model_copy(update={"quantization": args.quantization, "merge": args.merge})
     section = section.model_copy(update=update)
     module = {"lora": lora, "sft": sft}[args.stage]
     start = time.perf_counter()
@@ -139,7 +139,7 @@ def stage(args: argparse.Namespace) -> dict:
     steps = max(1, metrics["steps"])
     return {"stage": args.stage, "quantization": args.quantization if args.stage == "lora" else "none",
             "gradient_checkpointing": not args.no_gradient_checkpointing,
-            "seq_len": args.seq_len, "steps": metrics["steps"], "precision": train.precision,
+            "seq_len": args.seq_len, "merge": args.merge, "steps": metrics["steps"], "precision": train.precision,
             "seconds_per_step": round(metrics["train_seconds"] / steps, 2), "stage_seconds": round(time.perf_counter() - start, 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "total_parameters": metrics["total_parameters"], "trainable_parameters": metrics["trainable_parameters"]}
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seq-len", type=int, default=256)
     run.add_argument("--no-gradient-checkpointing", action="store_true")
     run.add_argument("--loss-chunk", type=int, default=0)
+    run.add_argument("--merge", action="store_true", help="lora: write merged/ too (the full model)")
     run.add_argument("--work", default=None)
     args = parser.parse_args(argv)
     if args.command == "make-base":

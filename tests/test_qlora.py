@@ -102,6 +102,11 @@ def test_qlora_trains_adapters_on_a_quantized_frozen_base(qbase, tmp_path, quant
     assert adapter and all("lora_" in k or "trainable_tokens_delta" in k for k in adapter)  # adapters and the chat-marker rows only
     config = json.loads((tmp_path / "out/adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "data/models/pretrain"
+    # the adapter and the stage's metrics say what base it was trained against
+    assert metrics["quantization"] == quantization
+    recorded = json.loads((tmp_path / "out/qllm_quantization.json").read_text())
+    assert recorded == ({"quantization": "nf4", "double_quant": True, "compute_dtype": "fp32"} if quantization == "nf4" else {"quantization": "int8"})
+    assert f"quantization: {quantization}" in (tmp_path / "out/README.md").read_text()
 
 
 def _full_linears(qbase):
@@ -225,3 +230,21 @@ def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qb
     expected = probe_lora.scores(recorder, [1, 2])
     for name, shape in table["modules"].items():
         assert shape["energy_share"] == pytest.approx(expected["modules"][name]["energy_share"], rel=1e-3), name
+
+
+def test_an_unmerged_qlora_adapter_is_merged_into_the_dequantized_base_when_loaded(qbase, tmp_path):
+    """Without `merged/`, `load_for_inference` (evaluate, qllm generate) reads the recorded
+    quantization and merges into that base dequantized, as `merge: true` would have: the same
+    weights, not the full-precision base's."""
+    from pipelines.core.models import load_causal_lm, load_for_inference
+
+    lora.run(qbase / "chat", tmp_path / "merged", params(qbase, "nf4", compute_dtype="fp32"))
+    lora.run(qbase / "chat", tmp_path / "adapter", params(qbase, "nf4", compute_dtype="fp32", merge=False))
+    assert not (tmp_path / "adapter/merged").exists()
+    loaded, _ = load_for_inference(tmp_path / "adapter")
+    written = load_causal_lm(tmp_path / "merged/merged")
+    for (name, got), (_, want) in zip(loaded.state_dict().items(), written.state_dict().items(), strict=True):
+        torch.testing.assert_close(got, want, msg=name)
+    (tmp_path / "adapter/qllm_quantization.json").unlink()  # an adapter of a full-precision base: merged into that base
+    naive, _ = load_for_inference(tmp_path / "adapter")
+    assert any(not torch.equal(a, b) for a, b in zip(naive.state_dict().values(), written.state_dict().values(), strict=True))

@@ -17,7 +17,7 @@ import torch
 
 from pipelines.core.config import LoraAdapterParams
 from pipelines.core.errors import QllmError
-from pipelines.core.models import save_pretrained
+from pipelines.core.models import QUANTIZATION_FILE, merged_into_dequantized, save_pretrained
 
 MERGED = "merged"
 """Subdirectory of an adapter directory holding the merged full model (`merge: true`)."""
@@ -129,7 +129,7 @@ def save(base_for_users: str, merge: bool = True, quantized_base: tuple[str, obj
 
     `quantized_base` (QLoRA: the base's source and its quantization config): `merged/` is then a
     normal full-precision model, the adapter merged into the dequantized base, that is into the
-    weights the adapter was trained against (`merged_from_quantized`).
+    weights the adapter was trained against (`models.merged_into_dequantized`).
     """
 
     def write(model, tokenizer, directory: Path) -> None:
@@ -143,23 +143,42 @@ def save(base_for_users: str, merge: bool = True, quantized_base: tuple[str, obj
             if isinstance(settings.get(field), list):
                 settings[field] = sorted(settings[field])
         adapter_config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        if quantized_base is not None:
+            record_quantization(directory, quantized_base[1])
         if merge:
-            merged = model.merge_and_unload() if quantized_base is None else merged_from_quantized(*quantized_base, directory)
+            if quantized_base is not None:
+                release_quantized_weights(model)  # the adapter is saved: the merge needs no copy of the trained base
+            merged = model.merge_and_unload() if quantized_base is None else merged_into_dequantized(*quantized_base, directory)
             save_pretrained(merged, tokenizer, directory / MERGED, max_length=merged.config.max_position_embeddings)
 
     return write
 
 
-def merged_from_quantized(source: str, quantization, adapter_dir: Path) -> torch.nn.Module:
-    """The adapter in `adapter_dir` merged into the dequantized base: the base quantized again
-    from `source` (deterministic, and in bitsandbytes' standard layout: on AVX512-BF16 CPUs a
-    4-bit weight that has run inference is repacked for the CPU kernel, and dequantizing that
-    gives garbage), dequantized to full precision, then merged. Lossy against the full-precision
-    base by the quantization error, not against the model that was trained (benchmarks/RESULTS.md)."""
-    from peft import PeftModel
+def record_quantization(directory: Path, qconfig) -> None:
+    """Say in the adapter directory what base the adapter was trained against: its quantization
+    (`qllm_quantization.json`, read back by `models.load_for_inference`) and a line in PEFT's model
+    card. An adapter trained on a 4-bit base fits that base, not the full-precision one (the logits
+    of a merge into the full-precision base moved 14x more than into the dequantized one)."""
+    from pipelines.core.quantize import describe
 
-    from pipelines.core.models import CONSTRUCTION, load_causal_lm
+    description = describe(qconfig)
+    (directory / QUANTIZATION_FILE).write_text(json.dumps(description, indent=2, sort_keys=True) + "\n")
+    card = directory / "README.md"
+    if card.exists():
+        settings = ", ".join(f"{k}: {v}" for k, v in sorted(description.items()))
+        card.write_text(card.read_text().rstrip("\n") + f"\n\n## Training base\n\nTrained against the base quantized with {settings} "
+                        f"(QLoRA). Merge it into that base dequantized (`qllm generate` and `evaluate` do), not into the "
+                        f"full-precision weights.\n")  # fmt: skip
 
-    with CONSTRUCTION:
-        base = load_causal_lm(source, quantization=quantization).dequantize().to(torch.float32)
-        return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+
+def release_quantized_weights(model: torch.nn.Module) -> None:
+    """Free the quantized base weights of a trained model whose adapter is saved (the model is
+    spent after this): merging quantizes the base again from its source, and two bases in memory
+    made QLoRA's stage peak above plain LoRA's."""
+    for module in model.modules():
+        weight = module._parameters.get("weight")  # its own, not a wrapper's property that reads its base layer's
+        if weight is not None and type(weight).__name__ in ("Params4bit", "Int8Params"):
+            module._parameters["weight"] = None
+    import gc
+
+    gc.collect()

@@ -257,8 +257,44 @@ def load_for_inference(model_dir: Path | str, root: Path | str = "."):
         base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
         base_path = model_location(base, root)
         tokenizer = load_tokenizer(model_dir)
-        with CONSTRUCTION:
-            model = PeftModel.from_pretrained(load_causal_lm(base_path), str(model_dir)).merge_and_unload()
+        quantized = model_dir / QUANTIZATION_FILE
+        if quantized.exists():  # trained against a quantized base: merged into that base, dequantized
+            model = merged_into_dequantized(str(base_path), quantization_config(json.loads(quantized.read_text())), model_dir)
+        else:
+            with CONSTRUCTION:
+                model = PeftModel.from_pretrained(load_causal_lm(base_path), str(model_dir)).merge_and_unload()
         check_vocabulary(model, tokenizer, model_dir)
         return model, tokenizer
     return load_model_and_tokenizer(model_dir)
+
+
+QUANTIZATION_FILE = "qllm_quantization.json"
+"""In an adapter directory: the quantization of the base it was trained against (absent: none;
+written by `pipelines.core.adapters.record_quantization` from `quantize.describe`)."""
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def quantization_config(description: dict):
+    """transformers' bitsandbytes config for a recorded quantization (`QUANTIZATION_FILE`)."""
+    from transformers import BitsAndBytesConfig
+
+    name = description["quantization"]
+    if name == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if name not in ("nf4", "fp4"):
+        raise QllmError(f"{QUANTIZATION_FILE}: quantization {name!r} cannot be dequantized for a merge (nf4, fp4, int8 can)")
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=name, bnb_4bit_use_double_quant=bool(description.get("double_quant", True)),
+                              bnb_4bit_compute_dtype=_DTYPES[description.get("compute_dtype", "fp32")])  # fmt: skip
+
+
+def merged_into_dequantized(source: str, quantization, adapter_dir: Path):
+    """The adapter in `adapter_dir` merged into the dequantized base: the base quantized again
+    from `source` (deterministic, and in bitsandbytes' standard layout: on AVX512-BF16 CPUs a
+    4-bit weight that has run inference is repacked for the CPU kernel, and dequantizing that
+    gives garbage), dequantized to full precision, then merged. Lossy against the full-precision
+    base by the quantization error, not against the model that was trained (benchmarks/RESULTS.md)."""
+    from peft import PeftModel
+
+    with CONSTRUCTION:
+        base = load_causal_lm(source, quantization=quantization).dequantize(dtype=torch.float32).to(torch.float32)  # each weight straight to fp32
+        return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

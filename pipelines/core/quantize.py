@@ -176,3 +176,15 @@ def dequantized(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(model, "dequantize") and getattr(model, "is_quantized", False):
         return model.dequantize()
     return model
+
+
+def describe(qconfig: Any) -> dict[str, Any]:
+    """What an adapter trained on a quantized base records about that base (`QUANTIZATION_FILE`):
+    enough to quantize the base again exactly (`from_description`)."""
+    if getattr(qconfig, "load_in_4bit", False):
+        dtype = {v: k for k, v in DTYPES.items()}.get(qconfig.bnb_4bit_compute_dtype, "fp32")
+        return {"quantization": qconfig.bnb_4bit_quant_type, "double_quant": bool(qconfig.bnb_4bit_use_double_quant), "compute_dtype": dtype}
+    if getattr(qconfig, "load_in_8bit", False):
+        return {"quantization": "int8"}
+    return {"quantization": "fp8"}
+
