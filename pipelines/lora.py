@@ -60,6 +60,10 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
     qconfig = quantize.from_params(adapter, params.train.precision, SECTION)
     quantized_base = (params.base_model, qconfig) if qconfig is not None else None
     wrap, extensions = adapters.wrap(adapter, SECTION), None
+    if params.allocation in ADAPTIVE and (adapter.use_dora or adapter.init_lora_weights != "default"):
+        setting = "use_dora" if adapter.use_dora else "init_lora_weights"
+        raise QllmError(f"{SECTION}.{setting}: the {params.allocation} allocation trains its own SVD-form adapters; "
+                        "use lora.allocation: uniform or quantum_opt for DoRA and PiSSA/OLoRA")  # fmt: skip
     if params.allocation in ADAPTIVE:  # SVD-form adapters whose ranks are allocated while they train
         steps = params.train.max_steps
         wrap = rank_allocation.wrap(adapter, params.adaptive, steps, SECTION)

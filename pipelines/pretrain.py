@@ -19,7 +19,6 @@ import torch
 from pipelines.core import chunked_loss, curriculum, diffusion, objectives, packed, progressive, stage, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import PretrainParams
-from pipelines.core.errors import QllmError
 from pipelines.core.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
 from pipelines.core.outputs import atomic_dir, read_json, write_json
 
@@ -60,13 +59,11 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
 
         extensions.append(MemoryUsage(model))
     loss_fn, val_fn = training.causal_lm_loss, validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
-    if diffusion_objective and cfg.loss_chunk_tokens:
-        raise QllmError(f"{NAME}.train.loss_chunk_tokens: the masked-diffusion objective scores its own masked tokens; set it to 0")
-    loss_fn = chunked_loss.for_loop(loss_fn, model, cfg, NAME)
     if diffusion_objective:
         objective = diffusion.Objective(params.diffusion, model.config.mask_token_id)
         loss_fn = objective
         val_fn = objectives.nelbo_fn(objective, packed.fixed_batches(val_rows, cfg.micro_batch_size, cfg.eval_batches), cfg.precision)
+    loss_fn = chunked_loss.for_loop(loss_fn, model, cfg, NAME)  # the head a chunk at a time (train.loss_chunk_tokens)
     result = training.train(
         model,
         loss_fn,

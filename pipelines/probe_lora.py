@@ -31,7 +31,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import adapters, chat_examples, distributed, finetune, objectives, quantize, qubo, stage, training
+from pipelines.core import (
+    adapters,
+    chat_examples,
+    chunked_loss,
+    distributed,
+    finetune,
+    objectives,
+    quantize,
+    qubo,
+    stage,
+    training,
+)
 from pipelines.core.config import ProbeLoraParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Extension
@@ -120,7 +131,7 @@ def probe_quantized(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
     from pipelines.core.errors import StopRequested, stop_requested
 
     recorder = ActivationGradientRecorder(modules)
-    loss_fn = objectives.chat_objective(model)
+    loss_fn = chunked_loss.for_loop(objectives.chat_objective(model), model, cfg, NAME)
     model.enable_input_require_grads()  # backward reaches every layer although no weight trains
     model.train()
     losses = []
@@ -182,7 +193,8 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
         with CONSTRUCTION:
             model = model.to(device())
         recorder = GradientRecorder(candidate_modules(model, params.target_modules))
-        result = training.train(model, objectives.chat_objective(model), batches, cfg, tracker=tracker, extensions=[recorder], desc=NAME)
+        loss_fn = chunked_loss.for_loop(objectives.chat_objective(model), model, cfg, NAME)
+        result = training.train(model, loss_fn, batches, cfg, tracker=tracker, extensions=[recorder], desc=NAME)
         result.pop("history")  # the probe's weights and curves are thrown away
     table = scores(recorder, params.ranks, params.redundancy)
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output

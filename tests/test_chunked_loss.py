@@ -98,3 +98,21 @@ def test_fsdp_is_refused_and_zero_leaves_the_loss_alone(tiny_base):
     with pytest.raises(QllmError, match=r"lora\.train\.loss_chunk_tokens: .*FSDP.*--set lora\.train\.strategy=ddp"):
         chunked_loss.for_loop(chat_examples.chat_loss, model, TrainParams(loss_chunk_tokens=16, strategy="fsdp"), "lora")
     assert chunked_loss.for_loop(training.causal_lm_loss, model, TrainParams(), "pretrain") is training.causal_lm_loss
+
+
+def test_a_masked_diffusion_objective_is_refused():
+    from pipelines.core import diffusion
+    from pipelines.core.config import DiffusionParams
+
+    with pytest.raises(QllmError, match=r"pretrain\.train\.loss_chunk_tokens: the masked-diffusion objective scores its own masked tokens"):
+        chunked_loss.for_loop(diffusion.Objective(DiffusionParams(), 3), torch.nn.Linear(2, 2), TrainParams(loss_chunk_tokens=16), "pretrain")
+
+
+@pytest.mark.parametrize("stage", ["dpo", "multimodal"])
+def test_stages_that_do_not_chunk_their_loss_refuse_the_setting(stage):
+    from pipelines.core import params_file
+
+    from .conftest import REPO
+
+    with pytest.raises(QllmError, match=rf"{stage}.*train.loss_chunk_tokens: {stage} does not chunk its loss"):
+        params_file.load(REPO, overrides=[f"{stage}.train.loss_chunk_tokens=64"])

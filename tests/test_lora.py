@@ -143,3 +143,48 @@ def test_sft_and_lora_can_run_side_by_side_in_threads(tiny_base, tmp_path):
     for i in range(2):
         model = load_causal_lm(tmp_path / f"lora{i}" / "merged")
         assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def test_dora_trains_magnitudes_and_its_merge_is_the_adapter_on_the_base(tiny_base, tmp_path):
+    from peft import PeftModel
+
+    metrics = lora.run(tiny_base / "chat", tmp_path / "out", lora_params(tiny_base, use_dora=True, lora_dropout=0.0))
+    assert np.isfinite(metrics["val/loss"])
+    config = __import__("json").loads((tmp_path / "out/adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    adapter = PeftModel.from_pretrained(load_causal_lm(tiny_base / "model"), str(tmp_path / "out"))
+    magnitudes = [n for n, _ in adapter.named_parameters() if "lora_magnitude_vector" in n]
+    assert magnitudes  # DoRA's magnitude vectors were trained and saved
+    ids = torch.arange(3, 30).reshape(1, -1)
+    torch.testing.assert_close(_logits(load_causal_lm(tmp_path / "out/merged"), ids), _logits(adapter, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora"])
+def test_pissa_and_olora_adapters_load_on_the_original_base(tiny_base, tmp_path, init):
+    """The base keeps the residual while training; the saved adapter is converted to a plain LoRA
+    of rank 2r against the original base, so base + adapter is the trained model (merged/)."""
+    from peft import PeftModel
+
+    lora.run(tiny_base / "chat", tmp_path / "out", lora_params(tiny_base, init_lora_weights=init, lora_dropout=0.0, trainable_tokens=[]))
+    config = __import__("json").loads((tmp_path / "out/adapter_config.json").read_text())
+    assert config["r"] == 8 and config["init_lora_weights"] is True  # 2r, and loading it decomposes nothing
+    merged = load_causal_lm(tmp_path / "out/merged")
+    base = load_causal_lm(tiny_base / "model")
+    ids = torch.arange(3, 30).reshape(1, -1)
+    trained = _logits(merged, ids)
+    assert not torch.allclose(trained, _logits(base, ids), atol=1e-3)  # it did train
+    torch.testing.assert_close(_logits(PeftModel.from_pretrained(base, str(tmp_path / "out")), ids), trained, rtol=1e-3, atol=1e-3)
+
+
+def test_dora_and_pissa_need_a_plain_lora_allocation(tiny_base, tmp_path):
+    with pytest.raises(QllmError, match=r"lora.adapter.use_dora: the qubo_in_loop allocation trains its own SVD-form adapters"):
+        lora.run(tiny_base / "chat", tmp_path / "a", lora_params(tiny_base, use_dora=True, allocation="qubo_in_loop", adaptive={"tinit": 1, "tfinal": 1, "every": 1}))
+    with pytest.raises(QllmError, match=r"lora.adapter.init_lora_weights: pissa moves part of each weight into the adapter"):
+        lora.run(tiny_base / "chat", tmp_path / "b", lora_params(tiny_base, init_lora_weights="pissa", quantization="nf4"))
+    with pytest.raises(ValueError, match="init_lora_weights"):
+        LoraAdapterParams(init_lora_weights="svd")

@@ -248,3 +248,26 @@ def test_an_unmerged_qlora_adapter_is_merged_into_the_dequantized_base_when_load
     (tmp_path / "adapter/qllm_quantization.json").unlink()  # an adapter of a full-precision base: merged into that base
     naive, _ = load_for_inference(tmp_path / "adapter")
     assert any(not torch.equal(a, b) for a, b in zip(naive.state_dict().values(), written.state_dict().values(), strict=True))
+
+
+def test_the_checkpoint_pages_loading_read_are_given_back_and_the_weights_still_read(tmp_path):
+    """safetensors are memory-mapped (privately, as transformers maps them): after a quantized
+    load the file's pages are released (madvise PAGEOUT), and a tensor that is still a view into
+    the file reads the same after."""
+    import mmap
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("madvise and /proc/self/maps are Linux's")
+    values = torch.arange(1 << 20, dtype=torch.float32)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(values.numpy().tobytes())
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    view = torch.frombuffer(mapping, dtype=torch.float32)
+    assert float(view.sum()) == float(values.sum())  # every page read: resident
+    assert quantize.release_checkpoint_pages() >= path.stat().st_size
+    assert torch.equal(view, values)  # read back from the file where it was dropped
+    del view
+    (tmp_path / "maps").write_text("7f00-7f10 r--p 00000000 00:00 1 /nowhere/lib.so\n")
+    assert quantize.release_checkpoint_pages(tmp_path / "maps") == 0  # no checkpoint mapped: nothing advised

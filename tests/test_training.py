@@ -218,3 +218,43 @@ def test_compile_keeps_a_kernel_cache_per_cpu_cap():
     assert pipelines.inductor_cache_dir({}) is None  # uncapped: torch's own default
     mine = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/somewhere"}
     assert pipelines.inductor_cache_dir(mine) is None and mine["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_8bit_adamw_keeps_8bit_moments_trains_and_resumes_exactly(tmp_path, optimizer):
+    data = rows()
+
+    def model():  # matrices of 64 x 128: bitsandbytes keeps 8-bit state for tensors of 4,096 elements or more
+        return build_llama(ModelParams(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=2), FakeTokenizer(), 16, 0)
+
+    def run(directory, stop_at=None):
+        net = model()
+        seen = {}
+
+        def on_step_end(state, metrics):
+            seen["dtypes"] = {v["state1"].dtype for v in run.optimizer.state.values() if "state1" in v}
+            if state.step == stop_at:
+                raise Interrupt
+        original = training.build_optimizer
+
+        def spy(m, c):
+            run.optimizer = original(m, c)
+            return run.optimizer
+
+        training.build_optimizer = spy
+        try:
+            summary = training.train(net, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), cfg(optimizer=optimizer, max_steps=8),
+                                     checkpoints=CheckpointManager(directory, 2), extensions=[Hook("on_step_end", on_step_end)])  # fmt: skip
+        finally:
+            training.build_optimizer = original
+        return net, summary, seen
+
+    reference, summary, seen = run(tmp_path / "straight")
+    assert torch.uint8 in seen["dtypes"]  # the big matrices' moments are 8-bit
+    history = summary["history"]["train"]
+    assert history[-1][1] < history[0][1]  # [step, loss, lr]
+    with pytest.raises(ExtensionError):
+        run(tmp_path / "killed", stop_at=5)
+    resumed, _, _ = run(tmp_path / "killed")  # from the checkpoint at step 3, optimizer state included
+    for (name, a), (_, b) in zip(reference.state_dict().items(), resumed.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)

@@ -83,6 +83,8 @@ def lora_config(params: LoraAdapterParams, trainable_token_ids: list[int] = (), 
         alpha_pattern=dict(params.alpha_pattern),
         bias=params.bias,
         use_rslora=params.use_rslora,
+        use_dora=params.use_dora,
+        init_lora_weights=True if params.init_lora_weights == "default" else params.init_lora_weights,
         layers_to_transform=layers,
         trainable_token_indices={"embed_tokens": list(trainable_token_ids)} if trainable_token_ids else None,
         task_type="CAUSAL_LM",
@@ -97,9 +99,44 @@ def wrap(params: LoraAdapterParams, section: str = "lora.adapter"):
 
         check_targets(model, params, section)
         layers = layer_indices(model, params, section)
-        return get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens, section), layers))
+        if moves_the_base(params) and getattr(model, "is_quantized", False):
+            raise QllmError(f"{section}.init_lora_weights: {params.init_lora_weights} moves part of each weight into the adapter, "
+                            f"which a quantized base cannot give back here; use default or gaussian, or {section}.quantization: none")  # fmt: skip
+        peft_model = get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens, section), layers))
+        if moves_the_base(params):
+            keep_initial_adapter(peft_model)
+        return peft_model
 
     return apply
+
+
+def moves_the_base(params: LoraAdapterParams) -> bool:
+    """PiSSA and OLoRA start the adapter from part of each weight and leave the rest in the base."""
+    return params.init_lora_weights.startswith(("pissa", "olora"))
+
+
+INITIAL_ADAPTER = "_qllm_initial_adapter"
+"""Attribute of a PiSSA/OLoRA-wrapped model: the directory of its adapter before training."""
+
+
+def keep_initial_adapter(model) -> None:
+    """Save the untrained PiSSA/OLoRA adapter (PEFT's recipe: marked `init_lora_weights: true` so
+    that loading it does not decompose again), so that `save` can convert the trained one into a
+    plain LoRA against the original base (`path_initial_model_for_weight_conversion`)."""
+    import tempfile
+    import weakref
+
+    directory = Path(tempfile.mkdtemp(prefix="qllm-initial-adapter-"))
+    config = model.peft_config["default"]
+    method, config.init_lora_weights = config.init_lora_weights, True
+    try:
+        model.save_pretrained(directory)
+    finally:
+        config.init_lora_weights = method
+    setattr(model, INITIAL_ADAPTER, directory)
+    import shutil
+
+    weakref.finalize(model, shutil.rmtree, directory, True)
 
 
 # PEFT keeps these as sets and writes them in set order, which changes with PYTHONHASHSEED.
@@ -133,8 +170,12 @@ def save(base_for_users: str, merge: bool = True, quantized_base: tuple[str, obj
     """
 
     def write(model, tokenizer, directory: Path) -> None:
+        initial = getattr(model, INITIAL_ADAPTER, None)
         with named_base(model, base_for_users):
-            model.save_pretrained(directory)
+            if initial is None:
+                model.save_pretrained(directory)
+            else:  # PiSSA/OLoRA: a plain LoRA of rank 2r against the original base
+                model.save_pretrained(directory, path_initial_model_for_weight_conversion=str(initial))
         tokenizer.save_pretrained(directory)
         adapter_config = directory / "adapter_config.json"
         settings = json.loads(adapter_config.read_text())

@@ -105,7 +105,11 @@ def for_loop(loss_fn, model: torch.nn.Module, cfg, desc: str):
     Only the causal LM losses can be: `desc` names the stage in the errors."""
     if not cfg.loss_chunk_tokens:
         return loss_fn
+    from pipelines.core import chat_examples, training
+
     setting = f"{desc}.train.loss_chunk_tokens"
+    if loss_fn not in (chat_examples.chat_loss, training.causal_lm_loss):
+        raise QllmError(f"{setting}: the masked-diffusion objective scores its own masked tokens; set it to 0")
     if cfg.strategy == "fsdp":
         raise QllmError(f"{setting}: chunking applies the output head after the sharded forward, which FSDP does not allow; "
                         f"use --set {desc}.train.strategy=ddp or set it to 0")  # fmt: skip

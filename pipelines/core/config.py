@@ -300,11 +300,14 @@ class TrainParams(Section):
     beta2: float = Field(0.95, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, ge=0)
     """Gradient clipping threshold; 0 disables clipping."""
-    optimizer: Literal["adamw", "adamw_fused"] = "adamw_fused"
+    optimizer: Literal["adamw", "adamw_fused", "adamw_bnb_8bit", "paged_adamw_8bit"] = "adamw_fused"
     """`adamw`: `torch.optim.AdamW` (one kernel per parameter); `adamw_fused`: the same update in
     one fused kernel over all parameters (CPU and CUDA; what HF `Trainer` uses by default,
     `adamw_torch_fused`), 3-5x faster an optimizer step on the CPU; results differ from `adamw` by
-    float rounding only."""
+    float rounding only. `adamw_bnb_8bit`: bitsandbytes' 8-bit AdamW, its two moments in 8 bits
+    (2 bytes a parameter instead of 8: for full fine-tuning of a 1.5B model 3 GB instead of 12);
+    `paged_adamw_8bit`: the same, its state paged to host memory when the GPU runs short (CUDA;
+    on a CPU the plain 8-bit one). HF `Trainer`'s names for both."""
     compile: bool = False
     """Compile the model's forward with `torch.compile` (TorchInductor; on a CPU it needs a C++
     compiler). The first steps pay the compilation (tens of seconds on a CPU) and every new
@@ -574,6 +577,17 @@ class LoraAdapterParams(QuantizationParams):
     bias: Literal["none", "all", "lora_only"] = "none"
     use_rslora: bool = False
     """Rank-stabilised scaling alpha/sqrt(r), which keeps update size comparable across ranks."""
+    use_dora: bool = False
+    """DoRA (Liu et al. 2024; PEFT `use_dora`): each adapted weight split into a magnitude vector,
+    trained, and a direction that LoRA updates. Slower a step than plain LoRA (the weight norm is
+    recomputed every forward); `lora.allocation: uniform` or `quantum_opt` only."""
+    init_lora_weights: str = Field("default", pattern=r"^(default|gaussian|pissa|pissa_niter_[1-9][0-9]*|olora)$")
+    """How the adapters start (PEFT `init_lora_weights`): `default` (A random, B zero: the model
+    starts unchanged), `gaussian`, `pissa` (the principal singular vectors of each weight, the
+    rest left in the base; `pissa_niter_N`: by N iterations of randomized SVD, much faster on large
+    weights), `olora` (QR). With pissa/olora the saved adapter is converted to a plain LoRA of
+    rank 2r against the original base, so it loads on that base like any other; not with a
+    quantized base. `lora.allocation: uniform` or `quantum_opt` only."""
     layers_to_transform: list[int] = Field(default_factory=list)
     """Decoder layers to adapt (PEFT `layers_to_transform`); negative indices count from the end
     (`[-1]`: the last layer only); empty: every layer."""
@@ -772,6 +786,12 @@ class DpoParams(Section):
     lora: LoraAdapterParams = LoraAdapterParams()
     train: TrainParams = TrainParams()
 
+    @model_validator(mode="after")
+    def _no_loss_chunks(self) -> DpoParams:
+        if self.train.loss_chunk_tokens:
+            raise ValueError("train.loss_chunk_tokens: dpo does not chunk its loss (its loss is per-sequence log-probabilities, not a token cross-entropy); set it to 0")
+        return self
+
 
 class VisionParams(Section):
     """The vision tower of the multimodal model: a SigLIP vision transformer built from config."""
@@ -818,6 +838,12 @@ class MultimodalParams(Section):
     """Longest chat in tokens, image tokens included (0: the language model's context); longer
     chats are dropped and counted, never cut (an image's tokens must stay whole)."""
     train: TrainParams = TrainParams()
+
+    @model_validator(mode="after")
+    def _no_loss_chunks(self) -> MultimodalParams:
+        if self.train.loss_chunk_tokens:
+            raise ValueError("train.loss_chunk_tokens: multimodal does not chunk its loss (its loss is the image chat's); set it to 0")
+        return self
 
 
 ModelStage = Literal["pretrain", "sft", "lora", "dpo"]

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chat_examples, chunked_loss, objectives, progressive, quantize, training
+from pipelines.core import chat_examples, chunked_loss, footprint, objectives, progressive, quantize, training
 from pipelines.core.chat_template import parse_messages
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import FinetuneParams, QuantizationParams
@@ -67,6 +67,30 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
     return rows["train"], rows["validation"], metrics
 
 
+def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str) -> dict[str, float]:
+    """Before the base loads: what the stage will need (`pipelines.core.footprint`), from the
+    base's config alone; a clear error if it cannot fit this machine, a warning if it will take
+    hours. A base whose shape it cannot read is trained without an estimate."""
+    from transformers import AutoConfig
+
+    from pipelines.core.model_source import follow
+
+    cfg = params.train
+    try:
+        config = AutoConfig.from_pretrained(str(follow(params.base_model))).to_dict()
+        kind = getattr(quantization, "quantization", "none")
+        method = "full" if quantization is None else ("qlora" if kind in ("nf4", "fp4") else "lora")
+        need = footprint.estimate(
+            config, method=method, micro_batch=cfg.micro_batch_size, seq_len=params.max_seq_len or int(config.get("max_position_embeddings", 2048)),
+            gradient_checkpointing=cfg.gradient_checkpointing, loss_chunk_tokens=cfg.loss_chunk_tokens, lora_rank=getattr(quantization, "r", 8),
+            optimizer=cfg.optimizer,
+        )  # fmt: skip
+    except (KeyError, OSError, ValueError, TypeError) as exc:
+        log.info("%s: no memory estimate for this base (%s)", desc, exc)
+        return {}
+    return footprint.check(need, desc, cfg.max_steps * cfg.grad_accum_steps)
+
+
 def run(
     chat_dir: Path,
     out: Path,
@@ -86,6 +110,7 @@ def run(
     `extensions(model, tracker)`: loop extensions for the wrapped model (e.g. rank allocation)."""
     cfg = params.train
     qconfig = quantize.from_params(quantization, cfg.precision, quantization_section or desc)
+    estimates = preflight(params, quantization, desc)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
@@ -103,8 +128,6 @@ def run(
     collate_train = chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing)
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, collate_train)
     loss_fn = objectives.chat_objective(model)  # the chat loss, or the masked-diffusion objective on answer tokens
-    if cfg.loss_chunk_tokens and loss_fn is not chat_examples.chat_loss:
-        raise QllmError(f"{desc}.train.loss_chunk_tokens: the masked-diffusion objective scores its own masked tokens; set it to 0")
     loss_fn = chunked_loss.for_loop(loss_fn, model, cfg, desc)
     val_fn = None
     if val_rows:
@@ -133,4 +156,4 @@ def run(
             progressive.save_stacks(model, grow.stacks, tmp)
 
     result = training.finish(result, out, save_all)
-    return {**result, **counts, **metrics}
+    return {**result, **counts, **metrics, **estimates}

@@ -191,11 +191,27 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainParams) -> torch.optim.AdamW:
-    """AdamW over `param_groups`; `train.optimizer: adamw_fused` asks for torch's fused kernel."""
+BNB_OPTIMIZERS = {"adamw_bnb_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit"}
+"""bitsandbytes' 8-bit AdamW (moments in 8 bits, blockwise: 2 bytes a parameter instead of 8),
+named as HF `Trainer` names them; paged: its state in unified memory that spills to the host (CUDA)."""
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainParams) -> torch.optim.Optimizer:
+    """AdamW over `param_groups`; `train.optimizer: adamw_fused` asks for torch's fused kernel,
+    `adamw_bnb_8bit` / `paged_adamw_8bit` for bitsandbytes' 8-bit AdamW."""
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer in BNB_OPTIMIZERS:
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise QllmError(f"train.optimizer {cfg.optimizer} needs bitsandbytes (pip install 'bitsandbytes>=0.48'); or use adamw_fused") from None
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if cfg.optimizer.startswith("paged") and device.type != "cuda":
+            log.warning("train.optimizer %s: paging needs CUDA; on %s it is the plain 8-bit AdamW", cfg.optimizer, device.type)
+        return getattr(bnb.optim, BNB_OPTIMIZERS[cfg.optimizer])(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     fused = cfg.optimizer == "adamw_fused"
     try:
-        return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
     except RuntimeError as exc:  # a device or dtype the fused kernel does not support
         raise QllmError(f"train.optimizer adamw_fused: {exc}; use train.optimizer: adamw") from exc
 

@@ -1,0 +1,184 @@
+"""What a training stage will need, from the base's config.json alone, said before it loads anything.
+
+    need = footprint.estimate(config, method="qlora", micro_batch=4, seq_len=1024, ...)
+    footprint.check(need, "lora", micro_batches=800)   # QllmError if it cannot fit, a warning if it takes hours
+
+A 1.5B-parameter base fine-tuned with 4 rows of 1,024 tokens on a laptop either fits or fails
+after minutes of loading; here the stage says which, with the numbers, before it starts. The
+estimate counts, in bytes:
+
+- weights: fp32 on the CPU (4 per parameter; a bf16 stage keeps fp32 weights under autocast),
+  or for QLoRA the decoder's linear weights in 4 bits plus their block scales (0.53 bytes per
+  weight) and the rest in fp32;
+- what training keeps per trainable parameter: its gradient and AdamW's two moments (12 bytes;
+  6 with bitsandbytes' 8-bit AdamW, `train.optimizer: adamw_bnb_8bit`);
+- activations: with gradient checkpointing each layer's input plus one layer's intermediates,
+  without it every layer's;
+- the logits and what the loss keeps of them (3 copies of rows x tokens x vocabulary in fp32; one
+  chunk's worth with `train.loss_chunk_tokens`);
+- the process's libraries (torch, transformers: about 0.5 GB).
+
+It was checked against measured peaks at the shapes of Qwen2.5-0.5B and -1.5B (benchmarks/RESULTS.md,
+issue 35): it is an estimate of the order of the need, good to within about 25%. Time: the step's
+matrix FLOPs (6 per parameter and token for full training, 4 for a frozen base, plus 2 more when
+checkpointing recomputes the forward) over what a quick product of two 1,024 x 1,024 matrices
+reaches on this machine, times an efficiency measured on the same runs.
+
+Only `check` acts on it: a need above the machine's whole memory is an error (the stage would be
+killed or swap for hours), above what is free right now a warning; a long step a warning.
+Nothing here stops a run for being slow.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from pipelines.core.errors import QllmError
+
+log = logging.getLogger("qllm.footprint")
+
+GB = 1e9
+LIBRARIES = 0.5 * GB
+NF4_BYTES = 0.53
+"""Bytes per 4-bit weight with its block scales (double quantization)."""
+EFFICIENCY = 0.55
+"""Share of the quick matmul probe's FLOP/s that a training step reaches (measured, issue 35)."""
+LONG_STAGE_SECONDS = 2 * 3600
+
+
+@dataclass(frozen=True)
+class Need:
+    method: str
+    parameters: int
+    weights: float
+    trainable_state: float
+    activations: float
+    logits: float
+    step_flops: float
+    tokens_per_step: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.trainable_state + self.activations + self.logits + LIBRARIES
+
+    def describe(self) -> str:
+        parts = (("weights", self.weights), ("gradients and optimizer", self.trainable_state), ("activations", self.activations),
+                 ("logits", self.logits), ("libraries", LIBRARIES))  # fmt: skip
+        return f"about {self.total / GB:.1f} GB (" + ", ".join(f"{name} {size / GB:.2f}" for name, size in parts) + ")"
+
+
+def _get(config: dict, *keys: str, default=None):
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is not None:
+        return default
+    raise KeyError(keys[0])
+
+
+def shape(config: dict) -> dict[str, int]:
+    """The sizes that decide the need, from a transformers config.json (Llama, Qwen2, Mistral,
+    Gemma, Phi-3 and the like); KeyError when one is missing."""
+    hidden = int(_get(config, "hidden_size", "n_embd"))
+    heads = int(_get(config, "num_attention_heads", "n_head"))
+    return {
+        "hidden": hidden,
+        "intermediate": int(_get(config, "intermediate_size", default=4 * hidden)),
+        "layers": int(_get(config, "num_hidden_layers", "n_layer")),
+        "heads": heads,
+        "kv_heads": int(_get(config, "num_key_value_heads", default=heads)),
+        "head_dim": int(_get(config, "head_dim", default=hidden // heads)),
+        "vocab": int(_get(config, "vocab_size")),
+        "tied": bool(config.get("tie_word_embeddings", True)),
+    }
+
+
+def parameters(s: dict[str, int]) -> tuple[int, int]:
+    """(every parameter, the decoder's linear weights) of a decoder of shape `s`."""
+    attention = s["hidden"] * s["head_dim"] * (2 * s["heads"] + 2 * s["kv_heads"])
+    linear = s["layers"] * (attention + 3 * s["hidden"] * s["intermediate"])
+    embeddings = s["vocab"] * s["hidden"] * (1 if s["tied"] else 2)
+    return linear + embeddings + s["layers"] * 2 * s["hidden"] + s["hidden"], linear
+
+
+def estimate(config: dict, *, method: str, micro_batch: int, seq_len: int, gradient_checkpointing: bool, loss_chunk_tokens: int = 0,
+             lora_rank: int = 8, optimizer: str = "adamw_fused") -> Need:  # fmt: skip
+    """The need of one training stage; `method`: `full` (sft), `lora` or `qlora` (every linear
+    weight of the decoder adapted at rank `lora_rank`)."""
+    s = shape(config)
+    total, linear = parameters(s)
+    rest = total - linear
+    weights = (linear * NF4_BYTES + rest * 4) if method == "qlora" else total * 4
+    if method == "full":
+        trainable = total
+    else:
+        per_layer = s["hidden"] * 4 + s["head_dim"] * (s["heads"] * 2 + s["kv_heads"] * 2) + 3 * (s["hidden"] + s["intermediate"])
+        trainable = s["layers"] * lora_rank * per_layer
+    tokens = micro_batch * seq_len
+    one_layer = tokens * (10 * s["hidden"] + 3 * s["intermediate"]) * 4 + micro_batch * s["heads"] * seq_len * seq_len * 4
+    activations = (s["layers"] * tokens * s["hidden"] * 4 + one_layer) if gradient_checkpointing else s["layers"] * one_layer
+    scored = min(loss_chunk_tokens, tokens) if loss_chunk_tokens else tokens
+    logits = 3 * scored * s["vocab"] * 4
+    per_token = (6 if method == "full" else 4) + (2 if gradient_checkpointing else 0)
+    state = 4 + (2 if "8bit" in optimizer else 8)  # the gradient, then AdamW's two moments in fp32 or 8 bits
+    return Need(method, total, weights, trainable * state, activations, logits, per_token * total * tokens, tokens)
+
+
+def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float | None:
+    """FLOP/s of a `size`-square fp32 product on this machine (about 0.1 s); None if it fails."""
+    try:
+        import torch
+
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b  # warm-up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        return 2 * size**3 * repeats / (time.perf_counter() - start)
+    except Exception:  # a probe, never a reason to stop
+        log.info("footprint: could not time a matrix product; no time estimate")
+        return None
+
+
+def _memory() -> tuple[float, float] | None:
+    """(total, available) bytes of the device the stage trains on: CUDA's if there is one."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            return float(total), float(free)
+        import psutil
+
+        memory = psutil.virtual_memory()
+        return float(memory.total), float(memory.available)
+    except Exception:
+        return None
+
+
+def check(need: Need, desc: str, micro_batches: int, memory: tuple[float, float] | None = None, flops: float | None = None) -> dict[str, float]:
+    """Say before training whether `need` fits: a QllmError naming the numbers when it exceeds the
+    machine's memory, a warning when it exceeds what is free now or when the stage would run for
+    hours. Returns the estimates, for the stage's metrics."""
+    memory = memory if memory is not None else _memory()
+    what = f"{desc} ({need.method}, {need.parameters / 1e9:.2f}B parameters, {need.tokens_per_step} tokens a micro-batch)"
+    advice = "gradient_checkpointing: true, train.loss_chunk_tokens: 1024, a smaller micro_batch_size or max_seq_len, or lora.adapter.quantization: nf4"
+    out = {"estimate/memory_gb": round(need.total / GB, 2)}
+    if memory is not None:
+        total, available = memory
+        if need.total > total:
+            raise QllmError(f"{what} needs {need.describe()}, more than this machine's {total / GB:.1f} GB; try {advice}")
+        if need.total > available:
+            log.warning("%s needs %s and %.1f GB are free now: it may swap or be killed; try %s", what, need.describe(), available / GB, advice)
+    flops = flops if flops is not None else matmul_flops_per_second()
+    if flops:
+        seconds = need.step_flops / (flops * EFFICIENCY)
+        out["estimate/seconds_per_micro_batch"] = round(seconds, 2)
+        log.info("%s: %s, about %.1f s a micro-batch on this machine", what, need.describe(), seconds)
+        if seconds * micro_batches > LONG_STAGE_SECONDS:
+            hours = math.ceil(seconds * micro_batches / 3600)
+            log.warning("%s: about %.1f s a micro-batch, so about %d h for its %d micro-batches on this machine", what, seconds, hours, micro_batches)
+    return out
