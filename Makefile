@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-all bench lock clean-outputs serve stop
+.PHONY: install run test test-all bench gpu-check lock clean-outputs serve stop
 
 # Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
 # PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
@@ -79,6 +79,12 @@ stop:
 
 bench: install $(VENV)/.installed-peers
 	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.train_throughput
+
+# The device check on a CUDA machine (under 8 min on one H100, no network): the tiny pipeline on
+# the GPU, bf16 MFU vs HF Trainer, LoRA vs QLoRA at 0.5B/1.5B, fp8, compile, NCCL DDP; writes
+# gpu_check/gpu_check.{json,md}. Install a CUDA torch first: make install TORCH_SPEC=... (README).
+gpu-check: install $(VENV)/.installed-peers
+	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.gpu_check --out gpu_check $(ARGS)
 
 # Re-pin every transitive dependency with uv (commit the result): the ranges of pyproject.toml,
 # every extra, resolved for .venv's Python; each pin of the current requirements.lock that still
