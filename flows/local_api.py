@@ -102,6 +102,7 @@ class LocalApi:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         env = {
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no telemetry from a run's private API (offline: an ERROR line a few minutes in); yours wins
             **os.environ,
             "PREFECT_UI_ENABLED": "0",
             "PREFECT__SERVER_EPHEMERAL": "1",
