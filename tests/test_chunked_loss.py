@@ -116,3 +116,13 @@ def test_stages_that_do_not_chunk_their_loss_refuse_the_setting(stage):
 
     with pytest.raises(QllmError, match=rf"{stage}.*train.loss_chunk_tokens: {stage} does not chunk its loss"):
         params_file.load(REPO, overrides=[f"{stage}.train.loss_chunk_tokens=64"])
+
+
+def test_without_labels_every_next_token_is_scored_as_causal_lm_loss_does(tiny_base):
+    """evaluate's validation loss: packed text rows, no labels, under no_grad."""
+    model = load_causal_lm(tiny_base / "model").eval()
+    rows = {"input_ids": batch(model.config.vocab_size)["input_ids"]}
+    with torch.no_grad():
+        own, _ = training.causal_lm_loss(model, rows)
+        chunked, _ = chunked_loss.causal(5)(model, rows)
+    assert chunked.item() == pytest.approx(own.item(), rel=1e-5)
