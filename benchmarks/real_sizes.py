@@ -114,48 +114,11 @@ def make_base(shape: str, out: Path, seed: int = 0, max_positions: int = 32768) 
     return out
 
 
-class AnonymousPeak:
-    """The peak of the process's anonymous memory (`RssAnon`, Linux), sampled every 20 ms.
-
-    Peak resident memory (`ru_maxrss`) also counts the pages of the checkpoint file that loading
-    maps (safetensors are memory-mapped: a bf16 1.5B checkpoint is 3.1 GB of them), which the
-    kernel drops under memory pressure without harm; the anonymous memory is what cannot be
-    dropped, what decides whether a stage fits."""
-
-    def __init__(self, interval: float = 0.02) -> None:
-        import threading
-
-        self.interval, self.peak_mb = interval, 0.0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _read(self) -> float:
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
-
-    def _sample(self) -> None:
-        while not self._done.wait(self.interval):
-            self.peak_mb = max(self.peak_mb, round(self._read(), 1))
-
-    def __enter__(self) -> AnonymousPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-        self.peak_mb = max(self.peak_mb, round(self._read(), 1))
-
-
 def stage(args: argparse.Namespace) -> dict:
     """One stage of the fine-tuning profile against `args.base`; its numbers."""
     from pipelines import lora, sft
     from pipelines.core import params_file, precision
+    from pipelines.core.resources import PeakMemory
 
     root = Path(args.project)
     repo = Path(__file__).resolve().parents[1]
@@ -173,14 +136,14 @@ def stage(args: argparse.Namespace) -> dict:
     section = section.model_copy(update=update)
     module = {"lora": lora, "sft": sft}[args.stage]
     start = time.perf_counter()
-    with AnonymousPeak() as anonymous:
+    with PeakMemory(interval=0.02) as peak:  # anonymous memory too: the checkpoint's mapped pages are file cache
         metrics = module.run(root / "data/prepared/chat", Path(args.work), section)
     steps = max(1, metrics["steps"])
     return {"stage": args.stage, "quantization": args.quantization if args.stage == "lora" else "none",
             "gradient_checkpointing": not args.no_gradient_checkpointing, "loss_chunk_tokens": args.loss_chunk,
             "seq_len": args.seq_len, "merge": args.merge, "optimizer": args.optimizer, "steps": metrics["steps"], "precision": train.precision,
             "seconds_per_step": round(metrics["train_seconds"] / steps, 2), "stage_seconds": round(time.perf_counter() - start, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "peak_anonymous_mb": anonymous.peak_mb,
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "peak_anonymous_mb": round(peak.peak_anonymous / 2**20, 1),
             "total_parameters": metrics["total_parameters"], "trainable_parameters": metrics["trainable_parameters"],
             "tokens_per_second": round(metrics.get("tokens_per_second", 0.0), 1), **_cuda_peak()}
 

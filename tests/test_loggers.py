@@ -138,3 +138,16 @@ def test_peak_memory_measures_what_the_block_allocated():
         time.sleep(0.1)
         del held
     assert rss / 2**20 * 0.9 <= small.metrics()["peak_rss_mb"] < peak.metrics()["peak_rss_mb"]
+    # anonymous memory (Linux): the 50 MB block counts, a file mapped and read does not
+    import mmap
+    import tempfile
+
+    with tempfile.TemporaryFile() as handle:
+        handle.write(b"x" * (100 * 2**20))
+        handle.flush()
+        with PeakMemory(interval=0.01) as mapped:
+            view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            assert view[:: 4096].count(b"x") == 100 * 2**20 // 4096  # every page read: resident, as file cache
+            time.sleep(0.1)
+            view.close()
+    assert small.peak_anonymous >= 50 * 2**20 and mapped.peak_anonymous < mapped.peak_rss

@@ -257,8 +257,6 @@ def test_the_checkpoint_pages_loading_read_are_given_back_and_the_weights_still_
     import mmap
     import sys
 
-    if not sys.platform.startswith("linux"):
-        pytest.skip("madvise and /proc/self/maps are Linux's")
     values = torch.arange(1 << 20, dtype=torch.float32)
     path = tmp_path / "model.safetensors"
     path.write_bytes(values.numpy().tobytes())
@@ -266,7 +264,8 @@ def test_the_checkpoint_pages_loading_read_are_given_back_and_the_weights_still_
         mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     view = torch.frombuffer(mapping, dtype=torch.float32)
     assert float(view.sum()) == float(values.sum())  # every page read: resident
-    assert quantize.release_checkpoint_pages() >= path.stat().st_size
+    advised = quantize.release_checkpoint_pages()
+    assert advised >= path.stat().st_size if sys.platform.startswith("linux") else advised == 0  # madvise is Linux's
     assert torch.equal(view, values)  # read back from the file where it was dropped
     del view
     (tmp_path / "maps").write_text("7f00-7f10 r--p 00000000 00:00 1 /nowhere/lib.so\n")

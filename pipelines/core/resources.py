@@ -24,15 +24,20 @@ import psutil
 _STATUS = Path("/proc/self/status")
 
 
-def _high_water_mark() -> int | None:
-    """VmHWM in bytes (Linux), else None."""
+def _status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (`VmHWM`, `RssAnon`) in bytes (Linux), else None."""
     try:
         for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
-        pass
+        return None
     return None
+
+
+def _high_water_mark() -> int | None:
+    """VmHWM in bytes (Linux), else None."""
+    return _status_bytes("VmHWM")
 
 
 def _cuda():
@@ -55,10 +60,14 @@ class PeakMemory:
         self._hwm_before: int | None = None
         self.peak_rss = 0
         self.peak_cuda: int | None = None
+        self.peak_anonymous = 0
+        """The largest sampled `RssAnon` (Linux): resident memory less the file pages mapped (a
+        memory-mapped checkpoint's), which the kernel can drop; what decides whether a job fits."""
 
     def _sample(self) -> None:
         while True:
             self.sampled = max(self.sampled, self.process.memory_info().rss)
+            self.peak_anonymous = max(self.peak_anonymous, _status_bytes("RssAnon") or 0)
             if self._done.wait(self.interval):
                 return
 
@@ -74,6 +83,7 @@ class PeakMemory:
         self._done.set()
         self._thread.join()
         self.sampled = max(self.sampled, self.process.memory_info().rss)
+        self.peak_anonymous = max(self.peak_anonymous, _status_bytes("RssAnon") or 0)
         hwm = _high_water_mark()
         self.peak_rss = hwm if hwm is not None and self._hwm_before is not None and hwm > self._hwm_before else self.sampled
         if (cuda := _cuda()) is not None and cuda.is_initialized():
