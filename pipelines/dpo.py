@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import adapters, preference_data, quantize, stage, training
+from pipelines.core import adapters, footprint, preference_data, quantize, stage, training
 from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import DpoParams
 from pipelines.core.errors import QllmError
@@ -94,10 +94,13 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     cfg = params.train
     reference = read_json(ref_dir / "meta.json")["reference"]  # the model the reference pass used
     qconfig = quantize.from_params(params.lora, cfg.precision, "dpo.lora") if params.adapter == "lora" else None
-    model, tokenizer = load_for_inference(root / reference, root) if qconfig is None else quantize.load(root / reference, qconfig, "dpo.lora")
     train_pairs, val_pairs, heldout_pairs = (load_pairs(ref_dir, s) for s in ("train", "validation", "test"))
     if not train_pairs:
         raise QllmError(f"{ref_dir / 'train.parquet'}: no preference pairs to train on")
+    method = "full" if params.adapter != "lora" else ("qlora" if params.lora.quantization in ("nf4", "fp4") else "lora")
+    estimates = footprint.preflight(root / reference, cfg, method=method, seq_len=max(max(len(p.chosen_ids), len(p.rejected_ids)) for p in train_pairs),
+                                    micro_batch=2 * cfg.micro_batch_size, lora_rank=params.lora.r, desc=NAME)  # chosen and rejected rows  # fmt: skip
+    model, tokenizer = load_for_inference(root / reference, root) if qconfig is None else quantize.load(root / reference, qconfig, "dpo.lora")
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
@@ -134,7 +137,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         write_json(tmp / preference_data.PREFERENCE_CONFIG, {"beta": params.beta, "loss_type": params.loss_type, "reference": reference})
 
     result = training.finish(result, out, save)
-    return {**result, **counts, **heldout, "reference": reference, "train_pairs": len(train_pairs)}
+    return {**result, **counts, **heldout, "reference": reference, "train_pairs": len(train_pairs), **estimates}
 
 
 def body(ctx: stage.StageContext) -> dict:

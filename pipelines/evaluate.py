@@ -253,7 +253,7 @@ def preference_metrics(model, pairs: list[preference_data.Pair], pad_id: int, ba
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
         batch = training.to_device(make(np.arange(start, min(start + batch_size, len(pairs)))), model.device)
-        c, r = preference_data.sequence_logps(model, batch)
+        c, r = preference_data.sequence_logps(model, batch, preference_data.SCORE_CHUNK_TOKENS)
         chosen.append(c.float().cpu())
         rejected.append(r.float().cpu())
     chosen, rejected = torch.cat(chosen), torch.cat(rejected)
@@ -283,7 +283,9 @@ def evaluate_model(
         # 256-token rows took 15 GB at the Qwen2.5-0.5B shape (the same mean, up to float rounding)
         val_loss = training.mean_loss(model, chunked_loss.causal(VAL_CHUNK_TOKENS), batches, model.device, "fp32")
 
+    generating = time.perf_counter()
     predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.max_new_tokens, params.batch_size)
+    generate_seconds = time.perf_counter() - generating
     correct, by_group = exact_match_report(questions, predictions)
     similarity = text_similarity(predictions, questions["reference"].tolist())
     if bertscore is not None:
@@ -306,6 +308,7 @@ def evaluate_model(
         **similarity,
         **preference,
         "eval_seconds": round(seconds, 3),
+        "seconds_per_question": round(generate_seconds / max(1, len(predictions)), 4),  # batched greedy generation
     }
 
 

@@ -122,22 +122,40 @@ class ActivationGradientRecorder:
             handle.remove()
 
 
-def probe_quantized(model: torch.nn.Module, modules: dict[str, torch.nn.Module], batches, cfg) -> tuple[ActivationGradientRecorder, dict]:
-    """`cfg.max_steps` steps of `cfg.grad_accum_steps` micro-batches through a frozen quantized
-    base: gradients are recorded, nothing is updated (a 4-/8-bit base cannot be), so every step
-    measures the base that LoRA will start from."""
+class FrozenGradientRecorder(GradientRecorder):
+    """The record at a frozen full-precision base (`probe_lora.frozen_base`): only the candidate
+    weights require gradients, and no optimizer holds state for them, so the probe keeps the
+    weights, one gradient and one accumulated gradient of the probed modules, and nothing else."""
+
+    def __init__(self, modules: dict[str, torch.nn.Linear]):
+        super().__init__(modules)
+        for module in modules.values():
+            module.weight.requires_grad_(True)
+
+    def end_step(self) -> None:
+        self.on_gradients(None)
+        for module in self.modules.values():
+            module.weight.grad = None
+
+    def close(self) -> None:
+        pass
+
+
+def probe_frozen(model: torch.nn.Module, recorder, batches, cfg, what: str = "frozen base") -> tuple[object, dict]:
+    """`cfg.max_steps` steps of `cfg.grad_accum_steps` micro-batches through a frozen base:
+    gradients are recorded, nothing is updated (a 4-/8-bit base cannot be; a full-precision one
+    with `frozen_base` need not be), so every step measures the base that LoRA will start from."""
     from tqdm.auto import tqdm
 
     from pipelines.core.errors import StopRequested, stop_requested
 
-    recorder = ActivationGradientRecorder(modules)
     loss_fn = chunked_loss.for_loop(objectives.chat_objective(model), model, cfg, NAME)
     model.enable_input_require_grads()  # backward reaches every layer although no weight trains
     model.train()
     losses = []
     iterator = iter(batches)
     try:
-        for _ in tqdm(range(cfg.max_steps), desc=f"{NAME} (quantized base)", disable=not distributed.is_main()):
+        for _ in tqdm(range(cfg.max_steps), desc=f"{NAME} ({what})", disable=not distributed.is_main()):
             total = 0.0
             for _ in range(cfg.grad_accum_steps):
                 batch = training.to_device(next(iterator), device())
@@ -181,14 +199,26 @@ def scores(recorder, ranks: list[int], redundancy: str = "detrended") -> dict:
 def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dict:
     cfg = params.train
     qconfig = quantize.from_params(params, params.train.precision, NAME)
+    frozen = qconfig is not None or params.frozen_base
+    estimates = finetune.preflight(params, params if qconfig is not None else None, NAME, probe=frozen)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, NAME)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
     batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing))
-    if qconfig is not None:  # QLoRA: gradients at the frozen quantized base (see probe_quantized)
+    if frozen:  # gradients at the frozen base (see probe_frozen)
+        if distributed.world_size() > 1:
+            raise QllmError(f"{NAME}: a frozen-base probe records one process's gradients; set probe_lora.train.nproc to 1")
         for parameter in model.parameters():
             parameter.requires_grad_(False)
-        recorder, result = probe_quantized(model, candidate_modules(model, params.target_modules), batches, cfg)
+        if qconfig is not None:
+            recorder, what = ActivationGradientRecorder(candidate_modules(model, params.target_modules)), "quantized base"
+        else:
+            with CONSTRUCTION:
+                model = model.to(device())
+            if cfg.gradient_checkpointing:
+                training.activation_checkpointing(model, True, NAME)
+            recorder, what = FrozenGradientRecorder(candidate_modules(model, params.target_modules)), "frozen base"
+        recorder, result = probe_frozen(model, recorder, batches, cfg, what)
     else:
         with CONSTRUCTION:
             model = model.to(device())
@@ -209,6 +239,8 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
         "top_energy_share": round(top[0][1]["energy_share"], 4),
         "mean_redundancy": round(float(np.mean(list(table["redundancy"].values()) or [0.0])), 4),
         "data/train_examples": data_metrics["data/train_examples"],
+        "frozen_base": frozen,
+        **estimates,
     }
 
 

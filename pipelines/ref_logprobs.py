@@ -35,7 +35,7 @@ def score(model, pairs: list[preference_data.Pair], pad_id: int, batch_size: int
     make = preference_data.collate(pairs, pad_id)
     for start in range(0, len(pairs), batch_size):
         indices = np.arange(start, min(start + batch_size, len(pairs)))
-        chosen, rejected = preference_data.sequence_logps(model, make(indices))
+        chosen, rejected = preference_data.sequence_logps(model, make(indices), preference_data.SCORE_CHUNK_TOKENS)
         for i, c, r in zip(indices, chosen.tolist(), rejected.tolist(), strict=True):
             pairs[i].ref_chosen, pairs[i].ref_rejected = c, r
 

@@ -126,3 +126,24 @@ def test_without_labels_every_next_token_is_scored_as_causal_lm_loss_does(tiny_b
         own, _ = training.causal_lm_loss(model, rows)
         chunked, _ = chunked_loss.causal(5)(model, rows)
     assert chunked.item() == pytest.approx(own.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_chunked_preference_scores_are_the_whole_logits_ones(tiny_base, chunk):
+    """ref_logprobs and evaluate score answers a chunk of tokens at a time: the same summed
+    log-probabilities as the whole batch's logits, padded rows and prompts excluded."""
+    from pipelines.core import preference_data
+    from pipelines.core.preference_data import Pair
+
+    model = load_causal_lm(tiny_base / "model").eval()
+    g = np.random.default_rng(0)
+    pairs = [Pair(f"p{i}", 4 + i, g.integers(3, 300, 9 + 3 * i), g.integers(3, 300, 12 - i), 0.0, 0.0) for i in range(3)]
+    batch = preference_data.collate(pairs, pad_id=0)(np.arange(3))
+    with torch.no_grad():
+        whole = preference_data.sequence_logps(model, batch)
+        chunked = preference_data.sequence_logps(model, batch, chunk)
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.allclose(a, b, atol=1e-4), (a, b)
+    assert (whole[0] < 0).all()
+    with torch.enable_grad():  # with gradients (dpo's policy) it keeps the whole-logits path
+        assert torch.equal(preference_data.sequence_logps(model, batch, chunk)[0].detach(), whole[0])

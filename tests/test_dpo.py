@@ -55,6 +55,7 @@ def test_dpo_starts_at_log2_and_never_runs_the_reference(workspace, monkeypatch)
     assert calls == [4] * 4 + [4] * 2 + [4, 4]
     assert metrics["steps"] == 4 and "heldout/rewards/accuracies" in metrics and "val/rewards/margins" in metrics
     assert (root / "data/models/dpo/model.safetensors").exists()
+    assert 0.5 <= metrics["estimate/memory_gb"] < 1 and metrics["estimate/seconds_per_micro_batch"] >= 0  # said before it loaded
 
 
 def test_dpo_with_a_lora_adapter_reuses_the_lora_code(workspace):

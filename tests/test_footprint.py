@@ -70,3 +70,28 @@ def test_the_lora_stage_reports_its_estimate(tiny_base, tmp_path):
     metrics = lora.run(tiny_base / "chat", tmp_path / "out", lora_params(tiny_base))
     assert 0.5 <= metrics["estimate/memory_gb"] < 1  # a tiny model: the libraries, mostly
     assert metrics["estimate/seconds_per_micro_batch"] >= 0
+
+
+def test_a_frozen_probe_needs_the_weights_and_two_gradients_not_an_optimizer():
+    config = SHAPES["qwen2.5-0.5b"]
+    kw = {"micro_batch": 4, "seq_len": 1024, "gradient_checkpointing": True, "loss_chunk_tokens": 256}
+    full, probe, qprobe = (footprint.estimate(config, method=m, **kw) for m in ("full", "probe", "qprobe"))
+    _, linear = footprint.parameters(footprint.shape(config))
+    assert probe.trainable_state == pytest.approx(8 * linear) and probe.weights == full.weights
+    assert probe.total < 0.7 * full.total and qprobe.weights < 0.4 * probe.weights  # the embeddings stay fp32
+    assert probe.step_flops < full.step_flops  # no weight gradient of the embeddings, no update
+    with pytest.raises(ValueError, match="method must be one of"):
+        footprint.estimate(config, method="dora", **kw)
+
+
+def test_the_probe_stage_reports_its_estimate(tiny_base, tmp_path):
+    from pipelines import probe_lora
+    from pipelines.core.config import ProbeLoraParams
+
+    from .test_probe_lora import TRAIN
+
+    params = ProbeLoraParams(base_model=str(tiny_base / "model"), train=TRAIN.model_copy(update={"max_steps": 1}))
+    trained = probe_lora.run(tiny_base / "chat", tmp_path / "a", params)
+    frozen = probe_lora.run(tiny_base / "chat", tmp_path / "b", params.model_copy(update={"frozen_base": True}))
+    assert trained["frozen_base"] is False and frozen["frozen_base"] is True
+    assert 0.5 <= frozen["estimate/memory_gb"] <= trained["estimate/memory_gb"] < 1  # a tiny model: the libraries, mostly

@@ -152,3 +152,38 @@ def test_a_reference_solve_that_finds_nothing_in_time_is_logged_and_the_stage_go
     with pytest.raises(QllmError, match=r"milp: no solution within the time limit \(Time limit reached.*raise quantum_opt.timeout"):
         quantum_opt.run(scores, tmp_path / "milp", QuantumOptParams(budget_rank=1, solver="milp"))
     assert not (tmp_path / "milp").exists()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_frozen_base_probe_records_the_base_gradients_and_leaves_the_weights(tiny_base, tmp_path, checkpointing):
+    """`frozen_base: true`: no optimizer, nothing updated; each step's record is autograd's weight
+    gradient at the base (activation checkpointing on or off), so the scores equal those of a
+    plain backward pass over the same batches, and the base's weights are untouched."""
+    from pipelines.core import chat_examples, finetune, training
+    from pipelines.core.models import load_causal_lm, load_tokenizer
+
+    train = TRAIN.model_copy(update={"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "gradient_checkpointing": checkpointing})
+    params = ProbeLoraParams(base_model=str(tiny_base / "model"), ranks=[1, 2], target_modules=["q_proj", "down_proj"], train=train,
+                             frozen_base=True)  # fmt: skip
+    metrics = probe_lora.run(tiny_base / "chat", tmp_path / "probe", params)
+    table = read_json(tmp_path / "probe" / "scores.json")
+    assert metrics["steps"] == 3 == table["steps"] and len(table["values"]) == 4
+
+    reference = load_causal_lm(tiny_base / "model")
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    recorder = probe_lora.GradientRecorder(probe_lora.candidate_modules(reference, params.target_modules))
+    tokenizer = load_tokenizer(tiny_base / "model")
+    rows, _, _ = finetune.build_rows(tokenizer, tiny_base / "chat", params, 128)
+    batches = iter(training.Batches(len(rows), 2, train.seed, chat_examples.collate(rows, tokenizer.pad_token_id, True)))
+    for _ in range(3):
+        reference.zero_grad()
+        for _ in range(2):
+            loss, _ = chat_examples.chat_loss(reference, next(batches))
+            (loss / 2).backward()
+        recorder.on_gradients(None)
+    expected = probe_lora.scores(recorder, [1, 2])
+    for name, shape in table["modules"].items():
+        assert shape["energy_share"] == pytest.approx(expected["modules"][name]["energy_share"], rel=1e-4), name
+        assert table["values"][name] == pytest.approx({str(r): v for r, v in expected["values"][name].items()}, rel=1e-4), name
+    assert table["redundancy"] == pytest.approx(expected["redundancy"], abs=1e-4)
+    assert all(torch.equal(before[k], v) for k, v in load_causal_lm(tiny_base / "model").state_dict().items())

@@ -166,3 +166,6 @@ def chat_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "labels", "position_ids", "attention_mask")}
     output = model(**inputs, use_cache=False)
     return output.loss, {}
+
+
+chat_loss.causal_lm_loss = True  # the model's own cross-entropy: `chunked_loss.for_loop` may chunk its head

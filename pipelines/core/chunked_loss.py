@@ -100,15 +100,40 @@ def causal(chunk: int):
     return loss_fn
 
 
+def chunkable(model: torch.nn.Module) -> bool:
+    """Whether `model`'s head can be applied a chunk at a time (see `check`)."""
+    try:
+        check(model)
+    except QllmError:
+        return False
+    return True
+
+
+@torch.no_grad()
+def summed_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per row, the summed log-probability of the tokens where `mask` is 1 (each predicted from the
+    one before), the head applied to `chunk` of those tokens at a time: what `log_softmax(logits)`
+    gathered at the targets gives, without a batch's whole logits (inference only)."""
+    base = causal_lm(model)
+    with _head_off(base) as head:
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    keep = mask[:, 1:].bool()
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1).expand_as(keep)[keep]
+    hidden, targets = hidden[:, :-1][keep], input_ids[:, 1:][keep]
+    summed = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, targets.numel(), chunk):
+        logps = torch.log_softmax(head(hidden[start : start + chunk]).float(), dim=-1)
+        summed.index_add_(0, rows[start : start + chunk], logps.gather(-1, targets[start : start + chunk].unsqueeze(-1)).squeeze(-1))
+    return summed
+
+
 def for_loop(loss_fn, model: torch.nn.Module, cfg, desc: str):
     """`loss_fn` with its head chunked as `cfg.loss_chunk_tokens` asks (0: `loss_fn` itself).
     Only the causal LM losses can be: `desc` names the stage in the errors."""
     if not cfg.loss_chunk_tokens:
         return loss_fn
-    from pipelines.core import chat_examples, training
-
     setting = f"{desc}.train.loss_chunk_tokens"
-    if loss_fn not in (chat_examples.chat_loss, training.causal_lm_loss):
+    if not getattr(loss_fn, "causal_lm_loss", False):  # the mark of the model's own cross-entropy (chat_loss, causal_lm_loss)
         raise QllmError(f"{setting}: the masked-diffusion objective scores its own masked tokens; set it to 0")
     if cfg.strategy == "fsdp":
         raise QllmError(f"{setting}: chunking applies the output head after the sharded forward, which FSDP does not allow; "

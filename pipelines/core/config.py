@@ -703,6 +703,10 @@ class ProbeLoraParams(FinetuneParams, QuantizationParams):
     """Candidate modules (name suffixes); every matching linear layer of every block is probed."""
     ranks: list[int] = Field(default_factory=lambda: [4, 8, 16], min_length=1)
     """Candidate ranks r for which the captured gradient energy v[m][r] is reported."""
+    frozen_base: bool = False
+    """Record the gradients at the base without training it (no optimizer: the weights plus two
+    fp32 copies of the probed modules' weights, where training the probe takes a full fine-tuning's
+    memory). A quantized base is always probed frozen. False: the probe trains as SFT would."""
     redundancy: Literal["detrended", "energy"] = "detrended"
     """How two modules' redundancy is measured over the probe's steps: `detrended`, the correlation of
     the step-to-step changes of their log gradient energies; `energy`, of the energies themselves

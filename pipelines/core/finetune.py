@@ -67,28 +67,22 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
     return rows["train"], rows["validation"], metrics
 
 
-def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str) -> dict[str, float]:
-    """Before the base loads: what the stage will need (`pipelines.core.footprint`), from the
-    base's config alone; a clear error if it cannot fit this machine, a warning if it will take
-    hours. A base whose shape it cannot read is trained without an estimate."""
-    from transformers import AutoConfig
-
+def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str, probe: bool = False) -> dict[str, float]:
+    """Before the base loads: what the stage will need (`footprint.preflight`). `probe`:
+    probe_lora at a frozen base (gradients recorded, no optimizer)."""
     from pipelines.core.model_source import follow
 
-    cfg = params.train
+    kind = getattr(quantization, "quantization", "none")
+    method = "full" if quantization is None else ("qlora" if kind in ("nf4", "fp4") else "lora")
+    if probe:
+        method = "probe" if method != "qlora" else "qprobe"
     try:
-        config = AutoConfig.from_pretrained(str(follow(params.base_model))).to_dict()
-        kind = getattr(quantization, "quantization", "none")
-        method = "full" if quantization is None else ("qlora" if kind in ("nf4", "fp4") else "lora")
-        need = footprint.estimate(
-            config, method=method, micro_batch=cfg.micro_batch_size, seq_len=params.max_seq_len or int(config.get("max_position_embeddings", 2048)),
-            gradient_checkpointing=cfg.gradient_checkpointing, loss_chunk_tokens=cfg.loss_chunk_tokens, lora_rank=getattr(quantization, "r", 8),
-            optimizer=cfg.optimizer,
-        )  # fmt: skip
-    except (KeyError, OSError, ValueError, TypeError) as exc:
+        base = follow(params.base_model)
+    except (OSError, ValueError) as exc:
         log.info("%s: no memory estimate for this base (%s)", desc, exc)
         return {}
-    return footprint.check(need, desc, cfg.max_steps * cfg.grad_accum_steps)
+    return footprint.preflight(base, params.train, method=method, seq_len=params.max_seq_len, micro_batch=params.train.micro_batch_size,
+                               lora_rank=getattr(quantization, "r", 8), desc=desc)  # fmt: skip
 
 
 def run(

@@ -49,6 +49,7 @@ EFFICIENCY = 1.0
 2-core AMD EPYC capped to AVX2 (the model's matrices are larger than the probe's); 1.0 keeps the
 time estimate on the long side (issue 35)."""
 LONG_STAGE_SECONDS = 2 * 3600
+METHODS = ("full", "lora", "qlora", "probe", "qprobe")
 
 
 @dataclass(frozen=True)
@@ -109,13 +110,19 @@ def parameters(s: dict[str, int]) -> tuple[int, int]:
 def estimate(config: dict, *, method: str, micro_batch: int, seq_len: int, gradient_checkpointing: bool, loss_chunk_tokens: int = 0,
              lora_rank: int = 8, optimizer: str = "adamw_fused") -> Need:  # fmt: skip
     """The need of one training stage; `method`: `full` (sft), `lora` or `qlora` (every linear
-    weight of the decoder adapted at rank `lora_rank`)."""
+    weight of the decoder adapted at rank `lora_rank`), or `probe`/`qprobe` (probe_lora at a frozen
+    full-precision or 4-bit base: a gradient and an accumulated gradient of every linear weight in
+    fp32, no optimizer)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     s = shape(config)
     total, linear = parameters(s)
     rest = total - linear
-    weights = (linear * NF4_BYTES + rest * 4) if method == "qlora" else total * 4
+    weights = (linear * NF4_BYTES + rest * 4) if method in ("qlora", "qprobe") else total * 4
     if method == "full":
         trainable = total
+    elif method in ("probe", "qprobe"):
+        trainable = 0
     else:
         per_layer = s["hidden"] * 4 + s["head_dim"] * (s["heads"] * 2 + s["kv_heads"] * 2) + 3 * (s["hidden"] + s["intermediate"])
         trainable = s["layers"] * lora_rank * per_layer
@@ -126,7 +133,8 @@ def estimate(config: dict, *, method: str, micro_batch: int, seq_len: int, gradi
     logits = 3 * scored * s["vocab"] * 4
     per_token = (6 if method == "full" else 4) + (2 if gradient_checkpointing else 0)
     state = 4 + (2 if "8bit" in optimizer else 8)  # the gradient, then AdamW's two moments in fp32 or 8 bits
-    return Need(method, total, weights, trainable * state, activations, logits, per_token * total * tokens, tokens)
+    recorded = linear * 8 if method in ("probe", "qprobe") else 0
+    return Need(method, total, weights, trainable * state + recorded, activations, logits, per_token * total * tokens, tokens)
 
 
 def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float | None:
@@ -184,3 +192,21 @@ def check(need: Need, desc: str, micro_batches: int, memory: tuple[float, float]
             hours = math.ceil(seconds * micro_batches / 3600)
             log.warning("%s: about %.1f s a micro-batch, so about %d h for its %d micro-batches on this machine", what, seconds, hours, micro_batches)
     return out
+
+
+def preflight(model_dir, cfg, *, method: str, seq_len: int, micro_batch: int, lora_rank: int, desc: str) -> dict[str, float]:
+    """Before a stage loads `model_dir`: its need from the config alone (`estimate`), checked
+    (`check`) for the `cfg.max_steps * cfg.grad_accum_steps` micro-batches of training config
+    `cfg`. `seq_len` 0: the model's context. A model whose shape cannot be read (an adapter
+    directory, an unknown architecture) trains without an estimate."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir)).to_dict()
+        need = estimate(config, method=method, micro_batch=micro_batch, seq_len=seq_len or int(config.get("max_position_embeddings", 2048)),
+                        gradient_checkpointing=cfg.gradient_checkpointing, loss_chunk_tokens=cfg.loss_chunk_tokens, lora_rank=lora_rank,
+                        optimizer=cfg.optimizer)  # fmt: skip
+    except (KeyError, OSError, ValueError, TypeError) as exc:
+        log.info("%s: no memory estimate for this model (%s)", desc, exc)
+        return {}
+    return check(need, desc, cfg.max_steps * cfg.grad_accum_steps)

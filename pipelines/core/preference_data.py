@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import diffusion
+from pipelines.core import chunked_loss, diffusion
 from pipelines.core.chat_template import parse_messages, render_with_assistant_mask
 from pipelines.core.errors import QllmError
 
@@ -121,16 +121,28 @@ def collate(pairs: list[Pair], pad_id: int) -> Callable[[np.ndarray], dict[str, 
     return batch
 
 
-def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+SCORE_CHUNK_TOKENS = 1024
+"""Answer tokens through the head at a time when scoring without gradients (`ref_logprobs`,
+`evaluate`): 64 sequences of a 151,936-token vocabulary otherwise hold gigabytes of fp32 logits."""
+
+
+def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed completion-token log-probabilities of the chosen and the rejected halves.
 
     Only the answers need logits, and they sit at the end of every row: `logits_to_keep` makes the
     model compute vocabulary logits (and this function the log-softmax) just for the trailing
-    positions from the earliest answer on, instead of for every prompt token as well.
+    positions from the earliest answer on, instead of for every prompt token as well. `chunk`
+    (without gradients: `ref_logprobs`, `evaluate`): the head over the answer tokens alone, that
+    many at a time, so a large vocabulary's logits of a whole batch are never held
+    (`chunked_loss.summed_logps`).
     """
     input_ids, completion = batch["input_ids"], batch["completion_mask"]
     if diffusion.objective_of(model) == "masked_diffusion":  # no exact log-probability: its ELBO (`diffusion.sequence_elbo`)
         summed = diffusion.sequence_elbo(model, input_ids, batch["attention_mask"], completion)
+        half = summed.shape[0] // 2
+        return summed[:half], summed[half:]
+    if chunk and not torch.is_grad_enabled() and chunked_loss.chunkable(model):
+        summed = chunked_loss.summed_logps(model, input_ids, batch["attention_mask"], completion, chunk)
         half = summed.shape[0] // 2
         return summed[:half], summed[half:]
     width = input_ids.shape[1]

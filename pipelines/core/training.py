@@ -247,6 +247,9 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tu
     return output.loss, {}
 
 
+causal_lm_loss.causal_lm_loss = True  # the model's own cross-entropy: `chunked_loss.for_loop` may chunk its head
+
+
 @torch.no_grad()
 def mean_loss(model: torch.nn.Module, loss_fn: LossFn, batches: list[Any], device: torch.device, precision: str) -> float:
     """Average loss over fixed batches in eval mode (no dropout, no gradients)."""
