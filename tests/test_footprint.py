@@ -43,7 +43,7 @@ def test_qlora_chunking_and_checkpointing_each_lower_the_need():
 def test_a_stage_that_cannot_fit_says_so_with_its_numbers_and_one_that_may_not_warns(caplog):
     need = footprint.estimate(SHAPES["qwen2.5-1.5b"], method="full", micro_batch=4, seq_len=1024, gradient_checkpointing=True)
     with pytest.raises(QllmError, match=r"sft \(full, 1.5\dB parameters, 4096 tokens a micro-batch\) needs about \d+\.\d GB \(weights 6\.\d+, "
-                                        r"gradients and optimizer 18\.\d+, .*\), more than this machine's 16\.0 GB; try gradient_checkpointing"):
+                                        r"gradients and optimizer 18\.\d+, .*\), more than this machine's 16\.0 GB; try sft\.train\.gradient_checkpointing=true"):
         footprint.check(need, "sft", micro_batches=800, memory=(16 * GB, 12 * GB), flops=1e11)
     qlora = footprint.estimate(SHAPES["qwen2.5-0.5b"], method="qlora", micro_batch=1, seq_len=256, gradient_checkpointing=True, loss_chunk_tokens=1024)
     with caplog.at_level(logging.INFO, logger="qllm.footprint"):
@@ -95,3 +95,20 @@ def test_the_probe_stage_reports_its_estimate(tiny_base, tmp_path):
     frozen = probe_lora.run(tiny_base / "chat", tmp_path / "b", params.model_copy(update={"frozen_base": True}))
     assert trained["frozen_base"] is False and frozen["frozen_base"] is True
     assert 0.5 <= frozen["estimate/memory_gb"] <= trained["estimate/memory_gb"] < 1  # a tiny model: the libraries, mostly
+
+
+def test_the_advice_names_only_what_the_stage_does_not_do_yet(tmp_path, monkeypatch):
+    """sft at the 1.5B shape, one 256-token row, checkpointing and chunking already on: the error
+    comes before anything loads and suggests what is left (LoRA), not what is already set."""
+    from transformers import Qwen2Config
+
+    from pipelines.core.config import TrainParams
+
+    Qwen2Config(**SHAPES["qwen2.5-1.5b"]).save_pretrained(tmp_path)
+    monkeypatch.setattr(footprint, "_memory", lambda: (24 * GB, 20 * GB))
+    cfg = TrainParams(gradient_checkpointing=True, loss_chunk_tokens=256, micro_batch_size=1)
+    with pytest.raises(QllmError, match=r"sft \(full, 1\.5\dB parameters, 256 tokens a micro-batch\) needs about 25\.\d GB") as error:
+        footprint.preflight(tmp_path, cfg, method="full", seq_len=256, micro_batch=1, lora_rank=8, desc="sft")
+    assert "more than this machine's 24.0 GB; try a smaller sft.train.micro_batch_size or max_seq_len; LoRA instead of all weights" in str(error.value)
+    assert "gradient_checkpointing" not in str(error.value) and "loss_chunk_tokens" not in str(error.value)
+    assert footprint.preflight(tmp_path / "missing", cfg, method="full", seq_len=256, micro_batch=1, lora_rank=8, desc="sft") == {}

@@ -68,7 +68,8 @@ class Need:
         return self.weights + self.trainable_state + self.activations + self.logits + LIBRARIES
 
     def describe(self) -> str:
-        parts = (("weights", self.weights), ("gradients and optimizer", self.trainable_state), ("activations", self.activations),
+        state = "recorded gradients" if self.method in ("probe", "qprobe") else "gradients and optimizer"
+        parts = (("weights", self.weights), (state, self.trainable_state), ("activations", self.activations),
                  ("logits", self.logits), ("libraries", LIBRARIES))  # fmt: skip
         return f"about {self.total / GB:.1f} GB (" + ", ".join(f"{name} {size / GB:.2f}" for name, size in parts) + ")"
 
@@ -169,20 +170,38 @@ def _memory() -> tuple[float, float] | None:
         return None
 
 
-def check(need: Need, desc: str, micro_batches: int, memory: tuple[float, float] | None = None, flops: float | None = None) -> dict[str, float]:
+def advice(desc: str, method: str, cfg=None) -> str:
+    """What would lower the need of stage `desc`, leaving out what its training config `cfg`
+    already does."""
+    tips = []
+    if cfg is None or not cfg.gradient_checkpointing:
+        tips.append(f"{desc}.train.gradient_checkpointing=true")
+    if cfg is None or not cfg.loss_chunk_tokens:
+        tips.append(f"{desc}.train.loss_chunk_tokens=1024 (sft, probe_lora, lora)")
+    tips.append(f"a smaller {desc}.train.micro_batch_size or max_seq_len")
+    if method == "full":
+        tips.append("LoRA instead of all weights (the lora stage), or train.optimizer=adamw_bnb_8bit on a GPU")
+    elif method in ("lora", "probe"):
+        tips.append("a 4-bit base (quantization: nf4)")
+    return "; ".join(tips)
+
+
+def check(need: Need, desc: str, micro_batches: int, memory: tuple[float, float] | None = None, flops: float | None = None,
+          tips: str | None = None) -> dict[str, float]:  # fmt: skip
     """Say before training whether `need` fits: a QllmError naming the numbers when it exceeds the
     machine's memory, a warning when it exceeds what is free now or when the stage would run for
-    hours. Returns the estimates, for the stage's metrics."""
+    hours. `tips`: what to change (default: `advice` for the method). Returns the estimates, for
+    the stage's metrics."""
     memory = memory if memory is not None else _memory()
     what = f"{desc} ({need.method}, {need.parameters / 1e9:.2f}B parameters, {need.tokens_per_step} tokens a micro-batch)"
-    advice = "gradient_checkpointing: true, train.loss_chunk_tokens: 1024, a smaller micro_batch_size or max_seq_len, or lora.adapter.quantization: nf4"
+    advice_text = tips if tips is not None else advice(desc, need.method)
     out = {"estimate/memory_gb": round(need.total / GB, 2)}
     if memory is not None:
         total, available = memory
         if need.total > total:
-            raise QllmError(f"{what} needs {need.describe()}, more than this machine's {total / GB:.1f} GB; try {advice}")
+            raise QllmError(f"{what} needs {need.describe()}, more than this machine's {total / GB:.1f} GB; try {advice_text}")
         if need.total > available:
-            log.warning("%s needs %s and %.1f GB are free now: it may swap or be killed; try %s", what, need.describe(), available / GB, advice)
+            log.warning("%s needs %s and %.1f GB are free now: it may swap or be killed; try %s", what, need.describe(), available / GB, advice_text)
     flops = flops if flops is not None else matmul_flops_per_second()
     if flops:
         seconds = need.step_flops / (flops * EFFICIENCY)
@@ -209,4 +228,4 @@ def preflight(model_dir, cfg, *, method: str, seq_len: int, micro_batch: int, lo
     except (KeyError, OSError, ValueError, TypeError) as exc:
         log.info("%s: no memory estimate for this model (%s)", desc, exc)
         return {}
-    return check(need, desc, cfg.max_steps * cfg.grad_accum_steps)
+    return check(need, desc, cfg.max_steps * cfg.grad_accum_steps, tips=advice(desc, method, cfg))
