@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipelines.core.chat_template import render_prompt
 from pipelines.core.errors import QllmError
 
 
@@ -93,7 +94,7 @@ def generate(
             "the model's tokenizer has no chat template (train it with the pipeline's train_tokenizer stage)"
         )
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render_prompt(tokenizer, messages)  # as evaluate renders its prompts (a fixed date for Llama 3.1+ templates)
     encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
     return _decode(model, tokenizer, encoded, max_new_tokens, temperature, seed)
 

@@ -47,7 +47,7 @@ import pandas as pd
 import torch
 
 from pipelines.core import chunked_loss, diffusion, losses, objectives, packed, plots, preference_data, stage, training
-from pipelines.core.chat_template import normalize_answer, parse_messages, split_last_answer
+from pipelines.core.chat_template import normalize_answer, parse_messages, render_prompt, split_last_answer
 from pipelines.core.config import EvaluateParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
@@ -87,7 +87,7 @@ def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
     rows, skipped = [], []
     for record in frame.itertuples(index=False):
         messages = parse_messages(record.messages)
-        if messages and messages[-1]["role"] == "assistant":
+        if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:  # a text answer to score
             prompt, reference = split_last_answer(messages)
             rows.append({"id": record.id, "prompt": prompt, "reference": reference, "split": split})
         else:
@@ -95,7 +95,7 @@ def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
     if skipped:
         shown = ", ".join(skipped[:10]) + (f", ... ({len(skipped) - 10} more)" if len(skipped) > 10 else "")
         logging.getLogger(f"qllm.{NAME}").warning(
-            "%s: skipped %d of %d held-out chats that do not end with an assistant turn (no reference answer to score): %s",
+            "%s: skipped %d of %d held-out chats that do not end with an assistant's text answer (no reference to score): %s",
             path, len(skipped), len(frame), shown,
         )  # fmt: skip
     if not rows:
@@ -111,7 +111,7 @@ def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
 def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[str]:
     """Greedy answers to chat prompts, batched with left padding, cut at `<|im_end|>`/EOS."""
     tokenizer.padding_side = "left"
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    texts = [render_prompt(tokenizer, p) for p in prompts]  # with the chat's tools, if any
     # Similar lengths together: less padding per batch. Answers are put back in input order.
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     answers: list[str] = [""] * len(texts)

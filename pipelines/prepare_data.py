@@ -88,11 +88,15 @@ def _dumps(value: Any) -> str:
 
 def _normalize_messages(raw: str, form: str) -> str:
     messages = [{**m, "content": cleaning.normalize_text(m["content"], form)} for m in json.loads(raw)]
-    return _dumps([m for m in messages if m["role"] != "system" or m["content"]])
+    kept = [m for m in messages if m["role"] != "system" or m["content"]]
+    if messages and "tools" in messages[0] and kept and "tools" not in kept[0]:  # an empty system prompt carried the tools
+        kept[0] = {**kept[0], "tools": messages[0]["tools"]}
+    return _dumps(kept)
 
 
 def _contents(raw: str) -> list[str]:
-    return [m["content"] for m in json.loads(raw)]
+    """What each message says: its text, or for a tool call (whose text may be empty) the call."""
+    return [m["content"] or _dumps(m["tool_calls"]) if "tool_calls" in m else m["content"] for m in json.loads(raw)]
 
 
 def _normalize_text_kind(frame: pd.DataFrame, form: str) -> pd.DataFrame:

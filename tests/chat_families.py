@@ -113,3 +113,15 @@ def save_base_model(family: Family, texts: list[str], out: Path, max_positions: 
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+# The published templates with tool calling (tests/fixtures/templates, origins in its README).
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+QWEN25 = Family("qwen2.5", (TEMPLATES / "qwen2.5-instruct.jinja").read_text(), ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                eos="<|im_end|>", end_of_turn="<|im_end|>")  # fmt: skip
+LLAMA31_TOOLS = Family("llama3.1", (TEMPLATES / "llama3.1-json-tools.jinja").read_text(),
+                       ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                       eos="<|eot_id|>", end_of_turn="<|eot_id|>", bos="<|begin_of_text|>")  # fmt: skip
+HERMES = Family("hermes", (TEMPLATES / "hermes-tools.jinja").read_text(), ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                eos="<|im_end|>", end_of_turn="<|im_end|>")  # fmt: skip
+TOOL_FAMILIES = (QWEN25, LLAMA31_TOOLS, HERMES)

@@ -193,11 +193,11 @@ def test_error_bad_images_values_and_record_index(tmp_path):
     )
     path = bad_source(tmp_path, {"messages": chat("<image>?", "x"), "images": [7]})
     assert error(tmp_path, path) == "data/sources/bad.jsonl:2: images[0] must be an image path, bytes or a {bytes, path} object, got int"
-    # JSON names the 0-based record index, and a missing `images` is named with the layouts.
-    path = write(tmp_path, "r.json", json.dumps([{"messages": chat("<image>?", "x"), "images": ["images/good.png"]}, {"messages": chat("q", "a")}]))
+    # JSON names the 0-based record index; without `images` (and no image parts) an <image> has no image
+    path = write(tmp_path, "r.json", json.dumps([{"messages": chat("<image>?", "x"), "images": ["images/good.png"]}, {"messages": chat("<image>q", "a")}]))
     assert error(tmp_path, path) == (
-        "data/sources/r.json: record 1: missing field 'images' required for kind 'image_chat' "
-        "(found: messages; map yours with columns: {images: <name>})"
+        "data/sources/r.json: record 1: 1 <image> placeholder in the user turns but 0 images in 'images' "
+        "(each image needs one <image> where it goes, in order)"
     )
 
 

@@ -281,7 +281,7 @@ def test_chat_from_sharegpt_with_roles_mapped_and_the_system_turn_first(tmp_path
         chat("q", "a"),
     ]
     bad = write(tmp_path, "s.jsonl", jsonl([{"conversations": [{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}]}]))
-    assert error(tmp_path, bad, "chat") == "data/sources/s.jsonl:1: unknown speaker 'from': 'robot' (expected human, gpt or system) in conversations[1]"
+    assert error(tmp_path, bad, "chat") == "data/sources/s.jsonl:1: unknown speaker 'from': 'robot' (expected human, gpt, system, function_call or observation) in conversations[1]"
     late = write(tmp_path, "l.jsonl", jsonl([{"conversations": [{"from": "human", "value": "q"}, {"from": "system", "value": "s"}, {"from": "gpt", "value": "a"}]}]))
     assert error(tmp_path, late, "chat") == "data/sources/l.jsonl:1: a system message may only come first in conversations[1]"
 
@@ -430,7 +430,7 @@ def test_error_missing_column(tmp_path):
     )
     assert error(tmp_path, parquet(tmp_path, "x.parquet", [{"prompt": "q", "chosen": "c"}]), "preference") == (
         "data/sources/x.parquet: missing column 'rejected' required for kind 'preference' "
-        "(found: prompt, chosen; map yours with columns: {rejected: <name>})"
+        "(found: prompt, chosen; map yours with columns: {rejected: <name>}; kind 'preference' also accepts chosen_messages + rejected_messages)"
     )
     # A mapped column that is not there is named as such.
     assert error(tmp_path, path, "text", columns={"text": "body"}) == (
@@ -520,7 +520,7 @@ def test_error_wrong_type_names_field_and_type(tmp_path):
     [
         (
             {"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]},
-            "unknown role 'bot' (expected system, user or assistant) in messages[1]",
+            "unknown role 'bot' (expected system, user, assistant or tool) in messages[1]",
         ),
         (
             {"messages": [{"role": "user", "content": "q"}]},
@@ -529,7 +529,7 @@ def test_error_wrong_type_names_field_and_type(tmp_path):
         ({"messages": []}, "no assistant message (a chat needs at least one assistant turn)"),
         (
             {"messages": [{"role": "user", "content": ["q"]}, {"role": "assistant", "content": "a"}]},
-            "'content' must be a string, got list in messages[0]",
+            "expected a content part {type, ...}, got str in messages[0], content part 0",
         ),
         (
             {"messages": [*chat("q", "a"), {"role": "system", "content": "late"}]},

@@ -55,10 +55,55 @@ def has_generation_marks(tokenizer) -> bool:
     return bool(GENERATION_MARK.search(chat_template_of(tokenizer)))
 
 
+TOOLS_KEY = "tools"
+"""A tool chat carries its tool schemas on its first message under this key (`readers._chat`):
+one stored value a chat, and chats without tools keep their bytes. `tools_of` takes them off."""
+DATE_STRING = "26 Jul 2024"
+"""Llama 3.1+ templates print today's date (`strftime_now`) unless given `date_string`: the date
+their own fallback uses keeps the rendering, hence the token ids and DVC's md5s, the same every day."""
+
+
+def tools_of(messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
+    """(the messages as a template takes them, the chat's tool schemas or None)."""
+    if not messages or TOOLS_KEY not in messages[0]:
+        return messages, None
+    first = {k: v for k, v in messages[0].items() if k != TOOLS_KEY}
+    return [first, *messages[1:]], messages[0][TOOLS_KEY]
+
+
+def uses_tools(messages: list[dict]) -> bool:
+    return bool(messages) and (TOOLS_KEY in messages[0] or any(m.get("role") == "tool" or "tool_calls" in m for m in messages))
+
+
+def check_tool_support(tokenizer, messages: list[dict]) -> None:
+    """A chat with tools, tool calls or tool results needs a template that renders them (Qwen2.5,
+    Llama 3.1+, Mistral, Hermes-style ones take `tools` and read `tool_calls`); one that does not
+    would silently drop them from the text the model trains on."""
+    if not uses_tools(messages):
+        return
+    template = chat_template_of(tokenizer)
+    missing = [word for word in ("tools", "tool_calls") if not re.search(rf"\b{word}\b", template)]
+    if missing:
+        name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise ChatTemplateError(
+            f"{name}: its chat template does not render tool calls (it never reads {' or '.join(missing)}), so the chats with tools "
+            "cannot be rendered as the model would see them; use a base whose template supports tools (Qwen2.5, Llama 3.1+, "
+            "Mistral, Hermes-style) or leave the tool chats out"
+        )
+
+
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    messages, tools = tools_of(messages)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         date_string=DATE_STRING)  # fmt: skip
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> str:
+    """A prompt (the turns before the answer) as the model sees it at generation: the chat
+    template with its generation prompt, and the chat's tools."""
+    return _render(tokenizer, messages, add_generation_prompt=True)
 
 
 _NEXT_TURN = {"role": "user", "content": "\x00"}  # what follows a turn, to see where the turn ends
@@ -137,9 +182,12 @@ def render_with_assistant_mask(tokenizer, messages: list[dict]) -> dict:
     "AssistantTracker should not be reused before closed" (in the flow `sft` and `probe_lora`
     tokenize side by side). Rendering is cheap next to training, so one lock serialises it.
     """
+    check_tool_support(tokenizer, messages)
     with _TEMPLATE_LOCK:
         if has_generation_marks(tokenizer):
-            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            plain, tools = tools_of(messages)
+            out = tokenizer.apply_chat_template(plain, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                                date_string=DATE_STRING)  # fmt: skip
             if not _untrained_turns(messages):
                 return out
             full, spans = assistant_spans(tokenizer, messages)
@@ -188,7 +236,7 @@ SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]
 MASK = "<|mask|>"
 """The masked-diffusion objective's mask token: `train_tokenizer` adds it after the trained vocabulary
 (`train_tokenizer.mask_token`), so that every other id stays what it was."""
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 # HF renders templates with trim_blocks: the newline after a block tag is dropped, hence {{ '\n' }}.
 CHAT_TEMPLATE = (

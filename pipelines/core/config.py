@@ -131,6 +131,9 @@ class SourceParams(Section):
     """Rename source columns to the expected ones, e.g. `{text: body}`."""
     hf_split: str = "train"
     """Split to read when `format: hf`."""
+    documents: Literal["blank_line", "line", "file"] = "blank_line"
+    """How a plain text file (`format: text`) is cut into documents: at blank lines, one a line
+    (LLaMA-Factory's `wiki_demo.txt`), or one a file."""
 
 
 class IngestParams(Section):

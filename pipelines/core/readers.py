@@ -39,12 +39,14 @@ the number of records (8 bytes each).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import csv
 import hashlib
 import io
 import itertools
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -58,6 +60,8 @@ import pyarrow.fs as pafs
 from pipelines.core.config import SourceParams
 from pipelines.core.errors import QllmError
 from pipelines.core.images import IMAGE_TOKEN, ImageError, check_image, count_placeholders
+
+log = logging.getLogger("qllm.ingest")
 
 
 class ReaderError(QllmError, ValueError):
@@ -73,7 +77,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
 IMAGES_TYPE = pa.list_(pa.binary())
 """The type of the `images` column (every other column is a string): per record, the bytes of
 each image file as the source held them, in the order of the chat's `<image>` tags."""
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 EXTENSIONS = {
     ".jsonl": "jsonl",
@@ -376,22 +380,49 @@ def _text_files(path: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(path).as_posix())
 
 
-def _documents(chunks: Iterable[tuple[int, str]]) -> Iterator[tuple[int, str]]:
-    """Documents of one text file, `(number of its first line, text)`: runs of lines separated by
-    one or more blank lines (whitespace only); a line's final carriage return is dropped."""
+LARGE_DOCUMENT_CHARS = 100_000
+"""A text document longer than this is probably several (a file of one document a line read as one
+run of lines): ingest warns once per file, naming `documents: line`."""
+
+
+def _documents(chunks: Iterable[tuple[int, str]], documents: str = "blank_line", shown: str = "") -> Iterator[tuple[int, str]]:
+    """Documents of one text file, `(number of its first line, text)`, as `documents` says:
+    `blank_line`, runs of lines separated by one or more blank lines (whitespace only); `line`,
+    every non-blank line (LLaMA-Factory's `wiki_demo.txt`, a corpus of one document a line);
+    `file`, the whole file (blank lines kept inside, none at either end). A line's final carriage
+    return is dropped."""
     lines: list[str] = []
     first = 0
+    warned = False
+
+    def document() -> tuple[int, str]:
+        nonlocal warned
+        text = "\n".join(lines)
+        if len(text) > LARGE_DOCUMENT_CHARS and not warned:
+            warned = True
+            hint = "; if it holds one document a line, give the source `documents: line`" if documents != "line" else ""
+            log.warning("%s:%d: a document of %d characters (more than %d)%s; prepare_data drops records above "
+                        "prepare_data.max_chars", shown, first, len(text), LARGE_DOCUMENT_CHARS, hint)  # fmt: skip
+        return first, text
+
     for start, chunk in _lines(chunks):
         for number, line in enumerate(chunk, start=start):
             if line.strip():
                 if not lines:
                     first = number
                 lines.append(line.removesuffix("\r"))
-            elif lines:
-                yield first, "\n".join(lines)
+                if documents == "line":
+                    yield document()
+                    lines = []
+            elif lines and documents == "blank_line":
+                yield document()
                 lines = []
+            elif lines:  # `file`: blank lines inside the document stay
+                lines.append("")
+    while lines and not lines[-1]:
+        lines.pop()
     if lines:
-        yield first, "\n".join(lines)
+        yield document()
 
 
 def _read_text(path: Path, shown: str, source: SourceParams) -> Table:
@@ -403,9 +434,9 @@ def _read_text(path: Path, shown: str, source: SourceParams) -> Table:
     rows = (
         (f"{name}:{first}", {"text": text})
         for file, name in files
-        for first, text in _documents(_chunks(file, name, progress))
+        for first, text in _documents(_chunks(file, name, progress), source.documents, name)
     )
-    texts = (text for file, name in files for _, text in _documents(_chunks(file, name, progress)))
+    texts = (text for file, name in files for _, text in _documents(_chunks(file, name, progress), source.documents, name))
     return Table(shown, None, rows, progress, texts)
 
 
@@ -507,40 +538,188 @@ def _string(record: dict[str, Any], field: str) -> str:
     return value
 
 
-def _message_list(value: Any, label: str) -> list[dict[str, str]]:
-    """Validate a list of {role, content} messages; returns copies with role and content (and
-    OpenAI's `name` and `weight: 0` where given), other keys left out."""
+def _weight(message: dict[str, Any], role: str, at: str) -> int | None:
+    """OpenAI's `weight` (assistant messages only) or LLaMA-Factory's `loss_weight` (0 on any
+    message, 1 on an assistant's): the same meaning, 0 is context, not trained, 1 trained; None
+    when not given."""
+    if message.get("weight") is not None:
+        weight = _plain(message["weight"])
+        if role != "assistant" or weight not in (0, 1) or isinstance(weight, bool):
+            raise _Bad(f"'weight' must be 0 or 1 on an assistant message, got {weight!r} on a {role} message {at}")
+        return int(weight)
+    if message.get("loss_weight") is None:
+        return None
+    weight = _plain(message["loss_weight"])
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise _Bad(f"'loss_weight' must be 0 or 1 (LLaMA-Factory's per-message switch), got {weight!r} {at}")
+    if weight == 1 and role != "assistant":
+        raise _Bad(f"'loss_weight' 1 on a {role} message {at}: only assistant turns are trained (0 or none there)")
+    return int(weight)
+
+
+def _part_image(part: dict[str, Any], at: str) -> Any:
+    """What an image part names: a path, bytes (a data: URL decoded), or None (TRL's bare
+    `{"type": "image"}`: the image is in the record's `images` column)."""
+    value = part.get("image", part.get("value", part.get("path", part.get("image_url"))))
+    if isinstance(value, dict):  # OpenAI: {"type": "image_url", "image_url": {"url": ...}}
+        value = value.get("url", value.get("path"))
+    if isinstance(value, str) and value.startswith("data:"):
+        header, _, data = value.partition(",")
+        if ";base64" not in header:
+            raise _Bad(f"a data: URL image must be base64-encoded {at}")
+        try:
+            return base64.b64decode(data, validate=True)
+        except ValueError:
+            raise _Bad(f"a data: URL image is not valid base64 {at}") from None
+    if isinstance(value, str) and value.split("://", 1)[0] in ("http", "https"):
+        raise _Bad(f"the image {value!r} {at} is a web address: images are not downloaded; save it and give its path")
+    return value
+
+
+TEXT_PART_KEYS = ("text", "value")
+"""Where a text part holds its text: OpenAI and TRL `{"type": "text", "text"}`, LLaMA-Factory `"value"`."""
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+def _content(value: Any, at: str, images: list | None) -> str:
+    """A message's content: a string, or a list of content parts (OpenAI, TRL, LLaMA-Factory),
+    whose text parts are joined and whose image parts become `<image>` (their images appended to
+    `images`; a text chat, `images` None, refuses them)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (np.ndarray, tuple)):
+        value = list(value)
+    if not isinstance(value, list):
+        raise _Bad(f"'content' must be a string or a list of content parts, got {_type_name(value)} {at}")
+    pieces = []
+    for index, part in enumerate(value):
+        where = f"{at}, content part {index}"
+        if not isinstance(part, dict) or "type" not in part:
+            raise _Bad(f"expected a content part {{type, ...}}, got {_type_name(part)} {where}")
+        kind = part["type"]
+        if kind == "text":
+            text = next((part[k] for k in TEXT_PART_KEYS if part.get(k) is not None), None)
+            if not isinstance(text, str):
+                raise _Bad(f"a text part needs its text as a string under 'text' (or 'value'), got {_type_name(text)} {where}")
+            pieces.append(text)
+        elif kind in IMAGE_PART_TYPES:
+            if images is None:
+                raise _Bad(f"an {kind!r} part {where}: a chat source holds text; a source of chats with images is `kind: image_chat`")
+            images.append(_part_image(part, where))
+            pieces.append(IMAGE_TOKEN)
+        else:
+            allowed = "text, image or image_url" if images is not None else "text"
+            raise _Bad(f"unsupported content part type {kind!r} {where} (expected {allowed})")
+    return "".join(pieces)
+
+
+def _arguments(value: Any, at: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise _Bad(f"a tool call's arguments are not valid JSON ({exc.msg}) {at}") from None
+    if not isinstance(value, dict):
+        raise _Bad(f"a tool call's arguments must be a JSON object, got {_type_name(value)} {at}")
+    return value
+
+
+def _tool_calls(value: Any, at: str) -> list[dict[str, Any]]:
+    """Tool calls in the form Hugging Face chat templates render: `{"type": "function",
+    "function": {"name", "arguments": {...}}}` (and the call's `id` where given). Read from
+    OpenAI's `tool_calls` (arguments as JSON text) or a bare `{name, arguments}` (ShareGPT's
+    `function_call` turn; Llama's `parameters` too), one or a list."""
+    value = _plain(value)
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        raise _Bad(f"'tool_calls' is an empty list {at}")
+    out = []
+    for index, call in enumerate(calls):
+        where = f"{at}, tool call {index}"
+        if not isinstance(call, dict):
+            raise _Bad(f"expected a tool call object {{name, arguments}}, got {_type_name(call)} {where}")
+        function = call.get("function", call)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise _Bad(f"a tool call needs the function's 'name' {where}")
+        arguments = function.get("arguments", function.get("parameters", {}))
+        kept: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": _arguments(arguments, where)}}
+        if isinstance(call.get("id"), str):
+            kept["id"] = call["id"]
+        out.append(kept)
+    return out
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    """A record's `tools`: JSON schemas of the functions the chat may call, as a list or its JSON
+    text (LLaMA-Factory), each `{"type": "function", "function": {name, description, parameters}}`
+    (OpenAI, Hugging Face) or the bare function (LLaMA-Factory, Glaive), kept in the first form."""
+    value = _plain(value)
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _Bad(f"'tools' is not valid JSON ({exc.msg})") from None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise _Bad(f"'tools' must be a list of function schemas (or its JSON text), got {_type_name(value)}")
+    out = []
+    for index, tool in enumerate(value):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _Bad(f"'tools'[{index}] must be a function schema with a 'name' (and 'description', 'parameters')")
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _message_list(value: Any, label: str, images: list | None = None) -> list[dict[str, Any]]:
+    """Validate a list of {role, content} messages; returns copies with role and content (a string:
+    content parts joined, see `_content`), OpenAI's `name`, `weight: 0` (or LLaMA-Factory's
+    `loss_weight: 0`) where given, an assistant's `tool_calls` and a tool result's `tool_call_id`;
+    other keys left out."""
     if isinstance(value, (np.ndarray, tuple)):
         value = list(value)
     if not isinstance(value, list):
         raise _Bad(f"{label!r} must be a string or a list of {{role, content}} messages, got {_type_name(value)}")
-    messages = []
+    messages: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []  # the last assistant's tool calls not answered yet
     for index, message in enumerate(value):
         at = f"in {label}[{index}]"
         if not isinstance(message, dict):
             raise _Bad(f"expected a {{role, content}} object, got {_type_name(message)} {at}")
-        if "role" not in message or "content" not in message:
+        role = _plain(message.get("role"))
+        calls = _plain(message.get("tool_calls")) if role == "assistant" else None
+        calls = calls or None  # OpenAI writes `tool_calls: null` (or []) on plain answers
+        if "role" not in message or ("content" not in message and calls is None):
             missing = "role" if "role" not in message else "content"
             raise _Bad(f"missing {missing!r} {at}")
-        role, content = _plain(message["role"]), _plain(message["content"])
         if role not in ROLES:
-            raise _Bad(f"unknown role {role!r} (expected system, user or assistant) {at}")
-        if not isinstance(content, str):
-            raise _Bad(f"'content' must be a string, got {_type_name(content)} {at}")
+            raise _Bad(f"unknown role {role!r} (expected system, user, assistant or tool) {at}")
+        content = message.get("content")
+        content = "" if content is None and calls is not None else _content(_plain(content), at, images)
         if role == "system" and index > 0:
             raise _Bad(f"a system message may only come first {at}")
-        kept = {"role": role, "content": content}
-        if "name" in message and message["name"] is not None:  # OpenAI: a participant's name (templates may use it)
-            name = _plain(message["name"])
-            if not isinstance(name, str):
-                raise _Bad(f"'name' must be a string, got {_type_name(name)} {at}")
-            kept["name"] = name
-        if "weight" in message and message["weight"] is not None:  # OpenAI: 0 = context, not trained
-            weight = _plain(message["weight"])
-            if role != "assistant" or weight not in (0, 1) or isinstance(weight, bool):
-                raise _Bad(f"'weight' must be 0 or 1 on an assistant message, got {weight!r} on a {role} message {at}")
-            if weight == 0:
-                kept["weight"] = 0
+        if role == "tool" and not (messages and (messages[-1]["role"] == "tool" or "tool_calls" in messages[-1])):
+            raise _Bad(f"a tool result must follow an assistant message with tool calls (or another tool result) {at}")
+        kept: dict[str, Any] = {"role": role, "content": content}
+        if calls is not None:
+            kept["tool_calls"] = _tool_calls(calls, at)
+        for key in ("name", "tool_call_id"):  # OpenAI: a participant's name; the call a tool result answers
+            if message.get(key) is not None:
+                named = _plain(message[key])
+                if not isinstance(named, str):
+                    raise _Bad(f"{key!r} must be a string, got {_type_name(named)} {at}")
+                kept[key] = named
+        if _weight(message, role, at) == 0 and role == "assistant":
+            kept["weight"] = 0
+        if "tool_calls" in kept:
+            pending = list(kept["tool_calls"])
+        elif role == "tool" and pending:  # results answer the calls in order, or by the call's id where given
+            call = next((c for c in pending if kept.get("tool_call_id") is not None and c.get("id") == kept["tool_call_id"]), pending[0])
+            pending.remove(call)
+            kept.setdefault("name", call["function"]["name"])  # the function a result comes from (Hermes-style templates print it)
         messages.append(kept)
     return messages
 
@@ -553,7 +732,10 @@ def _turns(value: Any, label: str, role: str) -> list[dict[str, str]]:
 _dump = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps builds one per call
 
 
-def _chat(messages: list[dict[str, str]]) -> tuple[str]:
+def _chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> tuple[str]:
+    """The chat as stored: its messages' JSON, the tool schemas (if any) on the first message as
+    `tools` (`chat_template.tools_of` takes them off again to render), so a chat stays one value
+    and chats without tools keep the bytes they always had."""
     roles = [m["role"] for m in messages]
     if "system" in roles[1:]:
         # Only reachable when prompt and completion lists are joined: each list was checked alone.
@@ -562,28 +744,48 @@ def _chat(messages: list[dict[str, str]]) -> tuple[str]:
         raise _Bad("no assistant message (a chat needs at least one assistant turn)")
     if all(m.get("weight", 1) == 0 for m in messages if m["role"] == "assistant"):
         raise _Bad("every assistant message has weight 0 (nothing to train on)")
+    if tools:
+        messages = [{**messages[0], "tools": tools}, *messages[1:]]
     return (_dump(messages),)
+
+
+KTO_HELP = ("unpaired feedback (a completion labelled desirable or not) is KTO's layout; KTO is not built yet "
+            "(the issue 'Preference optimisation beyond DPO' adds it): leave the label out to train on the chats with sft, "
+            "or give pairs (prompt, chosen, rejected) to dpo")  # fmt: skip
+
+
+def _refuse_unpaired(record: dict[str, Any]) -> None:
+    """TRL's `{prompt, completion, label}` and LLaMA-Factory's `kto_tag`: KTO data, not chats."""
+    if "kto_tag" in record or isinstance(_plain(record.get("label")), bool):
+        field = "kto_tag" if "kto_tag" in record else "label"
+        raise _Bad(f"{field!r}: {KTO_HELP}")
 
 
 def _text_record(record: dict[str, Any]) -> tuple[str]:
     return (_string(record, "text"),)
 
 
-def _chat_messages(record: dict[str, Any]) -> tuple[str]:
-    value = record["messages"]
+def _messages_value(record: dict[str, Any], field: str = "messages") -> Any:
+    value = record[field]
     if isinstance(value, str):
         # CSV cells (and re-read ingested data) hold the list as JSON text.
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise _Bad("'messages' must be a list of {role, content} messages (or its JSON text), got str") from None
-    return _chat(_message_list(value, "messages"))
+            raise _Bad(f"{field!r} must be a list of {{role, content}} messages (or its JSON text), got str") from None
+    return value
+
+
+def _chat_messages(record: dict[str, Any]) -> tuple[str]:
+    _refuse_unpaired(record)
+    return _chat(_message_list(_messages_value(record), "messages"), _tools(record.get("tools")))
 
 
 def _chat_prompt_completion(record: dict[str, Any]) -> tuple[str]:
+    _refuse_unpaired(record)
     prompt = _turns(record["prompt"], "prompt", "user")
     completion = _turns(record["completion"], "completion", "assistant")
-    return _chat(prompt + completion)
+    return _chat(prompt + completion, _tools(record.get("tools")))
 
 
 def _chat_alpaca(record: dict[str, Any]) -> tuple[str]:
@@ -596,18 +798,21 @@ def _chat_alpaca(record: dict[str, Any]) -> tuple[str]:
 
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}  # fmt: skip
 
 
-def _chat_sharegpt(record: dict[str, Any]) -> tuple[str]:
-    """ShareGPT/Vicuna: `conversations` of `{from, value}` turns (`human`/`gpt`/`system`; some
-    exports use `{role, content}` there, which is read as messages)."""
-    value = _plain(record["conversations"])
+def _sharegpt_turns(value: Any, label: str = "conversations", images: list | None = None) -> list[dict[str, Any]]:
+    """ShareGPT/Vicuna turns `{from, value}` (`human`/`gpt`/`system`, and LLaMA-Factory's tool
+    turns: `function_call`, the assistant's call as `{name, arguments}` JSON, and `observation`,
+    the tool's result) as checked messages; some exports use `{role, content}` there, which is
+    read as messages."""
+    value = _plain(value)
     if not isinstance(value, list):
-        raise _Bad(f"'conversations' must be a list of {{from, value}} turns, got {_type_name(value)}")
+        raise _Bad(f"{label!r} must be a list of {{from, value}} turns, got {_type_name(value)}")
     turns = []
     for index, turn in enumerate(value):
-        at = f"in conversations[{index}]"
+        at = f"in {label}[{index}]"
         if not isinstance(turn, dict):
             raise _Bad(f"expected a {{from, value}} object, got {_type_name(turn)} {at}")
         if "from" not in turn and "role" in turn:
@@ -615,11 +820,27 @@ def _chat_sharegpt(record: dict[str, Any]) -> tuple[str]:
             continue
         if "from" not in turn or "value" not in turn:
             raise _Bad(f"missing {'from' if 'from' not in turn else 'value'!r} {at}")
-        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        speaker = str(turn["from"]).lower()
+        role = SHAREGPT_ROLES.get(speaker)
         if role is None:
-            raise _Bad(f"unknown speaker 'from': {turn['from']!r} (expected human, gpt or system) {at}")
-        turns.append({"role": role, "content": turn["value"], **({"weight": turn["weight"]} if "weight" in turn else {})})
-    return _chat(_message_list(turns, "conversations"))
+            raise _Bad(f"unknown speaker 'from': {turn['from']!r} (expected human, gpt, system, function_call or observation) {at}")
+        weights = {k: turn[k] for k in ("weight", "loss_weight") if k in turn}
+        if speaker == "function_call":
+            call = turn["value"]
+            if isinstance(call, str):
+                try:
+                    call = json.loads(call)
+                except json.JSONDecodeError as exc:
+                    raise _Bad(f"a function_call turn's value must be the call as JSON {{name, arguments}} ({exc.msg}) {at}") from None
+            turns.append({"role": "assistant", "content": "", "tool_calls": call, **weights})
+        else:
+            turns.append({"role": role, "content": turn["value"], **weights})
+    return _message_list(turns, label, images)
+
+
+def _chat_sharegpt(record: dict[str, Any]) -> tuple[str]:
+    _refuse_unpaired(record)
+    return _chat(_sharegpt_turns(record["conversations"]), _tools(record.get("tools")))
 
 
 def _chat_dolly(record: dict[str, Any]) -> tuple[str]:
@@ -652,7 +873,13 @@ def _response(value: Any, label: str, prompt: list[dict[str, str]]) -> str:
     if len(messages) != 1 or messages[0]["role"] != "assistant":
         roles = ", ".join(m["role"] for m in messages) or "none"
         raise _Bad(f"{label!r} as a list must be a single assistant message, got {len(messages)} ({roles})")
-    return messages[0]["content"]
+    return _answer(messages[0], label)
+
+
+def _answer(message: dict[str, Any], label: str) -> str:
+    if "tool_calls" in message:
+        raise _Bad(f"{label!r} is a tool call: a preference pair's answers are text")
+    return message["content"]
 
 
 def _preference(record: dict[str, Any]) -> tuple[str, str, str]:
@@ -696,7 +923,63 @@ def _preference_implicit(record: dict[str, Any]) -> tuple[str, str, str]:
             f"'chosen' and 'rejected' have different prompts: they differ at turn {turn + 1} "
             f"(an implicit-prompt pair shares every turn but the final answer)"
         )
-    return (_dump(_prompt(prompt)), chosen[-1]["content"], rejected[-1]["content"])
+    return (_dump(_prompt(prompt)), _answer(chosen[-1], "chosen"), _answer(rejected[-1], "rejected"))
+
+
+def _preference_messages(record: dict[str, Any]) -> tuple[str, str, str]:
+    """LLaMA-Factory's v1 layout: `chosen_messages`/`rejected_messages`, whole conversations
+    that share their prompt (as TRL's implicit prompt)."""
+    return _preference_implicit({"chosen": _plain(record["chosen_messages"]), "rejected": _plain(record["rejected_messages"])})
+
+
+def _sharegpt_answer(value: Any, label: str) -> str:
+    """LLaMA-Factory's ranking layout: `chosen`/`rejected` as one `{from: gpt, value}` turn (or a
+    string, or a list of turns holding one answer)."""
+    value = _plain(value)
+    if isinstance(value, str):
+        return value
+    turns = _sharegpt_turns(value if isinstance(value, list) else [value], label)
+    if len(turns) != 1 or turns[0]["role"] != "assistant":
+        raise _Bad(f"{label!r} must be the answer, one {{from: gpt, value}} turn, got {', '.join(t['role'] for t in turns) or 'none'}")
+    return _answer(turns[0], label)
+
+
+def _preference_sharegpt(record: dict[str, Any]) -> tuple[str, str, str]:
+    """LLaMA-Factory's DPO layout (`dpo_en_demo.json`): ShareGPT `conversations` up to the last
+    user turn, and `chosen`/`rejected` as `{from: gpt, value}` turns."""
+    prompt = _sharegpt_turns(record["conversations"])
+    if not prompt or prompt[-1]["role"] != "user":
+        raise _Bad(f"'conversations' must end with a human turn, the prompt (it ends with {prompt[-1]['role'] if prompt else 'nothing'})")
+    return (_dump(prompt), _sharegpt_answer(record["chosen"], "chosen"), _sharegpt_answer(record["rejected"], "rejected"))
+
+
+def _preference_unpaired(record: dict[str, Any]) -> tuple[str, str, str]:
+    raise _Bad(f"'label': {KTO_HELP}")
+
+
+def _image_chat(messages: list[dict[str, Any]], found: list, record: dict[str, Any], tools: Any) -> tuple[str]:
+    """An image chat whose image parts (`found`: each part's image, None where it names none)
+    go with the record's `images` column (TRL: bare `{"type": "image"}` parts) or carry the
+    images themselves (LLaMA-Factory v1, OpenAI: a path or a data: URL in the part), which then
+    become the record's `images`."""
+    named = [item for item in found if item is not None]
+    if named:
+        if len(named) != len(found):
+            raise _Bad("some image parts name their image and some do not: give every image in its part, or all in 'images'")
+        if record.get("images") is not None and len(_plain(record["images"])):
+            raise _Bad("the image parts name their images and the record has 'images' too: give each image once")
+        record["images"] = named
+    return _chat(messages, _tools(tools))
+
+
+def _image_chat_messages(record: dict[str, Any]) -> tuple[str]:
+    found: list = []
+    return _image_chat(_message_list(_messages_value(record), "messages", found), found, record, record.get("tools"))
+
+
+def _image_chat_sharegpt(record: dict[str, Any]) -> tuple[str]:
+    found: list = []
+    return _image_chat(_sharegpt_turns(record["conversations"], images=found), found, record, record.get("tools"))
 
 
 # Per kind, the accepted layouts in priority order: (fields it needs, how it becomes the kind's fields).
@@ -711,14 +994,23 @@ LAYOUTS: dict[str, tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple
     ),
     "preference": (
         (("prompt", "chosen", "rejected"), _preference),
+        (("conversations", "chosen", "rejected"), _preference_sharegpt),
         (("chosen", "rejected"), _preference_implicit),
+        (("chosen_messages", "rejected_messages"), _preference_messages),
+        (("prompt", "completion", "label"), _preference_unpaired),
     ),
-    # The chat layouts that carry messages; `_batches` reads the `images` beside them.
+    # The chat layouts that carry messages; `_batches` reads the `images` beside them (or the
+    # converter puts there the images the content parts carry).
     "image_chat": (
-        (("messages", "images"), _chat_messages),
-        (("conversations", "images"), _chat_sharegpt),
+        (("messages", "images"), _image_chat_messages),
+        (("conversations", "images"), _image_chat_sharegpt),
+        (("messages",), _image_chat_messages),
     ),
 }
+
+
+REFUSED = (_preference_unpaired,)
+"""Layouts recognised only to say what they are (KTO's unpaired feedback): never suggested."""
 
 
 def _layout(kind: str, keys: Iterable[str]) -> Callable[[dict[str, Any]], tuple[str, ...]]:
@@ -740,7 +1032,7 @@ def _missing_message(where: str, name: str, source: SourceParams, found: Iterabl
             f"{where}: missing {noun} {source.columns[name]!r} (mapped to {name!r} by columns) "
             f"required for kind {source.kind!r} (found: {listed})"
         )
-    others = [" + ".join(fields) for fields, _ in LAYOUTS[source.kind] if name not in fields]
+    others = [" + ".join(fields) for fields, convert in LAYOUTS[source.kind] if name not in fields and convert not in REFUSED]
     also = f"; kind {source.kind!r} also accepts {' or '.join(others)}" if others else ""
     return (
         f"{where}: missing {noun} {name!r} required for kind {source.kind!r} "
@@ -757,8 +1049,13 @@ def _rename(record: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
 
 
 def _check_heldout_chat(messages: str, where: str) -> None:
-    """A held-out chat (`split: test`) is scored against its last turn: it must be the assistant's."""
-    last = json.loads(messages)[-1]["role"]
+    """A held-out chat (`split: test`) is scored against its last turn: it must be the assistant's
+    text answer."""
+    final = json.loads(messages)[-1]
+    last = final["role"]
+    if "tool_calls" in final:
+        raise ReaderError(f"{where}: a held-out chat (split: test) must end with the assistant's text answer, which evaluate scores "
+                          "(this one ends with a tool call)")  # fmt: skip
     if last != "assistant":
         raise ReaderError(
             f"{where}: a held-out chat (split: test) must end with an assistant turn, the reference answer "
@@ -807,8 +1104,8 @@ def _image(item: Any, at: str, folder: Path, shown: str) -> bytes:
 def _images(record: dict[str, Any], messages: str, folder: Path, shown: str) -> list[bytes]:
     """The `images` of an image chat whose checked `messages` (JSON) are given: each image's bytes,
     in order. Its `<image>` tags must all be in user turns, one per image (a chat without images
-    has none; a null `images` is none)."""
-    value = record["images"]
+    has none; a null or missing `images` is none)."""
+    value = record.get("images")
     if value is None:
         value = []
     if isinstance(value, (np.ndarray, tuple)):
@@ -1089,6 +1386,9 @@ def _open_source(source: SourceParams, root: Path) -> Callable[[], Table]:
         raise ReaderError(
             f"{shown}: format 'text' holds plain documents, so it needs kind 'text' (got {source.kind!r})"
         )
+    if fmt != "text" and source.documents != "blank_line":
+        raise ReaderError(f"{shown}: documents: {source.documents} says how a plain text file is cut into documents; "
+                          f"this source is {fmt}, whose records are its documents (leave documents out)")  # fmt: skip
     reader = READERS[fmt]
     return lambda: reader(resolved, shown, source)
 
