@@ -289,3 +289,39 @@ def test_every_layout_ingests_and_fine_tunes_end_to_end(project):
     sft = json.loads((project / "data/metrics/sft.json").read_text())
     assert sft["steps"] > 0 and sft["data/train_dropped_no_target"] == 0
     assert json.loads((project / "data/metrics/evaluate.json").read_text())["sft"]["questions"] > 0
+
+
+@pytest.mark.parametrize("family", [LLAMA31_TOOLS, HERMES], ids=lambda f: f.name)
+def test_sft_trains_tool_chats_on_each_tool_template(tmp_path, family):
+    """The other tested templates (the pipeline above uses Qwen2.5's) through the sft stage itself."""
+    import pandas as pd
+
+    from pipelines import sft
+    from pipelines.core.config import SftParams, TrainParams
+    from tests.chat_families import save_base_model
+
+    chats = list(read("glaive_toolcall_en_demo.json", "chat")["messages"])
+    chat_dir = tmp_path / "chat"
+    chat_dir.mkdir()
+    for split, rows in (("train", chats), ("validation", chats[:2])):
+        pd.DataFrame({"id": [f"{split}-{i}" for i in range(len(rows))], "source": "t", "split": split, "messages": rows}).to_parquet(chat_dir / f"{split}.parquet")
+    save_base_model(family, [json.dumps(json.loads(c)) for c in chats] * 3, tmp_path / "base", max_positions=1024)
+    train = TrainParams(max_steps=2, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=0, log_every=1, checkpoint_every=0, precision="fp32")
+    metrics = sft.run(chat_dir, tmp_path / "out", SftParams(base_model=str(tmp_path / "base"), train=train))
+    assert metrics["steps"] == 2 and metrics["data/train_examples"] == 6 and metrics["data/train_dropped_no_target"] == 0
+    assert metrics["data/train_target_tokens"] > 0 and np.isfinite(metrics["train_loss"])
+
+
+def test_an_openai_data_url_image_part_is_decoded(tmp_path):
+    import base64
+
+    from tests.test_image_records import png
+
+    url = "data:image/png;base64," + base64.b64encode(png()).decode()
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Shape?"}]},
+                          {"role": "assistant", "content": "A square."}]}]  # fmt: skip
+    frame = read("x.jsonl", "image_chat", records(tmp_path, rows))
+    assert [bytes(b) for b in frame["images"][0]] == [png()]
+    web = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]},
+                         {"role": "assistant", "content": "?"}]}]  # fmt: skip
+    assert "is a web address: images are not downloaded; save it and give its path" in refused("x.jsonl", "image_chat", records(tmp_path, web))
