@@ -47,7 +47,8 @@ import numpy as np
 
 from benchmarks.lora_allocation import random_allocation
 from pipelines import lora, probe_lora, quantum_opt
-from pipelines.core import params_file, qubo
+from pipelines.core import params_file
+from pipelines.core.quantum import qubo
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 ARMS = ("qubo", "qubo_in_loop", "greedy", "uniform", "adalora", "random")

@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 
 from pipelines import pretrain
-from pipelines.core import curriculum, packed, params_file, training
+from pipelines.core import params_file
 from pipelines.core.config import CurriculumParams
+from pipelines.core.data import packed
 from pipelines.core.extensions import Hook
-from pipelines.core.models import build_llama, load_tokenizer
+from pipelines.core.models.models import build_llama, load_tokenizer
 from pipelines.core.outputs import read_json
+from pipelines.core.training import curriculum, loop
 
 
 def one_run(root: Path, params, seed: int, curriculum_params: CurriculumParams, lr: float) -> dict:
@@ -34,12 +36,12 @@ def one_run(root: Path, params, seed: int, curriculum_params: CurriculumParams, 
     train_rows, val_rows = packed.load(root / "data/tokenized", "train"), packed.load(root / "data/tokenized", "validation")
     cfg = params.pretrain.train.model_copy(update={"seed": seed, "lr": lr, "eval_every": 50, "checkpoint_every": 0, "extensions": [],
                                                    "precision": params.pretrain.train.precision, "curriculum": curriculum_params})  # fmt: skip
-    from pipelines.core import precision
+    from pipelines.core.training import precision
 
     cfg = cfg.model_copy(update={"precision": precision.resolve(cfg.precision)})
     torch.manual_seed(seed)
     model = build_llama(params.pretrain.model, tokenizer, max_positions=meta["seq_len"], seed=seed)
-    batches = curriculum.wrap(training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows)), cfg, meta["seq_len"])
+    batches = curriculum.wrap(loop.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows)), cfg, meta["seq_len"])
     started, points = time.perf_counter(), []
     plain_tokens = cfg.micro_batch_size * cfg.grad_accum_steps * meta["seq_len"]
 
@@ -48,7 +50,7 @@ def one_run(root: Path, params, seed: int, curriculum_params: CurriculumParams, 
         points.append((state.step, metrics["val/loss"], tokens, time.perf_counter() - started))
 
     val_fn = pretrain.validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
-    training.train(model, training.causal_lm_loss, batches, cfg, val_fn=val_fn, extensions=[Hook("on_evaluate", record)], desc="pretrain")
+    loop.train(model, loop.causal_lm_loss, batches, cfg, val_fn=val_fn, extensions=[Hook("on_evaluate", record)], desc="pretrain")
     return {"points": points, "final": points[-1][1], "tokens": points[-1][2], "seconds": time.perf_counter() - started}
 
 

@@ -34,9 +34,13 @@ from pathlib import Path
 import torch
 
 from pipelines import pretrain, sft
-from pipelines.core import config, dag, models, params_file, precision, sample_world, stage
-from pipelines.core.chat_template import normalize_answer
+from pipelines.core import config, dag, params_file
+from pipelines.core.data import sample_world
+from pipelines.core.data.chat_template import normalize_answer
+from pipelines.core.models import models
 from pipelines.core.outputs import read_json, write_json
+from pipelines.core.run import stage
+from pipelines.core.training import precision
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 

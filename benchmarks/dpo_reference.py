@@ -4,7 +4,7 @@
 
 Same process, same model (params.yaml `pretrain.model`, vocabulary 2048), same pairs (batches of
 16 prompt+answer pairs of ~48 tokens, the size of the sample data's), same loop
-(`pipelines.core.training.train` with `pipelines.dpo.dpo_loss`), for three policies: params.yaml's
+(`pipelines.core.training.loop.train` with `pipelines.dpo.dpo_loss`), for three policies: params.yaml's
 `dpo` settings (`default`: a LoRA adapter on the last layer), all weights, and LoRA on every layer. "cached" reads the reference
 log-probs from the batch, as the `dpo` stage does with `data/ref_logprobs/`; "live" computes them
 every step with a frozen copy of the starting model (full fine-tuning) or with the adapter
@@ -27,9 +27,11 @@ import torch
 
 from benchmarks.train_throughput import _Vocab
 from pipelines import dpo
-from pipelines.core import adapters, params_file, preference_data, training
+from pipelines.core import params_file
 from pipelines.core.extensions import Hook
-from pipelines.core.models import build_llama
+from pipelines.core.models import adapters
+from pipelines.core.models.models import build_llama
+from pipelines.core.training import loop, preference_data
 
 WARMUP = 3
 # policy -> changes to params.yaml's `dpo` section ("default": none, i.e. what `make run` trains)
@@ -53,8 +55,8 @@ def synthetic_pairs(n: int, vocab: int, prompt_len: int = 40, answer_len: int = 
 
 def step_seconds(model, loss_fn, pairs, cfg) -> float:
     marks: list[float] = []
-    batches = training.Batches(len(pairs), cfg.micro_batch_size, 0, preference_data.collate(pairs, pad_id=1))
-    training.train(model, loss_fn, batches, cfg, extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))])
+    batches = loop.Batches(len(pairs), cfg.micro_batch_size, 0, preference_data.collate(pairs, pad_id=1))
+    loop.train(model, loss_fn, batches, cfg, extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))])
     durations = np.diff(marks[WARMUP - 1 :])
     return float(np.median(durations))
 
@@ -95,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                     policy = adapters.wrap(dpo_params.lora, "dpo.lora")(policy, None)
 
                     def reference(batch, policy=policy):
-                        with policy.disable_adapter(), training.autocast(torch.device("cpu"), cfg.precision):
+                        with policy.disable_adapter(), loop.autocast(torch.device("cpu"), cfg.precision):
                             return preference_data.sequence_logps(policy, batch)
                 else:
                     frozen = copy.deepcopy(base).eval().requires_grad_(False)
 
                     def reference(batch, frozen=frozen):
-                        with training.autocast(torch.device("cpu"), cfg.precision):
+                        with loop.autocast(torch.device("cpu"), cfg.precision):
                             return preference_data.sequence_logps(frozen, batch)
 
                 loss_fn = dpo.dpo_loss(dpo_params, None if mode == "cached" else reference)

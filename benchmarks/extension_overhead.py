@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import _Vocab
-from pipelines.core import config, extensions, params_file, precision, training
-from pipelines.core.models import build_llama
+from pipelines.core import config, extensions, params_file
+from pipelines.core.models.models import build_llama
+from pipelines.core.training import loop, precision
 
 
 class _Noop(extensions.Extension):
@@ -32,7 +33,7 @@ class _Noop(extensions.Extension):
 
 
 def dispatch_seconds(hooks: extensions.Extensions, calls: int) -> float:
-    state, metrics = training.TrainState(), {}
+    state, metrics = loop.TrainState(), {}
     started = time.perf_counter()
     for _ in range(calls):
         hooks.call("on_gradients", state)
@@ -49,7 +50,7 @@ def pretrain_step_seconds(steps: int) -> float:
     collate = lambda idx: {"input_ids": torch.as_tensor(rows[idx])}  # noqa: E731
     cfg = pretrain.train.model_copy(update={"max_steps": steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0,
                                             "precision": precision.resolve("auto"), "extensions": []})  # fmt: skip
-    result = training.train(model, training.causal_lm_loss, training.Batches(len(rows), cfg.micro_batch_size, 0, collate), cfg)
+    result = loop.train(model, loop.causal_lm_loss, loop.Batches(len(rows), cfg.micro_batch_size, 0, collate), cfg)
     return result["train_seconds"] / result["steps"]
 
 

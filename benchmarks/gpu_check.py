@@ -121,13 +121,13 @@ def _llama(size: dict):
 
 
 def _shared_tokens_per_second(model, size: dict, precision: str, device, compile: bool = False) -> tuple[float, float]:
-    """(tokens/s after warm-up, seconds of the warm-up steps) of `training.train` on random tokens."""
+    """(tokens/s after warm-up, seconds of the warm-up steps) of `loop.train` on random tokens."""
     import numpy as np
     import torch
 
-    from pipelines.core import training
     from pipelines.core.config import TrainParams
     from pipelines.core.extensions import Hook
+    from pipelines.core.training import loop
 
     rows = np.random.default_rng(0).integers(0, size["vocab"], (64, size["seq"]))
     cfg = TrainParams(max_steps=WARMUP + TIMED, micro_batch_size=size["batch"], warmup_steps=1, eval_every=0, checkpoint_every=0, log_every=100,
@@ -141,7 +141,7 @@ def _shared_tokens_per_second(model, size: dict, precision: str, device, compile
         marks.append(time.perf_counter())
 
     model.to(device)
-    training.train(model, training.causal_lm_loss, training.Batches(len(rows), cfg.micro_batch_size, 0,
+    loop.train(model, loop.causal_lm_loss, loop.Batches(len(rows), cfg.micro_batch_size, 0,
                    lambda idx: {"input_ids": torch.from_numpy(rows[np.sort(idx)].astype(np.int64))}), cfg,
                    extensions=[Hook("on_step_end", sync)])  # fmt: skip
     return TIMED * size["batch"] * size["seq"] / (marks[-1] - marks[WARMUP - 1]), marks[WARMUP - 1] - started
@@ -263,7 +263,7 @@ def ddp_worker(device_name: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from pipelines.core import training
+    from pipelines.core.training import loop
 
     backend = "nccl" if device_name == "cuda" else "gloo"
     dist.init_process_group(backend=backend)
@@ -275,7 +275,7 @@ def ddp_worker(device_name: str) -> dict:
     x = torch.randint(0, size["vocab"], (4, size["seq"]), generator=torch.Generator().manual_seed(0)).to(device)
     losses = []
     for _ in range(5):
-        loss, _ = training.causal_lm_loss(net, {"input_ids": x})
+        loss, _ = loop.causal_lm_loss(net, {"input_ids": x})
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

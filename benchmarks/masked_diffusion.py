@@ -30,9 +30,11 @@ from pathlib import Path
 import torch
 
 from pipelines import evaluate, pretrain, sft
-from pipelines.core import diffusion, objectives, packed, params_file, precision, training
-from pipelines.core.models import build_llama, load_for_inference, load_tokenizer, save_pretrained
+from pipelines.core import params_file
+from pipelines.core.data import packed
+from pipelines.core.models.models import build_llama, load_for_inference, load_tokenizer, save_pretrained
 from pipelines.core.outputs import read_json
+from pipelines.core.training import diffusion, loop, objectives, precision
 from pipelines.train_tokenizer import add_mask_token
 
 
@@ -52,10 +54,10 @@ def one_run(root: Path, params, objective: str, seed: int, unmask_steps: int, sk
         loss_fn = diffusion.Objective(settings, tokenizer.mask_token_id)
         val_fn = objectives.nelbo_fn(loss_fn, val_batches, cfg.precision)
     else:
-        loss_fn, val_fn = training.causal_lm_loss, pretrain.validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
-    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
+        loss_fn, val_fn = loop.causal_lm_loss, pretrain.validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
+    batches = loop.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
     started = time.perf_counter()
-    result = training.train(model, loss_fn, batches, cfg, val_fn=val_fn, desc=f"pretrain {objective}")
+    result = loop.train(model, loss_fn, batches, cfg, val_fn=val_fn, desc=f"pretrain {objective}")
     out = {"val_loss": result["val/loss"], "perplexity": math.exp(result["val/loss"]), "pretrain_seconds": time.perf_counter() - started}
     if skip_sft:
         return out

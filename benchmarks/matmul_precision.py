@@ -17,7 +17,7 @@ import time
 import torch
 
 from benchmarks.default_quality import cpu_name
-from pipelines.core import precision
+from pipelines.core.training import precision
 
 
 def gflops(size: int, dtype: torch.dtype, repeats: int) -> float:

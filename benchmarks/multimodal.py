@@ -5,7 +5,7 @@ logistic regression on the same pixels and split, the right-vs-shuffled image lo
                                     [--set multimodal.alignment_steps=100 ...]
 
 The images and records are the pipeline's own: `sample_data.images` writes the 1,797 scikit-learn
-digit scans and their chats (`pipelines/core/digits.py`, seed 0: 359 held-out images), `ingest`
+digit scans and their chats (`pipelines/core/data/digits.py`, seed 0: 359 held-out images), `ingest`
 and `prepare_data` read and split them (in a temporary directory). Per precision and seed, the
 multimodal stage trains with params.yaml's `multimodal` section (plus `--set` overrides) on the
 SFT model `--base` (what `qllm run` wrote), then `vision.evaluate` asks every held-out image
@@ -26,8 +26,11 @@ import time
 from pathlib import Path
 
 from pipelines import ingest, multimodal, prepare_data
-from pipelines.core import digits, params_file, precision, vision
+from pipelines.core import params_file
 from pipelines.core.config import IngestParams, PrepareDataParams, SampleImagesParams
+from pipelines.core.data import digits
+from pipelines.core.models import vision
+from pipelines.core.training import precision
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@
 
     python -m benchmarks.optimizer_step
 
-Random gradients, `training.param_groups` (decay on matrices only), one warm-up step, then the
+Random gradients, `loop.param_groups` (decay on matrices only), one warm-up step, then the
 median of 3 alternating trials of 10 steps each.
 """
 
@@ -18,15 +18,16 @@ import torch
 
 from benchmarks.peer_training import SIZES
 from benchmarks.train_throughput import _Vocab
-from pipelines.core import params_file, training
-from pipelines.core.models import build_llama
+from pipelines.core import params_file
+from pipelines.core.models.models import build_llama
+from pipelines.core.training import loop
 
 
 def step_seconds(model: torch.nn.Module, cfg, fused: bool, steps: int = 10) -> float:
     model = copy.deepcopy(model)
     for parameter in model.parameters():
         parameter.grad = torch.randn_like(parameter) * 1e-3
-    optimizer = torch.optim.AdamW(training.param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+    optimizer = torch.optim.AdamW(loop.param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
     optimizer.step()
     started = time.perf_counter()
     for _ in range(steps):

@@ -17,7 +17,7 @@ log-ratio by the answer's token count, ours does not: the same arithmetic cost),
 of the reference pass), precision (`auto`: what this machine trains in) and no gradient
 checkpointing, evaluation or saving:
 
-- `ours`: the step `pipelines/dpo.py` runs (`pipelines.core.training.train` with `dpo.dpo_loss`):
+- `ours`: the step `pipelines/dpo.py` runs (`pipelines.core.training.loop.train` with `dpo.dpo_loss`):
   one policy forward over `[chosen; rejected]`, reference log-probs read from the batch (the
   `ref_logprobs` cache);
 - `ours-live`: the same with the reference computed every step (the adapter disabled, or a frozen
@@ -37,7 +37,7 @@ message lists, rendering the prompt (generation prompt on) and `prompt + [answer
 (a BOS only if the template writes one), and takes as completion everything after their longest
 common prefix. With our template the prompt ends at `assistant:` on a token boundary, so both put
 the answer at the same token, but TRL's completion ends with the template's `\n` after
-`<|im_end|>`, which we do not score (`pipelines/core/preference_data.py`). Prints whether the
+`<|im_end|>`, which we do not score (`pipelines/core/training/preference_data.py`). Prints whether the
 tokens agree so, and the largest difference as is and after adding to ours the log-probability
 of those trailing template tokens.
 """
@@ -59,11 +59,13 @@ import pandas as pd
 import torch
 
 from pipelines import dpo, ref_logprobs
-from pipelines.core import adapters, params_file, precision, preference_data, training
-from pipelines.core.chat_template import parse_messages
+from pipelines.core import params_file
+from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Hook
-from pipelines.core.models import CONSTRUCTION, load_for_inference
+from pipelines.core.models import adapters
+from pipelines.core.models.models import CONSTRUCTION, load_for_inference
+from pipelines.core.training import loop, precision, preference_data
 
 WARMUP = 3
 MODES = ("ours", "ours-live", "TRL precomputed", "TRL live")
@@ -220,8 +222,8 @@ def time_ours(base, tokenizer, pairs, dpo_params, cfg, live: bool) -> float:
             return preference_data.sequence_logps(frozen, batch)
 
     marks: list[float] = []
-    batches = training.Batches(len(pairs), cfg.micro_batch_size, cfg.seed, preference_data.collate(pairs, tokenizer.pad_token_id))
-    training.train(policy, dpo.dpo_loss(dpo_params, reference), batches, cfg, extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))])
+    batches = loop.Batches(len(pairs), cfg.micro_batch_size, cfg.seed, preference_data.collate(pairs, tokenizer.pad_token_id))
+    loop.train(policy, dpo.dpo_loss(dpo_params, reference), batches, cfg, extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))])
     return (marks[-1] - marks[WARMUP - 1]) / (cfg.max_steps - WARMUP)
 
 

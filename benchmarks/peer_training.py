@@ -34,15 +34,16 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import WARMUP, _Vocab, shared_loop
-from pipelines.core import params_file, precision, training
-from pipelines.core.models import build_llama
+from pipelines.core import params_file
+from pipelines.core.models.models import build_llama
+from pipelines.core.training import loop, precision
 
 SIZES = {"default": {}, "30m": {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8}}
 
 
 def bare_loop(model, rows: np.ndarray, batch_size: int, steps: int, cfg) -> float:
     """Forward, backward, clip, AdamW (the loop's optimizer) under the same autocast; tokens/s."""
-    optimizer = training.build_optimizer(model, cfg)
+    optimizer = loop.build_optimizer(model, cfg)
     rng = np.random.default_rng(0)
     device = torch.device("cpu")
     start = 0.0
@@ -50,7 +51,7 @@ def bare_loop(model, rows: np.ndarray, batch_size: int, steps: int, cfg) -> floa
         if step == WARMUP:
             start = time.perf_counter()
         x = torch.from_numpy(rows[np.sort(rng.choice(len(rows), batch_size, replace=False))].astype(np.int64))
-        with training.autocast(device, cfg.precision):
+        with loop.autocast(device, cfg.precision):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -154,7 +155,7 @@ def matmul_peak(precision_name: str, size: int = 2048, repeats: int = 5) -> floa
     training uses it), with this process's threads: the machine's practical peak."""
     a = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
     best = float("inf")
-    with training.autocast(torch.device("cpu"), precision_name):
+    with loop.autocast(torch.device("cpu"), precision_name):
         a @ a
         for _ in range(repeats):
             start = time.perf_counter()

@@ -29,8 +29,9 @@ def one(args: argparse.Namespace) -> dict:
     import torch
 
     from pipelines import lora
-    from pipelines.core import params_file, precision
+    from pipelines.core import params_file
     from pipelines.core.config import LoraParams, TrainParams
+    from pipelines.core.training import precision
 
     base, work = Path(args.base), Path(args.work)
     train = TrainParams(seed=args.seed, max_steps=args.steps, micro_batch_size=16, warmup_steps=max(1, args.steps // 15), lr=0.003,
@@ -44,8 +45,8 @@ def one(args: argparse.Namespace) -> dict:
            "linear_weight_bytes": metrics.get("linear_weight_bytes"), "total_parameters": metrics["total_parameters"],
            "trainable_parameters": metrics["trainable_parameters"], "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     if args.quantization == "none":
-        from pipelines.core.models import load_causal_lm
-        from pipelines.core.quantize import linear_weight_bytes
+        from pipelines.core.models.models import load_causal_lm
+        from pipelines.core.models.quantize import linear_weight_bytes
 
         row["linear_weight_bytes"] = linear_weight_bytes(load_causal_lm(base, dtype=torch.bfloat16))["linear_weight_bytes"]
     if args.project:
@@ -67,7 +68,7 @@ def random_base(size: str, out: Path) -> Path:
     import pandas as pd
 
     from pipelines.core.config import ModelParams
-    from pipelines.core.models import build_llama, save_pretrained
+    from pipelines.core.models.models import build_llama, save_pretrained
     from pipelines.train_tokenizer import train as train_tokenizer
 
     chats = [[{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": str(a + b)}] for a in range(10) for b in range(10)]

@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 
-from pipelines.core import qubo
+from pipelines.core.quantum import qubo
 
 RANKS = (4, 8, 16)
 LAYER = [("self_attn.q_proj", "h", "h"), ("self_attn.k_proj", "h", "kv"), ("self_attn.v_proj", "h", "kv"),

@@ -117,8 +117,9 @@ def make_base(shape: str, out: Path, seed: int = 0, max_positions: int = 32768) 
 def stage(args: argparse.Namespace) -> dict:
     """One stage of the fine-tuning profile against `args.base`; its numbers."""
     from pipelines import lora, sft
-    from pipelines.core import params_file, precision
-    from pipelines.core.resources import PeakMemory
+    from pipelines.core import params_file
+    from pipelines.core.run.resources import PeakMemory
+    from pipelines.core.training import precision
 
     root = Path(args.project)
     repo = Path(__file__).resolve().parents[1]

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import _Vocab, shared_loop
-from pipelines.core import params_file, precision
-from pipelines.core.models import build_llama
+from pipelines.core import params_file
+from pipelines.core.models.models import build_llama
+from pipelines.core.training import precision
 
 
 def group(base, rows: np.ndarray, cfg, stages: int, threads: int | None) -> float:

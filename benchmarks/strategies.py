@@ -28,11 +28,13 @@ from pathlib import Path
 import torch
 
 from pipelines import pretrain
-from pipelines.core import packed, params_file, precision, progressive, training
+from pipelines.core import params_file
 from pipelines.core.config import ActivationCacheParams, MemoryParams, ProgressiveParams
+from pipelines.core.data import packed
 from pipelines.core.extensions import Hook
-from pipelines.core.models import build_llama, load_tokenizer
+from pipelines.core.models.models import build_llama, load_tokenizer
 from pipelines.core.outputs import read_json
+from pipelines.core.training import loop, precision, progressive
 
 VARIANTS = {
     "plain": {},
@@ -110,11 +112,11 @@ def one_run(root: Path, params, name: str, seed: int, fraction: float, memory: M
                                   "precision": precision.resolve(base.precision)})  # fmt: skip
     model = build_llama(model_params, tokenizer, max_positions=seq, seed=seed)
     growth = progressive.Growth(grow, cfg, model, "pretrain") if grow is not None else None
-    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
+    batches = loop.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
     points, started = [], time.perf_counter()
     record = Hook("on_evaluate", lambda state, metrics: points.append((state.step, metrics["val/loss"])))
     val_fn = pretrain.validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
-    training.train(model, training.causal_lm_loss, batches, cfg, val_fn=val_fn, extensions=[record], growth=growth, desc="pretrain")
+    loop.train(model, loop.causal_lm_loss, batches, cfg, val_fn=val_fn, extensions=[record], growth=growth, desc="pretrain")
     seconds = time.perf_counter() - started
     hit_rate = growth.cache.metrics()["train/activation_cache_hit_rate"] if growth is not None and growth.cache is not None else None
     return {"final": points[-1][1], "best": min(v for _, v in points), "steps": steps, "flops": flops, "budget": budget,

@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import config, params_file, training
+from pipelines.core import config, params_file
 from pipelines.core.extensions import Hook
-from pipelines.core.models import build_llama
+from pipelines.core.models.models import build_llama
+from pipelines.core.training import loop
 
 WARMUP = 3
 
@@ -59,14 +60,14 @@ def bare_loop(model, rows: np.ndarray, batch_size: int, steps: int, lr: float) -
 
 
 def shared_loop(model, rows: np.ndarray, cfg: config.TrainParams, timing: dict | None = None) -> float:
-    """`pipelines.core.training.train` (schedule, clipping, metrics, progress bar); timed tokens/s.
+    """`pipelines.core.training.loop.train` (schedule, clipping, metrics, progress bar); timed tokens/s.
     `timing`, if given, gets `warmup_s`: from the call to the end of the untimed warm-up steps."""
     marks: list[float] = []
     started = time.perf_counter()
-    training.train(
+    loop.train(
         model,
-        training.causal_lm_loss,
-        training.Batches(len(rows), cfg.micro_batch_size, 0, lambda idx: {"input_ids": torch.from_numpy(rows[np.sort(idx)].astype(np.int64))}),
+        loop.causal_lm_loss,
+        loop.Batches(len(rows), cfg.micro_batch_size, 0, lambda idx: {"input_ids": torch.from_numpy(rows[np.sort(idx)].astype(np.int64))}),
         cfg,
         extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))],
     )

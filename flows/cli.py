@@ -52,7 +52,7 @@ def _warm_up(root: Path, models: bool) -> None:
     pipeline's critical path."""
     import dvc.repo  # noqa: F401
 
-    from pipelines.core import repro, tracking
+    from pipelines.core.run import repro, tracking
 
     tracking.client(root)
     if models:
@@ -85,7 +85,8 @@ def _check(root: Path, params_data: dict, until: str | None) -> tuple[dict | Non
     """
     import time
 
-    from pipelines.core import repro, workspace
+    from pipelines.core import workspace
+    from pipelines.core.run import repro
 
     started = time.perf_counter()
     ws = workspace.prepare(root, params_data)
@@ -151,7 +152,7 @@ def _api_lost(returncode: int, pid: int) -> None:
     from prefect.settings import PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW, temporary_settings
 
     from flows.local_api import seconds
-    from pipelines.core import tracking
+    from pipelines.core.run import tracking
 
     with temporary_settings({PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW: "ignore"}):  # this thread has no flow run
         ask_stop("the Prefect API exited")

@@ -25,9 +25,9 @@ from typing import Any
 import yaml
 
 from flows import lineage
-from pipelines.core import tracking
 from pipelines.core.config import flatten
 from pipelines.core.errors import QllmError
+from pipelines.core.run import tracking
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 MIN_PREFIX = 6

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipelines.core.chat_template import render_prompt
+from pipelines.core.data.chat_template import render_prompt
 from pipelines.core.errors import QllmError
 
 
@@ -39,7 +39,7 @@ def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
     root = Path(root).resolve()
     if model.startswith("models:/"):
         return _load_registered(model, root)
-    from pipelines.core.models import load_for_inference
+    from pipelines.core.models.models import load_for_inference
 
     path = _local_dir(model, root)
     if not path.is_dir():
@@ -52,8 +52,8 @@ def load(model: str, root: Path | str = ".") -> tuple[Any, Any]:
 def _load_registered(uri: str, root: Path) -> tuple[Any, Any]:
     import mlflow.transformers
 
-    import pipelines.core.diffusion_model  # noqa: F401  (the pipeline's own model classes, known to the Auto classes)
-    import pipelines.core.memory_model  # noqa: F401
+    import pipelines.core.models.diffusion_model  # noqa: F401  (the pipeline's own model classes, known to the Auto classes)
+    import pipelines.core.models.memory_model  # noqa: F401
     from flows import lineage
 
     client = lineage.open_client(root)  # the project's registry: tracking.tracking_uri(root)
@@ -111,7 +111,7 @@ def _decode(model: Any, tokenizer: Any, encoded: Any, max_new_tokens: int, tempe
     of the turn; the new text, special tokens removed."""
     import torch
 
-    from pipelines.core.models import stop_token_ids
+    from pipelines.core.models.models import stop_token_ids
 
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     model.eval()
@@ -189,7 +189,7 @@ def generate_about_image(
 
     The prompt's `<image>` placeholder marks where the image goes (in front when it has none);
     decoding as in `generate`."""
-    from pipelines.core import vision
+    from pipelines.core.models import vision
 
     _check_decoding(max_new_tokens, temperature)
     images = None

@@ -2,7 +2,7 @@
 
     qllm lineage models:/qllm@champion          # or models:/qllm/3; --json for the JSON
 
-The register stage builds the lineage (`pipelines.core.lineage.build`) and logs it as the
+The register stage builds the lineage (`pipelines.core.run.lineage.build`) and logs it as the
 artifact `lineage.json` of its run; `for_model(uri, root)` reads it back for a registered version
 and adds the version's details. Versions registered without `lineage.json` get their lineage
 rebuilt from the `dvc.lock` artifact of their pipeline run and the stage runs whose `qllm.dep.*`
@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from pipelines.core import lineage, tracking
 from pipelines.core.errors import QllmError
+from pipelines.core.run import lineage, tracking
 
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
 

@@ -37,7 +37,7 @@ import json
 import shlex
 from pathlib import Path
 
-from pipelines.core.chat_template import normalize_answer
+from pipelines.core.data.chat_template import normalize_answer
 from pipelines.core.errors import QllmError
 
 TASK = "qllm_heldout"
@@ -92,8 +92,8 @@ def model_args(model_dir: Path | str, root: Path | str = ".") -> str:
 
     A relative `model_dir`, and a relative base, are relative to the project `root` (never to the
     current directory), and so are the paths in the result: lm_eval runs in `root` (`command`)."""
-    from pipelines.core.model_source import follow
-    from pipelines.core.models import model_location
+    from pipelines.core.models.model_source import follow
+    from pipelines.core.models.models import model_location
 
     root = Path(root)
     given = Path(model_dir)

@@ -30,7 +30,8 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from flows import preflight
-from pipelines.core import config, dag, errors, params_file, repro, tracking, workspace
+from pipelines.core import config, dag, errors, params_file, workspace
+from pipelines.core.run import repro, tracking
 from tasks.stages import stage_task
 
 

@@ -24,8 +24,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from pipelines.core import tracking
 from pipelines.core.errors import QllmError
+from pipelines.core.run import tracking
 
 PROBE_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_ENV = "QLLM_TRACKING_PROBE_TIMEOUT"

@@ -10,7 +10,7 @@ from collections.abc import MutableMapping
 # bitsandbytes (imported by PEFT whenever it is installed) tries, on AVX512-BF16 CPUs, to fetch an
 # optional inference kernel from the Hugging Face hub with the `kernels` package, and warns on
 # every import when it cannot. The kernel only serves bitsandbytes' repacked CPU inference layout,
-# which QLoRA here keeps off (`pipelines.core.quantize.keep_standard_layout`): the warning is noise.
+# which QLoRA here keeps off (`pipelines.core.models.quantize.keep_standard_layout`): the warning is noise.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 

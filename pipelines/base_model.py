@@ -14,7 +14,7 @@ writes `{"name": null}`. With a name, the pipeline fine-tunes that model instead
 `train_tokenizer` then saves the base model's tokenizer instead of training one, `tokenize`
 encodes the text with it (for the validation perplexity `evaluate` reports), and `pretrain`
 trains nothing: its output `data/models/pretrain/` holds only a pointer, `base_model.json`, that
-`pipelines.core.models` follows when loading. sft, probe_lora and lora (`base_model:
+`pipelines.core.models.models` follows when loading. sft, probe_lora and lora (`base_model:
 data/models/pretrain`), and through them ref_logprobs, dpo, evaluate and register, all use the base.
 
 Like `probe_device` this is DVC's idiom for state outside the repository: the stage runs on every
@@ -28,7 +28,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.core import model_source, world
+from pipelines.core import dag
+from pipelines.core.data import world
+from pipelines.core.errors import QllmError
+from pipelines.core.models import model_source
 from pipelines.core.outputs import write_json
 from pipelines.core.paths import project_root
 
@@ -36,13 +39,34 @@ if TYPE_CHECKING:
     from pipelines.core.config import BaseModelParams
 
 NAME = "base_model"
-"""A stage that reads the world (`pipelines.core.world`): no MLflow run; the base is in the
+"""A stage that reads the world (`pipelines.core.data.world`): no MLflow run; the base is in the
 training stages' lineage."""
+
+
+def _local(name: str, root: Path) -> Path | None:
+    location = model_source.model_location(name, root)
+    return model_source.local_model_dir(location) if isinstance(location, Path) else None  # a Path: missing -> a clear error
+
+
+def resolve(params: BaseModelParams, root: Path) -> dict[str, Any]:
+    """What `OUT` records: the name as given and what identifies its content."""
+    if params.name is None:
+        return {"name": None}
+    from pipelines.core.models import models  # torch and transformers: only for a base model
+    local = _local(params.name, root)
+    if local is not None:
+        if params.revision is not None:
+            raise QllmError(f"base_model.revision={params.revision!r}: a revision applies to hub models, but {params.name!r} is a local directory")
+        models.load_tokenizer(local)  # a clear error now, not in the first training stage
+        models.check_model_files(local)
+        return {"name": params.name, "kind": "local", "md5": dag.dvc_md5(local)}
+    snapshot = model_source.hub_snapshot(params.name, params.revision)
+    return {"name": params.name, "kind": "hub", "revision": snapshot.name}
 
 
 def run(root: Path, out: Path, params: BaseModelParams | None) -> dict[str, Any]:
     """Write what `out` records of the base (`{"name": null}` for None: pretrained here)."""
-    record = {"name": None} if params is None else model_source.resolve(params, project_root(root))
+    record = {"name": None} if params is None else resolve(params, project_root(root))
     write_json(out, record)
     return record
 

@@ -7,7 +7,7 @@ with all weights trainable (`dpo.adapter: none`) or with a LoRA adapter built by
 code (`dpo.adapter: lora`, settings in `dpo.lora`). Each step runs the policy once over the
 concatenated chosen and rejected sequences; the reference log-probabilities come from
 `data/ref_logprobs/`, so the reference model is never run here. The loss is
-`pipelines.core.losses.preference_loss` (`dpo.loss_type`, `dpo.beta`, `dpo.label_smoothing`), plus
+`pipelines.core.training.losses.preference_loss` (`dpo.loss_type`, `dpo.beta`, `dpo.label_smoothing`), plus
 `dpo.sft_weight` times the chosen answers' per-token NLL (RPO) when it is set.
 
 Logged per step and on validation (`val/...`) with the names TRL uses: `rewards/chosen`,
@@ -25,13 +25,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import adapters, footprint, preference_data, quantize, stage, training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import DpoParams
 from pipelines.core.errors import QllmError
-from pipelines.core.losses import preference_loss, reward_metrics
-from pipelines.core.models import CONSTRUCTION, device, load_for_inference, parameter_counts, save_pretrained
+from pipelines.core.models import adapters, footprint, quantize
+from pipelines.core.models.models import CONSTRUCTION, device, load_for_inference, parameter_counts, save_pretrained
 from pipelines.core.outputs import read_json, write_json
+from pipelines.core.run import stage
+from pipelines.core.training import loop, preference_data
+from pipelines.core.training.checkpoint import CheckpointManager
+from pipelines.core.training.losses import preference_loss, reward_metrics
 
 NAME = "dpo"
 
@@ -76,8 +78,8 @@ def evaluate_pairs(model, loss_fn, pairs: list[preference_data.Pair], pad_id: in
     with torch.no_grad():
         for start in range(0, len(pairs), batch_size):
             indices = np.arange(start, min(start + batch_size, len(pairs)))
-            batch = training.to_device(make(indices), device())
-            with training.autocast(device(), precision):
+            batch = loop.to_device(make(indices), device())
+            with loop.autocast(device(), precision):
                 loss, metrics = loss_fn(model, batch)
             for key, value in {"loss": float(loss), **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + value * len(indices)
@@ -114,7 +116,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
 
     loss_fn = dpo_loss(params)
     pad = tokenizer.pad_token_id
-    batches = training.Batches(len(train_pairs), cfg.micro_batch_size, cfg.seed, preference_data.collate(train_pairs, pad))
+    batches = loop.Batches(len(train_pairs), cfg.micro_batch_size, cfg.seed, preference_data.collate(train_pairs, pad))
     val_fn = None
     if val_pairs:
 
@@ -122,7 +124,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
             return evaluate_pairs(m, loss_fn, val_pairs, pad, cfg.micro_batch_size, cfg.precision, "val")
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
-    result = training.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=NAME)
+    result = loop.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=NAME)
     heldout = evaluate_pairs(model, loss_fn, heldout_pairs, pad, cfg.micro_batch_size, cfg.precision, "heldout")
     if tracker is not None and heldout:
         tracker.log_metrics(heldout, step=result["steps"])
@@ -136,7 +138,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)
         write_json(tmp / preference_data.PREFERENCE_CONFIG, {"beta": params.beta, "loss_type": params.loss_type, "reference": reference})
 
-    result = training.finish(result, out, save)
+    result = loop.finish(result, out, save)
     return {**result, **counts, **heldout, "reference": reference, "train_pairs": len(train_pairs), **estimates}
 
 

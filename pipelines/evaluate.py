@@ -20,7 +20,7 @@ For each model in `evaluate.models` (stage outputs `data/models/<stage>`), `eval
   TRL, `rewards/accuracies`, `rewards/margins`, ..., β·(policy − reference) on the same pairs.
 
 When the multimodal stage ran (`data/models/multimodal` holds a model), an entry `multimodal` too,
-on the held-out image questions (`data/prepared/image_chat/test.parquet`; `pipelines.core.vision.evaluate`):
+on the held-out image questions (`data/prepared/image_chat/test.parquet`; `pipelines.core.models.vision.evaluate`):
 `exact_match` of the greedy answers, `image_answer_loss` with each question's own image and
 `shuffled_image_answer_loss` with another question's image (a seeded derangement), their difference
 `image_loss_gap` (how much the image matters) and `image_loss_right_lower_fraction`; its predictions go to
@@ -46,12 +46,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chunked_loss, diffusion, losses, objectives, packed, plots, preference_data, stage, training
-from pipelines.core.chat_template import normalize_answer, parse_messages, render_prompt, split_last_answer
 from pipelines.core.config import EvaluateParams
+from pipelines.core.data import packed
+from pipelines.core.data.chat_template import normalize_answer, parse_messages, render_prompt, split_last_answer
 from pipelines.core.errors import QllmError
-from pipelines.core.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
+from pipelines.core.models.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
 from pipelines.core.outputs import atomic_dir, read_json
+from pipelines.core.run import plots, stage
+from pipelines.core.training import chunked_loss, diffusion, loop, losses, objectives, preference_data
+from pipelines.core.workspace import project_root
 
 NAME = "evaluate"
 HELDOUT_PAIRS = "test.parquet"
@@ -65,7 +68,7 @@ COMPARED = ("exact_match", "bleu", "rougeL", "bertscore_f1", "preference_accurac
 
 
 VAL_CHUNK_TOKENS = 1024
-"""Tokens whose logits the validation loss holds at once (`pipelines.core.chunked_loss`)."""
+"""Tokens whose logits the validation loss holds at once (`pipelines.core.training.chunked_loss`)."""
 
 def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
     """Held-out conversations (test split, else validation) as id / prompt messages / reference.
@@ -182,7 +185,6 @@ class BertScore:
         from transformers import AutoConfig, AutoModel, AutoTokenizer, GPT2Tokenizer, RobertaTokenizer
         from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-        from pipelines.core.workspace import project_root
 
         path = Path(name).expanduser()
         path = path if path.is_absolute() else project_root(root) / path
@@ -252,7 +254,7 @@ def preference_metrics(model, pairs: list[preference_data.Pair], pad_id: int, ba
     make = preference_data.collate(pairs, pad_id)
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
-        batch = training.to_device(make(np.arange(start, min(start + batch_size, len(pairs)))), model.device)
+        batch = loop.to_device(make(np.arange(start, min(start + batch_size, len(pairs)))), model.device)
         c, r = preference_data.sequence_logps(model, batch, preference_data.SCORE_CHUNK_TOKENS)
         chosen.append(c.float().cpu())
         rejected.append(r.float().cpu())
@@ -281,7 +283,7 @@ def evaluate_model(
     else:
         # the head a chunk of tokens at a time: whole, a 150k vocabulary's fp32 logits of one batch of
         # 256-token rows took 15 GB at the Qwen2.5-0.5B shape (the same mean, up to float rounding)
-        val_loss = training.mean_loss(model, chunked_loss.causal(VAL_CHUNK_TOKENS), batches, model.device, "fp32")
+        val_loss = loop.mean_loss(model, chunked_loss.causal(VAL_CHUNK_TOKENS), batches, model.device, "fp32")
 
     generating = time.perf_counter()
     predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.max_new_tokens, params.batch_size)
@@ -316,7 +318,7 @@ def evaluate_multimodal(model_dir: Path, image_dir: Path, out: Path, params: Eva
     """The multimodal model's metrics on the held-out image questions (see the module docstring)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from pipelines.core import vision
+    from pipelines.core.models import vision
 
     chats = vision.read_chats(image_dir, "test")
     if params.max_questions:
@@ -339,7 +341,7 @@ def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path
     """`{model: metrics}` for every model in `params.models` (and `multimodal` when `models_dir/multimodal`
     holds a model and `image_dir` is given); predictions under `out/<model>/`, the comparison table and
     plots under `out/`."""
-    from pipelines.core import vision
+    from pipelines.core.models import vision
     questions = heldout_questions(chat_dir, params.max_questions)
     bertscore = BertScore(params.bertscore_model, root, params.bertscore_layer) if params.bertscore_model else None
     pairs = preference_data.from_frame(pd.read_parquet(preferences)) if preferences is not None and preferences.exists() else []

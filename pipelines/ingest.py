@@ -5,7 +5,7 @@
 Writes `data/ingested/text.parquet`, `chat.parquet`, `preference.parquet` and
 `image_chat.parquet` (always all four; a kind without sources is an empty file with the kind's
 columns), in source order. The record kinds and accepted input layouts are described in
-`pipelines/core/readers.py`; an image chat's images are read (and checked to decode) here, and
+`pipelines/core/data/readers.py`; an image chat's images are read (and checked to decode) here, and
 stored in the file as their bytes, so later stages need neither the image files nor their paths.
 
 Sources stream through in bounded memory (`readers.iter_source`): records are written as they
@@ -25,10 +25,10 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from pipelines.core import stage
 from pipelines.core.config import IngestParams, SourceParams
+from pipelines.core.data.readers import COLUMNS, MEMORY_POOL, SCHEMAS, iter_source, source_name
 from pipelines.core.outputs import atomic_dir
-from pipelines.core.readers import COLUMNS, MEMORY_POOL, SCHEMAS, iter_source, source_name
+from pipelines.core.run import stage
 
 NAME = "ingest"
 

@@ -2,7 +2,7 @@
 
     python -m pipelines.lora       # what dvc.yaml runs; writes data/models/lora/
 
-Same data, masking, packing and loop as `sft` (`pipelines.core.finetune`); only the model wrapper
+Same data, masking, packing and loop as `sft` (`pipelines.core.training.finetune`); only the model wrapper
 differs: `peft.get_peft_model` with a `LoraConfig` built from `lora.*` (r, lora_alpha,
 lora_dropout, target_modules, layers_to_transform, rank_pattern/alpha_pattern, bias, use_rslora)
 plus the embedding rows of `lora.adapter.trainable_tokens` (the chat markers, which the pretrained base
@@ -10,7 +10,7 @@ has never seen).
 
 With `lora.allocation: qubo_in_loop` (the default: the QUBO re-solved every `adaptive.every`
 steps) and `adalora` (PEFT's AdaLoRA) every module starts at rank `adaptive.init_r` and the budget
-is allocated while training (`pipelines.core.rank_allocation`); with `quantum_opt` the targeted
+is allocated while training (`pipelines.core.quantum.rank_allocation`); with `quantum_opt` the targeted
 modules and their ranks come from `data/quantum_opt/allocation.json` (`apply_allocation`);
 `uniform` uses rank `r` on every `target_modules` entry.
 
@@ -24,16 +24,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core import adapters, finetune, quantize, rank_allocation, stage
 from pipelines.core.config import LoraParams
 from pipelines.core.errors import QllmError
+from pipelines.core.models import adapters, model_source, quantize
 from pipelines.core.outputs import read_json
+from pipelines.core.quantum import rank_allocation
+from pipelines.core.run import stage
+from pipelines.core.training import finetune
 
 NAME = "lora"
 SECTION = "lora.adapter"
 """Where the adapter's settings are in params (errors name their keys under it)."""
 ADAPTIVE = ("adalora", "qubo_in_loop")
-"""The allocations made while training (`pipelines.core.rank_allocation`)."""
+"""The allocations made while training (`pipelines.core.quantum.rank_allocation`)."""
 ALLOCATION_FILE = "allocation.json"
 """The file of quantum_opt's output directory that gives the modules and their ranks."""
 
@@ -80,7 +83,6 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
 
 
 def body(ctx: stage.StageContext) -> dict:
-    from pipelines.core import model_source
 
     declared = ctx.params.base_model
     params = finetune.resolve_base(ctx, ctx.input("models/pretrain"))

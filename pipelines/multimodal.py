@@ -6,7 +6,7 @@
 
 With `multimodal.enabled: false` (the default) it writes only a README: no model is loaded, no
 cost. Enabled, it builds `LlavaForConditionalGeneration` around `multimodal.base_model` (the SFT
-model) with a SigLIP vision tower from config (`pipelines.core.vision`), encodes the prepared
+model) with a SigLIP vision tower from config (`pipelines.core.models.vision`), encodes the prepared
 `image_chat` records (train and validation; the held-out ones are evaluate's), and trains with the
 shared loop in LLaVA's two phases: alignment (projector and tower; language model frozen) for
 `alignment_steps`, then instruction tuning. Checkpoints, exact resume, stop signals and MLflow
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.core import stage
 from pipelines.core.config import MultimodalParams
 from pipelines.core.errors import QllmError
+from pipelines.core.run import stage
 
 NAME = "multimodal"
 
@@ -45,15 +45,16 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
     the stage passes the path as params.yaml writes it, so no absolute path reaches the output)."""
     import torch
 
-    from pipelines.core import training, vision
-    from pipelines.core.checkpoint import CheckpointManager
-    from pipelines.core.models import (
+    from pipelines.core.models import vision
+    from pipelines.core.models.models import (
         CONSTRUCTION,
         configure_generation,
         device,
         load_model_and_tokenizer,
         parameter_counts,
     )
+    from pipelines.core.training import loop
+    from pipelines.core.training.checkpoint import CheckpointManager
 
     cfg = params.train
     with CONSTRUCTION:
@@ -68,7 +69,7 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
         raise QllmError(f"{Path(image_dir) / 'train.parquet'}: no image chat left to train on (dropped as longer than {max_len} tokens: "
                         f"{data['train'].stats.dropped_too_long}); raise multimodal.max_seq_len or add image_chat sources")  # fmt: skip
     pad = tokenizer.pad_token_id
-    batches = training.Batches(len(data["train"].rows), cfg.micro_batch_size, cfg.seed, vision.collate(data["train"], pad))
+    batches = loop.Batches(len(data["train"].rows), cfg.micro_batch_size, cfg.seed, vision.collate(data["train"], pad))
     val_fn = None
     if data["validation"].rows:
         n_val = len(data["validation"].rows) if not cfg.eval_batches else min(len(data["validation"].rows), cfg.eval_batches * cfg.micro_batch_size)
@@ -76,14 +77,14 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
         val_batches = [collate_val(np.arange(i, min(i + cfg.micro_batch_size, n_val))) for i in range(0, n_val, cfg.micro_batch_size)]
 
         def val_fn(m: torch.nn.Module) -> dict[str, float]:
-            return {"val/loss": training.mean_loss(m, vision.image_chat_loss, val_batches, device(), cfg.precision)}
+            return {"val/loss": loop.mean_loss(m, vision.image_chat_loss, val_batches, device(), cfg.precision)}
 
     phases = vision.Phases(params, model)
     counts = parameter_counts(model)
     if tracker is not None:
         tracker.log_params({f"{NAME}.{k}": v for k, v in counts.items()} | {f"{NAME}.image_tokens": per_image})
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
-    result = training.train(model, vision.image_chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
+    result = loop.train(model, vision.image_chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
                             growth=phases, desc=NAME)  # fmt: skip
     model.requires_grad_(True)
 
@@ -93,7 +94,7 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
         model.cpu().save_pretrained(tmp, safe_serialization=True)
         processor.save_pretrained(tmp)
 
-    result = training.finish(result, out, save)
+    result = loop.finish(result, out, save)
     return {**result, **counts, **metrics}
 
 

@@ -23,7 +23,7 @@ all twelve files, empty ones with the kind's columns). Per kind, in order:
 
 At scale (memory bounded by the batch, not the data; `prepare_kind`): the input is read in
 batches of `BATCH_ROWS` records, which worker processes (or a Dask cluster:
-`pipelines/core/parallel.py`) normalise, judge, hash (SHA-256 of the content) and MinHash; the
+`pipelines/core/data/parallel.py`) normalise, judge, hash (SHA-256 of the content) and MinHash; the
 records wait in a spool file. Deduplication is a shuffle by key, as datatrove and NeMo Curator do
 it: each content hash, and each LSH band key, goes to one of `BUCKETS` files by its value, so
 equal keys meet in one bucket, and each bucket is deduplicated on its own (in parallel) with the
@@ -49,11 +49,12 @@ import pyarrow as pa
 import pyarrow.compute
 import pyarrow.parquet as pq
 
-from pipelines.core import cleaning, parallel, stage
 from pipelines.core.config import PrepareDataParams
+from pipelines.core.data import cleaning, parallel
+from pipelines.core.data.images import IMAGE_TOKEN, ImageError, count_placeholders, image_size, sha256_hex
 from pipelines.core.errors import QllmError
-from pipelines.core.images import IMAGE_TOKEN, ImageError, count_placeholders, image_size, sha256_hex
 from pipelines.core.outputs import atomic_dir, record_batches
+from pipelines.core.run import stage
 
 NAME = "prepare_data"
 SPLITS = ("train", "validation", "test")

@@ -3,7 +3,7 @@
     python -m pipelines.pretrain       # what dvc.yaml runs; writes data/models/pretrain/
 
 The model is built from `pretrain.model` (`LlamaConfig` + `LlamaForCausalLM`, vocabulary from the
-tokenizer) and trained by the shared loop in `pipelines.core.training`. Checkpoints go to
+tokenizer) and trained by the shared loop in `pipelines.core.training.loop`. Checkpoints go to
 `.qllm/checkpoints/pretrain/<fingerprint>/`, outside the stage output, so a killed run resumes
 and a changed stage starts afresh. The output is a `save_pretrained` directory.
 """
@@ -16,11 +16,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import chunked_loss, curriculum, diffusion, objectives, packed, progressive, stage, training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import PretrainParams
-from pipelines.core.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
+from pipelines.core.data import packed
+from pipelines.core.models import model_source
+from pipelines.core.models.model_source import POINTER
+from pipelines.core.models.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
 from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.run import stage
+from pipelines.core.training import chunked_loss, curriculum, diffusion, loop, objectives, progressive
+from pipelines.core.training.checkpoint import CheckpointManager
+from pipelines.core.training.memory import MemoryUsage
 
 NAME = "pretrain"
 
@@ -30,7 +35,7 @@ def validation_fn(rows: np.ndarray, batch_size: int, max_batches: int, precision
     batches = packed.fixed_batches(rows, batch_size, max_batches)
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
-        loss = training.mean_loss(model, training.causal_lm_loss, batches, next(model.parameters()).device, precision)
+        loss = loop.mean_loss(model, loop.causal_lm_loss, batches, next(model.parameters()).device, precision)
         return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
 
     return evaluate
@@ -48,23 +53,22 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     counts = parameter_counts(model)
     if tracker is not None:
         tracker.log_params({"model.parameters": counts["total_parameters"], "model.vocab_size": len(tokenizer)})
-    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
+    batches = loop.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, packed.collate(train_rows))
     batches = curriculum.wrap(batches, cfg, full_length=meta["seq_len"])
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     grow = params.progressive
     growth = progressive.Growth(grow, cfg, model, NAME) if grow.enabled else None  # the model starts as its first stack
     extensions = []
     if params.model.memory.enabled:
-        from pipelines.core.memory import MemoryUsage
 
         extensions.append(MemoryUsage(model))
-    loss_fn, val_fn = training.causal_lm_loss, validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
+    loss_fn, val_fn = loop.causal_lm_loss, validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
     if diffusion_objective:
         objective = diffusion.Objective(params.diffusion, model.config.mask_token_id)
         loss_fn = objective
         val_fn = objectives.nelbo_fn(objective, packed.fixed_batches(val_rows, cfg.micro_batch_size, cfg.eval_batches), cfg.precision)
     loss_fn = chunked_loss.for_loop(loss_fn, model, cfg, NAME)  # the head a chunk at a time (train.loss_chunk_tokens)
-    result = training.train(
+    result = loop.train(
         model,
         loss_fn,
         batches,
@@ -83,7 +87,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         if grow.enabled and grow.save_stacks:
             progressive.save_stacks(model, grow.stacks, tmp)
 
-    result = training.finish(result, out, save)
+    result = loop.finish(result, out, save)
     return {
         **result,
         **counts,
@@ -96,7 +100,6 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
 def point_to_base(out: Path, record: dict) -> dict:
     """Fine-tuning mode: no model is trained; the output is a pointer to the base model
     (`pipelines.base_model`) that the later stages load through."""
-    from pipelines.core.model_source import POINTER
 
     with atomic_dir(out) as tmp:
         write_json(tmp / POINTER, record)
@@ -104,7 +107,6 @@ def point_to_base(out: Path, record: dict) -> dict:
 
 
 def body(ctx: stage.StageContext) -> dict:
-    from pipelines.core import model_source
 
     record = model_source.current(ctx.root)
     if record["name"] is not None:

@@ -3,7 +3,7 @@
     python -m pipelines.probe_device   # what dvc.yaml runs (always: `always_changed: true`); writes data/device.json
 
 `precision: auto` (the default of every training stage) resolves per machine: bf16 where the device
-has bf16 matrix units, fp32 on other CPUs, fp16 on older CUDA devices (`pipelines.core.precision`). A
+has bf16 matrix units, fp32 on other CPUs, fp16 on older CUDA devices (`pipelines.core.training.precision`). A
 stage trained in bf16 is not the stage another machine would train in fp32, so the resolution has
 to be part of what DVC calls "the same inputs", or a `dvc pull`/run-cache hit would hand one
 machine's result to a machine that would have computed something else.
@@ -32,12 +32,12 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from pipelines.core import world
+from pipelines.core.data import world
 from pipelines.core.outputs import read_json, write_json
 from pipelines.core.paths import project_root
 
 NAME = "probe_device"
-"""A stage that reads the world (`pipelines.core.world`): no MLflow run; what it finds is in every
+"""A stage that reads the world (`pipelines.core.data.world`): no MLflow run; what it finds is in every
 training stage's params (`<stage>.train.precision`) and metrics (`precision`)."""
 
 
@@ -80,7 +80,7 @@ def capability(cache: Path | None) -> tuple[dict[str, Any], bool]:
             record = {}
         if record.get("key") == key:
             return record["capability"], True
-    from pipelines.core import precision  # torch
+    from pipelines.core.training import precision  # torch
 
     cap = precision.capability().as_dict()
     if key is not None:

@@ -31,23 +31,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import (
-    adapters,
-    chat_examples,
-    chunked_loss,
-    distributed,
-    finetune,
-    objectives,
-    quantize,
-    qubo,
-    stage,
-    training,
-)
 from pipelines.core.config import ProbeLoraParams
+from pipelines.core.data import chat_examples
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Extension
-from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer
+from pipelines.core.models import adapters, quantize
+from pipelines.core.models.models import CONSTRUCTION, device, load_model_and_tokenizer
 from pipelines.core.outputs import atomic_dir, write_json
+from pipelines.core.quantum import qubo
+from pipelines.core.run import stage
+from pipelines.core.training import chunked_loss, distributed, finetune, loop, objectives
 
 NAME = "probe_lora"
 SCORES_FILE = "scores.json"
@@ -158,8 +151,8 @@ def probe_frozen(model: torch.nn.Module, recorder, batches, cfg, what: str = "fr
         for _ in tqdm(range(cfg.max_steps), desc=f"{NAME} ({what})", disable=not distributed.is_main()):
             total = 0.0
             for _ in range(cfg.grad_accum_steps):
-                batch = training.to_device(next(iterator), device())
-                with training.autocast(device(), cfg.precision):
+                batch = loop.to_device(next(iterator), device())
+                with loop.autocast(device(), cfg.precision):
                     loss, _ = loss_fn(model, batch)
                 (loss / cfg.grad_accum_steps).backward()
                 total += float(loss.detach()) / cfg.grad_accum_steps
@@ -204,7 +197,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, NAME)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
-    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing))
+    batches = loop.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing))
     if frozen:  # gradients at the frozen base (see probe_frozen)
         if distributed.world_size() > 1:
             raise QllmError(f"{NAME}: a frozen-base probe records one process's gradients; set probe_lora.train.nproc to 1")
@@ -216,7 +209,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
             with CONSTRUCTION:
                 model = model.to(device())
             if cfg.gradient_checkpointing:
-                training.activation_checkpointing(model, True, NAME)
+                loop.activation_checkpointing(model, True, NAME)
             recorder, what = FrozenGradientRecorder(candidate_modules(model, params.target_modules)), "frozen base"
         recorder, result = probe_frozen(model, recorder, batches, cfg, what)
     else:
@@ -224,7 +217,7 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
             model = model.to(device())
         recorder = GradientRecorder(candidate_modules(model, params.target_modules))
         loss_fn = chunked_loss.for_loop(objectives.chat_objective(model), model, cfg, NAME)
-        result = training.train(model, loss_fn, batches, cfg, tracker=tracker, extensions=[recorder], desc=NAME)
+        result = loop.train(model, loss_fn, batches, cfg, tracker=tracker, extensions=[recorder], desc=NAME)
         result.pop("history")  # the probe's weights and curves are thrown away
     table = scores(recorder, params.ranks, params.redundancy)
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output

@@ -5,7 +5,7 @@
 Reads `data/probe_lora/scores.json` (values v[m][r], costs c[m][r], redundancies ρ[m,m']) and
 chooses at most one rank per module to maximise Σ v − λ·Σ ρ·sqrt(v·v') within the parameter
 budget B (default: rank `quantum_opt.budget_rank` on every candidate), with the solver named in
-`quantum_opt.solver` (`pipelines.core.qubo`: a `dimod` BQM for sa/tabu/exact/dwave/qaoa, scipy's MILP
+`quantum_opt.solver` (`pipelines.core.quantum.qubo`: a `dimod` BQM for sa/tabu/exact/dwave/qaoa, scipy's MILP
 as the exact reference). Also solved, for the log: the MILP optimum (so the gap of the chosen
 solver is known; in data/metrics/quantum_opt.json, with the solve time), the greedy
 value-per-parameter allocation and uniform rank `budget_rank`.
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core import qubo, stage
 from pipelines.core.config import QuantumOptParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.quantum import qubo
+from pipelines.core.run import stage
 
 NAME = "quantum_opt"
 SCORES_FILE = "scores.json"

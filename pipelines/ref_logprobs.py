@@ -19,10 +19,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import preference_data, quantize, stage
 from pipelines.core.config import RefLogprobsParams
-from pipelines.core.models import load_for_inference
+from pipelines.core.models import quantize
+from pipelines.core.models.models import load_for_inference
 from pipelines.core.outputs import atomic_dir, write_json
+from pipelines.core.run import stage
+from pipelines.core.training import preference_data
 
 NAME = "ref_logprobs"
 SPLITS = ("train", "validation", "test")

@@ -7,7 +7,7 @@ as an `mlflow.transformers` text-generation model, so
 `mlflow.transformers.load_model("models:/qllm@champion")` returns a working pipeline (and
 `mlflow.pyfunc.load_model` works too), and registers it under `register.model_name`. The multimodal
 model (`register.model: multimodal`) is logged as a pyfunc over its directory
-(`pipelines.core.image_chat_pyfunc`: `predict` takes image bytes and questions).
+(`pipelines.core.models.image_chat_pyfunc`: `predict` takes image bytes and questions).
 
 The gate: the new version takes alias `register.alias` (champion) only if its `register.metric`
 in data/metrics/evaluate.json (default held-out exact match) is at least the champion's plus
@@ -31,11 +31,13 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.core import dag, lineage, stage, tracking, workspace
+from pipelines.core import dag, workspace
 from pipelines.core.config import RegisterParams
 from pipelines.core.errors import QllmError
-from pipelines.core.models import load_for_inference
+from pipelines.core.models import model_source
+from pipelines.core.models.models import load_for_inference
 from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.run import lineage, stage, tracking
 from pipelines.core.workspace import project_root
 
 NAME = "register"
@@ -78,7 +80,6 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None, prefect
         tags[f"dvc.{path}"] = md5
     for section, values in (yaml.safe_load((root / "params.yaml").read_text()) or {}).items():
         tags[f"params.{section}"] = json.dumps(values, sort_keys=True)
-    from pipelines.core import model_source
 
     record = model_source.current(root)
     tags["qllm.base_model"] = model_source.display_name(record) if record["name"] is not None else "pretrained here"
@@ -144,7 +145,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
     client = tracking.client(root)
     with tracking.fluent_uris(tracking.tracking_uri(root)), mlflow.start_run(run_id=run_id):
         if params.model == "multimodal":  # no image-text-to-text task in mlflow.transformers: a pyfunc over the directory
-            from pipelines.core.image_chat_pyfunc import ImageChatModel, signature
+            from pipelines.core.models.image_chat_pyfunc import ImageChatModel, signature
 
             info = mlflow.pyfunc.log_model(
                 name="model",

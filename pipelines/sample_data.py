@@ -3,21 +3,22 @@
     python -m pipelines.sample_data          # what dvc.yaml runs; writes data/sample/
 
 Writes `pretrain.txt`, `chat_{train,heldout}.jsonl`, `preference_{train,heldout}.jsonl` and
-`world.json` (see `pipelines/core/sample_world.py`), or with `sample_data.corpus: real_text` the same files
-from real text that ships in packages (`pipelines/core/real_text.py`). With `sample_data.enabled: false` it writes only a
+`world.json` (see `pipelines/core/data/sample_world.py`), or with `sample_data.corpus: real_text` the same files
+from real text that ships in packages (`pipelines/core/data/real_text.py`). With `sample_data.enabled: false` it writes only a
 README, so the stage stays in the graph while `ingest` reads your own data. With
 `sample_data.images.enabled` it also writes real digit images with questions about them
-(`images/`, `image_chat_{train,heldout}.jsonl`: `pipelines/core/digits.py`) for the multimodal stage.
+(`images/`, `image_chat_{train,heldout}.jsonl`: `pipelines/core/data/digits.py`) for the multimodal stage.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core import digits, real_text, sample_world, stage
 from pipelines.core.config import SampleDataParams
+from pipelines.core.data import digits, real_text, sample_world
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
+from pipelines.core.run import stage
 
 NAME = "sample_data"
 

@@ -3,16 +3,17 @@
     python -m pipelines.sft        # what dvc.yaml runs; writes data/models/sft/
 
 Starts from `sft.base_model` (default: the pretrained model) and runs the shared procedure in
-`pipelines.core.finetune`; the output is a `save_pretrained` directory.
+`pipelines.core.training.finetune`; the output is a `save_pretrained` directory.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core import finetune, stage
 from pipelines.core.config import SftParams
-from pipelines.core.models import save_pretrained
+from pipelines.core.models.models import save_pretrained
+from pipelines.core.run import stage
+from pipelines.core.training import finetune
 
 NAME = "sft"
 

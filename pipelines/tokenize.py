@@ -3,7 +3,7 @@
     python -m pipelines.tokenize       # what dvc.yaml runs; writes data/tokenized/
 
 Documents are encoded in batches by the Rust tokenizer, joined with EOS separators and cut into
-`seq_len`-token rows stored in the format of `pipelines.core.packed` (`train.bin`, `validation.bin`,
+`seq_len`-token rows stored in the format of `pipelines.core.data.packed` (`train.bin`, `validation.bin`,
 `meta.json`). The tail shorter than one sequence is dropped (counted in the metrics).
 
 At scale: each split is read from Parquet `tokenize.batch_size` documents at a time and its rows
@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipelines.core import packed, parallel
+from pipelines.core.data import packed, parallel
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir, record_batches
 
 if TYPE_CHECKING:  # the stage machinery is imported by `main` only: worker processes import this module
-    from pipelines.core import stage
     from pipelines.core.config import TokenizeParams
+    from pipelines.core.run import stage
 
 NAME = "tokenize"
 SPLITS = ("train", "validation")
@@ -161,7 +161,7 @@ def body(ctx: stage.StageContext) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.core import stage
+    from pipelines.core.run import stage
 
     return stage.main(NAME, body, argv)
 

@@ -3,7 +3,7 @@
     python -m pipelines.train_tokenizer      # what dvc.yaml runs; writes data/tokenizer/
 
 The result is a `PreTrainedTokenizerFast` directory (`AutoTokenizer.from_pretrained` loads it)
-with the ChatML special tokens and chat template of `pipelines.core.chat_template`, so SFT, DPO and evaluation
+with the ChatML special tokens and chat template of `pipelines.core.data.chat_template`, so SFT, DPO and evaluation
 all use `apply_chat_template`. Byte-level BPE never produces unknown tokens.
 
 At scale: the prepared splits are streamed from Parquet `BATCH_ROWS` rows at a time into the
@@ -22,11 +22,22 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from pipelines.core import parallel, stage, workspace
-from pipelines.core.chat_template import CHAT_TEMPLATE, EOS, MASK, PAD, SPECIAL_TOKENS, parse_messages, rendered_turn
+from pipelines.core import workspace
 from pipelines.core.config import TrainTokenizerParams
+from pipelines.core.data import parallel
+from pipelines.core.data.chat_template import (
+    CHAT_TEMPLATE,
+    EOS,
+    MASK,
+    PAD,
+    SPECIAL_TOKENS,
+    parse_messages,
+    rendered_turn,
+)
 from pipelines.core.errors import QllmError
+from pipelines.core.models import model_source
 from pipelines.core.outputs import atomic_dir, record_batches
+from pipelines.core.run import stage
 
 NAME = "train_tokenizer"
 BATCH_ROWS = 1024
@@ -182,7 +193,7 @@ def add_mask_token(tokenizer) -> None:
 def use_base(base_dir: Path, prepared: Path, out: Path, name: str) -> dict[str, float]:
     """Fine-tuning mode (`base_model.name` set): save the base model's tokenizer, chat template
     included, instead of training one; report its compression on the validation text."""
-    from pipelines.core.models import load_tokenizer
+    from pipelines.core.models.models import load_tokenizer
 
     tokenizer = load_tokenizer(base_dir)
     if tokenizer.eos_token_id is None:
@@ -193,7 +204,6 @@ def use_base(base_dir: Path, prepared: Path, out: Path, name: str) -> dict[str, 
 
 
 def body(ctx: stage.StageContext) -> dict:
-    from pipelines.core import model_source
 
     record = model_source.current(ctx.root)
     if record["name"] is not None:

@@ -1,4 +1,4 @@
-"""One Prefect task per `dvc.yaml` stage: a thin wrapper over `pipelines.core.repro.reproduce`.
+"""One Prefect task per `dvc.yaml` stage: a thin wrapper over `pipelines.core.run.repro.reproduce`.
 
 A stage DVC finds up to date (or restores from its run-cache) finishes in Prefect's `Cached`
 state, so the Prefect UI and `dvc status` tell the same story. No retries: training is not an
@@ -14,8 +14,8 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
-from pipelines.core import repro
 from pipelines.core.errors import QllmError, StopRequested, stop_requested
+from pipelines.core.run import repro
 
 
 def _refuse_to_run(root: Path, name: str, parent_run_id: str | None) -> None:

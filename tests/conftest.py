@@ -182,7 +182,7 @@ def tiny_base(tmp_path_factory):
     import pandas as pd
 
     from pipelines.core.config import ModelParams
-    from pipelines.core.models import build_llama, save_pretrained
+    from pipelines.core.models.models import build_llama, save_pretrained
     from pipelines.train_tokenizer import train
 
     root = tmp_path_factory.mktemp("tiny_base")
@@ -228,7 +228,7 @@ stages:
 def toy(tmp_path):
     """A git + DVC project with a two-stage toy DAG (`a` -> `b`) and no stage code: tests pass
     the stage bodies to `repro.reproduce(..., execute=...)`."""
-    from pipelines.core import repro
+    from pipelines.core.run import repro
 
     root = tmp_path / "toy"
     (root / "src").mkdir(parents=True)

@@ -428,7 +428,7 @@ CASES = [
 @pytest.fixture(scope="session")
 def models(tiny_base, tmp_path_factory) -> dict[str, Path]:
     """Model directories with one defect each, made from the tiny model, plus prepared chats."""
-    from pipelines.core.models import load_causal_lm, load_tokenizer, save_pretrained
+    from pipelines.core.models.models import load_causal_lm, load_tokenizer, save_pretrained
 
     root = tmp_path_factory.mktemp("bad_models")
     good = tiny_base / "model"
@@ -578,7 +578,7 @@ def test_evaluate_skips_held_out_chats_without_a_final_answer_and_counts_them(tm
 
 @pytest.mark.parametrize("value", ["gpt2", "HuggingFaceTB/SmolLM2-135M", "Qwen/Qwen2.5-0.5B-Instruct"])
 def test_a_hub_id_is_not_taken_for_a_missing_directory(value, tmp_path, monkeypatch):
-    from pipelines.core.models import local_model_dir
+    from pipelines.core.models.models import local_model_dir
 
     monkeypatch.chdir(tmp_path)
     assert local_model_dir(value) is None
@@ -587,7 +587,7 @@ def test_a_hub_id_is_not_taken_for_a_missing_directory(value, tmp_path, monkeypa
 @pytest.mark.parametrize("value", ["data/models/nope", "./nope", "a/b/c", "/no/such/model", "../nope"])
 def test_a_missing_local_path_is_a_missing_directory(value, tmp_path, monkeypatch):
     from pipelines.core.errors import QllmError
-    from pipelines.core.models import local_model_dir
+    from pipelines.core.models.models import local_model_dir
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(QllmError, match="no such model directory"):

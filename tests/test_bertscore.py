@@ -14,8 +14,8 @@ import torch
 from pydantic import ValidationError
 
 from pipelines import evaluate
-from pipelines.core import packed
 from pipelines.core.config import EvaluateParams
+from pipelines.core.data import packed
 from pipelines.core.errors import QllmError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_bad_encoders_name_the_key_and_the_path(encoder, tiny_base, tmp_path):
 def test_evaluate_stage_reports_bertscore(encoder, tiny_base, tmp_path, mlflow_template_db):
     """`python -m pipelines.evaluate` with `bertscore_model` (relative to the project): the metrics
     file and the comparison table get `bertscore_f1`, the mean of the answers' scores."""
-    from pipelines.core.models import load_tokenizer
+    from pipelines.core.models.models import load_tokenizer
 
     project = tmp_path / "project"
     shutil.copytree(tiny_base / "model", project / "data/models/pretrain")

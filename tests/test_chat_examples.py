@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import torch
 
-from pipelines.core import chat_examples
-from pipelines.core.chat_examples import IGNORE
-from pipelines.core.models import load_causal_lm, load_tokenizer
+from pipelines.core.data import chat_examples
+from pipelines.core.data.chat_examples import IGNORE
+from pipelines.core.models.models import load_causal_lm, load_tokenizer
 from tests.conftest import CHATS
 
 

@@ -7,9 +7,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipelines.core import chat_examples, chat_template, preference_data
-from pipelines.core.chat_examples import IGNORE
-from pipelines.core.models import load_tokenizer, stop_token_ids
+from pipelines.core.data import chat_examples, chat_template
+from pipelines.core.data.chat_examples import IGNORE
+from pipelines.core.models.models import load_tokenizer, stop_token_ids
+from pipelines.core.training import preference_data
 from tests.chat_families import FAMILIES, Family, save_base_model, tokenizer_for
 from tests.conftest import CHATS
 
@@ -131,7 +132,7 @@ def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp
     greedy answer to a held-out prompt rendered with `add_generation_prompt`."""
     from pipelines import evaluate, sft
     from pipelines.core.config import FinetuneParams, TrainParams
-    from pipelines.core.models import load_model_and_tokenizer
+    from pipelines.core.models.models import load_model_and_tokenizer
 
     fam, _ = family
     base = save_base_model(fam, TEXTS, tmp_path / "base")

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from pipelines.core.checkpoint import CheckpointManager, rng_state, set_rng_state
+from pipelines.core.training.checkpoint import CheckpointManager, rng_state, set_rng_state
 
 
 def model():

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from pipelines import lora, sft
-from pipelines.core import adapters, chat_examples, chunked_loss, training
 from pipelines.core.config import FinetuneParams, LoraAdapterParams, TrainParams
+from pipelines.core.data import chat_examples
 from pipelines.core.errors import QllmError
-from pipelines.core.models import load_causal_lm, load_tokenizer
+from pipelines.core.models import adapters
+from pipelines.core.models.models import load_causal_lm, load_tokenizer
+from pipelines.core.training import chunked_loss, loop
 
 from .test_lora import TRAIN, lora_params
 
@@ -97,12 +99,12 @@ def test_fsdp_is_refused_and_zero_leaves_the_loss_alone(tiny_base):
     model = load_causal_lm(tiny_base / "model")
     with pytest.raises(QllmError, match=r"lora\.train\.loss_chunk_tokens: .*FSDP.*--set lora\.train\.strategy=ddp"):
         chunked_loss.for_loop(chat_examples.chat_loss, model, TrainParams(loss_chunk_tokens=16, strategy="fsdp"), "lora")
-    assert chunked_loss.for_loop(training.causal_lm_loss, model, TrainParams(), "pretrain") is training.causal_lm_loss
+    assert chunked_loss.for_loop(loop.causal_lm_loss, model, TrainParams(), "pretrain") is loop.causal_lm_loss
 
 
 def test_a_masked_diffusion_objective_is_refused():
-    from pipelines.core import diffusion
     from pipelines.core.config import DiffusionParams
+    from pipelines.core.training import diffusion
 
     with pytest.raises(QllmError, match=r"pretrain\.train\.loss_chunk_tokens: the masked-diffusion objective scores its own masked tokens"):
         chunked_loss.for_loop(diffusion.Objective(DiffusionParams(), 3), torch.nn.Linear(2, 2), TrainParams(loss_chunk_tokens=16), "pretrain")
@@ -123,7 +125,7 @@ def test_without_labels_every_next_token_is_scored_as_causal_lm_loss_does(tiny_b
     model = load_causal_lm(tiny_base / "model").eval()
     rows = {"input_ids": batch(model.config.vocab_size)["input_ids"]}
     with torch.no_grad():
-        own, _ = training.causal_lm_loss(model, rows)
+        own, _ = loop.causal_lm_loss(model, rows)
         chunked, _ = chunked_loss.causal(5)(model, rows)
     assert chunked.item() == pytest.approx(own.item(), rel=1e-5)
 
@@ -132,8 +134,8 @@ def test_without_labels_every_next_token_is_scored_as_causal_lm_loss_does(tiny_b
 def test_chunked_preference_scores_are_the_whole_logits_ones(tiny_base, chunk):
     """ref_logprobs and evaluate score answers a chunk of tokens at a time: the same summed
     log-probabilities as the whole batch's logits, padded rows and prompts excluded."""
-    from pipelines.core import preference_data
-    from pipelines.core.preference_data import Pair
+    from pipelines.core.training import preference_data
+    from pipelines.core.training.preference_data import Pair
 
     model = load_causal_lm(tiny_base / "model").eval()
     g = np.random.default_rng(0)

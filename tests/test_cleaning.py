@@ -1,4 +1,4 @@
-"""Unit tests of pipelines/core/cleaning.py: normalisation, exact and near dedup, split assignment."""
+"""Unit tests of pipelines/core/data/cleaning.py: normalisation, exact and near dedup, split assignment."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from pipelines.core import cleaning
+from pipelines.core.data import cleaning
 
 # ------------------------------------------------------------------------------ normalize_text
 

@@ -18,7 +18,8 @@ import yaml
 from flows import compare, generation
 from flows import lineage as registry_lineage
 from flows.cli import main
-from pipelines.core import dag, lineage
+from pipelines.core import dag
+from pipelines.core.run import lineage
 from tests.conftest import ALWAYS_CHANGED, make_project
 
 

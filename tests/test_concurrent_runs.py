@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.core import dag, repro, workspace
+from pipelines.core import dag, workspace
+from pipelines.core.run import repro
 from tests.conftest import ALWAYS_CHANGED, REPO, dvc_up_to_date, make_project, run
 
 # --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------
@@ -64,7 +65,7 @@ SLOW_RUN_CACHE_WRITER = """
 import sys, time
 from pathlib import Path
 import dvc.utils.serialize as serialize
-from pipelines.core import repro
+from pipelines.core.run import repro
 
 ws, started = Path(sys.argv[1]), Path(sys.argv[2])
 real = serialize.dump_yaml

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core import curriculum, training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import CurriculumParams, Params
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import ExtensionError, Hook
+from pipelines.core.training import curriculum, loop
+from pipelines.core.training.checkpoint import CheckpointManager
 from tests.test_training import Interrupt, cfg, collate, rows, tiny_model
 
 
@@ -30,7 +30,7 @@ def train_with_curriculum(directory=None, stop_at=None, steps=6):
 
     def loss_fn(model, batch):
         seen.append(batch["input_ids"].shape[1])
-        return training.causal_lm_loss(model, batch)
+        return loop.causal_lm_loss(model, batch)
 
     def stopper(state, metrics):
         logged.append(dict(metrics))
@@ -38,10 +38,10 @@ def train_with_curriculum(directory=None, stop_at=None, steps=6):
             raise Interrupt
 
     c = cfg(max_steps=steps, curriculum=CurriculumParams(strategy="length", start_length=2, steps=4, step_size=2))
-    batches = curriculum.wrap(training.Batches(32, 4, 0, collate(data)), c, full_length=8)
+    batches = curriculum.wrap(loop.Batches(32, 4, 0, collate(data)), c, full_length=8)
     model = tiny_model()
     checkpoints = CheckpointManager(directory, 2) if directory else None
-    result = training.train(model, loss_fn, batches, c, checkpoints=checkpoints, extensions=[Hook("on_step_end", stopper)])
+    result = loop.train(model, loss_fn, batches, c, checkpoints=checkpoints, extensions=[Hook("on_step_end", stopper)])
     return model, result, seen, logged
 
 
@@ -71,9 +71,9 @@ def test_validation_batches_are_not_cut():
     def val_fn(model):
         batch = collate(rows(8, seq=8, seed=1))(np.arange(8))
         lengths.append(batch["input_ids"].shape[1])
-        return {"val/loss": training.mean_loss(model, training.causal_lm_loss, [batch], torch.device("cpu"), "fp32")}
+        return {"val/loss": loop.mean_loss(model, loop.causal_lm_loss, [batch], torch.device("cpu"), "fp32")}
 
-    training.train(tiny_model(), training.causal_lm_loss, curriculum.wrap(training.Batches(32, 4, 0, collate(data)), c, 8), c, val_fn=val_fn)
+    loop.train(tiny_model(), loop.causal_lm_loss, curriculum.wrap(loop.Batches(32, 4, 0, collate(data)), c, 8), c, val_fn=val_fn)
     assert lengths and set(lengths) == {8}
 
 
@@ -82,6 +82,6 @@ def test_bad_settings_are_clear_errors():
         CurriculumParams(strategy="length", start_length=32, end_length=16)
     too_long = cfg(curriculum=CurriculumParams(strategy="length", start_length=8, end_length=512))
     with pytest.raises(QllmError, match=r"pretrain.train.curriculum.end_length is 512 but the sequences have 256 tokens"):
-        curriculum.wrap(training.Batches(4, 2, 0, lambda idx: idx), too_long, full_length=256)
+        curriculum.wrap(loop.Batches(4, 2, 0, lambda idx: idx), too_long, full_length=256)
     with pytest.raises(ValueError, match=r"sft.train.curriculum.strategy: the sequence-length curriculum is for pretrain"):
         Params.model_validate({"ingest": {"sources": [{"path": "x.txt", "kind": "text"}]}, "sft": {"train": {"curriculum": {"strategy": "length"}}}})

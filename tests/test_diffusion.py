@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core import chat_examples, diffusion, objectives, training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import DiffusionParams, ModelParams
-from pipelines.core.diffusion_model import QllmDiffusionLlamaForMaskedDiffusion
+from pipelines.core.data import chat_examples
 from pipelines.core.extensions import ExtensionError, Hook
-from pipelines.core.models import build_llama, load_causal_lm
+from pipelines.core.models.diffusion_model import QllmDiffusionLlamaForMaskedDiffusion
+from pipelines.core.models.models import build_llama, load_causal_lm
+from pipelines.core.training import diffusion, loop, objectives
+from pipelines.core.training.checkpoint import CheckpointManager
 from tests.conftest import load_with_remote_code
 from tests.test_training import FakeTokenizer, Interrupt, cfg, collate
 
@@ -104,7 +105,7 @@ def train_mdm(directory=None, stop_at=None, steps=8, params=None, lr=0.01, micro
 
     c = cfg(max_steps=steps, lr=lr, micro_batch_size=micro_batch_size, eval_every=max(4, steps // 4), checkpoint_every=2)
     checkpoints = CheckpointManager(directory, 2) if directory else None
-    result = training.train(model, objective, training.Batches(64, micro_batch_size, 0, collate(data)), c, val_fn=val, checkpoints=checkpoints,
+    result = loop.train(model, objective, loop.Batches(64, micro_batch_size, 0, collate(data)), c, val_fn=val, checkpoints=checkpoints,
                             extensions=[Hook("on_step_end", stopper)])  # fmt: skip
     return model, result, val
 
@@ -181,9 +182,10 @@ def test_the_whole_pipeline_runs_a_masked_diffusion_model_end_to_end(tmp_path, m
     dpo (ELBO log-probabilities) -> evaluate (iterative-unmasking answers, NELBO bound) -> register."""
     from pathlib import Path
 
-    from pipelines.core import dag, repro
-    from pipelines.core.models import load_model_and_tokenizer
+    from pipelines.core import dag
+    from pipelines.core.models.models import load_model_and_tokenizer
     from pipelines.core.outputs import read_json
+    from pipelines.core.run import repro
     from tests.conftest import make_project
 
     overlay = {"train_tokenizer": {"mask_token": True}, "pretrain": {"objective": "masked_diffusion", "diffusion": {"unmask_steps": 4}}}
@@ -226,8 +228,8 @@ def test_fine_tuning_masks_answer_tokens_only():
 def test_frozen_trunk_cache_serves_masked_diffusion_by_row_and_time_step():
     """Discrete time steps: a row's masked input is a function of (row, step), so the frozen trunk's
     activations repeat; training with and without the cache gives the same weights."""
-    from pipelines.core import progressive
     from pipelines.core.config import ActivationCacheParams, ProgressiveParams
+    from pipelines.core.training import progressive
 
     params = DiffusionParams(time_steps="discrete", num_time_steps=2, time_step_mask_fractions={0: 0.3, 1: 0.6})
 
@@ -238,7 +240,7 @@ def test_frozen_trunk_cache_serves_masked_diffusion_by_row_and_time_step():
         growth = progressive.Growth(grow, c, model, "test")
         hits = []
         watch = Hook("on_step_end", lambda state, metrics: state.step == 23 and growth.cache and hits.append(growth.cache.hits))
-        training.train(model, diffusion.Objective(params, MASK_ID), training.Batches(16, 4, 0, collate(data)), c, growth=growth,
+        loop.train(model, diffusion.Objective(params, MASK_ID), loop.Batches(16, 4, 0, collate(data)), c, growth=growth,
                        extensions=[watch])  # fmt: skip
         return model, hits
 

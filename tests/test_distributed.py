@@ -1,6 +1,6 @@
 """Data-parallel training: 2 gloo processes on CPU train the tiny model as 1 process does.
 
-The comparison runs `training.train` under `torch.multiprocessing.spawn` with a gloo process group
+The comparison runs `loop.train` under `torch.multiprocessing.spawn` with a gloo process group
 (what `torchrun` sets up for a stage) against a plain single-process run with the same global batch
 (micro_batch_size 4 x grad_accum_steps 2). With 2 ranks each runs 1 micro-batch per step (rank r
 takes micro-batches r, r+2, ... of the shared order), DDP averages the gradients, so the two runs
@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from flows.local_api import free_port
-from pipelines.core import distributed, training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.training import distributed, loop
+from pipelines.core.training.checkpoint import CheckpointManager
 from tests.test_training import cfg, collate, rows, tiny_model
 
 LOSS_RTOL = 1e-4
@@ -49,9 +49,9 @@ def _run(checkpoint_dir=None, tracker=None, strategy="ddp", max_steps=8) -> tupl
     data, val = rows(), rows(8, seed=1)
     model = tiny_model()
     val_batches = [collate(val)(np.arange(8))]
-    val_fn = lambda m: {"val/loss": training.mean_loss(m, training.causal_lm_loss, val_batches, torch.device("cpu"), "fp32")}  # noqa: E731
+    val_fn = lambda m: {"val/loss": loop.mean_loss(m, loop.causal_lm_loss, val_batches, torch.device("cpu"), "fp32")}  # noqa: E731
     checkpoints = CheckpointManager(checkpoint_dir, 2) if checkpoint_dir else None
-    result = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), cfg(max_steps=max_steps, grad_accum_steps=2, eval_every=4, strategy=strategy),
+    result = loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), cfg(max_steps=max_steps, grad_accum_steps=2, eval_every=4, strategy=strategy),
                             val_fn=val_fn, tracker=tracker, checkpoints=checkpoints)  # fmt: skip
     return result, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -88,11 +88,11 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
 
 
 def test_batches_shards_are_disjoint_and_together_the_single_process_order():
-    single = training.Batches(10, 2, seed=3, collate=lambda idx: tuple(idx.tolist()))
+    single = loop.Batches(10, 2, seed=3, collate=lambda idx: tuple(idx.tolist()))
     expected = [next(single) for _ in range(8)]  # 5 per epoch: crosses an epoch boundary
     shards = []
     for rank in (0, 1):
-        shard = training.Batches(10, 2, seed=3, collate=lambda idx: tuple(idx.tolist()))
+        shard = loop.Batches(10, 2, seed=3, collate=lambda idx: tuple(idx.tolist()))
         shard.shard(rank, 2)
         shards.append([next(shard) for _ in range(4)])
     assert shards[0] == expected[0::2] and shards[1] == expected[1::2]

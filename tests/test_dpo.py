@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from pipelines import dpo, ref_logprobs
-from pipelines.core import preference_data
 from pipelines.core.config import DpoParams, RefLogprobsParams, TrainParams
+from pipelines.core.training import preference_data
 from tests.conftest import record_dpo_losses
 
 TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=2, log_every=1,

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from pipelines import evaluate
-from pipelines.core import plots, preference_data, training
-from pipelines.core.models import load_for_inference
+from pipelines.core.models.models import load_for_inference
+from pipelines.core.run import plots
+from pipelines.core.training import loop, preference_data
 
 
 def test_text_similarity_by_hand():
@@ -49,7 +50,7 @@ def test_preference_metrics_and_dpo_rewards(tiny_base):
 def test_plots_are_pngs_from_the_training_logs(tmp_path):
     model_dir = tmp_path / "sft"
     model_dir.mkdir()
-    training.write_history({"train": [[1, 2.0, 0.1], [2, 1.5, 0.1]], "eval": [[2, 1.7]]}, model_dir)
+    loop.write_history({"train": [[1, 2.0, 0.1], [2, 1.5, 0.1]], "eval": [[2, 1.7]]}, model_dir)
     assert (model_dir / "training_log.csv").read_text().splitlines() == ["step,train_loss,lr", "1,2,0.1", "2,1.5,0.1"]
     assert (model_dir / "eval_log.csv").read_text().splitlines() == ["step,val_loss", "2,1.7"]
     plots.loss_curves({"sft": model_dir, "elsewhere": tmp_path / "missing"}, tmp_path / "out" / "curves.png")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.core import training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.extensions import Extension, ExtensionError, Extensions, Hook
+from pipelines.core.training import loop
+from pipelines.core.training.checkpoint import CheckpointManager
 from tests.test_training import cfg, collate, rows, tiny_model
 
 
@@ -45,11 +45,11 @@ class Recorder(Extension):
 
 
 def batches():
-    return training.Batches(32, 4, 0, collate(rows()))
+    return loop.Batches(32, 4, 0, collate(rows()))
 
 
 def val_fn(model):
-    return {"val/loss": training.mean_loss(model, training.causal_lm_loss, [collate(rows())(list(range(4)))], torch.device("cpu"), "fp32")}
+    return {"val/loss": loop.mean_loss(model, loop.causal_lm_loss, [collate(rows())(list(range(4)))], torch.device("cpu"), "fp32")}
 
 
 def test_points_are_called_in_order_and_extensions_in_the_listed_order(tmp_path):
@@ -57,7 +57,7 @@ def test_points_are_called_in_order_and_extensions_in_the_listed_order(tmp_path)
     model = tiny_model()
     first, second = Recorder("first", calls), Recorder("second", calls)
     first.model = second.model = model
-    training.train(model, training.causal_lm_loss, batches(), cfg(max_steps=4, eval_every=2, checkpoint_every=4, early_stopping_patience=0),
+    loop.train(model, loop.causal_lm_loss, batches(), cfg(max_steps=4, eval_every=2, checkpoint_every=4, early_stopping_patience=0),
                    val_fn=val_fn, checkpoints=CheckpointManager(tmp_path, 2), extensions=[first, second])  # fmt: skip
     assert [(n, p, s) for n, p, s in calls if n == "first"] == [
         ("first", "begin", 0),
@@ -105,7 +105,7 @@ def test_extension_state_resumes_exactly_after_a_crash(tmp_path):
 
     crashed = LossSum()
     with pytest.raises(ExtensionError):
-        training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(tmp_path / "b", 2),
+        loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(tmp_path / "b", 2),
                        extensions=[crashed, Hook("on_step_end", die)])  # fmt: skip
     assert crashed.steps == 5
     assert_resumes_like_an_uninterrupted_run(tmp_path / "b")
@@ -114,9 +114,9 @@ def test_extension_state_resumes_exactly_after_a_crash(tmp_path):
 def assert_resumes_like_an_uninterrupted_run(checkpoints: Path) -> None:
     """Resuming from `checkpoints` (step 3 of 6) ends with the extension state of a straight run."""
     straight = LossSum()
-    training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), extensions=[straight])
+    loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(), extensions=[straight])
     resumed = LossSum()
-    result = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(checkpoints, 2), extensions=[resumed])
+    result = loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager(checkpoints, 2), extensions=[resumed])
     assert result["steps"] == 6 and resumed.steps == straight.steps == 6
     assert resumed.total == pytest.approx(straight.total, rel=1e-6)
 
@@ -126,8 +126,8 @@ def test_extension_state_resumes_exactly_after_kill_9(tmp_path):
     restores the extension's state of step 3 and ends with an uninterrupted run's state."""
     script = textwrap.dedent(f"""
         import os, signal
-        from pipelines.core import training
-        from pipelines.core.checkpoint import CheckpointManager
+        from pipelines.core.training import loop
+        from pipelines.core.training.checkpoint import CheckpointManager
         from pipelines.core.extensions import Hook
         from tests.test_extensions import LossSum, batches
         from tests.test_training import cfg, tiny_model
@@ -136,7 +136,7 @@ def test_extension_state_resumes_exactly_after_kill_9(tmp_path):
             if state.step == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager({str(tmp_path / "run")!r}, 2),
+        loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(), checkpoints=CheckpointManager({str(tmp_path / "run")!r}, 2),
                        extensions=[LossSum(), Hook("on_step_end", kill)])
     """)
     repo = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ def test_an_exception_in_an_extension_stops_training_with_its_name(tmp_path):
             raise ValueError("no room for the report")
 
     with pytest.raises(ExtensionError, match=r"train: extension 'broken' failed in on_evaluate: ValueError: no room for the report") as err:
-        training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(), val_fn=val_fn, checkpoints=CheckpointManager(tmp_path, 2),
+        loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(), val_fn=val_fn, checkpoints=CheckpointManager(tmp_path, 2),
                        extensions=[Broken()])  # fmt: skip
     assert isinstance(err.value.__cause__, ValueError)
     assert CheckpointManager(tmp_path, 2).latest_valid() is None  # it failed at step 3's evaluation, before step 3's checkpoint
@@ -167,7 +167,7 @@ def test_extension_names_are_unique_and_points_known():
 
 
 def test_early_stopping_is_an_extension():
-    stopped = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(max_steps=30, eval_every=1, early_stopping_patience=1, lr=0.5),
+    stopped = loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(max_steps=30, eval_every=1, early_stopping_patience=1, lr=0.5),
                              val_fn=val_fn)  # fmt: skip
     assert stopped["stopped_early"] and stopped["steps"] < 30
 
@@ -184,12 +184,12 @@ def test_per_step_overhead_is_under_one_percent_of_a_training_step():
             pass
 
     hooks = Extensions([Noop(), type("B", (Noop,), {"name": "b"})(), type("C", (Noop,), {"name": "c"})()])
-    state, metrics = training.TrainState(), {}
+    state, metrics = loop.TrainState(), {}
     started = time.perf_counter()
     for _ in range(2000):
         hooks.call("on_gradients", state)
         hooks.call("on_step_end", state, metrics)
     dispatch = (time.perf_counter() - started) / 2000
-    result = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(max_steps=20, eval_every=0, checkpoint_every=0))
+    result = loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(max_steps=20, eval_every=0, checkpoint_every=0))
     step = result["train_seconds"] / result["steps"]
     assert dispatch < 0.01 * step, f"dispatch {dispatch * 1e6:.1f} us per step vs a {step * 1e3:.2f} ms step"

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.core import dag, model_source
+from pipelines import base_model
+from pipelines.core import dag
 from pipelines.core.config import BaseModelParams
 from pipelines.core.errors import QllmError
+from pipelines.core.models import model_source
 from tests.chat_families import CHATML, save_base_model
 from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 
@@ -69,7 +71,7 @@ def test_the_registered_version_names_its_base(first, project):
     version = client.get_model_version("qllm", first["model_version"])
     assert version.tags["qllm.base_model"] == BASE
     assert version.tags["qllm.base_model.md5"] == dag.dvc_md5(project / BASE)
-    from pipelines.core import lineage
+    from pipelines.core.run import lineage
 
     trail = {s["stage"]: s for s in lineage.build(project)["stages"]}
     assert trail["base_model"]["params"] == {"name": BASE, "revision": None}
@@ -118,12 +120,12 @@ def hub(tmp_path, monkeypatch) -> Path:
 
 
 def test_a_hub_model_is_recorded_by_the_commit_its_revision_resolves_to(hub, tmp_path):
-    record = model_source.resolve(BaseModelParams(name="acme/tiny-chat"), tmp_path)
+    record = base_model.resolve(BaseModelParams(name="acme/tiny-chat"), tmp_path)
     assert record == {"name": "acme/tiny-chat", "kind": "hub", "revision": "a" * 40}
-    pinned = model_source.resolve(BaseModelParams(name="acme/tiny-chat", revision="v1"), tmp_path)
+    pinned = base_model.resolve(BaseModelParams(name="acme/tiny-chat", revision="v1"), tmp_path)
     assert pinned["revision"] == "b" * 40  # another revision: another record, so DVC reruns downstream
     # a pointer to it loads the snapshot of that commit, with its tokenizer and chat template
-    from pipelines.core.models import load_model_and_tokenizer
+    from pipelines.core.models.models import load_model_and_tokenizer
 
     pointer = tmp_path / "project/data/models/pretrain"
     pointer.mkdir(parents=True)
@@ -135,9 +137,9 @@ def test_a_hub_model_is_recorded_by_the_commit_its_revision_resolves_to(hub, tmp
 
 def test_a_hub_model_that_cannot_be_found_is_a_clear_error(hub, tmp_path):
     with pytest.raises(QllmError, match=r"base_model.name='acme/missing': cannot fetch it from the Hugging Face hub"):
-        model_source.resolve(BaseModelParams(name="acme/missing"), tmp_path)
+        base_model.resolve(BaseModelParams(name="acme/missing"), tmp_path)
     with pytest.raises(QllmError, match=r"at revision 'v9'"):
-        model_source.resolve(BaseModelParams(name="acme/tiny-chat", revision="v9"), tmp_path)
+        base_model.resolve(BaseModelParams(name="acme/tiny-chat", revision="v9"), tmp_path)
 
 
 def test_bad_base_model_settings_are_clear_errors(tmp_path):
@@ -145,13 +147,13 @@ def test_bad_base_model_settings_are_clear_errors(tmp_path):
         BaseModelParams(revision="main")
     (tmp_path / "empty").mkdir()
     with pytest.raises(QllmError, match="no tokenizer"):
-        model_source.resolve(BaseModelParams(name="empty"), tmp_path)
+        base_model.resolve(BaseModelParams(name="empty"), tmp_path)
     source = save_base_model(CHATML, TEXTS, tmp_path / "local")
     with pytest.raises(QllmError, match="a revision applies to hub models"):
-        model_source.resolve(BaseModelParams(name=str(source), revision="main"), tmp_path)
+        base_model.resolve(BaseModelParams(name=str(source), revision="main"), tmp_path)
 
 
 def test_default_mode_records_no_base_and_pretrains(tmp_path):
-    assert model_source.resolve(BaseModelParams(), tmp_path) == {"name": None}
+    assert base_model.resolve(BaseModelParams(), tmp_path) == {"name": None}
     params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
     assert params["base_model"] == {"name": None, "revision": None}

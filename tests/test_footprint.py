@@ -1,4 +1,4 @@
-"""pipelines.core.footprint: what a stage will need, from the base's config, before it loads it."""
+"""pipelines.core.models.footprint: what a stage will need, from the base's config, before it loads it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from benchmarks.real_sizes import SHAPES
-from pipelines.core import footprint
 from pipelines.core.errors import QllmError
+from pipelines.core.models import footprint
 
 GB = 1e9
 

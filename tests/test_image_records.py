@@ -19,9 +19,9 @@ from PIL import Image
 from pydantic import ValidationError
 
 from pipelines import ingest, prepare_data
-from pipelines.core import images
 from pipelines.core.config import IngestParams, PrepareDataParams, SourceParams
-from pipelines.core.readers import COLUMNS, IMAGES_TYPE, SCHEMAS, ReaderError, empty_frame, read_source
+from pipelines.core.data import images
+from pipelines.core.data.readers import COLUMNS, IMAGES_TYPE, SCHEMAS, ReaderError, empty_frame, read_source
 from tests.test_readers import SRC, jsonl, write
 
 SPLITS = ("train", "validation", "test")

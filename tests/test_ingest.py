@@ -12,9 +12,9 @@ import pytest
 from pydantic import ValidationError
 
 from pipelines import ingest
-from pipelines.core import stage
 from pipelines.core.config import IngestParams, SourceParams
-from pipelines.core.readers import COLUMNS, ReaderError
+from pipelines.core.data.readers import COLUMNS, ReaderError
+from pipelines.core.run import stage
 from tests.conftest import REPO
 
 

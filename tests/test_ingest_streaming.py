@@ -1,4 +1,4 @@
-"""Streaming ingest (pipelines/ingest.py, pipelines/core/readers.py) at scale: the same records as
+"""Streaming ingest (pipelines/ingest.py, pipelines/core/data/readers.py) at scale: the same records as
 the whole-file reader gave, row groups written as records stream in, errors that still name the
 line far into a big file, the duplicate-id check on 64-bit hashes, and memory that stays flat as
 the input grows."""
@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines import ingest
-from pipelines.core import readers
 from pipelines.core.config import IngestParams, SourceParams
-from pipelines.core.readers import COLUMNS, ReaderError, iter_source
+from pipelines.core.data import readers
+from pipelines.core.data.readers import COLUMNS, ReaderError, iter_source
 from tests.conftest import REPO
 from tests.test_readers import SRC, _hf_cache, write  # noqa: F401  (_hf_cache: an autouse fixture, active here too)
 

@@ -21,7 +21,7 @@ from flows import lm_eval_task
 from pipelines import evaluate, lora, sft
 from pipelines.core.config import EvaluateParams, FinetuneParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
-from pipelines.core.models import load_for_inference
+from pipelines.core.models.models import load_for_inference
 from tests.conftest import CHATS
 
 TASK = lm_eval_task.TASK

@@ -9,10 +9,12 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from pipelines.core import extensions, tracking, training
-from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core import extensions
 from pipelines.core.config import DEFAULT_EXTENSIONS, TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.run import tracking
+from pipelines.core.training import loop
+from pipelines.core.training.checkpoint import CheckpointManager
 from tests.test_extensions import batches, val_fn
 from tests.test_training import cfg, tiny_model
 
@@ -67,7 +69,7 @@ def test_params_name_extensions_with_settings_and_bad_entries_say_what_is_wrong(
 
 def test_a_user_extension_named_in_params_runs_with_its_settings():
     Counter.built.clear()
-    training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(extensions=[{"name": "tests.test_loggers:Counter", "every": 2}]))
+    loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(extensions=[{"name": "tests.test_loggers:Counter", "every": 2}]))
     [counter] = Counter.built
     assert counter.seen == [2, 4, 6] and counter.context.stage == "train" and counter.context.tracker is None
 
@@ -75,7 +77,7 @@ def test_a_user_extension_named_in_params_runs_with_its_settings():
 def test_loggers_write_the_same_curves_to_mlflow_and_tensorboard_and_sample_system_metrics(store):
     params = cfg(max_steps=8, log_every=2, eval_every=4, extensions=["mlflow_metrics", "tensorboard", {"name": "system_metrics", "interval": 0.05}])
     with tracking.run("pretrain", store) as tracker:
-        training.train(tiny_model(), training.causal_lm_loss, batches(), params, val_fn=val_fn, tracker=tracker, desc="pretrain")
+        loop.train(tiny_model(), loop.causal_lm_loss, batches(), params, val_fn=val_fn, tracker=tracker, desc="pretrain")
     client = tracking.client(store)
     history = {m.step: m.value for m in client.get_metric_history(tracker.run_id, "train/loss")}
     assert sorted(history) == [2, 4, 6, 8]
@@ -89,7 +91,7 @@ def test_loggers_write_the_same_curves_to_mlflow_and_tensorboard_and_sample_syst
 
 def test_no_loggers_log_nothing(store):
     with tracking.run("pretrain", store) as tracker:
-        training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(extensions=[]), tracker=tracker, desc="pretrain")
+        loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(extensions=[]), tracker=tracker, desc="pretrain")
     assert tracking.client(store).get_run(tracker.run_id).data.metrics == {}
     assert not (store / "tensorboard").exists()
 
@@ -105,10 +107,10 @@ def test_a_resumed_run_continues_its_tensorboard_curves_without_doubled_steps(st
     params = cfg(extensions=["mlflow_metrics", "tensorboard"])
     checkpoints = CheckpointManager(store / "ckpt", 2)
     with pytest.raises(KeyboardInterrupt), tracking.run("pretrain", store) as tracker:
-        training.train(tiny_model(), training.causal_lm_loss, batches(), params, tracker=tracker, checkpoints=checkpoints,
+        loop.train(tiny_model(), loop.causal_lm_loss, batches(), params, tracker=tracker, checkpoints=checkpoints,
                        extensions=[extensions.Hook("on_step_end", die)], desc="pretrain")  # fmt: skip
     with tracking.run("pretrain", store, resume_run_id=tracker.run_id) as resumed:
-        training.train(tiny_model(), training.causal_lm_loss, batches(), params, tracker=resumed, checkpoints=checkpoints, desc="pretrain")
+        loop.train(tiny_model(), loop.causal_lm_loss, batches(), params, tracker=resumed, checkpoints=checkpoints, desc="pretrain")
     events = store / "tensorboard" / "pretrain" / tracker.run_id
     assert [step for step, _ in scalars(events, "train/loss")] == [1, 2, 3, 4, 5, 6]
     mlflow_steps = {m.step: m.value for m in tracking.client(store).get_metric_history(tracker.run_id, "train/loss")}
@@ -125,7 +127,7 @@ def test_peak_memory_measures_what_the_block_allocated():
     import numpy as np
     import psutil
 
-    from pipelines.core.resources import PeakMemory, _high_water_mark
+    from pipelines.core.run.resources import PeakMemory, _high_water_mark
 
     rss = psutil.Process().memory_info().rss
     size = max(0, (_high_water_mark() or rss) - rss) + 200 * 2**20  # past the process's high-water mark

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pipelines import lora, sft
-from pipelines.core import adapters
 from pipelines.core.config import FinetuneParams, LoraAdapterParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
-from pipelines.core.models import load_causal_lm, load_tokenizer, parameter_counts
+from pipelines.core.models import adapters
+from pipelines.core.models.models import load_causal_lm, load_tokenizer, parameter_counts
 
 TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=2, eval_batches=1,
                     log_every=1, checkpoint_every=0, precision="fp32", weight_decay=0.0)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pipelines.core.losses import preference_loss, reward_metrics
+from pipelines.core.training.losses import preference_loss, reward_metrics
 
 # policy chosen/rejected and reference chosen/rejected log-probs of three pairs
 PC = torch.tensor([-1.0, -2.0, -3.0])

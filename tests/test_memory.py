@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core import training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import MemoryParams, ModelParams
 from pipelines.core.extensions import ExtensionError, Hook
-from pipelines.core.memory import MemoryUsage
-from pipelines.core.memory_model import ProductKeyMemory, QllmMemoryLlamaForCausalLM
-from pipelines.core.models import build_llama, load_causal_lm
+from pipelines.core.models.memory_model import ProductKeyMemory, QllmMemoryLlamaForCausalLM
+from pipelines.core.models.models import build_llama, load_causal_lm
+from pipelines.core.training import loop
+from pipelines.core.training.checkpoint import CheckpointManager
+from pipelines.core.training.memory import MemoryUsage
 from tests.conftest import load_with_remote_code
 from tests.test_training import FakeTokenizer, Interrupt, cfg, collate, rows
 
@@ -101,7 +101,7 @@ def train_memory(directory=None, stop_at=None):
     c = cfg(max_steps=6, checkpoint_every=2)
     data = rows(32, seq=8)
     checkpoints = CheckpointManager(directory, 2) if directory else None
-    training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), c, checkpoints=checkpoints,
+    loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), c, checkpoints=checkpoints,
                    extensions=[MemoryUsage(model), Hook("on_step_end", stopper)])  # fmt: skip
     return model, logged
 
@@ -111,12 +111,12 @@ def test_a_step_updates_exactly_the_memory_rows_it_read():
     memory = model.model.layers[0].mlp.memory
     before = memory.values.weight.detach().clone()
     data = rows(32, seq=2)  # 4 sequences x 2 tokens x 2 heads x 3 rows: at most 48 of 64 rows read
-    training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), cfg(max_steps=1, warmup_steps=0, weight_decay=0.5))
+    loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), cfg(max_steps=1, warmup_steps=0, weight_decay=0.5))
     changed = set(torch.nonzero((memory.values.weight != before).any(1)).flatten().tolist())
     # the reads of every position but the last (whose prediction has no label, so no gradient); no weight decay on the table
     read = memory.last_indices.view(4, 2, -1)[:, :-1]
     assert changed == set(read.flatten().tolist()) and len(changed) < 64
-    _, no_decay = training.param_groups(model, 0.1)
+    _, no_decay = loop.param_groups(model, 0.1)
     assert any(p is memory.values.weight for p in no_decay["params"])
 
 
@@ -136,8 +136,8 @@ def test_training_reports_usage_and_resumes_exactly(tmp_path):
 def test_pretrain_with_memory_then_sft_through_the_stages(tmp_path, mlflow_template_db):
     from mlflow import MlflowClient
 
-    from pipelines.core import repro
-    from pipelines.core.models import load_model_and_tokenizer
+    from pipelines.core.models.models import load_model_and_tokenizer
+    from pipelines.core.run import repro
     from tests.conftest import make_project
     from tests.test_resume_kill import UPSTREAM
 

@@ -18,10 +18,12 @@ import pytest
 import torch
 
 from pipelines import multimodal
-from pipelines.core import digits, training, vision
 from pipelines.core.config import MultimodalParams, SampleImagesParams, VisionParams
+from pipelines.core.data import digits
 from pipelines.core.extensions import ExtensionError, Hook
-from pipelines.core.models import load_model_and_tokenizer
+from pipelines.core.models import vision
+from pipelines.core.models.models import load_model_and_tokenizer
+from pipelines.core.training import loop
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_VISION = VisionParams(image_size=8, patch_size=4, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2)
@@ -152,12 +154,12 @@ def train_stage(base: Path, image_dir: Path, out: Path, checkpoints: Path | None
         if state.step == stop_at:
             raise RuntimeError("killed")
 
-    original = training.train
-    training.train = functools.partial(original, extensions=[Hook("on_step_end", hook)])
+    original = loop.train
+    loop.train = functools.partial(original, extensions=[Hook("on_step_end", hook)])
     try:
         return multimodal.run(image_dir, out, mm_params(base, phases, **train), checkpoint_dir=checkpoints)
     finally:
-        training.train = original
+        loop.train = original
 
 
 def test_alignment_freezes_the_language_model_then_instruction_tuning_trains_it(tiny_base, image_dir, tmp_path):
@@ -187,7 +189,7 @@ def test_alignment_freezes_the_language_model_then_instruction_tuning_trains_it(
     assert torch.equal(seen[1]["lm"], seen[3]["lm"]) and not torch.equal(seen[3]["lm"], seen[6]["lm"])  # frozen, then trained
     for part in ("projector", "tower"):
         assert not torch.equal(seen[1][part], seen[3][part])  # the tower is built from config: it learns too
-    history = (tmp_path / "out" / training.TRAINING_LOG).read_text().splitlines()
+    history = (tmp_path / "out" / loop.TRAINING_LOG).read_text().splitlines()
     assert len(history) == 7  # header + steps 1..6
 
 
@@ -251,7 +253,7 @@ def test_qllm_generate_answers_about_an_image_and_says_what_is_wrong(trained, ti
 
 
 def test_disabled_stage_writes_a_readme_and_loads_nothing(tmp_path, mlflow_template_db):
-    from pipelines.core import stage
+    from pipelines.core.run import stage
     from tests.conftest import make_project
 
     root = make_project(tmp_path / "project", mlflow_template_db)
@@ -267,8 +269,9 @@ def test_the_multimodal_branch_runs_end_to_end(tmp_path, mlflow_template_db, mon
     import yaml
 
     from flows import cli, generation
-    from pipelines.core import dag, repro
+    from pipelines.core import dag
     from pipelines.core.outputs import read_json
+    from pipelines.core.run import repro
     from tests.conftest import make_project
 
     overlay = yaml.safe_load((REPO / "params" / "multimodal.yaml").read_text())
@@ -312,7 +315,7 @@ def test_the_multimodal_branch_runs_end_to_end(tmp_path, mlflow_template_db, mon
     monkeypatch.chdir(root)
     import mlflow.pyfunc
 
-    from pipelines.core import tracking
+    from pipelines.core.run import tracking
 
     with tracking.fluent_uris(tracking.tracking_uri(root)):
         pyfunc = mlflow.pyfunc.load_model("models:/qllm-vision@champion")

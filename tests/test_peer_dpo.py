@@ -2,7 +2,7 @@
 
 TRL's `DPOTrainer` renders conversational pairs with the chat template itself and scores everything
 after the prompt, including the `\\n` the template writes after `<|im_end|>`; `ref_logprobs` stops at
-`<|im_end|>` (`pipelines/core/preference_data.py`). TRL's tokens and numbers come from its own
+`<|im_end|>` (`pipelines/core/training/preference_data.py`). TRL's tokens and numbers come from its own
 dataset preparation and precompute pass.
 """
 
@@ -13,8 +13,8 @@ import pandas as pd
 
 from benchmarks import peer_dpo
 from pipelines import ref_logprobs
-from pipelines.core import preference_data
-from pipelines.core.models import load_causal_lm, load_tokenizer
+from pipelines.core.models.models import load_causal_lm, load_tokenizer
+from pipelines.core.training import preference_data
 
 
 def test_reference_logps_equal_trls_plus_the_trailing_newline(tiny_base):

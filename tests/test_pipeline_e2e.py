@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.core import dag, tracking
+from pipelines.core import dag
+from pipelines.core.run import tracking
 from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[1]))
@@ -59,7 +60,7 @@ def test_first_run_runs_every_stage_in_dag_order(first, project):
 
 
 def test_precision_auto_is_resolved_recorded_and_tracked(first, project):
-    from pipelines.core import precision
+    from pipelines.core.training import precision
 
     cap = precision.capability()
     assert json.loads((project / "data/device.json").read_text()) == cap.as_dict()
@@ -435,7 +436,7 @@ def test_cli_prints_one_line_per_stage_and_writes_the_summary(first, project, tm
 
 
 def test_no_change_check_stops_at_the_first_stale_stage(first, project):
-    from pipelines.core import repro
+    from pipelines.core.run import repro
 
     lock = project / "dvc.lock"
     recorded = lock.read_bytes()

@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from pipelines.core import precision
 from pipelines.core.config import TrainParams
+from pipelines.core.training import precision
 
 
 @pytest.fixture(autouse=True)
@@ -92,14 +92,14 @@ def test_measured_probe_is_a_positive_ratio():
 
 
 def test_autocast_follows_the_resolution(monkeypatch):
-    from pipelines.core import training
+    from pipelines.core.training import loop
 
     _cpu(monkeypatch)  # no bf16 units: auto is fp32, autocast a no-op
-    with training.autocast(torch.device("cpu"), "auto"):
+    with loop.autocast(torch.device("cpu"), "auto"):
         assert not torch.is_autocast_enabled("cpu")
     precision.capability.cache_clear()
     _cpu(monkeypatch, amx=True)
-    with training.autocast(torch.device("cpu"), "auto"):
+    with loop.autocast(torch.device("cpu"), "auto"):
         assert torch.is_autocast_enabled("cpu")
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
 
@@ -117,8 +117,8 @@ def test_default_is_auto_and_params_yaml_uses_it():
 
 
 def test_stage_resolves_and_records_precision(monkeypatch):
-    from pipelines.core import stage
     from pipelines.core.config import FinetuneParams
+    from pipelines.core.run import stage
 
     _cpu(monkeypatch)
     params = FinetuneParams()

@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 import torch
 
-from pipelines.core import preference_data
 from pipelines.core.errors import QllmError
-from pipelines.core.models import load_causal_lm, load_tokenizer
+from pipelines.core.models.models import load_causal_lm, load_tokenizer
+from pipelines.core.training import preference_data
 
 
 def frame(rows) -> pd.DataFrame:

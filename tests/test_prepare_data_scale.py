@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines import prepare_data
-from pipelines.core import cleaning
+from pipelines.core.data import cleaning
 from tests.test_prepare_data import FIFTY, params, write_ingested
 
 SPLITS = prepare_data.SPLITS

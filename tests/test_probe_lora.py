@@ -159,8 +159,9 @@ def test_a_frozen_base_probe_records_the_base_gradients_and_leaves_the_weights(t
     """`frozen_base: true`: no optimizer, nothing updated; each step's record is autograd's weight
     gradient at the base (activation checkpointing on or off), so the scores equal those of a
     plain backward pass over the same batches, and the base's weights are untouched."""
-    from pipelines.core import chat_examples, finetune, training
-    from pipelines.core.models import load_causal_lm, load_tokenizer
+    from pipelines.core.data import chat_examples
+    from pipelines.core.models.models import load_causal_lm, load_tokenizer
+    from pipelines.core.training import finetune, loop
 
     train = TRAIN.model_copy(update={"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "gradient_checkpointing": checkpointing})
     params = ProbeLoraParams(base_model=str(tiny_base / "model"), ranks=[1, 2], target_modules=["q_proj", "down_proj"], train=train,
@@ -174,7 +175,7 @@ def test_a_frozen_base_probe_records_the_base_gradients_and_leaves_the_weights(t
     recorder = probe_lora.GradientRecorder(probe_lora.candidate_modules(reference, params.target_modules))
     tokenizer = load_tokenizer(tiny_base / "model")
     rows, _, _ = finetune.build_rows(tokenizer, tiny_base / "chat", params, 128)
-    batches = iter(training.Batches(len(rows), 2, train.seed, chat_examples.collate(rows, tokenizer.pad_token_id, True)))
+    batches = iter(loop.Batches(len(rows), 2, train.seed, chat_examples.collate(rows, tokenizer.pad_token_id, True)))
     for _ in range(3):
         reference.zero_grad()
         for _ in range(2):

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core import progressive, training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import ActivationCacheParams, ModelParams, Params, PretrainParams, ProgressiveParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import ExtensionError, Hook
-from pipelines.core.models import build_llama
+from pipelines.core.models.models import build_llama
+from pipelines.core.training import loop, progressive
+from pipelines.core.training.checkpoint import CheckpointManager
 from tests.test_training import FakeTokenizer, Interrupt, cfg, collate, rows
 
 
@@ -90,10 +90,10 @@ def train_growing(directory=None, stop_at=None, grow=None, steps=9, seed=0, tie=
         if state.step == stop_at:
             raise Interrupt
 
-    val = lambda m: {"val/loss": training.mean_loss(m, training.causal_lm_loss, [{"input_ids": torch.from_numpy(data[:8])}],  # noqa: E731
+    val = lambda m: {"val/loss": loop.mean_loss(m, loop.causal_lm_loss, [{"input_ids": torch.from_numpy(data[:8])}],  # noqa: E731
                                                     torch.device("cpu"), "fp32")}  # fmt: skip
     checkpoints = CheckpointManager(directory, 2) if directory else None
-    result = training.train(model, training.causal_lm_loss, training.Batches(32, 4, seed, collate(data)), c, val_fn=val,
+    result = loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, seed, collate(data)), c, val_fn=val,
                             checkpoints=checkpoints, growth=growth, extensions=[Hook("on_step_end", stopper)], desc="test")  # fmt: skip
     return model, result, logged, growth
 
@@ -104,18 +104,18 @@ def test_frozen_trunk_trains_only_the_new_stack_and_head_with_fresh_optimizer_an
     def watch(state, model):
         snapshots[state.step] = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    original_build = training.build_optimizer
+    original_build = loop.build_optimizer
 
     def spy(net, c):
         optimizer = original_build(net, c)
         optimizers[len(optimizers)] = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return optimizer
 
-    training.build_optimizer = spy
+    loop.build_optimizer = spy
     try:
         model, result, logged, _ = train_growing(grow=grow_params(growth="identity"), watch=watch)
     finally:
-        training.build_optimizer = original_build
+        loop.build_optimizer = original_build
     assert [m["layers"] for m in logged] == [2, 2, 2, 4, 4, 4, 4, 4, 4]
     names = {id(p): n for n, p in model.named_parameters()}
     # three optimizers: stack 1 (everything it had), stack 2 (layers 2-3 + the final norm; the head is the tied embedding), end-to-end
@@ -129,7 +129,7 @@ def test_frozen_trunk_trains_only_the_new_stack_and_head_with_fresh_optimizer_an
     # lr: global cosine times a 2-step re-warm after each growth point (steps 3 and 6); the logged lr
     # after step s is the one the phase's schedule set for the next step (s + 1)
     c = cfg(max_steps=9, warmup_steps=2, lr=0.01)
-    expected = [training.lr_multiplier(s + 1, c) * (min(1.0, (s + 1 - start + 1) / 2) if start else 1.0)
+    expected = [loop.lr_multiplier(s + 1, c) * (min(1.0, (s + 1 - start + 1) / 2) if start else 1.0)
                 for s, start in zip(range(9), [0, 0, 0, 3, 3, 3, 6, 6, 6], strict=True)]  # fmt: skip
     assert [m["lr"] for m in logged] == pytest.approx([0.01 * e for e in expected])
     assert result["steps"] == 9 and np.isfinite(result["val/loss"])
@@ -138,12 +138,12 @@ def test_frozen_trunk_trains_only_the_new_stack_and_head_with_fresh_optimizer_an
 
 def test_untied_head_trains_with_the_new_stack():
     optimizers = []
-    original_build = training.build_optimizer
-    training.build_optimizer = lambda net, c: optimizers.append(original_build(net, c)) or optimizers[-1]
+    original_build = loop.build_optimizer
+    loop.build_optimizer = lambda net, c: optimizers.append(original_build(net, c)) or optimizers[-1]
     try:
         model, *_ = train_growing(tie=False, steps=6)
     finally:
-        training.build_optimizer = original_build
+        loop.build_optimizer = original_build
     names = {id(p): n for n, p in model.named_parameters()}
     stack2 = {names[id(p)] for group in optimizers[1].param_groups for p in group["params"]}
     assert "lm_head.weight" in stack2 and "model.embed_tokens.weight" not in stack2
@@ -179,13 +179,13 @@ def test_activation_cache_gives_the_same_weights_and_skips_the_trunk():
 
     first.register_forward_pre_hook(count_first)
     data = rows(32, seq=8)
-    training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), c, growth=growth,
+    loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), c, growth=growth,
                    extensions=[Hook("on_step_end", count)], desc="test")  # fmt: skip
     for (name, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), name
     # the frozen-trunk phase (steps 8-15) is the second epoch of the 32 rows, which hold repeated sequences:
     # each distinct sequence misses once, the repeats hit; the trunk runs only for batches with a miss
-    order = training.Batches(32, 4, 0, lambda idx: [tuple(data[i]) for i in np.sort(idx)])
+    order = loop.Batches(32, 4, 0, lambda idx: [tuple(data[i]) for i in np.sort(idx)])
     epoch = [next(order) for _ in range(16)][8:]
     seen, misses, batches_with_misses = set(), 0, 0
     for batch in epoch:
@@ -242,8 +242,8 @@ def test_pretrain_stage_grows_saves_stacks_and_logs_to_mlflow(tmp_path, mlflow_t
 
     from mlflow import MlflowClient
 
-    from pipelines.core import repro
-    from pipelines.core.models import load_model_and_tokenizer
+    from pipelines.core.models.models import load_model_and_tokenizer
+    from pipelines.core.run import repro
     from tests.conftest import make_project
     from tests.test_resume_kill import UPSTREAM
 
@@ -291,7 +291,7 @@ def test_sft_grows_the_base_llama_pro_style(tiny_base, tmp_path):
     and trained on a frozen base (block expansion, LLaMA-Pro), then end to end; the output has 3 layers."""
     from pipelines import sft
     from pipelines.core.config import SftParams
-    from pipelines.core.models import load_causal_lm
+    from pipelines.core.models.models import load_causal_lm
 
     params = SftParams(base_model=str(tiny_base / "model"), train=cfg(max_steps=6, micro_batch_size=2, eval_every=3),
                             progressive=grow_params(stacks=[2, 1], steps_per_stack=2, growth="identity", save_stacks=True))  # fmt: skip

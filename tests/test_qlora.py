@@ -12,9 +12,10 @@ import torch
 from safetensors.numpy import load_file
 
 from pipelines import lora
-from pipelines.core import params_file, quantize
+from pipelines.core import params_file
 from pipelines.core.config import LoraAdapterParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.models import quantize
 from tests.conftest import record_dpo_losses
 
 bnb = pytest.importorskip("bitsandbytes")  # a declared dependency; skipped only in a bare checkout
@@ -28,7 +29,7 @@ def qbase(tiny_base, tmp_path_factory):
     """tiny_base's chats and tokenizer with a model of 64-wide layers: one 4-bit block per row, so
     the backbone-bytes figures mean something."""
     from pipelines.core.config import ModelParams
-    from pipelines.core.models import build_llama, load_tokenizer, save_pretrained
+    from pipelines.core.models.models import build_llama, load_tokenizer, save_pretrained
 
     root = tmp_path_factory.mktemp("qbase")
     tokenizer = load_tokenizer(tiny_base / "model")
@@ -110,7 +111,7 @@ def test_qlora_trains_adapters_on_a_quantized_frozen_base(qbase, tmp_path, quant
 
 
 def _full_linears(qbase):
-    from pipelines.core.models import load_causal_lm
+    from pipelines.core.models.models import load_causal_lm
 
     model = load_causal_lm(qbase / "model")
     return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")]
@@ -120,7 +121,7 @@ def test_merged_qlora_is_a_normal_model_equal_to_the_trained_one(qbase, tmp_path
     """merge: the adapter goes into the dequantized base, the weights it was trained against."""
     from peft import PeftModel
 
-    from pipelines.core.models import load_causal_lm, load_model_and_tokenizer
+    from pipelines.core.models.models import load_causal_lm, load_model_and_tokenizer
 
     lora.run(qbase / "chat", tmp_path / "out", params(qbase, "nf4", compute_dtype="fp32"))
     merged, _ = load_model_and_tokenizer(tmp_path / "out/merged")
@@ -154,7 +155,8 @@ def test_qlora_resumes_exactly_from_its_adapter_checkpoint(qbase, tmp_path, capl
 def test_qlora_in_fine_tuning_mode_loads_the_pointed_base_straight_into_4_bits(qbase, tmp_path):
     """`base_model.name` set: lora's base is the pointer `pretrain` writes; it is followed and the
     model it names is quantized as it loads."""
-    from pipelines.core import dag, model_source
+    from pipelines.core import dag
+    from pipelines.core.models import model_source
 
     pointer = tmp_path / "project/data/models/pretrain"
     pointer.mkdir(parents=True)
@@ -202,7 +204,7 @@ def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qb
     they match what autograd gives the same model with its weights dequantized to full precision."""
     from pipelines import probe_lora
     from pipelines.core.config import ProbeLoraParams
-    from pipelines.core.models import load_causal_lm
+    from pipelines.core.models.models import load_causal_lm
 
     train = TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0, "checkpoint_every": 0, "micro_batch_size": 4})
     params = ProbeLoraParams(base_model=str(qbase / "model"), ranks=[1, 2], target_modules=["q_proj", "down_proj"], train=train,
@@ -216,12 +218,13 @@ def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qb
     reference = load_causal_lm(qbase / "model", quantization=qconfig).dequantize().float()
     modules = probe_lora.candidate_modules(reference, params.target_modules)
     recorder = probe_lora.GradientRecorder(modules)
-    from pipelines.core import chat_examples, finetune, training
-    from pipelines.core.models import load_tokenizer
+    from pipelines.core.data import chat_examples
+    from pipelines.core.models.models import load_tokenizer
+    from pipelines.core.training import finetune, loop
 
     tokenizer = load_tokenizer(qbase / "model")
     rows, _, _ = finetune.build_rows(tokenizer, qbase / "chat", params, 128)
-    batches = iter(training.Batches(len(rows), 4, train.seed, chat_examples.collate(rows, tokenizer.pad_token_id, True)))
+    batches = iter(loop.Batches(len(rows), 4, train.seed, chat_examples.collate(rows, tokenizer.pad_token_id, True)))
     for _ in range(2):
         reference.zero_grad()
         loss, _ = chat_examples.chat_loss(reference, next(batches))
@@ -236,7 +239,7 @@ def test_an_unmerged_qlora_adapter_is_merged_into_the_dequantized_base_when_load
     """Without `merged/`, `load_for_inference` (evaluate, qllm generate) reads the recorded
     quantization and merges into that base dequantized, as `merge: true` would have: the same
     weights, not the full-precision base's."""
-    from pipelines.core.models import load_causal_lm, load_for_inference
+    from pipelines.core.models.models import load_causal_lm, load_for_inference
 
     lora.run(qbase / "chat", tmp_path / "merged", params(qbase, "nf4", compute_dtype="fp32"))
     lora.run(qbase / "chat", tmp_path / "adapter", params(qbase, "nf4", compute_dtype="fp32", merge=False))

@@ -1,4 +1,4 @@
-"""LoRA rank allocation (pipelines.core.qubo): the QUBO, every solver against enumeration, repair,
+"""LoRA rank allocation (pipelines.core.quantum.qubo): the QUBO, every solver against enumeration, repair,
 fallbacks and bad input. Small instances only (QAOA on <= 5 qubits); the whole file runs in seconds.
 
 Hand-checked example used below (HAND):
@@ -21,9 +21,9 @@ import dimod
 import numpy as np
 import pytest
 
-from pipelines.core import qubo
 from pipelines.core.errors import QllmError
-from pipelines.core.qubo import (
+from pipelines.core.quantum import qubo
+from pipelines.core.quantum.qubo import (
     Allocation,
     BackendUnavailable,
     QuantumError,

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pipelines import lora
-from pipelines.core import qubo, rank_allocation, training
 from pipelines.core.config import AdaptiveParams, LoraParams, TrainParams
 from pipelines.core.extensions import ExtensionError, Hook
+from pipelines.core.quantum import qubo, rank_allocation
+from pipelines.core.training import loop
 
 TRAIN = TrainParams(max_steps=16, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=8, eval_batches=1, log_every=1,
                     checkpoint_every=3, precision="fp32", weight_decay=0.0, extensions=[])  # fmt: skip
@@ -40,16 +41,16 @@ def train_lora(tiny_base, out, allocation, checkpoints=None, stop_at=None, track
         if state.step == stop_at:
             raise RuntimeError("killed")
 
-    original = training.train
+    original = loop.train
 
     def with_hook(*args, extensions=(), **kwargs):  # after the allocation's own extension
         return original(*args, extensions=[*extensions, Hook("on_step_end", hook)], **kwargs)
 
-    training.train = with_hook
+    loop.train = with_hook
     try:
         return lora.run(tiny_base / "chat", out, params(tiny_base, allocation, **train), tracker=tracker, checkpoint_dir=checkpoints)
     finally:
-        training.train = original
+        loop.train = original
 
 
 def test_detrended_redundancy_ignores_the_shared_trend_and_sees_shared_changes():
@@ -117,7 +118,7 @@ def test_qubo_in_loop_trains_on_when_its_reference_solve_finds_nothing_in_time(t
 
 
 def test_qubo_in_loop_masks_the_components_it_did_not_keep(tiny_base):
-    from pipelines.core.models import load_causal_lm, load_tokenizer
+    from pipelines.core.models.models import load_causal_lm, load_tokenizer
 
     p = params(tiny_base, "qubo_in_loop")
     model = rank_allocation.wrap(p.adapter, p.adaptive, p.train.max_steps)(load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model"))
@@ -129,7 +130,7 @@ def test_qubo_in_loop_masks_the_components_it_did_not_keep(tiny_base):
         for parameter in model.parameters():
             if parameter.requires_grad:
                 parameter.grad = torch.randn_like(parameter)
-        allocator.on_optimizer_step(training.TrainState(step=step))
+        allocator.on_optimizer_step(loop.TrainState(step=step))
     assert allocator.solves == 1
     ranks = rank_allocation.active_ranks(model)
     assert ranks == {name: int(keep.sum()) for name, keep in allocator.keep.items()}
@@ -137,7 +138,7 @@ def test_qubo_in_loop_masks_the_components_it_did_not_keep(tiny_base):
     with torch.no_grad():  # an optimizer step would bring masked entries back: the next step masks them again
         for module in rank_allocation.svd_modules(model).values():
             module.lora_E["default"].fill_(1.0)
-    allocator.on_optimizer_step(training.TrainState(step=4))
+    allocator.on_optimizer_step(loop.TrainState(step=4))
     assert rank_allocation.active_ranks(model) == ranks
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of pipelines/core/readers.py: every format for every kind, conversions, error messages."""
+"""Unit tests of pipelines/core/data/readers.py: every format for every kind, conversions, error messages."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipelines.core import readers
 from pipelines.core.config import SourceParams
-from pipelines.core.readers import ReaderError, infer_format, read_source
+from pipelines.core.data import readers
+from pipelines.core.data.readers import ReaderError, infer_format, read_source
 
 SRC = "data/sources"
 

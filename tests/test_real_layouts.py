@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.core import chat_template, readers
-from pipelines.core.chat_template import ChatTemplateError
 from pipelines.core.config import SourceParams
-from pipelines.core.readers import ReaderError
+from pipelines.core.data import chat_template, readers
+from pipelines.core.data.chat_template import ChatTemplateError
+from pipelines.core.data.readers import ReaderError
 from tests.chat_families import CHATML, HERMES, LLAMA31_TOOLS, QWEN25, TOOL_FAMILIES, tokenizer_for
 
 FIXTURES = Path(__file__).parent / "fixtures"

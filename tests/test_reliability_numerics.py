@@ -13,11 +13,13 @@ import torch
 
 from flows import preflight
 from flows.local_api import free_port
-from pipelines.core import params_file, tracking, training
-from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core import params_file
 from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Hook
+from pipelines.core.run import tracking
+from pipelines.core.training import loop
+from pipelines.core.training.checkpoint import CheckpointManager
 from tests.test_training import tiny_model
 
 
@@ -27,10 +29,10 @@ def cfg(**kw) -> TrainParams:
     return TrainParams(**(base | kw))
 
 
-def batches(seed: int = 0) -> training.Batches:
+def batches(seed: int = 0) -> loop.Batches:
     starts = np.random.default_rng(seed).integers(0, 16, 32)
     data = ((starts[:, None] + np.arange(8)[None, :]) % 16).astype(np.int64)  # rows counting up mod 16
-    return training.Batches(32, 4, 0, lambda idx: {"input_ids": torch.from_numpy(data[np.sort(idx)])})
+    return loop.Batches(32, 4, 0, lambda idx: {"input_ids": torch.from_numpy(data[np.sort(idx)])})
 
 
 class NanGradient(torch.autograd.Function):
@@ -51,7 +53,7 @@ def poisoned_loss(bad_calls: dict[int, str]):
 
     def loss_fn(model, batch):
         calls["n"] += 1
-        loss, metrics = training.causal_lm_loss(model, batch)
+        loss, metrics = loop.causal_lm_loss(model, batch)
         kind = bad_calls.get(calls["n"])
         if kind == "loss":
             loss = loss * float("nan")
@@ -67,8 +69,8 @@ def poisoned_loss(bad_calls: dict[int, str]):
 
 def test_non_finite_without_skips_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path):
     # One loss call per step (no accumulation): call 3 is step 3; checkpoints every 2 steps.
-    with pytest.raises(training.NonFiniteLossError, match=r"non-finite loss \(nan\) .* at step 3 \(skip_nonfinite is 0\)") as err:
-        training.train(tiny_model(), poisoned_loss({3: "loss"}), batches(), cfg(checkpoint_every=2),
+    with pytest.raises(loop.NonFiniteLossError, match=r"non-finite loss \(nan\) .* at step 3 \(skip_nonfinite is 0\)") as err:
+        loop.train(tiny_model(), poisoned_loss({3: "loss"}), batches(), cfg(checkpoint_every=2),
                        checkpoints=CheckpointManager(tmp_path))
     assert isinstance(err.value, QllmError)
     assert "--set train.train.skip_nonfinite=N" in str(err.value)  # `desc` is the stage name in a stage
@@ -79,9 +81,9 @@ def test_skipped_batches_do_not_step_the_optimizer_or_schedule_and_are_counted(c
     # Calls: 1 step 1 ok; 2 NaN loss (skipped, step 2 retried); 3 step 2 ok; 4 NaN gradient (skipped); 5.. ok.
     events = []
     record = Hook("on_gradients", lambda state: events.append("gradients"))
-    clean = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg())
+    clean = loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg())
     with caplog.at_level(logging.WARNING, logger="qllm.training"):
-        result = training.train(tiny_model(), poisoned_loss({2: "loss", 4: "grad"}), batches(), cfg(skip_nonfinite=2),
+        result = loop.train(tiny_model(), poisoned_loss({2: "loss", 4: "grad"}), batches(), cfg(skip_nonfinite=2),
                                 extensions=[record])
     assert result["steps"] == 6 and result["skipped_nonfinite"] == 2 and clean["skipped_nonfinite"] == 0
     assert "non-finite loss (nan) or gradient norm (nan) at step 2: batch skipped (no optimizer step), 1 of at most 2" in caplog.text
@@ -96,8 +98,8 @@ def test_skipped_batches_do_not_step_the_optimizer_or_schedule_and_are_counted(c
 
 def test_one_more_non_finite_batch_than_allowed_is_an_error():
     # Calls 1, 3, 5 are bad: skipped at step 1, step 2, then the third (at step 3) exceeds skip_nonfinite=2.
-    with pytest.raises(training.NonFiniteLossError, match=r"at step 3 \(non-finite batch 3 of this run; skip_nonfinite is 2\)"):
-        training.train(tiny_model(), poisoned_loss({1: "loss", 3: "grad", 5: "loss"}), batches(), cfg(skip_nonfinite=2))
+    with pytest.raises(loop.NonFiniteLossError, match=r"at step 3 \(non-finite batch 3 of this run; skip_nonfinite is 2\)"):
+        loop.train(tiny_model(), poisoned_loss({1: "loss", 3: "grad", 5: "loss"}), batches(), cfg(skip_nonfinite=2))
 
 
 def test_non_finite_error_ends_the_mlflow_run_failed(tmp_path, monkeypatch, mlflow_template_db):
@@ -106,9 +108,9 @@ def test_non_finite_error_ends_the_mlflow_run_failed(tmp_path, monkeypatch, mlfl
     shutil.copy2(mlflow_template_db, tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_ids = []
-    with pytest.raises(training.NonFiniteLossError), tracking.run("pretrain", tmp_path) as tracker:
+    with pytest.raises(loop.NonFiniteLossError), tracking.run("pretrain", tmp_path) as tracker:
         run_ids.append(tracker.run_id)
-        training.train(tiny_model(), poisoned_loss({2: "loss", 3: "loss"}), batches(), cfg(skip_nonfinite=1), tracker=tracker)
+        loop.train(tiny_model(), poisoned_loss({2: "loss", 3: "loss"}), batches(), cfg(skip_nonfinite=1), tracker=tracker)
     finished = tracking.client(tmp_path).get_run(run_ids[0])
     assert finished.info.status == "FAILED"
     assert finished.data.metrics["train/skipped_nonfinite"] == 1  # the skip was logged before the error
@@ -123,8 +125,8 @@ def test_out_of_memory_in_a_step_names_what_is_in_force_and_how_to_fit(error):
     def loss_fn(model, batch):
         raise error
 
-    with pytest.raises(training.TrainingOutOfMemoryError) as err:
-        training.train(tiny_model(), loss_fn, batches(), cfg(grad_accum_steps=2), desc="sft")
+    with pytest.raises(loop.TrainingOutOfMemoryError) as err:
+        loop.train(tiny_model(), loss_fn, batches(), cfg(grad_accum_steps=2), desc="sft")
     message = str(err.value)
     assert isinstance(err.value, QllmError)
     assert message.startswith("sft: out of memory at step 1 (")
@@ -139,13 +141,13 @@ def test_out_of_memory_in_a_step_names_what_is_in_force_and_how_to_fit(error):
                                                         (6, 2, "=3 --set x.train.grad_accum_steps=4"),
                                                         (5, 1, "=1 --set x.train.grad_accum_steps=5")])
 def test_out_of_memory_advice_keeps_the_global_batch_exactly(micro, accum, expected):
-    message = training.out_of_memory_message("x", cfg(micro_batch_size=micro, grad_accum_steps=accum), None, 1, torch.OutOfMemoryError())
+    message = loop.out_of_memory_message("x", cfg(micro_batch_size=micro, grad_accum_steps=accum), None, 1, torch.OutOfMemoryError())
     assert f"global batch of {micro * accum} sequences (e.g. --set x.train.micro_batch_size{expected})" in message
     assert message.startswith("x: out of memory at step 1 (OutOfMemoryError) with micro_batch_size")
 
 
 def test_out_of_memory_with_one_sequence_per_batch_suggests_checkpointing_only():
-    message = training.out_of_memory_message("x", cfg(micro_batch_size=1, gradient_checkpointing=False), None, 1, torch.OutOfMemoryError())
+    message = loop.out_of_memory_message("x", cfg(micro_batch_size=1, gradient_checkpointing=False), None, 1, torch.OutOfMemoryError())
     assert "micro_batch_size=" not in message and "gradient_checkpointing=true" in message
 
 
@@ -154,8 +156,8 @@ def test_out_of_memory_in_the_optimizer_step_is_explained_too(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    with pytest.raises(training.TrainingOutOfMemoryError, match=r"out of memory at step 1 .* micro_batch_size 4, grad_accum_steps 1"):
-        training.train(tiny_model(), training.causal_lm_loss, batches(), cfg())
+    with pytest.raises(loop.TrainingOutOfMemoryError, match=r"out of memory at step 1 .* micro_batch_size 4, grad_accum_steps 1"):
+        loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg())
 
 
 def test_other_runtime_errors_pass_through_unchanged():
@@ -163,16 +165,16 @@ def test_other_runtime_errors_pass_through_unchanged():
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as err:
-        training.train(tiny_model(), loss_fn, batches(), cfg())
+        loop.train(tiny_model(), loss_fn, batches(), cfg())
     assert not isinstance(err.value, QllmError)
 
 
 def test_gradient_checkpointing_trains_the_same_and_is_switched_off_after():
     seen = []
     record = Hook("on_gradients", lambda state: seen.append(state_model.is_activation_checkpointing))
-    plain = training.train(tiny_model(), training.causal_lm_loss, batches(), cfg(max_steps=3))
+    plain = loop.train(tiny_model(), loop.causal_lm_loss, batches(), cfg(max_steps=3))
     state_model = tiny_model()
-    checkpointed = training.train(state_model, training.causal_lm_loss, batches(), cfg(max_steps=3, gradient_checkpointing=True),
+    checkpointed = loop.train(state_model, loop.causal_lm_loss, batches(), cfg(max_steps=3, gradient_checkpointing=True),
                                   extensions=[record])
     assert seen == [True, True, True] and not state_model.is_activation_checkpointing
     losses = lambda r: [row[1] for row in r["history"]["train"]]  # noqa: E731

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.core import repro, workspace
+from pipelines.core import workspace
+from pipelines.core.run import repro
 from tests.conftest import run
 
 
@@ -94,7 +95,7 @@ def test_override_workspace_shares_the_cache_and_leaves_params_yaml(toy):
 
 THREADS_IMPORTING = """
 import threading
-from pipelines.core import repro
+from pipelines.core.run import repro
 
 barrier, errors = threading.Barrier(4), []
 

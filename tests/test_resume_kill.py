@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.core import dag, repro
+from pipelines.core import dag
+from pipelines.core.run import repro
 from tests.conftest import REPO, make_project, run
 
 UPSTREAM = ["sample_data", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
@@ -165,7 +166,8 @@ PAUSED_STAGE = """\
 import contextlib, sys, time
 from pathlib import Path
 
-from pipelines.core import outputs, repro
+from pipelines.core import outputs
+from pipelines.core.run import repro
 
 real_atomic_dir = outputs.atomic_dir
 
@@ -220,7 +222,7 @@ def test_the_next_write_removes_what_a_killed_atomic_file_left(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-other.json-def456", "metrics.json"]
 
 def test_a_rerun_continues_its_unfinished_run_only_when_a_checkpoint_exists(base, tmp_path):
-    from pipelines.core import stage
+    from pipelines.core.run import stage
 
     root = copy_project(base, tmp_path / "project")
     seen: list[str] = []

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.core.checkpoint import CheckpointManager
+from pipelines.core.training.checkpoint import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("pipelines", "flows", "tasks")

@@ -11,10 +11,11 @@ import shutil
 import pytest
 
 from pipelines import sample_data
-from pipelines.core import dag, stage
+from pipelines.core import dag
 from pipelines.core.config import SampleDataParams
+from pipelines.core.data.sample_world import COUNT_KEYS, FILES
 from pipelines.core.errors import QllmError
-from pipelines.core.sample_world import COUNT_KEYS, FILES
+from pipelines.core.run import stage
 from tests.conftest import REPO
 
 SMALL = SampleDataParams(n_entities=8, bios_per_entity=2, max_operand=3)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.core import config, dag, model_source, params_file
+from pipelines.core import config, dag, params_file
 from pipelines.core.errors import QllmError
-from pipelines.core.stage import StageContext
+from pipelines.core.models import model_source
+from pipelines.core.run.stage import StageContext
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = dag.stages(REPO)
@@ -53,7 +54,7 @@ def test_an_unknown_name_says_what_the_stage_declares():
 
 
 def test_keys_of_other_sections_come_only_as_dvc_yaml_lists_them():
-    from pipelines.core import stage
+    from pipelines.core.run import stage
 
     params = params_file.load(REPO)[0]
     listed = stage.listed_params(params, STAGES["quantum_opt"])

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.core import dag, repro
+from pipelines.core import dag
 from pipelines.core.extensions import Hook
+from pipelines.core.run import repro
 from tests.conftest import REPO, make_project
 
 MAX_STEPS = 30  # held after step 20 until the signal; the rerun trains the last 10
@@ -47,8 +48,9 @@ def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path
     training thread without finishing that step: the newest checkpoint (step 2) stays."""
     import threading
 
-    from pipelines.core import errors, training
-    from pipelines.core.checkpoint import CheckpointManager
+    from pipelines.core import errors
+    from pipelines.core.training import loop
+    from pipelines.core.training.checkpoint import CheckpointManager
     from tests.test_training import cfg, collate, rows, tiny_model
 
     in_step_3, outcome = threading.Event(), {}
@@ -61,7 +63,7 @@ def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path
 
     def train():
         try:
-            training.train(tiny_model(), training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
+            loop.train(tiny_model(), loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(rows())),
                            cfg(checkpoint_every=1), checkpoints=CheckpointManager(tmp_path, 5), extensions=[Hook("on_gradients", stall)])  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             outcome["error"] = exc

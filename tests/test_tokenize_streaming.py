@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines import tokenize, train_tokenizer
-from pipelines.core import packed
-from pipelines.core.chat_template import EOS, parse_messages, rendered_turn
 from pipelines.core.config import TokenizeParams, TrainTokenizerParams
+from pipelines.core.data import packed
+from pipelines.core.data.chat_template import EOS, parse_messages, rendered_turn
 from pipelines.core.errors import QllmError
 
 COLUMNS = {
@@ -243,7 +243,7 @@ def test_tokenize_streams_the_same_bytes(corpus, tmp_path, monkeypatch, no_whole
 
 def test_small_splits_are_encoded_in_the_stage_process(corpus, tmp_path, monkeypatch):
     """Below `SERIAL_BYTES` of text, starting workers costs more than they save."""
-    from pipelines.core import parallel
+    from pipelines.core.data import parallel
 
     calls = []
     pool_map = parallel.Pool.map
@@ -280,7 +280,7 @@ def test_workers_build_the_same_tokenizer_from_its_json(corpus):
     ids as the stage's own tokenizer, and the same result through a pool of two processes."""
     from transformers import AutoTokenizer
 
-    from pipelines.core import parallel
+    from pipelines.core.data import parallel
 
     tokenizer = AutoTokenizer.from_pretrained(corpus["root"] / "tokenizer")
     encoder = tokenize.Encoder.of(tokenizer.backend_tokenizer, tokenizer.eos_token_id, np.uint16)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core import training
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import ModelParams, TrainParams
 from pipelines.core.extensions import ExtensionError, Hook
-from pipelines.core.models import build_llama
+from pipelines.core.models.models import build_llama
+from pipelines.core.training import loop
+from pipelines.core.training.checkpoint import CheckpointManager
 
 
 class FakeTokenizer:
@@ -49,18 +49,18 @@ def collate(data):
 def test_lr_schedule_values():
     c = cfg(max_steps=10, warmup_steps=2, min_lr_ratio=0.1, schedule="cosine")
     # warmup: (step+1)/warmup -> 0.5, 1.0; then cosine from 1 down to 0.1 over the 8 remaining steps
-    assert [training.lr_multiplier(s, c) for s in (0, 1)] == [0.5, 1.0]
-    assert training.lr_multiplier(2, c) == pytest.approx(1.0)
-    assert training.lr_multiplier(6, c) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # = 0.55
-    assert training.lr_multiplier(10, c) == pytest.approx(0.1)
+    assert [loop.lr_multiplier(s, c) for s in (0, 1)] == [0.5, 1.0]
+    assert loop.lr_multiplier(2, c) == pytest.approx(1.0)
+    assert loop.lr_multiplier(6, c) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # = 0.55
+    assert loop.lr_multiplier(10, c) == pytest.approx(0.1)
     linear = cfg(max_steps=10, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
-    assert training.lr_multiplier(5, linear) == pytest.approx(0.5)
-    assert training.lr_multiplier(7, cfg(max_steps=10, warmup_steps=0, schedule="constant")) == 1.0
+    assert loop.lr_multiplier(5, linear) == pytest.approx(0.5)
+    assert loop.lr_multiplier(7, cfg(max_steps=10, warmup_steps=0, schedule="constant")) == 1.0
 
 
 def test_no_weight_decay_for_biases_norms_and_embeddings():
     model = tiny_model()
-    decay, no_decay = training.param_groups(model, 0.1)
+    decay, no_decay = loop.param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     assert all("norm" in names[id(p)] or "embed" in names[id(p)] for p in no_decay["params"])
     assert any("embed" in names[id(p)] for p in no_decay["params"])
@@ -70,14 +70,14 @@ def test_no_weight_decay_for_biases_norms_and_embeddings():
 
 def test_batches_are_seeded_epoch_permutations_and_resumable():
     order = lambda b, k: [tuple(next(b).tolist()) for _ in range(k)]  # noqa: E731
-    a = training.Batches(10, 3, seed=7, collate=lambda idx: idx)
+    a = loop.Batches(10, 3, seed=7, collate=lambda idx: idx)
     first = order(a, 7)  # 3 batches per epoch (the last partial one dropped), so epochs 0, 1, 2
     assert all(len(set(batch)) == 3 for batch in first)
     assert set(sum(first[:3], ())) <= set(range(10)) and first[:3] != first[3:6]
-    b = training.Batches(10, 3, seed=7, collate=lambda idx: idx)
+    b = loop.Batches(10, 3, seed=7, collate=lambda idx: idx)
     order(b, 4)
     state = b.state_dict()
-    c = training.Batches(10, 3, seed=7, collate=lambda idx: idx)
+    c = loop.Batches(10, 3, seed=7, collate=lambda idx: idx)
     c.load_state_dict(state)
     assert order(c, 3) == first[4:7]
 
@@ -85,9 +85,9 @@ def test_batches_are_seeded_epoch_permutations_and_resumable():
 def test_training_learns_and_reports_metrics():
     data, val = rows(), rows(8, seed=1)
     model = tiny_model()
-    val_fn = lambda m: {"val/loss": training.mean_loss(m, training.causal_lm_loss, [collate(val)(np.arange(8))], torch.device("cpu"), "fp32")}  # noqa: E731
+    val_fn = lambda m: {"val/loss": loop.mean_loss(m, loop.causal_lm_loss, [collate(val)(np.arange(8))], torch.device("cpu"), "fp32")}  # noqa: E731
     before = val_fn(model)["val/loss"]
-    result = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), cfg(max_steps=40, lr=0.03), val_fn=val_fn)
+    result = loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), cfg(max_steps=40, lr=0.03), val_fn=val_fn)
     assert result["steps"] == 40 and result["tokens"] == 40 * 4 * 8
     assert result["val/loss"] < before - 1.0
     assert result["best_val_loss"] <= result["val/loss"]
@@ -105,8 +105,8 @@ def test_resume_after_interruption_is_bitwise_exact(tmp_path):
         def stopper(state, metrics):
             if state.step == stop_at:
                 raise Interrupt
-        batches = training.Batches(32, 4, 0, collate(data))
-        training.train(model, training.causal_lm_loss, batches, cfg(precision="bf16"), checkpoints=CheckpointManager(directory, 2), extensions=[Hook("on_step_end", stopper)])
+        batches = loop.Batches(32, 4, 0, collate(data))
+        loop.train(model, loop.causal_lm_loss, batches, cfg(precision="bf16"), checkpoints=CheckpointManager(directory, 2), extensions=[Hook("on_step_end", stopper)])
         return model
 
     reference = run(tmp_path / "straight")
@@ -120,18 +120,18 @@ def test_resume_after_interruption_is_bitwise_exact(tmp_path):
 
 def test_non_finite_loss_stops_with_the_step():
     def nan_loss(model, batch):
-        loss, metrics = training.causal_lm_loss(model, batch)
+        loss, metrics = loop.causal_lm_loss(model, batch)
         return loss * float("nan"), metrics
 
-    with pytest.raises(training.NonFiniteLossError, match="non-finite loss .* at step 1"):
-        training.train(tiny_model(), nan_loss, training.Batches(32, 4, 0, collate(rows())), cfg())
+    with pytest.raises(loop.NonFiniteLossError, match="non-finite loss .* at step 1"):
+        loop.train(tiny_model(), nan_loss, loop.Batches(32, 4, 0, collate(rows())), cfg())
 
 
 def test_early_stopping_restores_best_weights(tmp_path):
     losses = iter([1.0, 0.5, 0.7, 0.9, 0.95])
     model = tiny_model()
-    result = training.train(
-        model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
+    result = loop.train(
+        model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(rows())),
         cfg(max_steps=20, eval_every=2, early_stopping_patience=2, checkpoint_every=0),
         val_fn=lambda m: {"val/loss": next(losses)}, checkpoints=CheckpointManager(tmp_path, 2),
     )
@@ -160,13 +160,13 @@ def test_stop_signal_checkpoints_the_step_and_resumes_exactly(tmp_path, signum):
                 sent.append(state.step + 1)
                 os.kill(os.getpid(), getattr(signal, signum))
 
-        batches = training.Batches(32, 4, 0, collate(data))
-        training.train(model, training.causal_lm_loss, batches, cfg(checkpoint_every=0), checkpoints=CheckpointManager(directory, 2), extensions=[Hook("on_gradients", sender)])
+        batches = loop.Batches(32, 4, 0, collate(data))
+        loop.train(model, loop.causal_lm_loss, batches, cfg(checkpoint_every=0), checkpoints=CheckpointManager(directory, 2), extensions=[Hook("on_gradients", sender)])
         return model
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     reference = run(tmp_path / "straight")
-    with pytest.raises(training.TrainingInterrupted, match=rf"train: {signum} at step 4: checkpoint saved in .*killed; rerun the same command to resume"):
+    with pytest.raises(loop.TrainingInterrupted, match=rf"train: {signum} at step 4: checkpoint saved in .*killed; rerun the same command to resume"):
         run(tmp_path / "killed", signal_at=4)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
     assert [c.step for c in CheckpointManager(tmp_path / "killed", 2).list()] == [4]  # step 4 finished, then saved
@@ -179,14 +179,14 @@ def test_fused_adamw_takes_the_same_steps_up_to_rounding():
     results = {}
     for optimizer in ("adamw", "adamw_fused"):
         model = tiny_model()
-        summary = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
+        summary = loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(rows())),
                                  cfg(optimizer=optimizer, max_steps=20, eval_every=0, checkpoint_every=0))  # fmt: skip
         results[optimizer] = (model, summary["train_loss"])
     (plain, plain_loss), (fused, fused_loss) = results["adamw"], results["adamw_fused"]
     assert fused_loss == pytest.approx(plain_loss, rel=1e-5)
     assert max(float((p - q).abs().max()) for p, q in zip(plain.parameters(), fused.parameters(), strict=True)) < 1e-5
-    assert training.build_optimizer(plain, cfg(optimizer="adamw_fused")).defaults["fused"] is True
-    assert not training.build_optimizer(plain, cfg(optimizer="adamw")).defaults["fused"]
+    assert loop.build_optimizer(plain, cfg(optimizer="adamw_fused")).defaults["fused"] is True
+    assert not loop.build_optimizer(plain, cfg(optimizer="adamw")).defaults["fused"]
     assert cfg().optimizer == "adamw_fused"  # the default
 
 
@@ -194,7 +194,7 @@ def test_compiled_training_takes_the_same_steps_and_saves_the_same_names(tmp_pat
     results = {}
     for compiled in (False, True):
         model = tiny_model()
-        summary = training.train(model, training.causal_lm_loss, training.Batches(32, 4, 0, collate(rows())),
+        summary = loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(rows())),
                                  cfg(compile=compiled, max_steps=4, eval_every=0, checkpoint_every=0))  # fmt: skip
         results[compiled] = (model, summary)
     (eager, eager_summary), (compiled, compiled_summary) = results[False], results[True]
@@ -235,18 +235,18 @@ def test_8bit_adamw_keeps_8bit_moments_trains_and_resumes_exactly(tmp_path, opti
             seen["dtypes"] = {v["state1"].dtype for v in run.optimizer.state.values() if "state1" in v}
             if state.step == stop_at:
                 raise Interrupt
-        original = training.build_optimizer
+        original = loop.build_optimizer
 
         def spy(m, c):
             run.optimizer = original(m, c)
             return run.optimizer
 
-        training.build_optimizer = spy
+        loop.build_optimizer = spy
         try:
-            summary = training.train(net, training.causal_lm_loss, training.Batches(32, 4, 0, collate(data)), cfg(optimizer=optimizer, max_steps=8),
+            summary = loop.train(net, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), cfg(optimizer=optimizer, max_steps=8),
                                      checkpoints=CheckpointManager(directory, 2), extensions=[Hook("on_step_end", on_step_end)])  # fmt: skip
         finally:
-            training.build_optimizer = original
+            loop.build_optimizer = original
         return net, summary, seen
 
     reference, summary, seen = run(tmp_path / "straight")

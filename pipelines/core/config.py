@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipelines.core import extensions
 from pipelines.core.errors import QllmError
 
 PARAMS_FILE = "params.yaml"
@@ -54,7 +55,7 @@ class Section(BaseModel):
 
 class SampleImagesParams(Section):
     """Real images for the multimodal stage: scikit-learn's handwritten digits as PNG files with
-    questions about them (`pipelines/core/digits.py`)."""
+    questions about them (`pipelines/core/data/digits.py`)."""
 
     enabled: bool = False
     """Also write `images/`, `image_chat_train.jsonl` and `image_chat_heldout.jsonl`."""
@@ -72,7 +73,7 @@ class SampleDataParams(Section):
     corpus: Literal["synthetic", "real_text"] = "synthetic"
     """`synthetic`: the invented world below (what measures held-out exact match). `real_text`: real
     language available offline, the CPython documentation for pretraining and the ChatterBot corpus
-    for chats and preferences (`pipelines/core/real_text.py`; the settings below then do not apply but
+    for chats and preferences (`pipelines/core/data/real_text.py`; the settings below then do not apply but
     `seed`)."""
     seed: int = 0
     """Seed of the world and of every rendering choice; same seed, same bytes."""
@@ -206,7 +207,7 @@ class TokenizeParams(Section):
 
 class MemoryParams(Section):
     """The memory extension: product-key memory layers (Lample et al. 2019; Berges et al. 2024,
-    "Memory Layers at Scale") beside the MLP of chosen decoder layers (`pipelines/core/memory_model.py`)."""
+    "Memory Layers at Scale") beside the MLP of chosen decoder layers (`pipelines/core/models/memory_model.py`)."""
 
     enabled: bool = False
     layers: list[int] = Field(default_factory=lambda: [1])
@@ -261,7 +262,7 @@ DEFAULT_EXTENSIONS = ("mlflow_metrics", "tensorboard", "system_metrics")
 class CurriculumParams(Section):
     """Sequence-length warmup (Li et al., NeurIPS 2022; DeepSpeed's curriculum scheduler, Composer's
     `SeqLengthWarmup`): early steps train on the first `length(step)` tokens of every sequence.
-    `pipelines/core/curriculum.py` has the schedule."""
+    `pipelines/core/training/curriculum.py` has the schedule."""
 
     strategy: Literal["none", "length"] = "none"
     """`length`: warm the sequence length up from `start_length` to `end_length` over `steps`."""
@@ -320,12 +321,12 @@ class TrainParams(Section):
     """Apply the output head and the cross-entropy to at most this many trained tokens at a time,
     recomputing each chunk's logits in the backward pass, so the logits of a large vocabulary
     (Qwen2.5: 151,936 tokens, 0.6 MB per token in fp32) are never held for the whole batch
-    (`pipelines.core.chunked_loss`); only positions with a label are scored. The loss is the same
+    (`pipelines.core.training.chunked_loss`); only positions with a label are scored. The loss is the same
     up to float rounding. 0: the model's own loss over every position (the default: at the
     sample's 872-token vocabulary chunking saves nothing). Causal LM losses only; not with FSDP."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Autocast dtype. `auto`: bf16 on CUDA devices and CPUs with bf16 matrix units (AMX,
-    AVX512-BF16), fp16 on older CUDA devices, fp32 elsewhere (`pipelines.core.precision`); the resolved
+    AVX512-BF16), fp16 on older CUDA devices, fp32 elsewhere (`pipelines.core.training.precision`); the resolved
     value is logged and written to the stage's metrics. fp16 (CUDA only) adds a grad scaler; bf16 on
     a CPU without bf16 units is emulated, many times slower than fp32 (a warning says by how much)."""
     eval_every: int = Field(100, ge=0)
@@ -374,7 +375,6 @@ class TrainParams(Section):
     @field_validator("extensions")
     @classmethod
     def _extensions(cls, entries: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
-        from pipelines.core import extensions  # no torch: the classes import their heavy parts when built
 
         names = []
         for index, entry in enumerate(entries):
@@ -401,7 +401,7 @@ class TrainParams(Section):
 
 
 class ActivationCacheParams(Section):
-    """The time-step activation cache of frozen-trunk phases (`pipelines/core/progressive.py`)."""
+    """The time-step activation cache of frozen-trunk phases (`pipelines/core/training/progressive.py`)."""
 
     enabled: bool = False
     """Keep the frozen trunk's output per training sequence and skip the trunk's forward when the
@@ -425,7 +425,7 @@ class EndToEndParams(Section):
 class ProgressiveParams(Section):
     """Progressive stack-wise growth (stacking, Gong et al. 2019; G_stack, NeurIPS 2024; LLaMA-Pro's
     identity blocks, Wu et al. 2024): start with the first stack of layers, add one stack every
-    `steps_per_stack` steps. `pipelines/core/progressive.py` has the schedule."""
+    `steps_per_stack` steps. `pipelines/core/training/progressive.py` has the schedule."""
 
     enabled: bool = False
     stacks: list[int] = Field(default_factory=lambda: [2, 2])
@@ -471,7 +471,7 @@ class ProgressiveParams(Section):
 
 
 class DiffusionParams(Section):
-    """The masked-diffusion objective (MDLM, LLaDA; `pipelines/core/diffusion.py`)."""
+    """The masked-diffusion objective (MDLM, LLaDA; `pipelines/core/training/diffusion.py`)."""
 
     time_steps: Literal["continuous", "discrete"] = "continuous"
     """`continuous`: t ~ U(eps, 1) per sequence; `discrete`: one of `num_time_steps` steps, with the
@@ -530,7 +530,7 @@ class PretrainParams(Section):
 
 class FinetuneParams(Section):
     """Instruction tuning on chat records: the `sft` section, and the part of `lora` and `probe_lora`
-    that is the same procedure (one code path, `pipelines/core/finetune.py`)."""
+    that is the same procedure (one code path, `pipelines/core/training/finetune.py`)."""
 
     base_model: str = "data/models/pretrain"
     """The model to start from. The default is the pipeline's base: the model `pretrain` trained,
@@ -549,7 +549,7 @@ class FinetuneParams(Section):
 
 
 class QuantizationParams(Section):
-    """A quantized, frozen base under full-precision adapters (QLoRA; `pipelines/core/quantize.py`)."""
+    """A quantized, frozen base under full-precision adapters (QLoRA; `pipelines/core/models/quantize.py`)."""
 
     quantization: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
     """`nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and x86 CPUs from bitsandbytes 0.48); `int8`:
@@ -611,7 +611,7 @@ class SftParams(FinetuneParams):
 
 class AdaptiveParams(Section):
     """Ranks allocated while training (`lora.allocation: adalora | qubo_in_loop`;
-    `pipelines/core/rank_allocation.py`): SVD-form adapters on `adapter.target_modules`, starting at
+    `pipelines/core/quantum/rank_allocation.py`): SVD-form adapters on `adapter.target_modules`, starting at
     rank `init_r`, masked down to the budget of rank `budget_rank` on every module."""
 
     init_r: int = Field(12, ge=1)
@@ -724,7 +724,7 @@ class ProbeLoraParams(FinetuneParams, QuantizationParams):
 
 
 class QuantumOptParams(Section):
-    """LoRA rank allocation as a QUBO over the probe's scores (see pipelines/core/qubo.py)."""
+    """LoRA rank allocation as a QUBO over the probe's scores (see pipelines/core/quantum/qubo.py)."""
 
     solver: Literal["exact", "sa", "tabu", "milp", "dwave", "qaoa", "greedy"] = "sa"
     """`sa`/`tabu` (dwave-samplers), `milp` (scipy, exact), `exact` (enumeration, small only),

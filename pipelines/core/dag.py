@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from pipelines.core import dvc_api
 from pipelines.core.errors import QllmError
 
 DVC_FILE = "dvc.yaml"
@@ -20,7 +21,7 @@ METRICS_DIR = "data/metrics"
 """Every stage writes its metrics to `METRICS_DIR/<stage>.json` (its `dvc.yaml` `metrics` entry)."""
 
 
-MODELS_MODULE = "pipelines/core/models.py"
+MODELS_MODULE = "pipelines/core/models/models.py"
 """A stage that lists it among its deps loads models (torch, transformers)."""
 
 
@@ -185,27 +186,5 @@ def source_paths(root: Path | str = ".") -> list[str]:
 
 
 def dvc_md5(path: Path | str) -> str:
-    """The md5 DVC records for a file or directory (`<md5>.dir` for directories).
-
-    A file's is the md5 of its bytes (DVC 3's `hash: md5`), computed here without importing
-    dvc_data (a tenth of a second in every stage process); a directory's is DVC's own tree hash."""
-    path = str(path)
-    if not Path(path).is_dir():
-        import hashlib
-
-        digest = hashlib.md5()
-        with open(path, "rb") as file:
-            for block in iter(lambda: file.read(1 << 20), b""):
-                digest.update(block)
-        return digest.hexdigest()
-    import tempfile
-
-    from dvc_data.hashfile.build import build
-    from dvc_data.hashfile.db import HashFileDB
-    from dvc_objects.fs.local import LocalFileSystem
-
-    fs = LocalFileSystem()
-
-    with tempfile.TemporaryDirectory() as tmp:
-        _, _, obj = build(HashFileDB(fs, tmp), path, fs, "md5", dry_run=True)
-    return obj.hash_info.value
+    """The md5 DVC records for a file or directory (`dvc_api.md5`)."""
+    return dvc_api.md5(path)

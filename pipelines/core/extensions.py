@@ -18,7 +18,7 @@ ExtensionManager and hooks; Lightning's and the HF Trainer's callbacks play the 
         def load_state_dict(self, state):             # ... and given back on resume
             self.norms = list(state["norms"])
 
-    training.train(model, loss_fn, batches, cfg, extensions=[GradientNorms()])
+    loop.train(model, loss_fn, batches, cfg, extensions=[GradientNorms()])
 
 The points, in the order they come in a run:
 
@@ -31,7 +31,7 @@ The points, in the order they come in a run:
 - `on_step_end(state, metrics)`: after the optimizer step; `metrics` holds the last logged values
 - `on_log(state, metrics, step)`: the loop reports metrics at `step`: the training metrics every
   `train.log_every` steps, validation metrics after each evaluation, `train/skipped_nonfinite` when
-  a batch is skipped (the metric loggers, `pipelines.core.loggers`, implement only this)
+  a batch is skipped (the metric loggers, `pipelines.core.training.loggers`, implement only this)
 - `on_evaluate(state, metrics)`: after validation, with its metrics (`val/loss`, ...)
 - `on_save(state, best)`: just before a checkpoint is written (rank 0)
 - `on_train_end(state, summary)`: after the last step (and the best weights are back), with the
@@ -68,9 +68,9 @@ from pipelines.core.errors import QllmError, StopRequested
 HOOKS = ("on_train_begin", "on_gradients", "on_optimizer_step", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
 
 BUILTIN = {
-    "mlflow_metrics": "pipelines.core.loggers:MlflowMetrics",
-    "tensorboard": "pipelines.core.loggers:TensorBoard",
-    "system_metrics": "pipelines.core.loggers:SystemMetrics",
+    "mlflow_metrics": "pipelines.core.training.loggers:MlflowMetrics",
+    "tensorboard": "pipelines.core.training.loggers:TensorBoard",
+    "system_metrics": "pipelines.core.training.loggers:SystemMetrics",
 }
 """The extensions `train.extensions` knows by name (imported only when a run uses them)."""
 
@@ -180,7 +180,7 @@ class ExtensionContext:
     stage: str
     """The stage (or `desc` of a direct `train` call)."""
     tracker: Any = None
-    """The stage's MLflow tracker on rank 0 (`pipelines.core.tracking.Tracker`), None elsewhere."""
+    """The stage's MLflow tracker on rank 0 (`pipelines.core.run.tracking.Tracker`), None elsewhere."""
     root: Path | None = None
     """The project root (shared by its run workspaces), None for a direct `train` call."""
 

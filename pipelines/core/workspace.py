@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pipelines.core import config, dag, params_file
+from pipelines.core import config, dag, dvc_api, params_file
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import write_json
 from pipelines.core.paths import MARKER, project_root
@@ -61,10 +61,7 @@ def _mirror_dir(src: Path, dst: Path) -> None:
 
 
 def _cache_dir(root: Path) -> Path:
-    from dvc.repo import Repo
-
-    with Repo(str(root)) as repo:
-        return Path(repo.cache.local_cache_dir)
+    return dvc_api.cache_dir(root)
 
 
 def prepare(root: Path | str, params_data: dict[str, Any]) -> Path:

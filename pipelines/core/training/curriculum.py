@@ -1,6 +1,6 @@
 """Sequence-length curriculum: a data order the shared loop is handed, never a copy of the loop.
 
-    batches = curriculum.wrap(training.Batches(...), cfg, full_length=seq_len)
+    batches = curriculum.wrap(loop.Batches(...), cfg, full_length=seq_len)
 
 With `train.curriculum.strategy: length` the first `steps` optimizer steps train on the first
 `length(step)` tokens of every sequence (truncation, as DeepSpeed's curriculum scheduler does for

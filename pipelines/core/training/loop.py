@@ -9,7 +9,7 @@ A method differs only in what it hands the loop:
 - `extensions`: objects called at fixed points of the loop (train begin, gradients, step end,
   evaluation, save, train end) whose state is saved in checkpoints (`pipelines.core.extensions`);
   early stopping is one
-- `growth`: a model-growth schedule (`pipelines.core.progressive.Growth`): at its phase changes the
+- `growth`: a model-growth schedule (`pipelines.core.training.progressive.Growth`): at its phase changes the
   loop lets it grow the model and choose what trains, then starts a fresh optimizer over the
   trainable parameters and a re-warmed schedule
 
@@ -41,12 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core import distributed
-from pipelines.core.checkpoint import CheckpointManager, rng_state, set_rng_state
 from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError, StopRequested, clear_stop, request_stop, stop_requested, training_thread
 from pipelines.core.extensions import Extension, Extensions
-from pipelines.core.precision import resolve as resolve_precision
+from pipelines.core.models.models import CONSTRUCTION
+from pipelines.core.outputs import atomic_dir
+from pipelines.core.training import distributed
+from pipelines.core.training.checkpoint import CheckpointManager, rng_state, set_rng_state
+from pipelines.core.training.precision import resolve as resolve_precision
 
 log = logging.getLogger("qllm.training")
 
@@ -166,7 +168,7 @@ class Batches:
 
     def begin_step(self, step: int) -> None:
         """Called by the loop before it draws the micro-batches of optimizer step `step`: an order
-        that changes with the step (`pipelines.core.curriculum`) overrides it."""
+        that changes with the step (`pipelines.core.training.curriculum`) overrides it."""
 
     def metrics(self, step: int) -> dict[str, float]:
         """Metrics of the data order, logged with the training metrics (none here)."""
@@ -229,7 +231,7 @@ def lr_multiplier(step: int, cfg: TrainParams) -> float:
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16/fp16 autocast (weights and optimizer stay fp32); a no-op for fp32; `auto` as resolved
-    for this device (`pipelines.core.precision`)."""
+    for this device (`pipelines.core.training.precision`)."""
     if precision == "auto":
         precision = resolve_precision(precision)
     if precision == "fp32":
@@ -407,17 +409,17 @@ def train(
     schedule, RNG, data position, loop state) and saves every `cfg.checkpoint_every` steps and at
     every new best validation loss. With early stopping on, the best weights are restored at the end.
     `tracker` is the stage's MLflow run, for the logger extensions `cfg.extensions` names
-    (`pipelines.core.loggers`; `mlflow_metrics` flushes it before each checkpoint is written, so the
+    (`pipelines.core.training.loggers`; `mlflow_metrics` flushes it before each checkpoint is written, so the
     tracking store holds every metric up to the checkpoint's step and a resumed run loses none).
     `extensions` run before those of `cfg.extensions` (`pipelines.core.extensions`). With `growth`
-    (`pipelines.core.progressive.Growth`) the model changes shape at the schedule's phase changes;
+    (`pipelines.core.training.progressive.Growth`) the model changes shape at the schedule's phase changes;
     checkpoints then hold every weight and the phase, and a resume grows the model first.
 
     A stop request (SIGTERM/SIGINT, in any thread: `pipelines.core.errors`) finishes the current step,
     saves a checkpoint and raises `TrainingInterrupted`; a rerun resumes from it. A second signal
     interrupts at once (the newest checkpoint stays).
 
-    Under an initialised process group of W > 1 ranks (`pipelines.core.distributed`), the model is
+    Under an initialised process group of W > 1 ranks (`pipelines.core.training.distributed`), the model is
     trained as DDP: each rank runs `cfg.grad_accum_steps / W` micro-batches of its shard of
     `batches` per step (the global batch stays the same); logged losses and validation metrics
     are averaged across ranks; only rank 0 logs to `tracker`, saves checkpoints and shows progress.
@@ -425,7 +427,7 @@ def train(
     (`distributed.shard`); checkpoints gather its full weights and optimizer state on rank 0, and
     at the end every rank's `model` gets the full trained weights.
     """
-    if cfg.precision == "auto":  # stages resolve it before (pipelines.core.stage); direct callers get the same choice
+    if cfg.precision == "auto":  # stages resolve it before (pipelines.core.run.stage); direct callers get the same choice
         cfg = cfg.model_copy(update={"precision": resolve_precision(cfg.precision, desc)})
     with training_thread(), _StopSignals() as stop_signals:
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, extensions=extensions,
@@ -452,7 +454,7 @@ class _Run:
     trainable: list[torch.nn.Parameter]
     oom: _OutOfMemoryGuard
     growth: Any = None
-    """The model-growth schedule (`pipelines.core.progressive.Growth`), if any."""
+    """The model-growth schedule (`pipelines.core.training.progressive.Growth`), if any."""
     phase: Any = None
     """Its phase in force."""
     state: TrainState = field(default_factory=TrainState)
@@ -801,8 +803,6 @@ def finish(result: dict[str, Any], out: Path, save: Callable[[Path], None]) -> d
     """The end of every training stage: rank 0 writes `out` atomically (`save(tmp)`, the stage's
     own files, then the loss history); every rank returns `train`'s summary without the history,
     plus the training throughput `tokens_per_second`."""
-    from pipelines.core.models import CONSTRUCTION
-    from pipelines.core.outputs import atomic_dir
 
     history = result.pop("history")
     if distributed.is_main():  # under torchrun, rank 0 alone writes the output

@@ -1,6 +1,6 @@
 """Which objective trains and validates a model: the causal chat loss, or masked diffusion.
 
-A masked-diffusion model (`pipelines.core.diffusion_model`) says so in its config; the stages
+A masked-diffusion model (`pipelines.core.models.diffusion_model`) says so in its config; the stages
 that fine-tune or evaluate any model ask here for the loss (`chat_objective`) and the validation
 (`nelbo_fn`) that fit it, so the shared loop and the stages stay the same for both objectives.
 """
@@ -11,8 +11,9 @@ import math
 
 import torch
 
-from pipelines.core import chat_examples, diffusion, training
 from pipelines.core.config import DiffusionParams
+from pipelines.core.data import chat_examples
+from pipelines.core.training import diffusion, loop
 
 
 def chat_objective(model: torch.nn.Module):
@@ -31,7 +32,7 @@ def chat_objective(model: torch.nn.Module):
 def nelbo_fn(objective: diffusion.Objective, batches: list[dict[str, torch.Tensor]], precision: str):
     """Validation: the NELBO bound per token (`val/loss`, nats) and `val/perplexity` = exp(bound),
     averaged over `val_samples` time steps per sequence drawn from a generator seeded by `val_seed`
-    (the same masks at every evaluation); `training.mean_loss` does the rest."""
+    (the same masks at every evaluation); `loop.mean_loss` does the rest."""
     params = objective.params
     repeated = [batch for batch in batches for _ in range(params.val_samples)]
 
@@ -42,7 +43,7 @@ def nelbo_fn(objective: diffusion.Objective, batches: list[dict[str, torch.Tenso
             t, steps = diffusion.sample_time_steps(batch["input_ids"].shape[0], params, generator)
             return objective.loss(m, batch, t, steps, generator)
 
-        bound = training.mean_loss(model, draw, repeated, next(model.parameters()).device, precision)
+        bound = loop.mean_loss(model, draw, repeated, next(model.parameters()).device, precision)
         return {"val/loss": bound, "val/nelbo": bound, "val/perplexity": math.exp(min(bound, 50.0))}
 
     return evaluate

@@ -17,7 +17,7 @@ The output directory is a Hugging Face model plus processor:
 `AutoModelForImageTextToText.from_pretrained(dir)` and `AutoProcessor.from_pretrained(dir)` load
 it without this project.
 
-Training is the shared loop (`pipelines.core.training`) with a two-phase schedule (`Phases`,
+Training is the shared loop (`pipelines.core.training.loop`) with a two-phase schedule (`Phases`,
 handed to the loop like a growth schedule): LLaVA's feature alignment (the projector, and the
 vision tower unless frozen, train; the language model is frozen), then instruction tuning (the
 language model trains too, or stays frozen), each phase with a fresh AdamW and a re-warmed
@@ -36,14 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core import chat_examples
-from pipelines.core.chat_template import normalize_answer, parse_messages, split_last_answer
 from pipelines.core.config import MultimodalParams, VisionParams
-from pipelines.core.errors import QllmError
-from pipelines.core.images import (
+from pipelines.core.data import chat_examples
+from pipelines.core.data.chat_template import normalize_answer, parse_messages, split_last_answer
+from pipelines.core.data.images import (
     IMAGE_TOKEN,  # the placeholder in a user turn, and the special token the tokenizer gains
 )
-from pipelines.core.images import open_image as decode
+from pipelines.core.data.images import open_image as decode
+from pipelines.core.errors import QllmError
+from pipelines.core.models.models import stop_token_ids
 
 
 def image_tokens(config) -> int:
@@ -233,8 +234,8 @@ class Phase:
 
 
 class Phases:
-    """LLaVA's two phases as a schedule the shared loop is handed (`training.train(growth=...)`,
-    the interface `pipelines.core.progressive.Growth` defines): alignment for
+    """LLaVA's two phases as a schedule the shared loop is handed (`loop.train(growth=...)`,
+    the interface `pipelines.core.training.progressive.Growth` defines): alignment for
     `alignment_steps`, then instruction tuning, each with a fresh optimizer over what trains and
     the learning rate re-warmed over `train.warmup_steps` and scaled by `instruction_lr / train.lr`."""
 
@@ -298,7 +299,6 @@ def _prompts(processor, chats: list[tuple[list[dict], list[bytes]]]) -> tuple[li
 @torch.no_grad()
 def generate(model, processor, prompts: list[str], images: list[list[bytes]], max_new_tokens: int, device: torch.device) -> list[str]:
     """Greedy answers to chat-rendered prompts with their images (left-padded batch)."""
-    from pipelines.core.models import stop_token_ids
 
     tokenizer = processor.tokenizer
     side, tokenizer.padding_side = tokenizer.padding_side, "left"

@@ -27,9 +27,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chunked_loss, diffusion
-from pipelines.core.chat_template import parse_messages, render_with_assistant_mask
+from pipelines.core.data.chat_template import parse_messages, render_with_assistant_mask
 from pipelines.core.errors import QllmError
+from pipelines.core.training import chunked_loss, diffusion
 
 PREFERENCE_CONFIG = "preference_config.json"
 """Written by `dpo` next to the policy: {"beta", "loss_type", "reference"}."""

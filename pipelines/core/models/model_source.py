@@ -9,29 +9,58 @@ every stage that loads `data/models/pretrain` gets the base.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import read_json
-
-if TYPE_CHECKING:  # the base_model stage reads the world on every run: no schema import unless a base is named
-    from pipelines.core.config import BaseModelParams
+from pipelines.core.paths import project_root
 
 RECORD = "data/base_model.json"
 """What the `base_model` stage writes (its `dvc.yaml` out)."""
 POINTER = "base_model.json"
 """In `data/models/pretrain/` when `pretrain` trained nothing: the record of `OUT`."""
+# A hub repo id: `name` or `namespace/name`. Anything else (an absolute path, `./x`, `a/b/c`, ...)
+# can only be a local directory, and so can a path under the project's `data/`.
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 """What `snapshot_download` fetches: config, weights, tokenizer and chat template files (no
 duplicate `.bin`/`.onnx`/`.gguf` weights)."""
 
 
-def _local(name: str, root: Path) -> Path | None:
-    from pipelines.core.models import local_model_dir, model_location
+def local_model_dir(path: Path | str) -> Path | None:
+    """The local directory `path` names, or None when it is a hub id to look up.
 
-    location = model_location(name, root)
-    return local_model_dir(location) if isinstance(location, Path) else None  # a Path: missing -> a clear error
+    A `Path`, an existing path and a string that cannot be a hub id (see `HUB_ID`) or lies under
+    `data/` are local: when missing, a `QllmError` says so instead of the hub's "Repo id must be in
+    the form ..." (the path taken for a repo id).
+    """
+    local = Path(path)
+    if local.exists():
+        if not local.is_dir():
+            raise QllmError(f"{path}: not a directory (expected a save_pretrained model directory or a hub id)")
+        return local
+    text = str(path)
+    if isinstance(path, Path) or not HUB_ID.fullmatch(text) or text.startswith("data/"):
+        raise QllmError(f"{path}: no such model directory (expected a save_pretrained directory or a hub id)")
+    return None
+
+
+def model_location(name: str | Path, root: Path | str) -> Path | str:
+    """Where a model named in params or an adapter's config is: an absolute path, a path relative
+    to the project `root` (never to the current directory), or a hub id (returned as the string).
+
+    A name that exists under `root`, or cannot be a hub id (see `HUB_ID`), or lies under `data/`
+    is a local path under `root`; loading a missing one is then a clear "no such model directory"."""
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return path
+    local = Path(root) / path
+    text = str(name)
+    if isinstance(name, Path) or local.exists() or not HUB_ID.fullmatch(text) or text.startswith("data/"):
+        return local
+    return text
 
 
 def hub_snapshot(name: str, revision: str | None) -> Path:
@@ -52,22 +81,6 @@ def hub_snapshot(name: str, revision: str | None) -> Path:
         raise QllmError(f"base_model.name={name!r}{at}: cannot fetch it from the Hugging Face hub or find it in the local cache ({exc})") from None
 
 
-def resolve(params: BaseModelParams, root: Path) -> dict[str, Any]:
-    """What `OUT` records: the name as given and what identifies its content."""
-    if params.name is None:
-        return {"name": None}
-    from pipelines.core import dag, models  # torch and transformers: only for a base model
-    local = _local(params.name, root)
-    if local is not None:
-        if params.revision is not None:
-            raise QllmError(f"base_model.revision={params.revision!r}: a revision applies to hub models, but {params.name!r} is a local directory")
-        models.load_tokenizer(local)  # a clear error now, not in the first training stage
-        models.check_model_files(local)
-        return {"name": params.name, "kind": "local", "md5": dag.dvc_md5(local)}
-    snapshot = hub_snapshot(params.name, params.revision)
-    return {"name": params.name, "kind": "hub", "revision": snapshot.name}
-
-
 def location(record: dict[str, Any], root: Path) -> Path:
     """The local directory to load a recorded base from (the hub snapshot for a hub model)."""
     if record.get("kind") == "hub":
@@ -82,8 +95,6 @@ def follow(model_dir: Path | str) -> Path | str:
     pointer = Path(model_dir) / POINTER
     if not pointer.is_file():
         return model_dir
-    from pipelines.core.workspace import project_root
-
     record = read_json(pointer)
     return location(record, project_root(Path(model_dir).resolve().parents[2]))
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipelines.core.chat_template import render_with_assistant_mask
+from pipelines.core.data.chat_template import render_with_assistant_mask
 
 IGNORE = -100
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pipelines.core.errors import QllmError
+from pipelines.core.models.models import device, load_model_and_tokenizer
 
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8", "fp8")
 MIN_BNB_CPU = (0, 48)
@@ -54,7 +55,6 @@ def from_params(params: Any, precision: str, section: str) -> Any:
     name = getattr(params, "quantization", "none")
     if name == "none":
         return None
-    from pipelines.core.models import device
 
     check(name, device(), section)
     return config(name, params.double_quant, compute_dtype(params.compute_dtype, precision))
@@ -63,7 +63,6 @@ def from_params(params: Any, precision: str, section: str) -> Any:
 def load(path: Any, qconfig: Any, section: str):
     """(model, tokenizer) of a base loaded straight into `qconfig`'s bits and kept in
     bitsandbytes' standard layout (`keep_standard_layout`)."""
-    from pipelines.core.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(path, quantization=qconfig)
     release_checkpoint_pages()
@@ -111,7 +110,6 @@ def for_adapters(model: torch.nn.Module, qconfig: Any, gradient_checkpointing: b
     (norms and embeddings in fp32, input gradients on; `from_pretrained` already placed it); a
     full-precision one moves to this process's device."""
     if qconfig is None:
-        from pipelines.core.models import device
 
         return model.to(device())
     from peft import prepare_model_for_kbit_training

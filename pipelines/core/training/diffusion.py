@@ -4,7 +4,7 @@
 
 Masked diffusion (MDLM, Sahoo et al., NeurIPS 2024; LLaDA, Nie et al. 2025): draw a time step
 t in (0, 1] per sequence, replace each (maskable) token by the mask token with probability t, and
-train the bidirectional model (`pipelines.core.diffusion_model`) to predict the masked tokens.
+train the bidirectional model (`pipelines.core.models.diffusion_model`) to predict the masked tokens.
 With the linear schedule (a token survives to time t with probability 1 - t) the negative ELBO is
 
     NELBO = E_t [ (1/t) * sum over masked positions of -log p(x_i | x_t) ],
@@ -28,7 +28,7 @@ Time steps are
   the steps `time_step_mask_fractions` lists (`{0: 0.15, 5: 0.5, 9: 0.9}`), k stratified over the
   batch the same way. With discrete steps a row's mask is a function of (row, k): seeded by a
   hash of the row's tokens and k, so a frozen trunk's activations repeat and the time-step
-  activation cache (`pipelines.core.progressive`) can serve them.
+  activation cache (`pipelines.core.training.progressive`) can serve them.
 
 Random draws use torch's global generator, which checkpoints save and restore: a resumed run
 draws the same time steps and masks (exact resume). Validation (`nelbo_fn`) estimates the bound
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core.chat_template import MASK
 from pipelines.core.config import DiffusionParams
+from pipelines.core.data.chat_template import MASK
 from pipelines.core.errors import QllmError
 
 

@@ -1,6 +1,6 @@
 """LoRA rank allocation as a QUBO, solved by simulated annealing, tabu search, a MILP, D-Wave or QAOA.
 
-    from pipelines.core.qubo import allocate_ranks
+    from pipelines.core.quantum.qubo import allocate_ranks
     alloc = allocate_ranks(values, costs, budget, redundancy, lam=0.5, solver="sa", seed=0)
     alloc["model.layers.0.self_attn.q_proj"]   # 8 (0 = no adapter); alloc.as_dict() for JSON
 

@@ -1,7 +1,7 @@
 """Read one data source (a `SourceParams` entry of `ingest.sources`) into records of one kind.
 
     from pipelines.core.config import SourceParams
-    from pipelines.core.readers import iter_source, read_source
+    from pipelines.core.data.readers import iter_source, read_source
     for batch in iter_source(SourceParams(path="data/sources/chats.jsonl", kind="chat"), root=Path(".")):
         ...  # a pyarrow RecordBatch of at most BATCH_ROWS records (what ingest writes as one row group)
     frame = read_source(SourceParams(path="data/sources/chats.jsonl", kind="chat"), root=Path("."))  # small sources
@@ -21,7 +21,7 @@ held-out chat (`split: test`) must end with one, the reference answer `evaluate`
 chat is a `messages` or ShareGPT `conversations` chat with an `images` list, each entry a path
 (relative to the source's folder, or absolute), the bytes, or a `{bytes, path}` object as
 `datasets` Image features give it (the bytes when there are any); its user turns hold one
-`<image>` per image, in order, and every image must decode (`pipelines/core/images.py`). Anything
+`<image>` per image, in order, and every image must decode (`pipelines/core/data/images.py`). Anything
 wrong with the input is a `ReaderError` naming the file, the 1-based line (JSONL, text, CSV) or
 the 0-based record index (JSON, Parquet, hf), and what was expected.
 
@@ -58,8 +58,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from pipelines.core.config import SourceParams
+from pipelines.core.data.images import IMAGE_TOKEN, ImageError, check_image, count_placeholders
 from pipelines.core.errors import QllmError
-from pipelines.core.images import IMAGE_TOKEN, ImageError, check_image, count_placeholders
 
 log = logging.getLogger("qllm.ingest")
 

@@ -1,6 +1,6 @@
 """Instruction tuning on chat records: the one code path behind `sft` and `lora`.
 
-Load the base model and tokenizer, render and mask the chats (`pipelines.core.chat_examples`), pack them,
+Load the base model and tokenizer, render and mask the chats (`pipelines.core.data.chat_examples`), pack them,
 wrap the model (`sft`: as is; `lora`: PEFT adapters), train with the shared loop, save. The two
 stages differ only in the `wrap` and `save` functions they pass.
 """
@@ -16,12 +16,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core import chat_examples, chunked_loss, footprint, objectives, progressive, quantize, training
-from pipelines.core.chat_template import parse_messages
-from pipelines.core.checkpoint import CheckpointManager
 from pipelines.core.config import FinetuneParams, QuantizationParams
+from pipelines.core.data import chat_examples
+from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.errors import QllmError
-from pipelines.core.models import CONSTRUCTION, device, load_model_and_tokenizer, parameter_counts
+from pipelines.core.models import footprint, quantize
+from pipelines.core.models.model_source import follow
+from pipelines.core.models.models import CONSTRUCTION, device, load_model_and_tokenizer, parameter_counts
+from pipelines.core.training import chunked_loss, loop, objectives, progressive
+from pipelines.core.training.checkpoint import CheckpointManager
 
 log = logging.getLogger("qllm.finetune")
 
@@ -70,7 +73,6 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
 def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str, probe: bool = False) -> dict[str, float]:
     """Before the base loads: what the stage will need (`footprint.preflight`). `probe`:
     probe_lora at a frozen base (gradients recorded, no optimizer)."""
-    from pipelines.core.model_source import follow
 
     kind = getattr(quantization, "quantization", "none")
     method = "full" if quantization is None else ("qlora" if kind in ("nf4", "fp4") else "lora")
@@ -120,7 +122,7 @@ def run(
         tracker.log_params({f"{desc}.{k}": v for k, v in counts.items()})
 
     collate_train = chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing)
-    batches = training.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, collate_train)
+    batches = loop.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, collate_train)
     loss_fn = objectives.chat_objective(model)  # the chat loss, or the masked-diffusion objective on answer tokens
     loss_fn = chunked_loss.for_loop(loss_fn, model, cfg, desc)
     val_fn = None
@@ -130,7 +132,7 @@ def run(
         val_batches = [collate_val(np.arange(i, min(i + cfg.micro_batch_size, n_val))) for i in range(0, n_val, cfg.micro_batch_size)]
 
         def val_fn(m: torch.nn.Module) -> dict[str, float]:
-            return {"val/loss": training.mean_loss(m, val_loss, val_batches, device(), cfg.precision)}
+            return {"val/loss": loop.mean_loss(m, val_loss, val_batches, device(), cfg.precision)}
 
         val_loss = loss_fn if cfg.loss_chunk_tokens else chat_examples.chat_loss
         if not cfg.loss_chunk_tokens and loss_fn is not chat_examples.chat_loss:  # masked diffusion: the NELBO bound of the answers
@@ -139,7 +141,7 @@ def run(
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     grow = getattr(params, "progressive", None)  # sft's; adapters (lora) train on a frozen base
     growth = progressive.Growth(grow, cfg, model, desc, trained=True) if grow is not None and grow.enabled else None  # the base: stack 1
-    result = training.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
+    result = loop.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
                             extensions=extensions(model, tracker) if extensions else (), growth=growth, desc=desc)  # fmt: skip
     if growth is not None:
         model.requires_grad_(True)  # a growth phase may have left layers frozen
@@ -149,5 +151,5 @@ def run(
         if growth is not None and grow.save_stacks:
             progressive.save_stacks(model, grow.stacks, tmp)
 
-    result = training.finish(result, out, save_all)
+    result = loop.finish(result, out, save_all)
     return {**result, **counts, **metrics, **estimates}

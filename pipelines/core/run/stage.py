@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.core import config, dag, params_file, resources, tracking, workspace
+from pipelines.core import config, dag, params_file, workspace
 from pipelines.core.errors import QllmError, stage_command, stop_when_parent_dies
 from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.run import resources, tracking
 
 RUN_RECORD = "mlflow_run.json"
 """In a training stage's checkpoint directory: the id of the MLflow run that writes there."""
@@ -112,26 +113,26 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
     id there (`mlflow_run.json`): rerun after a crash or a kill, with a checkpoint to resume from
     and that run not FINISHED, it continues the same MLflow run instead of starting a second one.
 
-    Distributed (`pipelines.core.distributed`): with `train.nproc > 1` and not yet under torchrun, the
+    Distributed (`pipelines.core.training.distributed`): with `train.nproc > 1` and not yet under torchrun, the
     stage relaunches itself under torchrun and waits, then returns the metrics its rank 0 wrote.
     Under torchrun, every rank runs `body`; rank 0 alone holds the checkpoint lock, opens the MLflow
     run and writes the metrics file (the other ranks get a tracker that logs nothing).
 
     The stages that read the world (probe_device, base_model) have their own, lighter contract:
-    `pipelines.core.world`.
+    `pipelines.core.data.world`.
     """
     root = Path(root).resolve()
     everything, _ = params_file.load(root)
     params, listed = getattr(everything, name), listed_params(everything, dag.stages(root)[name])
     if _trains(params):
         params = _resolve_precision(name, params)
-    if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.core.distributed
+    if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.core.training.distributed
         return _execute_distributed(name, body, root, params, listed, parent_run_id)
     return _execute(name, body, root, params, listed, parent_run_id)
 
 
 def _distributed():
-    from pipelines.core import distributed  # torch: only for training stages
+    from pipelines.core.training import distributed  # torch: only for training stages
 
     return distributed
 
@@ -158,7 +159,7 @@ def _execute_distributed(name: str, body: Callable[[StageContext], dict[str, Any
                          parent_run_id: str | None) -> dict[str, Any]:  # fmt: skip
     distributed = _distributed()
     if not distributed.under_launcher():
-        distributed.launch(dag.stages(root)[name].module, root, params.train.nproc, parent_run_id)
+        distributed.launch(dag.stages(root)[name].module, root, params.train.nproc, {tracking.PARENT_RUN_ENV: parent_run_id} if parent_run_id else None)
         metrics_file = root / dag.metrics_file(name)
         return read_json(metrics_file) if metrics_file.exists() else {}
     distributed.setup()
@@ -208,10 +209,10 @@ def _execute(
 
 
 def _resolve_precision(name: str, params: Any) -> Any:
-    """`train.precision: auto` -> the precision this device trains in (`pipelines.core.precision`); an
+    """`train.precision: auto` -> the precision this device trains in (`pipelines.core.training.precision`); an
     explicit one is kept (bf16 on a CPU that emulates it warns once). The stage then runs, logs and
     fingerprints the resolved value, and its metrics file records it as `precision`."""
-    from pipelines.core import precision  # torch: only for training stages
+    from pipelines.core.training import precision  # torch: only for training stages
 
     requested = params.train.precision
     resolved = precision.resolve(requested, name)

@@ -1,6 +1,6 @@
 """The memory extension's loop side: how much of each memory table training reads.
 
-The model side is `pipelines.core.memory_model` (the product-key memory and the model class that
+The model side is `pipelines.core.models.memory_model` (the product-key memory and the model class that
 saves and loads it). `MemoryUsage` is a training-loop extension (`pipelines.core.extensions`) that
 `pretrain` adds when `model.memory.enabled`: after each optimizer step it marks the rows the step's
 last micro-batch read, and with the training metrics it reports, per memory layer,

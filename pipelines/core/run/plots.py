@@ -14,7 +14,7 @@ import csv
 import math
 from pathlib import Path
 
-from pipelines.core.training import EVAL_LOG, TRAINING_LOG
+from pipelines.core.training.loop import EVAL_LOG, TRAINING_LOG
 
 PNG_METADATA = {"Software": None}  # no version stamp: reproducible bytes
 

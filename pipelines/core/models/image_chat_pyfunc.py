@@ -42,7 +42,7 @@ class ImageChatModel(mlflow.pyfunc.PythonModel):
         self.processor = AutoProcessor.from_pretrained(directory)
 
     def predict(self, context, model_input, params=None) -> list[str]:
-        from pipelines.core import vision
+        from pipelines.core.models import vision
 
         max_new_tokens = int((params or {}).get("max_new_tokens", MAX_NEW_TOKENS))
         images = [value if isinstance(value, (bytes, bytearray)) else Path(value).read_bytes() for value in model_input["image"]]

@@ -2,7 +2,7 @@
 iterative unmasking, as a model class of its own.
 
 Trained with the masked-diffusion objective (MDLM, Sahoo et al. 2024; LLaDA, Nie et al. 2025;
-`pipelines.core.diffusion`), the model predicts masked tokens from the whole sequence, so every
+`pipelines.core.training.diffusion`), the model predicts masked tokens from the whole sequence, so every
 position attends to every other (non-padding) one. Its config (`model_type:
 qllm_diffusion_llama`, `objective: masked_diffusion`, `mask_token_id`) says so, and:
 
@@ -60,7 +60,7 @@ class QllmDiffusionLlamaForMaskedDiffusion(LlamaForCausalLM):
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         if labels is not None:
             raise ValueError("a masked-diffusion model predicts the token at each position, not the next one: compute its loss "
-                             "on the masked positions (pipelines.core.diffusion), not with labels")  # fmt: skip
+                             "on the masked positions (pipelines.core.training.diffusion), not with labels")  # fmt: skip
         if attention_mask is None or attention_mask.dim() == 2:
             reference = input_ids if input_ids is not None else kwargs["inputs_embeds"]
             attention_mask = bidirectional_mask(attention_mask, reference.shape[0], reference.shape[1], reference.device,

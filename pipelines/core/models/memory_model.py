@@ -14,7 +14,7 @@ qllm_memory_llama`) lists the memory layers and sizes, so that `save_pretrained`
 memory with the model and `from_pretrained` restores it:
 
 - inside the pipeline the classes are registered with `AutoConfig`/`AutoModelForCausalLM` on
-  import (`pipelines.core.models` imports this module), so stages load it like any causal LM;
+  import (`pipelines.core.models.models` imports this module), so stages load it like any causal LM;
 - elsewhere, the saved directory carries this file (`auto_map`, transformers' custom-code
   mechanism): `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`.
 

@@ -17,7 +17,8 @@ import torch
 
 from pipelines.core.config import LoraAdapterParams
 from pipelines.core.errors import QllmError
-from pipelines.core.models import QUANTIZATION_FILE, merged_into_dequantized, save_pretrained
+from pipelines.core.models.models import QUANTIZATION_FILE, merged_into_dequantized, save_pretrained
+from pipelines.core.models.quantize import describe
 
 MERGED = "merged"
 """Subdirectory of an adapter directory holding the merged full model (`merge: true`)."""
@@ -200,7 +201,6 @@ def record_quantization(directory: Path, qconfig) -> None:
     (`qllm_quantization.json`, read back by `models.load_for_inference`) and a line in PEFT's model
     card. An adapter trained on a 4-bit base fits that base, not the full-precision one (the logits
     of a merge into the full-precision base moved 14x more than into the dequantized one)."""
-    from pipelines.core.quantize import describe
 
     description = describe(qconfig)
     (directory / QUANTIZATION_FILE).write_text(json.dumps(description, indent=2, sort_keys=True) + "\n")

@@ -6,7 +6,7 @@
 torchrun (`torch.distributed.run`) does the process management; this module only reads what it
 sets (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`), opens the process group (`gloo` on CPU, `nccl` on CUDA)
 and answers "am I rank 0?" for the code that must run once: MLflow calls, checkpoints, outputs,
-metrics files, the progress bar. The training loop (`pipelines.core.training`) wraps the model in DDP,
+metrics files, the progress bar. The training loop (`pipelines.core.training.loop`) wraps the model in DDP,
 shards the data and averages the logged metrics across ranks.
 
 `train.nproc > 1` with no `WORLD_SIZE` in the environment makes `stage.execute` call `launch`:
@@ -106,19 +106,16 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
-def launch(module: str, root: Path, nproc: int, parent_run_id: str | None = None) -> None:
-    """Run `python -m <module> --root <root>` on `nproc` local processes under torchrun and wait.
+def launch(module: str, root: Path, nproc: int, env: dict[str, str] | None = None) -> None:
+    """Run `python -m <module> --root <root>` on `nproc` local processes under torchrun and wait;
+    `env`: variables the processes get on top of this one's (the MLflow parent run, say).
 
     Extra torchrun flags (multi-node: `--nnodes 2 --node_rank 0 --master_addr HOST
     --master_port PORT`) come from `$QLLM_TORCHRUN_ARGS`. Raises `QllmError` when a rank fails.
     """
     import shlex
 
-    from pipelines.core import tracking
-
-    env = dict(os.environ)
-    if parent_run_id:
-        env[tracking.PARENT_RUN_ENV] = parent_run_id
+    env = {**os.environ, **(env or {})}
     extra = shlex.split(env.get("QLLM_TORCHRUN_ARGS", ""))
     if not any(flag.startswith(("--standalone", "--rdzv", "--master", "--nnodes")) for flag in extra):
         extra = ["--standalone", *extra]  # a free local port: parallel stages never collide

@@ -15,7 +15,7 @@
   stage of hours one a minute, not thousands.
 
 Loggers log on rank 0 only (the other ranks' tracker is None) and log nothing when the stage has no
-MLflow run (a direct `training.train` call without a tracker, unless `tensorboard.log_dir` is set).
+MLflow run (a direct `loop.train` call without a tracker, unless `tensorboard.log_dir` is set).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _tracking(context: ExtensionContext) -> Any:
 
 
 def _mlflow_run(context: ExtensionContext) -> Any:
-    """The stage's tracker if it is an MLflow run (`pipelines.core.tracking.Tracker`), else None."""
+    """The stage's tracker if it is an MLflow run (`pipelines.core.run.tracking.Tracker`), else None."""
     tracker = _tracking(context)
     return tracker if getattr(tracker, "client", None) is not None and getattr(tracker, "run_id", None) else None
 

@@ -11,7 +11,7 @@ rank `init_r`, an orthogonality penalty on P and Q) and mask rank components (ze
   `max_steps - tfinal`, each time keeping the most important components across all modules.
 - `QuboReallocation` (`lora.allocation: qubo_in_loop`): the quantum training agent's
   `if should_optimize(): quantum_optimize(context)`. Every `every` steps in the same window it
-  turns the same running importances into the QUBO of `pipelines.core.qubo`: the value of rank r
+  turns the same running importances into the QUBO of `pipelines.core.quantum.qubo`: the value of rank r
   for module m is the share of all importance its r best components hold, the cost r·(d_in+d_out)
   parameters, the redundancy between two modules the correlation of their gradient energies'
   step-to-step changes (log, first differences: detrended, so the common downward drift of all
@@ -59,7 +59,7 @@ def adalora_config(adapter: LoraAdapterParams, adaptive: AdaptiveParams, max_ste
 
 def wrap(adapter: LoraAdapterParams, adaptive: AdaptiveParams, max_steps: int, section: str = "lora.adapter"):
     """`(model, tokenizer) -> PeftModel` with SVD-form (AdaLoRA) adapters on `adapter.target_modules`."""
-    from pipelines.core import adapters
+    from pipelines.core.models import adapters
 
     def apply(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
         from peft import get_peft_model
@@ -197,7 +197,7 @@ class QuboReallocation(_Logging):
     # ------------------------------------------------------------------ the problem and its solve
     def problem(self) -> tuple[dict, dict, dict]:
         """(values, costs, redundancy) from the running statistics."""
-        from pipelines.core import qubo
+        from pipelines.core.quantum import qubo
 
         scores = self._scores()
         total = float(sum(s.sum() for s in scores.values())) or 1.0
@@ -212,7 +212,7 @@ class QuboReallocation(_Logging):
     def solve(self, step: int, last: bool = False) -> None:
         """Re-allocate at `step` (1-based); `last`: the final re-allocation, whose gaps to the MILP
         reference are logged (`reference_timeout`)."""
-        from pipelines.core import qubo
+        from pipelines.core.quantum import qubo
 
         values, costs, redundancy = self.problem()
         started = time.perf_counter()

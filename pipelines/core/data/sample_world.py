@@ -6,7 +6,7 @@ about held-out people and sums never appear in training chats or preferences. An
 extracting knowledge learnt in pretraining in the chat format learnt on the other facts.
 
     from pipelines.core.config import SampleDataParams
-    from pipelines.core.sample_world import write_sample
+    from pipelines.core.data.sample_world import write_sample
     write_sample(Path("data/sample"), SampleDataParams(seed=1))   # usually run by pipelines.sample_data
 
 Pure standard library; every random choice comes from RNGs seeded by `params.seed`, so the same

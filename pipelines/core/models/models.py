@@ -9,15 +9,20 @@ weights, a tokenizer no bigger than the embedding) so that a bad one is one clea
 
 from __future__ import annotations
 
-import re
 import threading
 from pathlib import Path
 
 import torch
 
-from pipelines.core.chat_template import IM_END, end_of_turn_token
 from pipelines.core.config import ModelParams
+from pipelines.core.data.chat_template import IM_END, end_of_turn_token
 from pipelines.core.errors import QllmError
+from pipelines.core.models.diffusion_model import (  # registers the class with the Auto classes
+    QllmDiffusionConfig,
+    QllmDiffusionLlamaForMaskedDiffusion,
+)
+from pipelines.core.models.memory_model import QllmMemoryConfig, QllmMemoryLlamaForCausalLM  # as does this one
+from pipelines.core.models.model_source import follow, local_model_dir, model_location
 
 # transformers builds models under process-wide patches (default dtype, meta-device creation,
 # init hooks; `PreTrainedModel.get_init_context`). Stages run in Prefect worker threads, and a
@@ -42,23 +47,19 @@ def stop_token_ids(tokenizer) -> list[int]:
 
 def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int, diffusion=None, mask_token_id: int | None = None):
     """A randomly initialised `LlamaForCausalLM` sized by `params`, vocabulary from `tokenizer`
-    (with `params.memory.enabled`, a `QllmMemoryLlamaForCausalLM`: `pipelines.core.memory_model`; with
+    (with `params.memory.enabled`, a `QllmMemoryLlamaForCausalLM`: `pipelines.core.models.memory_model`; with
     `diffusion` settings and the tokenizer's `mask_token_id`, a bidirectional `QllmDiffusionLlamaForMaskedDiffusion`:
-    `pipelines.core.diffusion_model`)."""
+    `pipelines.core.models.diffusion_model`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config_class, model_class, extra = LlamaConfig, LlamaForCausalLM, {}
     if diffusion is not None:
-        from pipelines.core.diffusion_model import QllmDiffusionConfig, QllmDiffusionLlamaForMaskedDiffusion
-
         if mask_token_id is None:
             raise QllmError("a masked-diffusion model needs the tokenizer's mask token id")
         config_class, model_class = QllmDiffusionConfig, QllmDiffusionLlamaForMaskedDiffusion
         extra = {"mask_token_id": mask_token_id, "unmask_steps": diffusion.unmask_steps,
                  "block_length": diffusion.block_length}  # fmt: skip
     if params.memory.enabled:
-        from pipelines.core.memory_model import QllmMemoryConfig, QllmMemoryLlamaForCausalLM
-
         memory = params.memory
         config_class, model_class = QllmMemoryConfig, QllmMemoryLlamaForCausalLM
         extra = {"memory_layers": memory.layers, "memory_num_keys": memory.num_keys, "memory_heads": memory.heads,
@@ -94,45 +95,8 @@ def configure_generation(model, tokenizer) -> None:
     generation.do_sample = False
 
 
-# A hub repo id: `name` or `namespace/name`. Anything else (an absolute path, `./x`, `a/b/c`, ...)
-# can only be a local directory, and so can a path under the project's `data/`.
-HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 # Any of these makes a directory a tokenizer `AutoTokenizer.from_pretrained` may load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def local_model_dir(path: Path | str) -> Path | None:
-    """The local directory `path` names, or None when it is a hub id to look up.
-
-    A `Path`, an existing path and a string that cannot be a hub id (see `HUB_ID`) or lies under
-    `data/` are local: when missing, a `QllmError` says so instead of the hub's "Repo id must be in
-    the form ..." (the path taken for a repo id).
-    """
-    local = Path(path)
-    if local.exists():
-        if not local.is_dir():
-            raise QllmError(f"{path}: not a directory (expected a save_pretrained model directory or a hub id)")
-        return local
-    text = str(path)
-    if isinstance(path, Path) or not HUB_ID.fullmatch(text) or text.startswith("data/"):
-        raise QllmError(f"{path}: no such model directory (expected a save_pretrained directory or a hub id)")
-    return None
-
-
-def model_location(name: str | Path, root: Path | str) -> Path | str:
-    """Where a model named in params or an adapter's config is: an absolute path, a path relative
-    to the project `root` (never to the current directory), or a hub id (returned as the string).
-
-    A name that exists under `root`, or cannot be a hub id (see `HUB_ID`), or lies under `data/`
-    is a local path under `root`; loading a missing one is then a clear "no such model directory"."""
-    path = Path(name).expanduser()
-    if path.is_absolute():
-        return path
-    local = Path(root) / path
-    text = str(name)
-    if isinstance(name, Path) or local.exists() or not HUB_ID.fullmatch(text) or text.startswith("data/"):
-        return local
-    return text
 
 
 def _check_tokenizer_files(path: Path | str) -> None:
@@ -144,8 +108,6 @@ def _check_tokenizer_files(path: Path | str) -> None:
 def _follow(path: Path | str) -> Path | str:
     """A pointer directory (`data/models/pretrain` when `pretrain` trained nothing) stands for the
     base model it names (`pipelines.base_model`)."""
-    from pipelines.core.model_source import follow
-
     return follow(path)
 
 
@@ -170,13 +132,11 @@ def load_tokenizer(path: Path | str):
 
 def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantization=None):
     """Load a causal LM (`save_pretrained` directory or hub name) in `dtype` for training/eval;
-    with a transformers quantization config (`pipelines.core.quantize.config`), straight into 4/8 bits
+    with a transformers quantization config (`pipelines.core.models.quantize.config`), straight into 4/8 bits
     on this process's device."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    import pipelines.core.diffusion_model  # noqa: F401  (registers the pipeline's own model classes with the Auto classes)
-    import pipelines.core.memory_model  # noqa: F401
 
     path = _follow(path)
     local = check_model_files(path)
@@ -270,7 +230,7 @@ def load_for_inference(model_dir: Path | str, root: Path | str = "."):
 
 QUANTIZATION_FILE = "qllm_quantization.json"
 """In an adapter directory: the quantization of the base it was trained against (absent: none;
-written by `pipelines.core.adapters.record_quantization` from `quantize.describe`)."""
+written by `pipelines.core.models.adapters.record_quantization` from `quantize.describe`)."""
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipelines.core import dag
+from pipelines.core import dag, dvc_api, workspace
+from pipelines.core.data import world
 
 log = logging.getLogger("qllm.runner")
 
@@ -60,12 +61,9 @@ class StageOutcome:
 
 
 def _repo(root: Path):
-    from dvc.repo import Repo
-
     with _repo_lock:
         if root not in _repos:
-            logging.getLogger("dvc").setLevel(logging.WARNING)  # our own log says ran/cached
-            _repos[root] = Repo(str(root))
+            _repos[root] = dvc_api.open_repo(root)
         return _repos[root]
 
 
@@ -101,7 +99,7 @@ def warm_imports() -> None:
 
 def run_in_process(root: Path, name: str, parent_run_id: str | None) -> None:
     """Execute `pipelines.<name>` in this process (what `python -m pipelines.<name>` runs)."""
-    from pipelines.core import stage, world
+    from pipelines.core.run import stage
 
     spec = dag.stages(root)[name]
     module = importlib.import_module(spec.module)
@@ -207,7 +205,7 @@ def check(root: Path | str, names: list[str]) -> tuple[list[StageOutcome], str |
     if (lock.stat().st_mtime_ns if lock.exists() else None) != before:
         close(root)  # a new Repo object reads the dvc.lock those stages rewrote
         repo, stages = parsed()
-    with _repo_lock, contextlib.chdir(root), repo.lock, _params_files_read_once():
+    with _repo_lock, contextlib.chdir(root), repo.lock, dvc_api.params_read_once():
         started = time.perf_counter()
         for name in names:
             if name not in done:
@@ -215,35 +213,6 @@ def check(root: Path | str, names: list[str]) -> tuple[list[StageOutcome], str |
                     return [done[n] for n in names if n in done], name
                 done[name] = _outcome(stages[name], "cached", "up-to-date", started)
     return [done[name] for name in names], None
-
-
-@contextlib.contextmanager
-def _params_files_read_once():
-    """While `unchanged` checks every stage: each params file parsed once, not once per stage that
-    lists params (DVC reads params.yaml anew for each: 15 parses, a quarter of a no-change `qllm
-    run`). Callers get their own copy. Where DVC's reader is not where this expects it, nothing
-    changes."""
-    import copy
-
-    from dvc.dependency import param
-
-    original = getattr(param, "load_path", None)
-    if original is None:
-        yield
-        return
-    parsed: dict = {}
-
-    def load_path(fs_path, fs, **kwargs):
-        key = (str(fs_path), repr(sorted(kwargs.items())))
-        if key not in parsed:
-            parsed[key] = original(fs_path, fs, **kwargs)
-        return copy.deepcopy(parsed[key])
-
-    param.load_path = load_path
-    try:
-        yield
-    finally:
-        param.load_path = original
 
 
 def _run_cache_lock(root: Path) -> contextlib.AbstractContextManager:
@@ -256,21 +225,14 @@ def _run_cache_lock(root: Path) -> contextlib.AbstractContextManager:
     reader's delete fails (FileNotFoundError). Taken innermost (after `repo.lock`) and held only
     for the restore or the save.
     """
-    from pipelines.core import workspace
 
     return workspace.project_lock(root, "run-cache", "DVC's run-cache")
 
 
 def _restore(root: Path, repo, stage) -> bool:
     """Outputs restored from DVC's run-cache (an entry for the same command, deps and params)."""
-    from dvc.stage.cache import RunCacheNotFoundError
-
-    try:
-        with _run_cache_lock(root):
-            repo.stage_cache.restore(stage)
-    except RunCacheNotFoundError:
-        return False
-    return True
+    with _run_cache_lock(root):
+        return dvc_api.restore_from_run_cache(repo, stage)
 
 
 def _commit(root: Path, repo, stage) -> None:
@@ -284,14 +246,11 @@ def _commit(root: Path, repo, stage) -> None:
 
 def _run_cache_key(stage) -> str | None:
     """DVC's run-cache key of the stage (None for a stage DVC would not cache a run of)."""
-    from dvc.stage.cache import _can_hash, _get_stage_hash
-
-    return _get_stage_hash(stage) if _can_hash(stage) else None
+    return dvc_api.run_cache_key(stage)
 
 
 def _same_inputs_lock(root: Path, name: str, key: str | None) -> contextlib.AbstractContextManager:
     """Held while a stage with these exact inputs runs, by any workspace of the project."""
-    from pipelines.core import workspace
 
     if key is None:
         return contextlib.nullcontext()

@@ -1,7 +1,7 @@
 """Progressive stack-wise growth: a model-growth schedule the shared loop is handed.
 
     growth = progressive.Growth(params.progressive, cfg, model)   # cuts `model` to its first stack
-    training.train(model, loss_fn, batches, cfg, growth=growth, ...)
+    loop.train(model, loss_fn, batches, cfg, growth=growth, ...)
 
 The model starts as its first stack of decoder layers (`stacks[0]`) and gains a stack every
 `steps_per_stack` steps until it has all `model.num_layers`; then an end-to-end phase trains the

@@ -1,0 +1,112 @@
+"""Everything the pipeline asks of DVC, in one place: the only module that imports `dvc`,
+`dvc_data` or `dvc_objects` (tests/test_dag.py keeps it so).
+
+    md5(path)                    the md5 DVC records for a file or a directory (`<md5>.dir`)
+    open_repo(root)              a `dvc.repo.Repo` of the project (or run workspace) at `root`
+    cache_dir(root)              where its cache keeps objects
+    run_cache_key(stage)         DVC's run-cache key of a stage (None: DVC would not cache a run of it)
+    restore_from_run_cache(...)  a stage's outputs from the run-cache, False when it has no entry
+    params_read_once()           while held, each params file is parsed once, not once per stage
+
+`pipelines/core/run/repro.py` reproduces stages with these and the `Stage` objects DVC's public
+API hands out (`changed`, `save`, `commit`, `dump`). Two needs have no public API: the run-cache
+key (`dvc.stage.cache._can_hash`, `_get_stage_hash`), and the params reader the no-op check
+shares between stages (`dvc.dependency.param.load_path`). They are used only on the DVC versions
+tested (`TESTED`, the range `pyproject.toml` pins), and tests/test_dvc_api.py checks that the
+installed DVC is one of them and still has those names with the signatures used here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+TESTED = (">=3.50", "<3.68")
+"""The DVC versions whose private names this module uses (pyproject.toml pins the same range)."""
+
+
+def md5(path: Path | str) -> str:
+    """The md5 DVC records for a file or directory (`<md5>.dir` for directories).
+
+    A file's is the md5 of its bytes (DVC 3's `hash: md5`), computed here without importing
+    dvc_data (a tenth of a second in every stage process); a directory's is DVC's own tree hash."""
+    path = str(path)
+    if not Path(path).is_dir():
+        digest = hashlib.md5()
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+    from dvc_data.hashfile.build import build  # DVC's tree hash: only for directories
+    from dvc_data.hashfile.db import HashFileDB
+    from dvc_objects.fs.local import LocalFileSystem
+
+    fs = LocalFileSystem()
+    with tempfile.TemporaryDirectory() as tmp:
+        _, _, obj = build(HashFileDB(fs, tmp), path, fs, "md5", dry_run=True)
+    return obj.hash_info.value
+
+
+def open_repo(root: Path | str):
+    """A `dvc.repo.Repo` at `root` (DVC's own log quieted to warnings: ours says ran or cached)."""
+    from dvc.repo import Repo
+
+    logging.getLogger("dvc").setLevel(logging.WARNING)
+    return Repo(str(root))
+
+
+def cache_dir(root: Path | str) -> Path:
+    """Where the DVC cache of the project at `root` keeps its objects."""
+    with open_repo(root) as repo:
+        return Path(repo.cache.local_cache_dir)
+
+
+def run_cache_key(stage) -> str | None:
+    """DVC's run-cache key of `stage` (None for a stage DVC would not cache a run of). Private
+    names: see the module docstring."""
+    from dvc.stage.cache import _can_hash, _get_stage_hash
+
+    return _get_stage_hash(stage) if _can_hash(stage) else None
+
+
+def restore_from_run_cache(repo, stage) -> bool:
+    """Restore `stage`'s outputs from DVC's run-cache; False when it has no entry for them."""
+    from dvc.stage.cache import RunCacheNotFoundError
+
+    try:
+        repo.stage_cache.restore(stage)
+    except RunCacheNotFoundError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def params_read_once() -> Iterator[None]:
+    """While held, each params file is parsed once, not once per stage that lists params (DVC
+    reads params.yaml anew for each: 15 parses, a quarter of a no-change `qllm run`). Callers get
+    their own copy. Where DVC's reader is not where this expects it, nothing changes."""
+    from dvc.dependency import param
+
+    original = getattr(param, "load_path", None)
+    if original is None:
+        yield
+        return
+    parsed: dict[tuple[str, str], Any] = {}
+
+    def load_path(fs_path, fs, **kwargs):
+        key = (str(fs_path), repr(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = original(fs_path, fs, **kwargs)
+        return copy.deepcopy(parsed[key])
+
+    param.load_path = load_path
+    try:
+        yield
+    finally:
+        param.load_path = original

@@ -1,0 +1,1 @@
+"""Running a stage: the stage runner, DVC reproduction, MLflow tracking, lineage, resources, plots."""
