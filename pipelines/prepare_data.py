@@ -28,7 +28,7 @@ records wait in a spool file. Deduplication is a shuffle by key, as datatrove an
 it: each content hash, and each LSH band key, goes to one of `BUCKETS` files by its value, so
 equal keys meet in one bucket, and each bucket is deduplicated on its own (in parallel) with the
 global record index as the order: exactly what the in-memory definition above keeps
-(`tests/test_prepare_data_scale.py` checks it against `cleaning.exact_duplicates` and
+(`tests/stages/test_prepare_data_scale.py` checks it against `cleaning.exact_duplicates` and
 `cleaning.near_duplicates`). The outputs are written in row groups of `ROW_GROUP_ROWS` rows, so
 later stages read them batch by batch; their bytes do not depend on the number of workers.
 """

@@ -36,7 +36,7 @@ def _absl_handler_writes_to_the_real_stderr() -> None:
     and MLflow's, on their first import) shuts old handlers down, unless it is `sys.stderr` then.
     Inside a test, `sys.stderr` may be DVC's colorama wrapper around pytest's capture file, which
     pytest swaps back afterwards: absl would then close pytest's capture file, and the run dies
-    with `lost sys.stderr` (e.g. tests/test_multimodal.py then tests/test_pipeline_e2e.py alone).
+    with `lost sys.stderr` (e.g. tests/stages/test_multimodal.py then tests/e2e/test_pipeline_e2e.py alone).
     Nothing attaches absl's handler to a logger here, so pointing it at the real stderr, which absl
     never closes, changes no output."""
     try:

@@ -1,5 +1,5 @@
 """Everything the pipeline asks of DVC, in one place: the only module that imports `dvc`,
-`dvc_data` or `dvc_objects` (tests/test_dag.py keeps it so).
+`dvc_data` or `dvc_objects` (tests/core/test_dag.py keeps it so).
 
     md5(path)                    the md5 DVC records for a file or a directory (`<md5>.dir`)
     open_repo(root)              a `dvc.repo.Repo` of the project (or run workspace) at `root`
@@ -12,7 +12,7 @@
 API hands out (`changed`, `save`, `commit`, `dump`). Two needs have no public API: the run-cache
 key (`dvc.stage.cache._can_hash`, `_get_stage_hash`), and the params reader the no-op check
 shares between stages (`dvc.dependency.param.load_path`). They are used only on the DVC versions
-tested (`TESTED`, the range `pyproject.toml` pins), and tests/test_dvc_api.py checks that the
+tested (`TESTED`, the range `pyproject.toml` pins), and tests/core/test_dvc_api.py checks that the
 installed DVC is one of them and still has those names with the signatures used here.
 """
 

@@ -24,7 +24,7 @@ _LINE_BREAKS = re.compile("\r\n|[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 # single space by itself was most of the normalisation time).
 _SPACES = re.compile(r"[^\S\n]{2,}|[^\S\n ]")
 _ANY_LINE_BREAK = re.compile("[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
-# Every character `str.isspace` (and so regex `\s`) accepts but " " and "\n"; tests/test_cleaning.py checks the list.
+# Every character `str.isspace` (and so regex `\s`) accepts but " " and "\n"; tests/core/data/test_cleaning.py checks the list.
 OTHER_SPACES = "\t\v\f\r\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
 _OTHER_SPACE = re.compile(f"[{OTHER_SPACES}]")
 _TRAILING_SPACE = re.compile(r" +\n")

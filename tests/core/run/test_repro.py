@@ -1,0 +1,133 @@
+"""The runner follows DVC's per-stage protocol, so `qllm run` and `dvc repro` agree."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.core import workspace
+from pipelines.core.run import repro
+from tests.conftest import run
+
+
+class Toy:
+    """Stage bodies for the toy DAG; counts executions so tests can tell ran from cached."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def __call__(self, root: Path, name: str, parent_run_id):
+        self.calls.append(name)
+        params = yaml.safe_load((root / "params.yaml").read_text())
+        if name == "a":
+            (root / "data/a").mkdir(parents=True, exist_ok=True)
+            (root / "data/a/out.txt").write_text((root / "src/a.txt").read_text() * params["a"]["n"])
+        else:
+            text = (root / "data/a/out.txt").read_text()
+            (root / "data/b.txt").write_text(text.upper() * params["b"]["m"])
+            (root / "data/metrics").mkdir(parents=True, exist_ok=True)
+            (root / "data/metrics/b.json").write_text(f'{{"len": {len(text)}}}')
+
+
+def reproduce_all(root: Path, toy: Toy) -> dict[str, tuple[str, str]]:
+    return {name: (o.status, o.reason) for name in ("a", "b") for o in [repro.reproduce(root, name, execute=toy)]}
+
+
+def dvc_status(root: Path) -> str:
+    return run([sys.executable, "-m", "dvc", "status"], root).stdout
+
+
+def test_ran_then_up_to_date_then_run_cache(toy):
+    stages = Toy()
+    assert reproduce_all(toy, stages) == {"a": ("ran", "executed"), "b": ("ran", "executed")}
+    assert (toy / "data/b.txt").read_text() == "XX"
+    assert "up to date" in dvc_status(toy)  # DVC agrees with what the runner did
+
+    assert reproduce_all(toy, stages) == {"a": ("cached", "up-to-date"), "b": ("cached", "up-to-date")}
+    assert stages.calls == ["a", "b"]
+
+    (toy / "params.yaml").write_text("a:\n  n: 3\nb:\n  m: 1\n")
+    assert "changed" in dvc_status(toy)
+    assert reproduce_all(toy, stages) == {"a": ("ran", "executed"), "b": ("ran", "executed")}
+    assert (toy / "data/b.txt").read_text() == "XXX"
+
+    # Back to the first params: DVC's run-cache restores both stages without running them.
+    (toy / "params.yaml").write_text("a:\n  n: 2\nb:\n  m: 1\n")
+    assert reproduce_all(toy, stages) == {"a": ("cached", "run-cache"), "b": ("cached", "run-cache")}
+    assert (toy / "data/b.txt").read_text() == "XX"
+    assert (toy / "data/metrics/b.json").read_text() == '{"len": 2}'  # uncached metrics restored too
+    assert stages.calls == ["a", "b", "a", "b"]
+    assert "up to date" in dvc_status(toy)
+
+
+def test_failed_stage_leaves_no_lock_entry_and_no_output(toy):
+    def broken(root, name, parent_run_id):
+        (root / "data/a").mkdir(parents=True, exist_ok=True)
+        raise RuntimeError("killed mid-stage")
+
+    with pytest.raises(RuntimeError):
+        repro.reproduce(toy, "a", execute=broken)
+    assert not (toy / "dvc.lock").exists()
+    stages = Toy()
+    assert repro.reproduce(toy, "a", execute=stages).status == "ran"
+
+
+def test_override_workspace_shares_the_cache_and_leaves_params_yaml(toy):
+    stages = Toy()
+    reproduce_all(toy, stages)
+    before = (toy / "params.yaml").read_bytes()
+    ws = workspace.prepare(toy, {"a": {"n": 2}, "b": {"m": 3}})
+    assert ws.parent == toy / ".qllm" / "runs"
+    try:
+        outcomes = reproduce_all(ws, stages)
+    finally:
+        repro.close(ws)
+    # `a` has the same inputs as in the project: restored from the shared run-cache, not rerun.
+    assert outcomes == {"a": ("cached", "run-cache"), "b": ("ran", "executed")}
+    assert (ws / "data/b.txt").read_text() == "XXXXXX"
+    assert (toy / "params.yaml").read_bytes() == before and (toy / "data/b.txt").read_text() == "XX"
+    assert workspace.project_root(ws) == toy.resolve()
+    assert workspace.prepare(toy, yaml.safe_load(before)) == toy.resolve()  # no overrides: the project itself
+
+
+THREADS_IMPORTING = """
+import threading
+from pipelines.core.run import repro
+
+barrier, errors = threading.Barrier(4), []
+
+def stage(i):  # what run_in_process does first, then what the stage modules import
+    barrier.wait()
+    try:
+        repro.warm_imports()
+        if i % 2:
+            from transformers import AutoModelForCausalLM
+        else:
+            from peft import get_peft_model
+            from transformers import AutoTokenizer
+    except Exception as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=stage, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("errors:", errors)
+"""
+
+
+def test_stages_starting_together_in_threads_import_transformers_safely():
+    """transformers 5 resolves its names lazily and not thread-safely: without `warm_imports`
+    this script failed 5 of 5 times here ("cannot import name 'AutoModel' from 'transformers'"),
+    which is how `dpo` once died starting beside `lora` in `qllm run`. A fresh interpreter each
+    time, since the race is only on first import."""
+    import subprocess
+
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", THREADS_IMPORTING], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[3], timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().endswith("errors: []"), done.stdout[-2000:]

@@ -1,0 +1,265 @@
+"""The DAG is defined once (dvc.yaml); code and config must not drift from it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from pipelines.core import dag
+from pipelines.core.config import Params
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Core modules that move values and files around without shaping a stage's outputs: listing them
+# as deps would rerun every stage on any edit. (config.py holds schemas; the values DVC must see are
+# all spelled out in params.yaml, which tests/core/test_config.py enforces.)
+# checkpoint: how training state is saved and resumed (stage.py hooks into it), never what a stage produces
+# distributed: how many processes run a stage (torchrun, rank 0's duties); the same results on 1 or N
+# precision: what `precision: auto` resolves to reaches training stages as data (data/device.json from
+#   probe_device, which lists precision.py itself), so editing it reruns probe_device, and training only if that changes
+# parallel: how many processes (or which Dask cluster) run a data stage's batches; the same bytes on 1 or N
+# loggers: the metric loggers (MLflow, TensorBoard, system metrics): what is recorded about a run, not its outputs
+# resources: measures a stage's peak memory for its metrics file
+INFRASTRUCTURE = {
+    "core.config", "core.params_file", "core.outputs", "core.errors", "core.workspace", "core.dag", "core.dvc_api",
+    "core.run.stage", "core.run.tracking", "core.run.resources", "core.training.checkpoint", "core.training.distributed",
+    "core.training.precision", "core.training.loggers", "core.data.parallel", "core.paths",
+}  # fmt: skip
+# paths: where the project and its run workspaces are, never what a stage writes
+SUBPACKAGES = ("data", "models", "training", "quantum", "run")
+"""pipelines/core's sub-packages by concern, each importing only the root and those before it."""
+ROOT_MODULES = {"config", "params_file", "outputs", "errors", "workspace", "dag", "dvc_api", "extensions", "paths"}
+
+
+def module_path(module: str) -> Path:
+    """`lora` -> pipelines/lora.py, `core.models.adapters` -> pipelines/core/models/adapters.py."""
+    return REPO / "pipelines" / f"{module.replace('.', '/')}.py"
+
+
+def is_module(module: str) -> bool:
+    return module_path(module).is_file()
+
+
+def _imports(module: str, local: bool) -> set[str]:
+    """`pipelines.*` modules imported by `module` (named relative to `pipelines`: `lora`,
+    `core.models.adapters`): at module level (`local` False), or only inside functions (True)."""
+    tree = ast.parse(module_path(module).read_text())
+    top = set(tree.body)
+    found = set()
+    for node in ast.walk(tree):
+        is_top = node in top or any(node in getattr(t, "body", ()) for t in tree.body if isinstance(t, ast.If))  # incl. `if TYPE_CHECKING:`
+        if local == is_top:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pipelines":
+            base = node.module.removeprefix("pipelines").lstrip(".")
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}".lstrip(".")
+                found.add(candidate if is_module(candidate) else base)
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("pipelines.") for a in node.names if a.name.startswith("pipelines.")}
+    return {m for m in found if m}
+
+
+def pipelines_imports(module: str) -> set[str]:
+    """Every `pipelines.*` module `module` imports, anywhere in its source."""
+    return _imports(module, local=False) | _imports(module, local=True)
+
+
+def closure(module: str) -> set[str]:
+    """What `module` imports, directly or not; not followed into infrastructure modules (config.py
+    imports the extension registry only to validate `train.extensions`)."""
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        for dep in pipelines_imports(current) - seen:
+            seen.add(dep)
+            if dep not in INFRASTRUCTURE:
+                todo.append(dep)
+    return seen
+
+
+CORE = sorted(
+    ".".join(p.relative_to(REPO / "pipelines").with_suffix("").parts) for p in (REPO / "pipelines/core").rglob("*.py") if p.stem != "__init__"
+)
+
+
+STAGES = dag.stages(REPO)
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_stage_module_deps_and_params_match_dvc_yaml(name):
+    spec = STAGES[name]
+    assert spec.cmd == f"python -m pipelines.{name}"
+    module = importlib.import_module(spec.module)
+    assert name == module.NAME and callable(module.body) and callable(module.main)  # the stage contract
+    assert spec.params[0] == name and name in Params.model_fields  # its own section, then keys of others it reads (ctx.param)
+    for key in spec.params[1:]:
+        section, *path = key.split(".")
+        node = Params.model_fields[section].default
+        for part in path:
+            node = getattr(node, part)  # an existing key (AttributeError otherwise)
+        assert path and f'ctx.param("{key}")' in inspect.getsource(module), f"{name} lists {key} in dvc.yaml but does not read it"
+    code_deps = {d.removeprefix("pipelines/").removesuffix(".py").replace("/", ".") for d in spec.deps if d.endswith(".py")}
+    assert f"pipelines/{name}.py" in spec.deps
+    needed = (closure(name) - INFRASTRUCTURE) | {name} | ({"core.training.precision"} if name == "probe_device" else set())
+    assert needed == code_deps, f"dvc.yaml deps of {name} should list exactly {sorted(needed)}"
+    for path in spec.all_outs:
+        assert path.startswith("data/")
+
+
+def test_layout_stages_on_top_core_below():
+    """pipelines/ holds exactly the dvc.yaml stages; the shared code is pipelines/core/: a few
+    foundation modules at its root and one sub-package per concern, one level deep."""
+    assert {p.stem for p in (REPO / "pipelines").glob("*.py")} - {"__init__"} == set(STAGES)
+    assert [p.name for p in (REPO / "pipelines").iterdir() if p.is_dir() and p.name != "__pycache__"] == ["core"]
+    core = REPO / "pipelines/core"
+    assert {p.name for p in core.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(SUBPACKAGES)
+    assert {p.stem for p in core.glob("*.py")} - {"__init__"} == ROOT_MODULES
+    for package in SUBPACKAGES:
+        assert not [p for p in (core / package).iterdir() if p.is_dir() and p.name != "__pycache__"], package
+        init = ast.parse((core / package / "__init__.py").read_text())
+        assert len(init.body) == 1 and ast.get_docstring(init), f"{package}/__init__.py: a docstring only (no imports: deps stay exact)"
+
+
+def layer(module: str) -> int:
+    """0 for the root's modules, then the sub-packages in `SUBPACKAGES` order."""
+    parts = module.split(".")
+    return 0 if len(parts) == 2 else 1 + SUBPACKAGES.index(parts[1])
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_imports_only_downward(module):
+    """A module imports the root, its own package, and the packages before its own: never one
+    after it (data < models < training < quantum < run)."""
+    upward = {m for m in pipelines_imports(module) if m.startswith("core.") and layer(m) > layer(module)}
+    if layer(module) == 0:  # the root is the foundation: it imports only its own modules
+        upward = {m for m in pipelines_imports(module) if m.startswith("core.") and layer(m) > 0}
+    assert not upward, f"{module} imports {sorted(upward)} from a later layer"
+
+
+def test_no_import_cycles_in_the_core():
+    graph = {m: {d for d in pipelines_imports(m) if d.startswith("core.")} for m in CORE}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*path[path.index(dep):], dep]))
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for module in CORE:
+        if module not in state:
+            visit(module, [module])
+
+
+# Function-local imports of project modules, each for a reason: a heavy dependency (torch and what
+# imports it) kept out of modules that light stages and the CLI load on every run.
+LOCAL_IMPORTS: dict[str, str] = {
+    "base_model -> core.models.models": "torch and transformers, only where a base model is named (the stage runs on every qllm run)",
+    "base_model -> core.params_file": "pydantic and the whole schema, only where a base model is named",
+    "train_tokenizer -> core.models.models": "torch and transformers, only to save a base model's tokenizer",
+    "probe_device -> core.training.precision": "torch (the stage runs on every qllm run and imports it only to probe)",
+    "core.run.stage -> core.training.distributed": "torch, only for training stages",
+    "core.run.stage -> core.training.precision": "torch, only for training stages",
+    "core.run.repro -> core.run.stage": "MLflow: qllm run's no-op check never imports it",
+    "core.quantum.rank_allocation -> core.models.adapters": "PEFT, only when adapters are allocated",
+    "core.quantum.rank_allocation -> core.quantum.qubo": "dimod and the samplers, only when the QUBO is solved",
+    "core.models.image_chat_pyfunc -> core.models.vision": "torch and the vision model, only when MLflow loads the registered model",
+    "evaluate -> core.models.vision": "the vision model classes, only for the multimodal model",
+    "register -> core.models.image_chat_pyfunc": "MLflow's pyfunc and the vision model, only for the multimodal model",
+    "multimodal -> core.models.models": "torch, only when the optional stage is enabled (else it writes a README)",
+    "multimodal -> core.models.vision": "the vision model, only when the optional stage is enabled",
+    "multimodal -> core.training.checkpoint": "torch, only when the optional stage is enabled",
+    "multimodal -> core.training.loop": "torch, only when the optional stage is enabled",
+}
+
+
+@pytest.mark.parametrize("module", CORE + list(STAGES))
+def test_function_local_imports_only_keep_heavy_dependencies_out(module):
+    local = _imports(module, local=True) - _imports(module, local=False)
+    unexplained = {m for m in local if f"{module} -> {m}" not in LOCAL_IMPORTS}
+    assert not unexplained, f"{module} imports {sorted(unexplained)} inside functions; import at the top, or list why in LOCAL_IMPORTS"
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_a_stage_imports_only_the_core(name):
+    assert {m for m in pipelines_imports(name) if not m.startswith("core.")} == set()
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_never_imports_a_stage(module):
+    assert {m for m in pipelines_imports(module) if not m.startswith("core.")} == set()
+
+
+def test_every_params_section_belongs_to_a_stage():
+    assert set(Params.model_fields) == set(STAGES)
+
+
+def test_order_until_and_sources():
+    order = dag.order(REPO)
+    assert order[0] == "sample_data" and order[-1] == "register"
+    for name in order:
+        assert all(order.index(up) < order.index(name) for up in dag.upstream(REPO, name))
+    assert dag.order(REPO, until="tokenize") == ["sample_data", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize"]
+    assert set(dag.upstream(REPO, "tokenize")) == {"prepare_data", "train_tokenizer"}
+    assert "data/sources" in dag.source_paths(REPO) and "data/sample" not in dag.source_paths(REPO)
+    with pytest.raises(dag.DagError, match="unknown stage 'nope'"):
+        dag.order(REPO, until="nope")
+
+
+def test_dvc_md5_matches_dvc(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("hello\n")
+    (tmp_path / "f.txt").write_text("hello\n")
+    assert dag.dvc_md5(tmp_path / "f.txt") == "b1946ac92492d2347c6235b4d2611184"  # md5 of "hello\n"
+    assert dag.dvc_md5(tmp_path / "d").endswith(".dir")
+
+
+def test_layers_import_one_way():
+    """pipelines never imports Prefect, tasks or flows; tasks never import flows."""
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+        return names
+
+    for path in (REPO / "pipelines").rglob("*.py"):
+        assert not imports(path) & {"prefect", "tasks", "flows"}, path.name
+    for path in (REPO / "tasks").glob("*.py"):
+        assert "flows" not in imports(path), path.name
+
+
+def test_prefect_yaml_deploys_the_pipeline_flow():
+    import yaml
+    from prefect.flows import load_flow_from_entrypoint
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    entrypoints = {d["name"]: d["entrypoint"] for d in spec["deployments"]}
+    assert "default" in entrypoints
+    flow = load_flow_from_entrypoint(str(REPO / entrypoints["default"]))
+    assert flow.name == "qllm-pipeline"
+
+
+def test_the_tests_mirror_the_tree():
+    """tests/core/<package>/ holds the tests of pipelines/core/<package>/, tests/stages/ those of
+    the stages: a module's tests are one hop away."""
+    tests = REPO / "tests"
+    assert {p.name for p in (tests / "core").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(SUBPACKAGES)
+    core_modules = {m.rsplit(".", 1)[-1] for m in CORE}
+    for path in (tests / "core").rglob("test_*.py"):
+        package = path.parent.relative_to(tests / "core")
+        module = path.stem.removeprefix("test_")
+        if module in core_modules:  # a module's own tests sit in its package's folder
+            assert (REPO / "pipelines/core" / package / f"{module}.py").is_file(), f"{path.relative_to(REPO)}: {module}.py is not in core/{package}"
+    assert {p.stem.removeprefix("test_") for p in (tests / "stages").glob("test_*.py")} & set(STAGES)

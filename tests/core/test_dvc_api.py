@@ -1,0 +1,44 @@
+"""pipelines/core/dvc_api.py is the one door to DVC: nothing else imports it, and the private
+names it needs exist in the DVC installed, which is one of the versions pyproject.toml pins."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+
+from pipelines.core import dvc_api
+
+REPO = Path(__file__).resolve().parents[2]
+DVC_PACKAGES = {"dvc", "dvc_data", "dvc_objects"}
+
+
+def test_only_dvc_api_imports_dvc():
+    importers = []
+    for path in (REPO / "pipelines").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else [a.name for a in getattr(node, "names", [])] if isinstance(node, ast.Import) else []
+            if any(n.split(".")[0] in DVC_PACKAGES for n in names):
+                importers.append(path.relative_to(REPO).as_posix())
+    assert set(importers) == {"pipelines/core/dvc_api.py"}
+
+
+def test_the_pin_is_the_tested_range_and_the_installed_dvc_is_in_it():
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pinned,) = [d for d in dependencies if re.match(r"dvc[<>=]", d)]
+    assert SpecifierSet(pinned.removeprefix("dvc")) == SpecifierSet(",".join(dvc_api.TESTED))
+    assert version("dvc") in SpecifierSet(",".join(dvc_api.TESTED)), f"DVC {version('dvc')} is not a tested version {dvc_api.TESTED}"
+
+
+def test_the_private_names_used_are_there_with_the_signatures_used():
+    from dvc.dependency import param
+    from dvc.stage import cache
+
+    assert list(inspect.signature(cache._can_hash).parameters) == ["stage"]
+    assert list(inspect.signature(cache._get_stage_hash).parameters) == ["stage"]
+    assert list(inspect.signature(param.load_path).parameters)[:2] == ["fs_path", "fs"]

@@ -1,0 +1,136 @@
+"""Data-parallel training: 2 gloo processes on CPU train the tiny model as 1 process does.
+
+The comparison runs `loop.train` under `torch.multiprocessing.spawn` with a gloo process group
+(what `torchrun` sets up for a stage) against a plain single-process run with the same global batch
+(micro_batch_size 4 x grad_accum_steps 2). With 2 ranks each runs 1 micro-batch per step (rank r
+takes micro-batches r, r+2, ... of the shared order), DDP averages the gradients, so the two runs
+see the same micro-batches per step and can differ only in float summation order. Measured on CPU
+(fp32, 8 steps, torch 2.13): loss curves, validation losses and weights are bitwise equal (difference 0:
+the mean of two rank gradients rounds as the sum of two halves does); the test allows
+rtol 1e-4 per logged step and atol 1e-5 on the weights.
+
+`strategy: fsdp` (FSDP2 `fully_shard` per decoder layer and at the root) is held to the same
+tolerances; measured the same way it is bitwise equal too (curve, validation, weights; clipping is
+active in the first steps), and so is a 2-rank FSDP run resumed from its step-6 checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from flows.local_api import free_port
+from pipelines.core.config import TrainParams
+from pipelines.core.errors import QllmError
+from pipelines.core.training import distributed, loop
+from pipelines.core.training.checkpoint import CheckpointManager
+from tests.core.training.test_loop import cfg, collate, rows, tiny_model
+
+LOSS_RTOL = 1e-4
+WEIGHT_ATOL = 1e-5
+
+
+class RecordingTracker:
+    def __init__(self):
+        self.calls = []
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append((step, dict(metrics)))
+
+    def flush(self):
+        """Calls are recorded as they come: nothing is buffered."""
+
+
+def _run(checkpoint_dir=None, tracker=None, strategy="ddp", max_steps=8) -> tuple[dict, dict]:
+    data, val = rows(), rows(8, seed=1)
+    model = tiny_model()
+    val_batches = [collate(val)(np.arange(8))]
+    val_fn = lambda m: {"val/loss": loop.mean_loss(m, loop.causal_lm_loss, val_batches, torch.device("cpu"), "fp32")}  # noqa: E731
+    checkpoints = CheckpointManager(checkpoint_dir, 2) if checkpoint_dir else None
+    result = loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), cfg(max_steps=max_steps, grad_accum_steps=2, eval_every=4, strategy=strategy),
+                            val_fn=val_fn, tracker=tracker, checkpoints=checkpoints)  # fmt: skip
+    return result, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, world: int, port: int, out: str, strategy: str = "ddp", max_steps: int = 8) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        tracker = RecordingTracker()
+        result, weights = _run(os.path.join(out, "checkpoints"), tracker, strategy, max_steps)
+        torch.save({"result": result, "weights": weights, "tracked": tracker.calls}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    single, single_weights = _run()
+
+    expected = np.array(single["history"]["train"])
+    for saved in ranks:  # every rank logs the same averaged curve
+        got = np.array(saved["result"]["history"]["train"])
+        np.testing.assert_allclose(got, expected, rtol=LOSS_RTOL)
+        np.testing.assert_allclose(np.array(saved["result"]["history"]["eval"]), np.array(single["history"]["eval"]), rtol=LOSS_RTOL)
+        assert saved["result"]["tokens"] == single["tokens"] == 8 * 2 * 4 * 8  # tokens summed over ranks
+        for name, tensor in single_weights.items():
+            torch.testing.assert_close(saved["weights"][name], tensor, rtol=0, atol=WEIGHT_ATOL)
+    # rank 0 alone logs metrics and writes checkpoints
+    assert [step for step, _ in ranks[0]["tracked"] if step is not None][:3] == [1, 2, 3]
+    assert ranks[1]["tracked"] == []
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) != []
+
+
+def test_batches_shards_are_disjoint_and_together_the_single_process_order():
+    single = loop.Batches(10, 2, seed=3, collate=lambda idx: tuple(idx.tolist()))
+    expected = [next(single) for _ in range(8)]  # 5 per epoch: crosses an epoch boundary
+    shards = []
+    for rank in (0, 1):
+        shard = loop.Batches(10, 2, seed=3, collate=lambda idx: tuple(idx.tolist()))
+        shard.shard(rank, 2)
+        shards.append([next(shard) for _ in range(4)])
+    assert shards[0] == expected[0::2] and shards[1] == expected[1::2]
+    assert shard.state_dict() == single.state_dict()  # the same resume point on every rank
+
+
+def test_grad_accum_steps_must_divide_by_the_process_count():
+    assert distributed.local_accum_steps(4, 2, "pretrain") == 2
+    with pytest.raises(QllmError, match=r"train.grad_accum_steps \(3\) must be divisible by the number of processes \(2\)"):
+        distributed.local_accum_steps(3, 2, "pretrain")
+    with pytest.raises(ValueError, match=r"grad_accum_steps \(3\) must be divisible by nproc \(2\)"):
+        TrainParams(grad_accum_steps=3, nproc=2, warmup_steps=0)
+    assert TrainParams().nproc == 1
+    assert TrainParams().strategy == "ddp"
+
+
+def test_fsdp_two_processes_match_one_and_resume(tmp_path):
+    """`strategy: fsdp`: the same curve and full weights as 1 process; checkpoints hold the full
+    weights and optimizer state, and a 2-rank FSDP run resumed from step 4 ends where the
+    uninterrupted single-process run does."""
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path), "fsdp"), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    single, single_weights = _run()
+    for saved in ranks:
+        np.testing.assert_allclose(np.array(saved["result"]["history"]["train"]), np.array(single["history"]["train"]), rtol=LOSS_RTOL)
+        np.testing.assert_allclose(np.array(saved["result"]["history"]["eval"]), np.array(single["history"]["eval"]), rtol=LOSS_RTOL)
+        assert saved["result"]["tokens"] == single["tokens"]
+        for name, tensor in single_weights.items():  # full (gathered) weights on every rank, plain tensors
+            assert type(saved["weights"][name]) is torch.Tensor
+            torch.testing.assert_close(saved["weights"][name], tensor, rtol=0, atol=WEIGHT_ATOL)
+    assert ranks[1]["tracked"] == []
+
+    # resume: keep only the newest checkpoint before the end of the 8-step run, rerun to 8 on 2 FSDP ranks
+    resumed = tmp_path / "resumed"
+    earlier = max(p for p in (tmp_path / "checkpoints").glob("step-*") if p.name != "step-00000008")
+    shutil.copytree(earlier, resumed / "checkpoints" / earlier.name)
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(resumed), "fsdp"), nprocs=2, join=True)
+    again = torch.load(resumed / "rank0.pt", weights_only=False)
+    np.testing.assert_allclose(np.array(again["result"]["history"]["train"]), np.array(single["history"]["train"]), rtol=LOSS_RTOL)
+    for name, tensor in single_weights.items():
+        torch.testing.assert_close(again["weights"][name], tensor, rtol=0, atol=WEIGHT_ATOL)

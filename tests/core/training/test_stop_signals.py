@@ -1,0 +1,209 @@
+"""Stop signals and a lost Prefect API through the real entry points, in real processes.
+
+Each test copies one tiny project whose stages before `pretrain` ran once (in-process), with
+pretrain held after step 20 (`tests/hold_training.py`) until a stop arrives, and acts once it is
+held, so the signal lands mid-training on any machine:
+
+- `qllm run` + SIGTERM: Prefect's engine owns SIGTERM while the flow runs; the flow hands it to
+  the stages, so pretrain finishes its step, checkpoints and stops; the process exits 143 within
+  seconds, the MLflow runs are KILLED, and the same command resumes (`resumed from step`);
+- `qllm run` whose temporary Prefect API dies: the run stops within seconds with one clear error
+  instead of retrying for minutes;
+- `dvc repro` + SIGTERM to dvc (which passes no signal on to its stage): the stage learns that its
+  parent died, checkpoints and stops, and the next `dvc repro` resumes.
+
+The deployment + worker + `prefect flow-run cancel` case is in tests/flows/test_deployments.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.core import dag
+from pipelines.core.extensions import Hook
+from pipelines.core.run import repro
+from tests.conftest import REPO, make_project
+
+MAX_STEPS = 30  # held after step 20 until the signal; the rerun trains the last 10
+HELD = "held"
+"""Written by `tests/hold_training.py` in the project when pretrain is held at step 20, until a stop."""
+PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 50, "extensions": [
+    "mlflow_metrics", {"name": "tests.hold_training:HoldAtStep", "step": 20, "marker": HELD}]}}}  # fmt: skip
+"""Training waits at step 20 for the signal each test sends: the signal always meets a running pretrain."""
+QLLM = str(Path(sys.executable).parent / "qllm")
+
+
+def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path):
+    """As under `qllm run`: training in a worker thread, signals handled in the main thread. The
+    first signal asks for a stop; the second, arriving mid-step, raises `InterruptedAtOnce` in the
+    training thread without finishing that step: the newest checkpoint (step 2) stays."""
+    import threading
+
+    from pipelines.core import errors
+    from pipelines.core.training import loop
+    from pipelines.core.training.checkpoint import CheckpointManager
+    from tests.core.training.test_loop import cfg, collate, rows, tiny_model
+
+    in_step_3, outcome = threading.Event(), {}
+
+    def stall(state):  # step 3 never ends on its own
+        if state.step == 2:
+            in_step_3.set()
+            while True:
+                time.sleep(0.01)
+
+    def train():
+        try:
+            loop.train(tiny_model(), loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(rows())),
+                           cfg(checkpoint_every=1), checkpoints=CheckpointManager(tmp_path, 5), extensions=[Hook("on_gradients", stall)])  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        assert in_step_3.wait(60)
+        errors.request_stop(signal.SIGTERM)  # first: training would stop after this step...
+        with pytest.raises(KeyboardInterrupt):
+            errors.request_stop(signal.SIGTERM)  # ...second: at once
+        thread.join(30)
+    finally:
+        errors.clear_stop()
+    assert not thread.is_alive()
+    assert isinstance(outcome["error"], errors.InterruptedAtOnce) and "newest checkpoint stays" in str(outcome["error"])
+    assert [c.step for c in CheckpointManager(tmp_path, 5).list()] == [1, 2]
+    assert errors.interrupt_training() == 0  # the thread left the training loop
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, mlflow_template_db) -> Path:
+    """A tiny project (pretrain: 30 steps, held after 20) with every stage before pretrain run and in dvc.lock."""
+    root = make_project(tmp_path_factory.mktemp("stop") / "base", mlflow_template_db, PRETRAIN)
+    try:
+        for name in [name for name in dag.order(root, "pretrain") if name != "pretrain"]:
+            repro.reproduce(root, name)
+    finally:
+        repro.close(root)
+    return root
+
+
+def with_repo() -> dict[str, str]:
+    """The environment with this repository on PYTHONPATH: stages import `tests.hold_training`."""
+    return os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def start(root: Path, command: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT, env=with_repo())
+
+
+def wait_until_held(process: subprocess.Popen, root: Path, log: Path, timeout: float = 300.0) -> None:
+    """Until pretrain is held at step 20 (a state); `timeout` only bounds a broken run."""
+    deadline = time.monotonic() + timeout
+    while not (root / HELD).exists():
+        if process.poll() is not None:
+            pytest.fail(f"exited ({process.returncode}) before pretrain reached step 20:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"pretrain did not reach step 20 in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def exit_within(process: subprocess.Popen, seconds: float, log: Path) -> tuple[int, float]:
+    started = time.monotonic()
+    try:
+        returncode = process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"still running {seconds:.0f}s after the signal:\n{log.read_text()[-3000:]}")
+    return returncode, time.monotonic() - started
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in root.glob(".qllm/checkpoints/pretrain/*/step-*") if p.name[5:].isdigit())
+
+
+def run_statuses(root: Path) -> dict[str, str]:
+    """The newest MLflow run's status per run name (stage or "pipeline")."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("qllm").experiment_id], order_by=["attributes.start_time ASC"])
+    return {run.info.run_name: run.info.status for run in runs}
+
+
+def test_sigterm_to_qllm_run_checkpoints_stops_and_the_rerun_resumes(base, tmp_path):
+    root = shutil.copytree(base, tmp_path / "project", symlinks=True)
+    log = tmp_path / "run.log"
+    process = start(root, [QLLM, "run", "--until", "pretrain"], log)
+    wait_until_held(process, root, log)
+    process.send_signal(signal.SIGTERM)
+    returncode, seconds = exit_within(process, 60, log)
+    text = log.read_text()
+    assert returncode == 128 + signal.SIGTERM, text[-3000:]
+    stopped = re.search(r"pretrain: SIGTERM at step (\d+): checkpoint saved in", text)
+    assert stopped and int(stopped.group(1)) == int((root / HELD).read_text()) == 20, text[-3000:]  # the step it was held after
+    assert "error: stopped by SIGTERM" in text
+    assert max(checkpoint_steps(root)) == int(stopped.group(1))  # the step in progress finished and was saved
+    assert not (root / "data/models/pretrain").exists()
+    statuses = run_statuses(root)
+    assert statuses["pretrain"] == "KILLED" and statuses["pipeline"] == "KILLED", statuses
+
+    rerun = subprocess.run([QLLM, "run", "--until", "pretrain"], cwd=root, capture_output=True, text=True, timeout=300, env=with_repo())
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    assert f"pretrain: resumed from step {stopped.group(1)}" in rerun.stderr, rerun.stderr[-3000:]
+    assert run_statuses(root)["pretrain"] == "FINISHED" and (root / "data/models/pretrain").exists()
+    print(f"exited {seconds:.1f}s after SIGTERM")
+
+
+def test_qllm_run_ends_with_a_clear_error_when_its_prefect_api_dies(base, tmp_path):
+    root = shutil.copytree(base, tmp_path / "project", symlinks=True)
+    log = tmp_path / "run.log"
+    process = start(root, [QLLM, "run", "--until", "pretrain"], log)
+    wait_until_held(process, root, log)
+    (api,) = [pid for pid in children(process.pid) if "uvicorn" in Path(f"/proc/{pid}/cmdline").read_text()]
+    os.kill(api, signal.SIGKILL)
+    returncode, seconds = exit_within(process, 60, log)
+    text = log.read_text()
+    assert returncode == 1, text[-3000:]
+    assert f"error: the temporary Prefect API (pid {api}) exited with code -9 during the run, so the run stopped" in text, text[-3000:]
+    assert re.search(r"pretrain: the Prefect API exited at step \d+: checkpoint saved in", text), text[-3000:]
+    assert checkpoint_steps(root) and run_statuses(root)["pretrain"] == "KILLED"
+    assert run_statuses(root)["pipeline"] in ("KILLED", "FAILED")
+    print(f"exited {seconds:.1f}s after the API died")
+
+
+@pytest.mark.slow  # about a minute: dvc repro twice
+def test_sigterm_to_dvc_repro_stops_its_stage_with_a_checkpoint(base, tmp_path):
+    root = shutil.copytree(base, tmp_path / "project", symlinks=True)
+    log = tmp_path / "repro.log"
+    dvc = [sys.executable, "-m", "dvc", "repro", "pretrain"]
+    process = start(root, dvc, log)
+    wait_until_held(process, root, log)
+    stage = children(process.pid)  # the stage command (`$SHELL -c` execs it)
+    process.send_signal(signal.SIGTERM)  # to dvc only, as `kill PID` does
+    exit_within(process, 30, log)
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in stage) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = log.read_text()
+    stopped = re.search(r"pretrain: the parent process \(dvc repro\) exited at step (\d+): checkpoint saved in", text)
+    assert stopped, text[-3000:]
+    assert max(checkpoint_steps(root)) == int(stopped.group(1))
+
+    rerun = subprocess.run(dvc, cwd=root, capture_output=True, text=True, timeout=300, env=with_repo())
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    assert f"pretrain: resumed from step {stopped.group(1)}" in rerun.stdout + rerun.stderr
