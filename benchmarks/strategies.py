@@ -116,7 +116,7 @@ def one_run(root: Path, params, name: str, seed: int, fraction: float, memory: M
     points, started = [], time.perf_counter()
     record = Hook("on_evaluate", lambda state, metrics: points.append((state.step, metrics["val/loss"])))
     val_fn = pretrain.validation_fn(val_rows, cfg.micro_batch_size, cfg.eval_batches, cfg.precision)
-    loop.train(model, loop.causal_lm_loss, batches, cfg, val_fn=val_fn, extensions=[record], growth=growth, desc="pretrain")
+    loop.train(model, loop.causal_lm_loss, batches, cfg, val_fn=val_fn, extensions=[record], schedule=growth, desc="pretrain")
     seconds = time.perf_counter() - started
     hit_rate = growth.cache.metrics()["train/activation_cache_hit_rate"] if growth is not None and growth.cache is not None else None
     return {"final": points[-1][1], "best": min(v for _, v in points), "steps": steps, "flops": flops, "budget": budget,

@@ -152,6 +152,9 @@ def _stop_all(services: dict[str, dict], timeout: float = 15.0) -> list[str]:
             time.sleep(0.1)
         if _alive(pid):
             os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0  # gone before this returns, even on a busy machine
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         stopped.append(f"{name} (pid {pid})")
     return stopped
 

@@ -20,13 +20,17 @@ are the loop's. The output is a Hugging Face model directory plus processor:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipelines.core.config import MultimodalParams
 from pipelines.core.errors import QllmError
 from pipelines.core.run import stage
+from pipelines.core.training.phases import Phase, phase_at
+
+if TYPE_CHECKING:  # torch only when the stage is enabled
+    import torch
 
 NAME = "multimodal"
 
@@ -38,12 +42,56 @@ digit images: `qllm run --params params/multimodal.yaml` (README "Multimodal").
 """
 
 
+class Phases:
+    """LLaVA's two phases as the shared loop's schedule (`pipelines.core.training.phases`): alignment for
+    `alignment_steps`, then instruction tuning, each with a fresh optimizer over what trains and
+    the learning rate re-warmed over `train.warmup_steps` and scaled by `instruction_lr / train.lr`."""
+
+    changes_model = True
+
+    def __init__(self, params: MultimodalParams, model: torch.nn.Module) -> None:
+        cfg = params.train
+        layers = model.config.text_config.num_hidden_layers
+        self.params, self.rewarm = params, cfg.warmup_steps
+        self.instruction_factor = params.instruction_lr / cfg.lr
+        steps = min(params.alignment_steps, cfg.max_steps)
+        phases = []
+        if steps > 0:
+            phases.append(Phase(0, "alignment", 0, layers, language_model=False))
+        if steps < cfg.max_steps:
+            phases.append(Phase(len(phases), "instruction tuning", steps, layers, language_model=params.language_model == "full"))
+        self.phases = phases
+        self.current = 0
+
+    def phase_at(self, step: int) -> Phase:
+        return phase_at(self.phases, step)
+
+    def lr_factor(self, phase: Phase, steps_into_phase: int) -> float:
+        if phase.name == "alignment":
+            return 1.0
+        ramp = 1.0 if phase.index == 0 or self.rewarm == 0 else min(1.0, (steps_into_phase + 1) / self.rewarm)
+        return self.instruction_factor * ramp
+
+    def enter(self, model: torch.nn.Module, phase: Phase) -> None:
+        inner = model.model
+        inner.multi_modal_projector.requires_grad_(True)
+        inner.vision_tower.requires_grad_(self.params.vision_tower == "trainable")
+        inner.language_model.requires_grad_(phase.language_model)
+        model.lm_head.requires_grad_(phase.language_model)
+        self.current = phase.index
+
+    def metrics(self) -> dict[str, float]:
+        return {"train/phase": float(self.current)}
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, checkpoint_dir: Path | None = None,
         base_for_users: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Train the image-chat model on `image_dir/{train,validation}.parquet`; save it to `out`.
     `base_for_users`: how the saved config names its language model (default: `params.base_model`;
     the stage passes the path as params.yaml writes it, so no absolute path reaches the output)."""
-    import torch
 
     from pipelines.core.models import vision
     from pipelines.core.models.models import (
@@ -79,13 +127,13 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
         def val_fn(m: torch.nn.Module) -> dict[str, float]:
             return {"val/loss": loop.mean_loss(m, vision.image_chat_loss, val_batches, device(), cfg.precision)}
 
-    phases = vision.Phases(params, model)
+    phases = Phases(params, model)
     counts = parameter_counts(model)
     if tracker is not None:
         tracker.log_params({f"{NAME}.{k}": v for k, v in counts.items()} | {f"{NAME}.image_tokens": per_image})
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     result = loop.train(model, vision.image_chat_loss, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
-                            growth=phases, desc=NAME)  # fmt: skip
+                            schedule=phases, desc=NAME)  # fmt: skip
     model.requires_grad_(True)
 
     def save(tmp: Path) -> None:

@@ -77,7 +77,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         tracker=tracker,
         checkpoints=checkpoints,
         extensions=extensions,
-        growth=growth,
+        schedule=growth,
         desc=NAME,
     )
     model.requires_grad_(True)  # a growth phase may have left layers frozen

@@ -17,7 +17,7 @@ The output directory is a Hugging Face model plus processor:
 `AutoModelForImageTextToText.from_pretrained(dir)` and `AutoProcessor.from_pretrained(dir)` load
 it without this project.
 
-Training is the shared loop (`pipelines.core.training.loop`) with a two-phase schedule (`Phases`,
+Training is the shared loop (`pipelines.core.training.loop`) with a two-phase schedule (`pipelines.multimodal.Phases`,
 handed to the loop like a growth schedule): LLaVA's feature alignment (the projector, and the
 vision tower unless frozen, train; the language model is frozen), then instruction tuning (the
 language model trains too, or stays frozen), each phase with a fresh AdamW and a re-warmed
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core.config import MultimodalParams, VisionParams
+from pipelines.core.config import VisionParams
 from pipelines.core.data import chat_examples
 from pipelines.core.data.chat_template import normalize_answer, parse_messages, split_last_answer
 from pipelines.core.data.images import (
@@ -218,63 +218,6 @@ def answer_losses(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor
 
 
 # ------------------------------------------------------------------------- the two phases
-
-
-@dataclass(frozen=True)
-class Phase:
-    """One phase of LLaVA training: what trains, from which step."""
-
-    index: int
-    name: str
-    start: int
-    layers: int
-    """The language model's decoder layers (the loop logs it)."""
-    language_model: bool
-    """Whether the language model trains."""
-
-
-class Phases:
-    """LLaVA's two phases as a schedule the shared loop is handed (`loop.train(growth=...)`,
-    the interface `pipelines.core.training.progressive.Growth` defines): alignment for
-    `alignment_steps`, then instruction tuning, each with a fresh optimizer over what trains and
-    the learning rate re-warmed over `train.warmup_steps` and scaled by `instruction_lr / train.lr`."""
-
-    def __init__(self, params: MultimodalParams, model: torch.nn.Module) -> None:
-        cfg = params.train
-        layers = model.config.text_config.num_hidden_layers
-        self.params, self.rewarm = params, cfg.warmup_steps
-        self.instruction_factor = params.instruction_lr / cfg.lr
-        steps = min(params.alignment_steps, cfg.max_steps)
-        phases = []
-        if steps > 0:
-            phases.append(Phase(0, "alignment", 0, layers, language_model=False))
-        if steps < cfg.max_steps:
-            phases.append(Phase(len(phases), "instruction tuning", steps, layers, language_model=params.language_model == "full"))
-        self.phases = phases
-        self.current = 0
-
-    def phase_at(self, step: int) -> Phase:
-        return [p for p in self.phases if p.start <= step][-1]
-
-    def lr_factor(self, phase: Phase, steps_into_phase: int) -> float:
-        if phase.name == "alignment":
-            return 1.0
-        ramp = 1.0 if phase.index == 0 or self.rewarm == 0 else min(1.0, (steps_into_phase + 1) / self.rewarm)
-        return self.instruction_factor * ramp
-
-    def enter(self, model: torch.nn.Module, phase: Phase) -> None:
-        inner = model.model
-        inner.multi_modal_projector.requires_grad_(True)
-        inner.vision_tower.requires_grad_(self.params.vision_tower == "trainable")
-        inner.language_model.requires_grad_(phase.language_model)
-        model.lm_head.requires_grad_(phase.language_model)
-        self.current = phase.index
-
-    def metrics(self) -> dict[str, float]:
-        return {"train/phase": float(self.current)}
-
-    def close(self) -> None:
-        """Nothing to release (the growth interface's end-of-run call)."""
 
 
 # ---------------------------------------------------------------------------- evaluation

@@ -142,7 +142,7 @@ def run(
     grow = getattr(params, "progressive", None)  # sft's; adapters (lora) train on a frozen base
     growth = progressive.Growth(grow, cfg, model, desc, trained=True) if grow is not None and grow.enabled else None  # the base: stack 1
     result = loop.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints,
-                            extensions=extensions(model, tracker) if extensions else (), growth=growth, desc=desc)  # fmt: skip
+                            extensions=extensions(model, tracker) if extensions else (), schedule=growth, desc=desc)  # fmt: skip
     if growth is not None:
         model.requires_grad_(True)  # a growth phase may have left layers frozen
 

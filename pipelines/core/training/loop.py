@@ -9,9 +9,10 @@ A method differs only in what it hands the loop:
 - `extensions`: objects called at fixed points of the loop (train begin, gradients, step end,
   evaluation, save, train end) whose state is saved in checkpoints (`pipelines.core.extensions`);
   early stopping is one
-- `growth`: a model-growth schedule (`pipelines.core.training.progressive.Growth`): at its phase changes the
-  loop lets it grow the model and choose what trains, then starts a fresh optimizer over the
-  trainable parameters and a re-warmed schedule
+- `schedule`: the run's phases (`pipelines.core.training.phases`): plain training has one; at a
+  phase change of progressive growth or the multimodal stage the loop lets the schedule change
+  the model and choose what trains, then starts a fresh optimizer over the trainable parameters
+  and a re-warmed schedule
 
 The loop owns the rest: AdamW with no-decay groups, warmup + cosine/linear schedule, gradient
 accumulation, clipping, autocast in the precision the device supports (`auto`), progress bar, MLflow metrics, checkpoints and
@@ -48,7 +49,7 @@ from pipelines.core.models.models import CONSTRUCTION
 from pipelines.core.outputs import atomic_dir
 from pipelines.core.training import distributed
 from pipelines.core.training.checkpoint import CheckpointManager, rng_state, set_rng_state
-from pipelines.core.training.precision import resolve as resolve_precision
+from pipelines.core.training.phases import OnePhase, Phase, Schedule
 
 log = logging.getLogger("qllm.training")
 
@@ -229,11 +230,16 @@ def lr_multiplier(step: int, cfg: TrainParams) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16/fp16 autocast (weights and optimizer stay fp32); a no-op for fp32; `auto` as resolved
-    for this device (`pipelines.core.training.precision`)."""
+def _check_resolved(precision: str, what: str) -> None:
+    """`precision: auto` is resolved once, where a stage starts (`pipelines.core.run.stage`, with
+    `precision.resolve`): the loop and its helpers take bf16, fp16 or fp32."""
     if precision == "auto":
-        precision = resolve_precision(precision)
+        raise ValueError(f"{what} is 'auto': resolve it first (pipelines.core.training.precision.resolve), as stages do when they start")
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """bf16/fp16 autocast (weights and optimizer stay fp32); a no-op for fp32."""
+    _check_resolved(precision, "precision")
     if precision == "fp32":
         return contextlib.nullcontext()
     if precision == "fp16" and device.type != "cuda":
@@ -400,7 +406,7 @@ def train(
     tracker=None,
     checkpoints: CheckpointManager | None = None,
     extensions: Sequence[Extension] = (),
-    growth=None,
+    schedule: Schedule | None = None,
     desc: str = "train",
 ) -> dict[str, Any]:
     """Train `model` for `cfg.max_steps` optimizer steps; returns summary metrics.
@@ -411,8 +417,9 @@ def train(
     `tracker` is the stage's MLflow run, for the logger extensions `cfg.extensions` names
     (`pipelines.core.training.loggers`; `mlflow_metrics` flushes it before each checkpoint is written, so the
     tracking store holds every metric up to the checkpoint's step and a resumed run loses none).
-    `extensions` run before those of `cfg.extensions` (`pipelines.core.extensions`). With `growth`
-    (`pipelines.core.training.progressive.Growth`) the model changes shape at the schedule's phase changes;
+    `extensions` run before those of `cfg.extensions` (`pipelines.core.extensions`). `schedule`: the
+    run's phases (`pipelines.core.training.phases`; default `OnePhase`, plain training). With
+    progressive growth (`progressive.Growth`) the model changes shape at the phase changes;
     checkpoints then hold every weight and the phase, and a resume grows the model first.
 
     A stop request (SIGTERM/SIGINT, in any thread: `pipelines.core.errors`) finishes the current step,
@@ -427,11 +434,10 @@ def train(
     (`distributed.shard`); checkpoints gather its full weights and optimizer state on rank 0, and
     at the end every rank's `model` gets the full trained weights.
     """
-    if cfg.precision == "auto":  # stages resolve it before (pipelines.core.run.stage); direct callers get the same choice
-        cfg = cfg.model_copy(update={"precision": resolve_precision(cfg.precision, desc)})
+    _check_resolved(cfg.precision, f"{desc}.train.precision")
     with training_thread(), _StopSignals() as stop_signals:
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, extensions=extensions,
-                      growth=growth, desc=desc, stop_signals=stop_signals)  # fmt: skip
+                      schedule=schedule or OnePhase(), desc=desc, stop_signals=stop_signals)  # fmt: skip
 
 
 @dataclass
@@ -453,10 +459,10 @@ class _Run:
     scaler: torch.amp.GradScaler
     trainable: list[torch.nn.Parameter]
     oom: _OutOfMemoryGuard
-    growth: Any = None
-    """The model-growth schedule (`pipelines.core.training.progressive.Growth`), if any."""
-    phase: Any = None
-    """Its phase in force."""
+    schedule: Schedule
+    """The run's phases (`pipelines.core.training.phases`)."""
+    phase: Phase
+    """The phase in force."""
     state: TrainState = field(default_factory=TrainState)
     last: dict[str, float] = field(default_factory=dict)
     """The latest logged metrics (training and validation)."""
@@ -486,18 +492,18 @@ def _train(
     tracker,
     checkpoints: CheckpointManager | None,
     extensions: Sequence[Extension],
-    growth,
+    schedule: Schedule,
     desc: str,
     stop_signals: _StopSignals,
 ) -> dict[str, Any]:
-    run = _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals, growth)
+    run = _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals, schedule)
     try:
         _resume(run)
         run.hooks.call("on_train_begin", run.state)
         progress = _progress_bar(run)
         try:
             while run.state.step < cfg.max_steps and not run.state.stop:
-                if run.growth is not None and (phase := run.growth.phase_at(run.state.step)) is not run.phase:
+                if (phase := run.schedule.phase_at(run.state.step)) is not run.phase:
                     _enter_phase(run, phase)
                 step = _step(run)
                 if step is None:  # a non-finite batch, skipped
@@ -511,11 +517,10 @@ def _train(
         return _finish(run)
     finally:
         run.hooks.close()
-        if run.growth is not None:
-            run.growth.close()
+        run.schedule.close()
 
 
-def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals, growth=None) -> _Run:
+def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals, schedule: Schedule) -> _Run:
     """The parallel plan, the extensions (given, then `train.extensions`, then early stopping), the
     optimizer, schedule and grad scaler, and the model in training mode."""
     from pipelines.core import extensions as extension_api
@@ -538,38 +543,35 @@ def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extension
     net.train()
     if cfg.compile:
         net.compile()  # in place: the state dict keeps its names, so checkpoints and outputs do not change
-    phase = None
-    if growth is not None:
+    if schedule.changes_model:
         if parallel.world > 1 or cfg.compile:
-            raise QllmError(f"{desc}: progressive growth changes the model while it trains: it needs one process and no compile")
+            raise QllmError(f"{desc}: its phase schedule changes the model while it trains: it needs one process and no compile")
         if checkpoints is not None:
-            checkpoints.all_weights = True  # a frozen trunk was trained in an earlier phase
-        phase = growth.phases[0]
-        growth.enter(model, phase)
+            checkpoints.all_weights = True  # a frozen part was trained in an earlier phase
+    phase = schedule.phases[0]
+    schedule.enter(model, phase)
     optimizer = build_optimizer(net, cfg)
     return _Run(
         model=model, loss_fn=loss_fn, batches=batches, cfg=cfg, val_fn=val_fn, checkpoints=checkpoints, desc=desc,
-        stop_signals=stop_signals, parallel=parallel, hooks=hooks, optimizer=optimizer, scheduler=_schedule(optimizer, cfg, growth, phase),
+        stop_signals=stop_signals, parallel=parallel, hooks=hooks, optimizer=optimizer, scheduler=_schedule(optimizer, cfg, schedule, phase),
         scaler=torch.amp.GradScaler(parallel.device.type, enabled=cfg.precision == "fp16"),
         trainable=[p for p in net.parameters() if p.requires_grad], oom=_OutOfMemoryGuard(desc, cfg, optimizer),
-        growth=growth, phase=phase,
+        schedule=schedule, phase=phase,
     )  # fmt: skip
 
 
-def _schedule(optimizer: torch.optim.Optimizer, cfg: TrainParams, growth=None, phase=None) -> torch.optim.lr_scheduler.LambdaLR:
-    """The step-based schedule; in a growth phase counted from the phase's first step, times its re-warm."""
-    if growth is None:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(phase.start + step, cfg) * growth.lr_factor(phase, step))
+def _schedule(optimizer: torch.optim.Optimizer, cfg: TrainParams, schedule: Schedule, phase: Phase) -> torch.optim.lr_scheduler.LambdaLR:
+    """The step-based schedule, counted from the phase's first step, times the phase's factor (a re-warm)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(phase.start + step, cfg) * schedule.lr_factor(phase, step))
 
 
 def _enter_phase(run: _Run, phase) -> None:
-    """A growth point: the schedule grows the model and sets what trains; a fresh optimizer over
-    the trainable parameters and a re-warmed schedule from here."""
-    run.growth.enter(run.model, phase)
+    """A phase change: the schedule changes the model (grows it, sets what trains); a fresh
+    optimizer over the trainable parameters and a re-warmed schedule from here."""
+    run.schedule.enter(run.model, phase)
     run.phase = phase
     run.optimizer = build_optimizer(run.parallel.net, run.cfg)
-    run.scheduler = _schedule(run.optimizer, run.cfg, run.growth, phase)
+    run.scheduler = _schedule(run.optimizer, run.cfg, run.schedule, phase)
     run.trainable = [p for p in run.parallel.net.parameters() if p.requires_grad]
     run.oom.optimizer = run.optimizer
     trainable = sum(p.numel() for p in run.trainable)
@@ -587,7 +589,7 @@ def _snapshot(run: _Run) -> dict[str, Any]:
         "batches": run.batches.state_dict(),
         "loop": asdict(run.state),
         "extensions": run.hooks.state_dict(),
-        **({"growth": {"phase": run.phase.index}} if run.growth is not None else {}),
+        "phase": run.phase.index,
     }
 
 
@@ -595,8 +597,9 @@ def _resume(run: _Run) -> None:
     """Continue from the newest valid checkpoint, if there is one (every rank reads it)."""
     if run.checkpoints is None or (latest := run.checkpoints.latest_valid()) is None:
         return
-    if run.growth is not None:  # the model takes the checkpoint's shape (and trainable set) before its weights
-        phase = run.growth.phases[int(run.checkpoints.read_state(latest.path)["growth"]["phase"])]
+    if len(run.schedule.phases) > 1:  # the model takes the phase's shape (and trainable set) before its weights
+        state = run.checkpoints.read_state(latest.path)
+        phase = run.schedule.phases[int(state.get("phase", state.get("growth", {}).get("phase", 0)))]  # ("growth": before issue 37)
         if phase is not run.phase:
             _enter_phase(run, phase)
     saved = run.checkpoints.load(latest.path, run.model)
@@ -695,7 +698,7 @@ def _log(run: _Run, step: _Step, progress) -> None:
             "train/tokens_per_sec": run.window_tokens / max(elapsed, 1e-9),
             **step.metrics,  # the objective's own metrics, under the names it chose (e.g. rewards/chosen)
             **run.batches.metrics(state.step),  # the data order's (e.g. the curriculum's length)
-            **(run.growth.metrics() if run.growth is not None else {}),  # the growth schedule's (layers, cache)
+            **run.schedule.metrics(),  # the phase schedule's (layers, cache); none for plain training
         }
         state.tokens += run.window_tokens
         run.window_tokens, run.window_start = 0, time.perf_counter()

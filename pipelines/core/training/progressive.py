@@ -1,7 +1,7 @@
 """Progressive stack-wise growth: a model-growth schedule the shared loop is handed.
 
     growth = progressive.Growth(params.progressive, cfg, model)   # cuts `model` to its first stack
-    loop.train(model, loss_fn, batches, cfg, growth=growth, ...)
+    loop.train(model, loss_fn, batches, cfg, schedule=growth, ...)
 
 The model starts as its first stack of decoder layers (`stacks[0]`) and gains a stack every
 `steps_per_stack` steps until it has all `model.num_layers`; then an end-to-end phase trains the
@@ -38,7 +38,6 @@ import hashlib
 import logging
 import tempfile
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,23 +46,9 @@ import torch
 
 from pipelines.core.config import ActivationCacheParams, ProgressiveParams, TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.training.phases import Phase, phase_at
 
 log = logging.getLogger("qllm.progressive")
-
-
-@dataclass(frozen=True)
-class Phase:
-    """A stretch of steps with one model shape and one set of trainable layers."""
-
-    index: int
-    name: str
-    """`stack 2/3`, `end-to-end`, `end-to-end stack 1/3`: for logs."""
-    start: int
-    """First optimizer step (0-based) of the phase."""
-    layers: int
-    """Decoder layers the model has during the phase."""
-    trainable: tuple[int, int] | None
-    """Layers [lo, hi) that train (with the head); None: the whole model, embedding included."""
 
 
 def phases(grow: ProgressiveParams, max_steps: int) -> list[Phase]:
@@ -149,7 +134,10 @@ def head_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 class Growth:
-    """The growth schedule of one run: phases, model surgery, what trains, the re-warm, the cache."""
+    """The growth schedule of one run (a `phases.Schedule`): phases, model surgery, what trains,
+    the re-warm, the cache."""
+
+    changes_model = True
 
     def __init__(self, grow: ProgressiveParams, cfg: TrainParams, model: torch.nn.Module, desc: str = "pretrain",
                  trained: bool = False) -> None:  # fmt: skip
@@ -171,11 +159,7 @@ class Growth:
             self.cache.attach(model)
 
     def phase_at(self, step: int) -> Phase:
-        current = self.phases[0]
-        for phase in self.phases:
-            if phase.start <= step:
-                current = phase
-        return current
+        return phase_at(self.phases, step)
 
     def lr_factor(self, phase: Phase, steps_into_phase: int) -> float:
         """The re-warm ramp after a growth point (1 in the first phase and once warmed)."""

@@ -240,7 +240,7 @@ def test_frozen_trunk_cache_serves_masked_diffusion_by_row_and_time_step():
         growth = progressive.Growth(grow, c, model, "test")
         hits = []
         watch = Hook("on_step_end", lambda state, metrics: state.step == 23 and growth.cache and hits.append(growth.cache.hits))
-        loop.train(model, diffusion.Objective(params, MASK_ID), loop.Batches(16, 4, 0, collate(data)), c, growth=growth,
+        loop.train(model, diffusion.Objective(params, MASK_ID), loop.Batches(16, 4, 0, collate(data)), c, schedule=growth,
                        extensions=[watch])  # fmt: skip
         return model, hits
 

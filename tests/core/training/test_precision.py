@@ -91,17 +91,24 @@ def test_measured_probe_is_a_positive_ratio():
     assert 0 < precision.cpu_bf16_slowdown() < 10_000
 
 
-def test_autocast_follows_the_resolution(monkeypatch):
+def test_auto_is_resolved_once_where_a_stage_starts_and_the_loop_refuses_it(monkeypatch):
+    """The stage runner resolves `auto` (`run.stage`); the loop and autocast take what it chose
+    and refuse `auto` itself, so no second place can choose differently."""
+    from pipelines.core.config import TrainParams
     from pipelines.core.training import loop
 
     _cpu(monkeypatch)  # no bf16 units: auto is fp32, autocast a no-op
-    with loop.autocast(torch.device("cpu"), "auto"):
+    with loop.autocast(torch.device("cpu"), precision.resolve("auto")):
         assert not torch.is_autocast_enabled("cpu")
     precision.capability.cache_clear()
     _cpu(monkeypatch, amx=True)
-    with loop.autocast(torch.device("cpu"), "auto"):
+    with loop.autocast(torch.device("cpu"), precision.resolve("auto")):
         assert torch.is_autocast_enabled("cpu")
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match=r"precision is 'auto': resolve it first"):
+        loop.autocast(torch.device("cpu"), "auto")
+    with pytest.raises(ValueError, match=r"pretrain.train.precision is 'auto': resolve it first"):
+        loop.train(torch.nn.Linear(2, 2), loop.causal_lm_loss, loop.Batches(4, 2, 0, lambda i: {}), TrainParams(), desc="pretrain")
 
 
 def test_default_is_auto_and_params_yaml_uses_it():

@@ -94,7 +94,7 @@ def train_growing(directory=None, stop_at=None, grow=None, steps=9, seed=0, tie=
                                                     torch.device("cpu"), "fp32")}  # fmt: skip
     checkpoints = CheckpointManager(directory, 2) if directory else None
     result = loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, seed, collate(data)), c, val_fn=val,
-                            checkpoints=checkpoints, growth=growth, extensions=[Hook("on_step_end", stopper)], desc="test")  # fmt: skip
+                            checkpoints=checkpoints, schedule=growth, extensions=[Hook("on_step_end", stopper)], desc="test")  # fmt: skip
     return model, result, logged, growth
 
 
@@ -179,7 +179,7 @@ def test_activation_cache_gives_the_same_weights_and_skips_the_trunk():
 
     first.register_forward_pre_hook(count_first)
     data = rows(32, seq=8)
-    loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), c, growth=growth,
+    loop.train(model, loop.causal_lm_loss, loop.Batches(32, 4, 0, collate(data)), c, schedule=growth,
                    extensions=[Hook("on_step_end", count)], desc="test")  # fmt: skip
     for (name, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), name
