@@ -441,8 +441,25 @@ def train(
 
 
 @dataclass
+class _Progress:
+    """What changes while a run trains: the phase in force with its optimizer, schedule and
+    trainable parameters, the loop's state, and the window of the throughput metrics."""
+
+    phase: Phase
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    trainable: list[torch.nn.Parameter]
+    state: TrainState = field(default_factory=TrainState)
+    last: dict[str, float] = field(default_factory=dict)
+    """The latest logged metrics (training and validation)."""
+    window_tokens: int = 0
+    window_start: float = field(default_factory=time.perf_counter)
+    start_step: int = 0
+
+
+@dataclass(frozen=True)
 class _Run:
-    """Everything one training run holds; the steps below read and update it."""
+    """What setup builds for one training run, fixed while it trains; `now` is what changes."""
 
     model: torch.nn.Module
     loss_fn: LossFn
@@ -454,22 +471,12 @@ class _Run:
     stop_signals: _StopSignals
     parallel: distributed.Parallel
     hooks: Extensions
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
-    trainable: list[torch.nn.Parameter]
     oom: _OutOfMemoryGuard
     schedule: Schedule
     """The run's phases (`pipelines.core.training.phases`)."""
-    phase: Phase
-    """The phase in force."""
-    state: TrainState = field(default_factory=TrainState)
-    last: dict[str, float] = field(default_factory=dict)
-    """The latest logged metrics (training and validation)."""
-    window_tokens: int = 0
-    window_start: float = field(default_factory=time.perf_counter)
+    now: _Progress
     started: float = field(default_factory=time.perf_counter)
-    start_step: int = 0
 
 
 @dataclass
@@ -499,11 +506,11 @@ def _train(
     run = _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extensions, desc, stop_signals, schedule)
     try:
         _resume(run)
-        run.hooks.call("on_train_begin", run.state)
+        run.hooks.call("on_train_begin", run.now.state)
         progress = _progress_bar(run)
         try:
-            while run.state.step < cfg.max_steps and not run.state.stop:
-                if (phase := run.schedule.phase_at(run.state.step)) is not run.phase:
+            while run.now.state.step < cfg.max_steps and not run.now.state.stop:
+                if (phase := run.schedule.phase_at(run.now.state.step)) is not run.now.phase:
                     _enter_phase(run, phase)
                 step = _step(run)
                 if step is None:  # a non-finite batch, skipped
@@ -551,12 +558,12 @@ def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extension
     phase = schedule.phases[0]
     schedule.enter(model, phase)
     optimizer = build_optimizer(net, cfg)
+    now = _Progress(phase=phase, optimizer=optimizer, scheduler=_schedule(optimizer, cfg, schedule, phase),
+                    trainable=[p for p in net.parameters() if p.requires_grad])  # fmt: skip
     return _Run(
         model=model, loss_fn=loss_fn, batches=batches, cfg=cfg, val_fn=val_fn, checkpoints=checkpoints, desc=desc,
-        stop_signals=stop_signals, parallel=parallel, hooks=hooks, optimizer=optimizer, scheduler=_schedule(optimizer, cfg, schedule, phase),
-        scaler=torch.amp.GradScaler(parallel.device.type, enabled=cfg.precision == "fp16"),
-        trainable=[p for p in net.parameters() if p.requires_grad], oom=_OutOfMemoryGuard(desc, cfg, optimizer),
-        schedule=schedule, phase=phase,
+        stop_signals=stop_signals, parallel=parallel, hooks=hooks, scaler=torch.amp.GradScaler(parallel.device.type, enabled=cfg.precision == "fp16"),
+        oom=_OutOfMemoryGuard(desc, cfg, optimizer), schedule=schedule, now=now,
     )  # fmt: skip
 
 
@@ -569,27 +576,27 @@ def _enter_phase(run: _Run, phase) -> None:
     """A phase change: the schedule changes the model (grows it, sets what trains); a fresh
     optimizer over the trainable parameters and a re-warmed schedule from here."""
     run.schedule.enter(run.model, phase)
-    run.phase = phase
-    run.optimizer = build_optimizer(run.parallel.net, run.cfg)
-    run.scheduler = _schedule(run.optimizer, run.cfg, run.schedule, phase)
-    run.trainable = [p for p in run.parallel.net.parameters() if p.requires_grad]
-    run.oom.optimizer = run.optimizer
-    trainable = sum(p.numel() for p in run.trainable)
-    log.info("%s: step %d, %s: %d layers, %d trainable parameters", run.desc, run.state.step, phase.name, phase.layers, trainable)
-    run.hooks.call("on_log", run.state, {"train/layers": float(phase.layers), "train/trainable_parameters": float(trainable)}, run.state.step)
+    run.now.phase = phase
+    run.now.optimizer = build_optimizer(run.parallel.net, run.cfg)
+    run.now.scheduler = _schedule(run.now.optimizer, run.cfg, run.schedule, phase)
+    run.now.trainable = [p for p in run.parallel.net.parameters() if p.requires_grad]
+    run.oom.optimizer = run.now.optimizer
+    trainable = sum(p.numel() for p in run.now.trainable)
+    log.info("%s: step %d, %s: %d layers, %d trainable parameters", run.desc, run.now.state.step, phase.name, phase.layers, trainable)
+    run.hooks.call("on_log", run.now.state, {"train/layers": float(phase.layers), "train/trainable_parameters": float(trainable)}, run.now.state.step)
 
 
 def _snapshot(run: _Run) -> dict[str, Any]:
     """Everything but the weights that a checkpoint holds for an exact resume."""
     return {
-        "optimizer": run.parallel.optimizer_state(run.optimizer),
-        "scheduler": run.scheduler.state_dict(),
+        "optimizer": run.parallel.optimizer_state(run.now.optimizer),
+        "scheduler": run.now.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
         "rng": rng_state(),
         "batches": run.batches.state_dict(),
-        "loop": asdict(run.state),
+        "loop": asdict(run.now.state),
         "extensions": run.hooks.state_dict(),
-        "phase": run.phase.index,
+        "phase": run.now.phase.index,
     }
 
 
@@ -600,24 +607,24 @@ def _resume(run: _Run) -> None:
     if len(run.schedule.phases) > 1:  # the model takes the phase's shape (and trainable set) before its weights
         state = run.checkpoints.read_state(latest.path)
         phase = run.schedule.phases[int(state.get("phase", state.get("growth", {}).get("phase", 0)))]  # ("growth": before issue 37)
-        if phase is not run.phase:
+        if phase is not run.now.phase:
             _enter_phase(run, phase)
     saved = run.checkpoints.load(latest.path, run.model)
-    run.parallel.load_optimizer_state(run.optimizer, saved["optimizer"])
-    run.scheduler.load_state_dict(saved["scheduler"])
+    run.parallel.load_optimizer_state(run.now.optimizer, saved["optimizer"])
+    run.now.scheduler.load_state_dict(saved["scheduler"])
     run.scaler.load_state_dict(saved["scaler"])
     run.batches.load_state_dict(saved["batches"])
     set_rng_state(saved["rng"])
-    run.state = TrainState(**saved["loop"])
+    run.now.state = TrainState(**saved["loop"])
     run.hooks.load_state_dict(saved.get("extensions", {}))
-    run.start_step = run.state.step
-    log.info("%s: resumed from step %d (%s)", run.desc, run.state.step, latest.path)
+    run.now.start_step = run.now.state.step
+    log.info("%s: resumed from step %d (%s)", run.desc, run.now.state.step, latest.path)
 
 
 def _progress_bar(run: _Run):
     from tqdm.auto import tqdm
 
-    return tqdm(total=run.cfg.max_steps, initial=run.state.step, desc=run.desc, unit="step", disable=None if run.parallel.main else True,
+    return tqdm(total=run.cfg.max_steps, initial=run.now.state.step, desc=run.desc, unit="step", disable=None if run.parallel.main else True,
                 mininterval=1.0, dynamic_ncols=True)  # fmt: skip
 
 
@@ -629,8 +636,8 @@ def _step(run: _Run) -> _Step | None:
     loss_sum = torch.zeros((), device=parallel.device)
     metrics: dict[str, float] = {}
     tokens = 0
-    oom.step = run.state.step + 1
-    run.batches.begin_step(run.state.step)
+    oom.step = run.now.state.step + 1
+    run.batches.begin_step(run.now.state.step)
     with oom:
         for micro in range(parallel.accum):
             batch = oom.batch = to_device(next(run.batches), parallel.device)
@@ -642,8 +649,8 @@ def _step(run: _Run) -> _Step | None:
             for key, value in extra.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value) / parallel.accum
             tokens += _batch_tokens(batch)
-        run.scaler.unscale_(run.optimizer)
-        grad_norm = gradient_norm(run.trainable)
+        run.scaler.unscale_(run.now.optimizer)
+        grad_norm = gradient_norm(run.now.trainable)
     oom.check()
     loss = loss_sum / parallel.accum
     if parallel.world > 1:  # every rank then takes the same skip decision (the gradient norm is already global)
@@ -652,25 +659,25 @@ def _step(run: _Run) -> _Step | None:
     if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
         _skip_nonfinite(run, loss, grad_norm)
         return None
-    run.hooks.call("on_gradients", run.state)
+    run.hooks.call("on_gradients", run.now.state)
     if cfg.max_grad_norm > 0:
-        clip_gradients(run.trainable, cfg.max_grad_norm, grad_norm)
+        clip_gradients(run.now.trainable, cfg.max_grad_norm, grad_norm)
     with oom:
-        run.scaler.step(run.optimizer)  # the first step allocates AdamW's moments: it can run out of memory too
+        run.scaler.step(run.now.optimizer)  # the first step allocates AdamW's moments: it can run out of memory too
     oom.check()
     run.scaler.update()
-    run.scheduler.step()
-    run.hooks.call("on_optimizer_step", run.state)
-    run.optimizer.zero_grad(set_to_none=True)
-    run.state.step += 1
-    run.window_tokens += tokens
+    run.now.scheduler.step()
+    run.hooks.call("on_optimizer_step", run.now.state)
+    run.now.optimizer.zero_grad(set_to_none=True)
+    run.now.state.step += 1
+    run.now.window_tokens += tokens
     return _Step(loss=loss, grad_norm=grad_norm, metrics=metrics, tokens=tokens)
 
 
 def _skip_nonfinite(run: _Run, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
     """Skip a batch with a non-finite loss or gradient norm (no optimizer or schedule step), or
     raise once more than `skip_nonfinite` were skipped."""
-    state, cfg, desc = run.state, run.cfg, run.desc
+    state, cfg, desc = run.now.state, run.cfg, run.desc
     state.skipped_nonfinite += 1
     what = f"{desc}: non-finite loss ({float(loss)}) or gradient norm ({float(grad_norm)}) at step {state.step + 1}"
     if state.skipped_nonfinite > cfg.skip_nonfinite:
@@ -681,41 +688,41 @@ def _skip_nonfinite(run: _Run, loss: torch.Tensor, grad_norm: torch.Tensor) -> N
         )
     log.warning("%s: batch skipped (no optimizer step), %d of at most %d", what, state.skipped_nonfinite, cfg.skip_nonfinite)
     run.hooks.call("on_log", state, {"train/skipped_nonfinite": state.skipped_nonfinite}, state.step + 1)
-    run.optimizer.zero_grad(set_to_none=True)
+    run.now.optimizer.zero_grad(set_to_none=True)
     run.scaler.update()  # resets the scaler's per-step state (and lowers the fp16 loss scale)
 
 
 def _log(run: _Run, step: _Step, progress) -> None:
     """Every `log_every` steps (and the last): the training metrics to the history, the progress
     bar and the loggers; then the step-end extensions."""
-    state = run.state
+    state = run.now.state
     if state.step % run.cfg.log_every == 0 or state.step == run.cfg.max_steps:
-        elapsed = time.perf_counter() - run.window_start
-        run.last = {
+        elapsed = time.perf_counter() - run.now.window_start
+        run.now.last = {
             "train/loss": float(step.loss),
-            "train/lr": run.scheduler.get_last_lr()[0],
+            "train/lr": run.now.scheduler.get_last_lr()[0],
             "train/grad_norm": float(step.grad_norm),
-            "train/tokens_per_sec": run.window_tokens / max(elapsed, 1e-9),
+            "train/tokens_per_sec": run.now.window_tokens / max(elapsed, 1e-9),
             **step.metrics,  # the objective's own metrics, under the names it chose (e.g. rewards/chosen)
             **run.batches.metrics(state.step),  # the data order's (e.g. the curriculum's length)
             **run.schedule.metrics(),  # the phase schedule's (layers, cache); none for plain training
         }
-        state.tokens += run.window_tokens
-        run.window_tokens, run.window_start = 0, time.perf_counter()
-        state.history["train"].append([state.step, run.last["train/loss"], run.last["train/lr"]])
-        run.hooks.call("on_log", state, run.last, state.step)
-        progress.set_postfix(loss=f"{run.last['train/loss']:.4f}", tok_s=f"{run.last['train/tokens_per_sec']:.0f}", refresh=False)
-    run.hooks.call("on_step_end", state, run.last)
+        state.tokens += run.now.window_tokens
+        run.now.window_tokens, run.now.window_start = 0, time.perf_counter()
+        state.history["train"].append([state.step, run.now.last["train/loss"], run.now.last["train/lr"]])
+        run.hooks.call("on_log", state, run.now.last, state.step)
+        progress.set_postfix(loss=f"{run.now.last['train/loss']:.4f}", tok_s=f"{run.now.last['train/tokens_per_sec']:.0f}", refresh=False)
+    run.hooks.call("on_step_end", state, run.now.last)
 
 
 def _evaluation_due(run: _Run) -> bool:
     cfg = run.cfg
-    return run.val_fn is not None and (bool(cfg.eval_every and run.state.step % cfg.eval_every == 0) or run.state.step == cfg.max_steps)
+    return run.val_fn is not None and (bool(cfg.eval_every and run.now.state.step % cfg.eval_every == 0) or run.now.state.step == cfg.max_steps)
 
 
 def _evaluate(run: _Run, step: _Step) -> bool:
     """Validate (averaged across ranks), log, track the best loss; True for a new best."""
-    state = run.state
+    state = run.now.state
     val = run.parallel.mean(run.val_fn(run.parallel.eval_model()))
     run.hooks.call("on_log", state, val, state.step)
     state.history["eval"].append([state.step, val["val/loss"]])
@@ -727,7 +734,7 @@ def _evaluate(run: _Run, step: _Step) -> bool:
     if run.parallel.main:
         log.info("%s step %d/%d: train/loss %.4f, val/loss %.4f", run.desc, state.step, run.cfg.max_steps,
                  float(step.loss), val["val/loss"])  # fmt: skip
-    run.last |= val
+    run.now.last |= val
     run.hooks.call("on_evaluate", state, val)
     return best
 
@@ -738,16 +745,16 @@ def _save_checkpoint(run: _Run, best: bool) -> None:
     run.parallel.gather()
     main = run.parallel.main
     if main:
-        run.hooks.call("on_save", run.state, best)
+        run.hooks.call("on_save", run.now.state, best)
     snapshot = _snapshot(run) if run.parallel.fsdp or main else None
     if main:
-        run.checkpoints.save(run.state.step, run.model, snapshot, best=best)
+        run.checkpoints.save(run.now.state.step, run.model, snapshot, best=best)
 
 
 def _checkpoint_or_stop(run: _Run, best: bool) -> None:
     """Checkpoint at a new best and every `checkpoint_every` steps; on a stop request (on any
     rank), checkpoint if not done and raise `TrainingInterrupted`."""
-    state, cfg, checkpoints = run.state, run.cfg, run.checkpoints
+    state, cfg, checkpoints = run.now.state, run.cfg, run.checkpoints
     saved = checkpoints is not None and bool(best or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0))
     if saved:
         _save_checkpoint(run, best)
@@ -766,8 +773,8 @@ def _checkpoint_or_stop(run: _Run, best: bool) -> None:
 def _finish(run: _Run) -> dict[str, Any]:
     """The trained weights in `model` on every rank (FSDP gathers them), the best ones back under
     early stopping, the model handed back as it came; the summary, after the train-end extensions."""
-    state, cfg, model = run.state, run.cfg, run.model
-    state.tokens += run.window_tokens
+    state, cfg, model = run.now.state, run.cfg, run.model
+    state.tokens += run.now.window_tokens
     run.parallel.gather(everywhere=True)
     if cfg.gradient_checkpointing:
         activation_checkpointing(model, False, run.desc)  # hand the model back as it came (generation, saving)
@@ -778,7 +785,7 @@ def _finish(run: _Run) -> dict[str, Any]:
             run.checkpoints.load(best.path, model)
             log.info("%s: restored the best weights (step %d, val/loss %.4f)", run.desc, state.best_step, state.best_val_loss)
     seconds = time.perf_counter() - run.started
-    last = run.last
+    last = run.now.last
     if run.val_fn is not None and not any(k.startswith("val/") for k in last):
         last |= run.parallel.mean(run.val_fn(model))  # resumed from a checkpoint at max_steps: nothing ran, the metrics still count
     summary = {
@@ -788,7 +795,7 @@ def _finish(run: _Run) -> dict[str, Any]:
         "best_val_loss": state.best_val_loss,
         "best_step": state.best_step,
         "train_seconds": round(seconds, 3),
-        "steps_per_second": round((state.step - run.start_step) / max(seconds, 1e-9), 4),
+        "steps_per_second": round((state.step - run.now.start_step) / max(seconds, 1e-9), 4),
         "stopped_early": state.stop,
         "skipped_nonfinite": state.skipped_nonfinite,
         "history": state.history,
