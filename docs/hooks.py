@@ -1,0 +1,94 @@
+"""MkDocs hooks: pages generated at build time, so they cannot drift from their sources.
+
+- `index.md`: the README (its links rewritten for the site);
+- `results.md`: `benchmarks/RESULTS.md`;
+- `reference/params.md`: every params key, from the pydantic schemas of `pipelines/core/config.py`
+  (types, defaults and the attribute docstrings the schemas carry).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import typing
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _index() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = text.replace("](docs/", "](").replace("](benchmarks/RESULTS.md)", "](results.md)")
+    return text
+
+
+def _type(annotation) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{a}`" if a is not None else "`null`" for a in args)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " \\| ".join(_type(a) for a in args)
+    if origin in (list, dict, tuple):
+        return f"{origin.__name__}[{', '.join(_type(a) for a in args)}]"
+    if annotation is type(None):
+        return "`null`"
+    return getattr(annotation, "__name__", str(annotation)).replace("|", "\\|")
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if hasattr(value, "model_dump"):
+        return "(section)"
+    shown = repr(value) if not isinstance(value, str) else f'"{value}"'
+    shown = {"None": "null", "True": "true", "False": "false"}.get(shown, shown)
+    return "`" + (shown if len(shown) <= 60 else shown[:57] + "...") + "`"
+
+
+def _models(annotation) -> list:
+    from pydantic import BaseModel
+
+    found = []
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            found.append(candidate)
+    return found
+
+
+def _params_page() -> str:
+    sys.path.insert(0, str(ROOT))
+    from pipelines.core.config import Params
+
+    out = ["# Parameters", "",
+           "Every key of `params.yaml` (and of `--set`, `--params` files), generated from the pydantic schemas in "
+           "`pipelines/core/config.py` when the site is built: type, default and what it means. A nested section's "
+           "keys are listed once, under its schema's name.", ""]  # fmt: skip
+    seen, todo = set(), []
+    out += ["## Stages", "", "| section | schema | what it is |", "|---|---|---|"]
+    for name, field in Params.model_fields.items():
+        (model,) = _models(field.annotation)[:1] or [None]
+        out.append(f"| `{name}` | [{model.__name__}](#{model.__name__.lower()}) | {((model.__doc__ or '').strip().splitlines() or [''])[0]} |")
+        todo.append(model)
+    while todo:
+        model = todo.pop(0)
+        if model in seen:
+            continue
+        seen.add(model)
+        out += ["", f"## {model.__name__}", "", (model.__doc__ or "").strip(), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, field in model.model_fields.items():
+            nested = _models(field.annotation)
+            kind = ", ".join(f"[{m.__name__}](#{m.__name__.lower()})" for m in nested) or _type(field.annotation)
+            meaning = re.sub(r"\s+", " ", field.description or "").replace("|", "\\|")
+            out.append(f"| `{key}` | {kind} | {_default(field)} | {meaning} |")
+            todo += [m for m in nested if m not in seen]
+    return "\n".join(out) + "\n"
+
+
+def on_files(files, config):
+    for path, content in (("index.md", _index()), ("results.md", (ROOT / "benchmarks/RESULTS.md").read_text(encoding="utf-8")),
+                          ("reference/params.md", _params_page())):  # fmt: skip
+        files.append(File.generated(config, path, content=content))
+    return files

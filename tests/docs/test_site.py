@@ -1,0 +1,37 @@
+"""The documentation site (mkdocs.yml, docs/) builds with strict link and anchor checks, and its
+generated pages say what the code says."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_site_builds_strictly_and_the_params_reference_is_the_schemas(tmp_path):
+    site = tmp_path / "site"
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=REPO, capture_output=True,
+                           text=True, env=os.environ | {"NO_MKDOCS_2_WARNING": "1"}, timeout=300)  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "WARNING" not in built.stderr
+    params = (site / "reference/params/index.html").read_text()
+    from pipelines.core.config import Params, SftParams, TrainParams
+
+    for section in Params.model_fields:
+        assert f"<code>{section}</code>" in params, section
+    assert "loss_chunk_tokens" in params and TrainParams.model_fields["loss_chunk_tokens"].description.split()[0] in params
+    assert SftParams.__name__ in params
+    index = (site / "index.html").read_text()
+    assert 'href="data/"' in index and 'href="results/"' in index  # the README's links, made the site's
+
+
+def test_the_readme_is_one_screenful_and_links_every_page():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 260
+    pages = {p.name for p in (REPO / "docs").glob("*.md")}
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", readme))
+    assert pages <= linked, f"pages the README does not link: {sorted(pages - linked)}"
