@@ -20,7 +20,7 @@ import pytest
 
 from pipelines import ingest
 from pipelines.core.config import IngestParams, SourceParams
-from pipelines.core.data import readers
+from pipelines.core.data import formats, readers
 from pipelines.core.data.readers import COLUMNS, ReaderError, iter_source
 from tests.conftest import REPO
 from tests.core.data.test_readers import SRC, _hf_cache, write  # noqa: F401  (_hf_cache: an autouse fixture, active here too)
@@ -33,8 +33,8 @@ def jsonl(records: list[dict]) -> str:
 def small_pieces(monkeypatch, chunk: int, rows: int) -> None:
     """Decode `chunk` bytes, convert `rows` Parquet/`datasets` rows and batch `rows` records at a
     time, so that small files cross every boundary."""
-    monkeypatch.setattr(readers, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(readers, "SCAN_ROWS", rows)
+    monkeypatch.setattr(formats, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(formats, "SCAN_ROWS", rows)
     monkeypatch.setattr(readers, "BATCH_ROWS", rows)
 
 
@@ -150,8 +150,8 @@ def test_same_input_same_bytes_whatever_the_chunk_size(tmp_path, monkeypatch):
     params = mixed_sources(tmp_path)
     ingest.run(tmp_path, tmp_path / "a", params)
     ingest.run(tmp_path, tmp_path / "b", params)
-    monkeypatch.setattr(readers, "CHUNK_BYTES", 5)  # row groups depend on the records, never on how the file was read
-    monkeypatch.setattr(readers, "SCAN_ROWS", 2)
+    monkeypatch.setattr(formats, "CHUNK_BYTES", 5)  # row groups depend on the records, never on how the file was read
+    monkeypatch.setattr(formats, "SCAN_ROWS", 2)
     ingest.run(tmp_path, tmp_path / "c", params)
     for kind in COLUMNS:
         first = (tmp_path / "a" / f"{kind}.parquet").read_bytes()
@@ -194,7 +194,7 @@ def test_a_batch_also_ends_at_batch_bytes_and_progress_counts_bytes(tmp_path):
     batches = list(iter_source(SourceParams(path=path, kind="text"), tmp_path, batch_bytes=1000))
     assert [b.num_rows for b in batches] == [4, 4, 2]  # 1200 characters reach 1000: a record is never split
     assert all(b.schema == readers.SCHEMAS["text"] for b in batches)
-    table = readers.READERS["jsonl"](tmp_path / path, path, SourceParams(path=path, kind="text"))
+    table = formats.READERS["jsonl"](tmp_path / path, path, SourceParams(path=path, kind="text"))
     assert table.progress.unit == "B" and table.progress.total == (tmp_path / path).stat().st_size
     assert len(list(table.rows)) == 10 and table.progress.done == table.progress.total
 
@@ -207,7 +207,7 @@ def test_invalid_utf8_far_into_a_big_file_names_its_line(tmp_path, kind):
     else:
         lines = [json.dumps({"text": f"line {i} of a document, long enough for the file to fill a few chunks"}) for i in range(1, 60_000)]
     content = ("\n".join(lines[: bad_line - 1]) + "\n").encode() + b'{"text": "caf\xe9"}\n' + "\n".join(lines[bad_line:]).encode()
-    assert len(content) > 2 * readers.CHUNK_BYTES
+    assert len(content) > 2 * formats.CHUNK_BYTES
     path = write(tmp_path, f"big.{'txt' if kind == 'text' else 'jsonl'}", content)
     with pytest.raises(ReaderError) as caught:
         ingest.run(tmp_path, tmp_path / "out", IngestParams(sources=[SourceParams(path=path, kind="text")]))
@@ -217,7 +217,7 @@ def test_invalid_utf8_far_into_a_big_file_names_its_line(tmp_path, kind):
 
 @pytest.mark.parametrize("chunk", [1, 2, 4, 1 << 20])
 def test_utf8_errors_and_the_byte_order_mark_whatever_the_chunk_size(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(readers, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(formats, "CHUNK_BYTES", chunk)
     first = write(tmp_path, "first.txt", b"\xef\xbb\xbfab\xff\n")
     assert pytest.raises(ReaderError, readers.read_source, SourceParams(path=first, kind="text"), tmp_path).value.args[0] == (
         f"{first}:1: not valid UTF-8 (byte 0xff at position 2); re-encode the file as UTF-8"  # counted after the mark

@@ -56,7 +56,7 @@ def has_generation_marks(tokenizer) -> bool:
 
 
 TOOLS_KEY = "tools"
-"""A tool chat carries its tool schemas on its first message under this key (`readers._chat`):
+"""A tool chat carries its tool schemas on its first message under this key (`layouts._chat`):
 one stored value a chat, and chats without tools keep their bytes. `tools_of` takes them off."""
 DATE_STRING = "26 Jul 2024"
 """Llama 3.1+ templates print today's date (`strftime_now`) unless given `date_string`: the date

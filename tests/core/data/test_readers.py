@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from pipelines.core.config import SourceParams
-from pipelines.core.data import readers
+from pipelines.core.data import layouts
 from pipelines.core.data.readers import ReaderError, infer_format, read_source
 
 SRC = "data/sources"
@@ -311,7 +311,7 @@ def test_openai_messages_keep_weight_zero_turns_and_names(tmp_path):
 
 def test_numpy_message_arrays_become_plain_lists():
     array = np.array([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], dtype=object)
-    assert readers._message_list(array, "messages") == chat("q", "a")
+    assert layouts._message_list(array, "messages") == chat("q", "a")
 
 
 # ---------------------------------------------------------------------------- preference kind
