@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def _type(annotation) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" if a is not None else "`null`" for a in args)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " \\| ".join(_type(a) for a in args)
     if origin in (list, dict, tuple):
         return f"{origin.__name__}[{', '.join(_type(a) for a in args)}]"

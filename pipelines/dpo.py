@@ -99,7 +99,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     train_pairs, val_pairs, heldout_pairs = (load_pairs(ref_dir, s) for s in ("train", "validation", "test"))
     if not train_pairs:
         raise QllmError(f"{ref_dir / 'train.parquet'}: no preference pairs to train on")
-    method = "full" if params.adapter != "lora" else ("qlora" if params.lora.quantization in ("nf4", "fp4") else "lora")
+    method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
     estimates = footprint.preflight(root / reference, cfg, method=method, seq_len=max(max(len(p.chosen_ids), len(p.rejected_ids)) for p in train_pairs),
                                     micro_batch=2 * cfg.micro_batch_size, lora_rank=params.lora.r, desc=NAME)  # chosen and rejected rows  # fmt: skip
     model, tokenizer = load_for_inference(root / reference, root) if qconfig is None else quantize.load(root / reference, qconfig, "dpo.lora")

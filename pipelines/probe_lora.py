@@ -131,7 +131,7 @@ class FrozenGradientRecorder(GradientRecorder):
             module.weight.grad = None
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the gradients land on the weights, no hooks were registered."""
 
 
 def probe_frozen(model: torch.nn.Module, recorder, batches, cfg, what: str = "frozen base") -> tuple[object, dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -44,7 +45,8 @@ def is_module(module: str) -> bool:
     return module_path(module).is_file()
 
 
-def _imports(module: str, local: bool) -> set[str]:
+@functools.cache
+def _imports(module: str, local: bool) -> frozenset[str]:
     """`pipelines.*` modules imported by `module` (named relative to `pipelines`: `lora`,
     `core.models.adapters`): at module level (`local` False), or only inside functions (True)."""
     tree = ast.parse(module_path(module).read_text())
@@ -61,7 +63,7 @@ def _imports(module: str, local: bool) -> set[str]:
                 found.add(candidate if is_module(candidate) else base)
         elif isinstance(node, ast.Import):
             found |= {a.name.removeprefix("pipelines.") for a in node.names if a.name.startswith("pipelines.")}
-    return {m for m in found if m}
+    return frozenset(m for m in found if m)
 
 
 def pipelines_imports(module: str) -> set[str]:
@@ -169,6 +171,8 @@ LOCAL_IMPORTS: dict[str, str] = {
     "core.run.stage -> core.training.distributed": "torch, only for training stages",
     "core.run.stage -> core.training.precision": "torch, only for training stages",
     "core.run.repro -> core.run.stage": "MLflow: qllm run's no-op check never imports it",
+    "core.models.models -> core.models.diffusion_model": "transformers' Llama classes (2 s of import), only when a model is built or loaded",
+    "core.models.models -> core.models.memory_model": "transformers' Llama classes (2 s of import), only when a model is built or loaded",
     "core.quantum.rank_allocation -> core.models.adapters": "PEFT, only when adapters are allocated",
     "core.quantum.rank_allocation -> core.quantum.qubo": "dimod and the samplers, only when the QUBO is solved",
     "core.models.image_chat_pyfunc -> core.models.vision": "torch and the vision model, only when MLflow loads the registered model",

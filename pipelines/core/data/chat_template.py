@@ -23,6 +23,7 @@ template with markers and the same template without them train exactly the same 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -75,14 +76,19 @@ def uses_tools(messages: list[dict]) -> bool:
     return bool(messages) and (TOOLS_KEY in messages[0] or any(m.get("role") == "tool" or "tool_calls" in m for m in messages))
 
 
+@functools.lru_cache(maxsize=16)
+def _unread_tool_names(template: str) -> list[str]:
+    """Which of `tools`, `tool_calls` a chat template never reads (once per template)."""
+    return [word for word in ("tools", "tool_calls") if not re.search(rf"\b{word}\b", template)]
+
+
 def check_tool_support(tokenizer, messages: list[dict]) -> None:
     """A chat with tools, tool calls or tool results needs a template that renders them (Qwen2.5,
     Llama 3.1+, Mistral, Hermes-style ones take `tools` and read `tool_calls`); one that does not
     would silently drop them from the text the model trains on."""
     if not uses_tools(messages):
         return
-    template = chat_template_of(tokenizer)
-    missing = [word for word in ("tools", "tool_calls") if not re.search(rf"\b{word}\b", template)]
+    missing = _unread_tool_names(chat_template_of(tokenizer))
     if missing:
         name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
         raise ChatTemplateError(

@@ -108,6 +108,15 @@ def parameters(s: dict[str, int]) -> tuple[int, int]:
     return linear + embeddings + s["layers"] * 2 * s["hidden"] + s["hidden"], linear
 
 
+def method_for(adapter: bool, quantization: str = "none", probe: bool = False) -> str:
+    """The `estimate` method of a stage: all weights, or adapters on a full-precision or a 4-bit
+    base (`quantization` nf4/fp4), or (`probe`) probe_lora's gradients at such a base."""
+    four_bit = adapter and quantization in ("nf4", "fp4")
+    if probe:
+        return "qprobe" if four_bit else "probe"
+    return ("qlora" if four_bit else "lora") if adapter else "full"
+
+
 def estimate(config: dict, *, method: str, micro_batch: int, seq_len: int, gradient_checkpointing: bool, loss_chunk_tokens: int = 0,
              lora_rank: int = 8, optimizer: str = "adamw_fused") -> Need:  # fmt: skip
     """The need of one training stage; `method`: `full` (sft), `lora` or `qlora` (every linear

@@ -17,11 +17,6 @@ import torch
 from pipelines.core.config import ModelParams
 from pipelines.core.data.chat_template import IM_END, end_of_turn_token
 from pipelines.core.errors import QllmError
-from pipelines.core.models.diffusion_model import (  # registers the class with the Auto classes
-    QllmDiffusionConfig,
-    QllmDiffusionLlamaForMaskedDiffusion,
-)
-from pipelines.core.models.memory_model import QllmMemoryConfig, QllmMemoryLlamaForCausalLM  # as does this one
 from pipelines.core.models.model_source import follow, local_model_dir, model_location
 
 # transformers builds models under process-wide patches (default dtype, meta-device creation,
@@ -54,12 +49,16 @@ def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int, d
 
     config_class, model_class, extra = LlamaConfig, LlamaForCausalLM, {}
     if diffusion is not None:
+        from pipelines.core.models.diffusion_model import QllmDiffusionConfig, QllmDiffusionLlamaForMaskedDiffusion
+
         if mask_token_id is None:
             raise QllmError("a masked-diffusion model needs the tokenizer's mask token id")
         config_class, model_class = QllmDiffusionConfig, QllmDiffusionLlamaForMaskedDiffusion
         extra = {"mask_token_id": mask_token_id, "unmask_steps": diffusion.unmask_steps,
                  "block_length": diffusion.block_length}  # fmt: skip
     if params.memory.enabled:
+        from pipelines.core.models.memory_model import QllmMemoryConfig, QllmMemoryLlamaForCausalLM
+
         memory = params.memory
         config_class, model_class = QllmMemoryConfig, QllmMemoryLlamaForCausalLM
         extra = {"memory_layers": memory.layers, "memory_num_keys": memory.num_keys, "memory_heads": memory.heads,
@@ -137,6 +136,8 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantiz
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    import pipelines.core.models.diffusion_model  # noqa: F401  (registers the pipeline's own model classes with the Auto classes)
+    import pipelines.core.models.memory_model  # noqa: F401
 
     path = _follow(path)
     local = check_model_files(path)

@@ -73,11 +73,7 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
 def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str, probe: bool = False) -> dict[str, float]:
     """Before the base loads: what the stage will need (`footprint.preflight`). `probe`:
     probe_lora at a frozen base (gradients recorded, no optimizer)."""
-
-    kind = getattr(quantization, "quantization", "none")
-    method = "full" if quantization is None else ("qlora" if kind in ("nf4", "fp4") else "lora")
-    if probe:
-        method = "probe" if method != "qlora" else "qprobe"
+    method = footprint.method_for(quantization is not None, getattr(quantization, "quantization", "none"), probe)
     try:
         base = follow(params.base_model)
     except (OSError, ValueError) as exc:
