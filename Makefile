@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-all bench gpu-check lock clean-outputs serve stop docs
+.PHONY: install run test test-all bench gpu-check lock clean-outputs serve stop docs docs-screenshots
 
 # Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
 # PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
@@ -80,6 +80,11 @@ stop:
 # The documentation site (mkdocs.yml, docs/) on http://127.0.0.1:8000, rebuilt on every edit.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
+
+# The docs' screenshots (docs/images/) of the MLflow UI, the Prefect UI and TensorBoard, taken by a
+# headless Chromium against a real run of this checkout (after `make run`; docs/screenshots.py).
+docs-screenshots: install
+	PATH="$(BIN):$$PATH" $(PY) docs/screenshots.py $(ARGS)
 
 bench: install $(VENV)/.installed-peers
 	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.train_throughput

@@ -167,6 +167,15 @@ def stop(root: Path) -> list[str]:
     return stopped
 
 
+def runs_link(root: Path, ui_url: str) -> str:
+    """The served UI's link to the project experiment's runs (the experiment is made if new, so the
+    link works before the first run)."""
+    from pipelines.core.run import tracking
+
+    root = root.resolve()
+    return tracking.ui_runs_url(ui_url, tracking.experiment_id(root, uri=f"sqlite:///{root / 'mlflow.db'}"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.serve", description=__doc__.split("\n")[0])
     parser.add_argument("action", choices=["start", "stop", "status"])
@@ -180,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             services = record["services"]
             print(f"Prefect UI/API  {services['prefect-server']['url']}   (export PREFECT_API_URL={record['prefect_api_url']})")
             print(f"Prefect worker  pool {POOL!r} (process), pid {services['prefect-worker']['pid']}")
-            print(f"MLflow UI       {services['mlflow-ui']['url']}")
+            print(f"MLflow UI       {services['mlflow-ui']['url']}   (the runs: {runs_link(args.project_dir, services['mlflow-ui']['url'])})")
             print(f"logs and PIDs   {args.project_dir / STATE_DIR}; stop with `make stop`")
         elif args.action == "stop":
             stopped = stop(args.project_dir)

@@ -48,6 +48,16 @@ def test_services_listen_on_localhost_only(served):
     assert len(urls) == 2 and all(url.startswith("http://127.0.0.1:") for url in urls)
 
 
+def test_the_printed_mlflow_link_opens_the_projects_runs(served):
+    from mlflow import MlflowClient
+
+    project, record, _ = served
+    ui = record["services"]["mlflow-ui"]["url"]
+    link = serve.runs_link(project, ui)
+    experiment = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_experiment_by_name("qllm")
+    assert link == f"{ui}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+
+
 def test_deployment_run_completes_and_registers(served):
     from mlflow import MlflowClient
 

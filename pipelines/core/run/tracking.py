@@ -34,8 +34,9 @@ log = logging.getLogger("qllm.tracking")
 PARENT_RUN_ENV = "QLLM_PARENT_RUN_ID"
 DEFAULT_EXPERIMENT = "qllm"
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-"""MLflow 3's UI opens an experiment of this kind on its runs (training runs), not on the GenAI traces
-overview it shows for an experiment without the tag."""
+"""Marks the experiment as model training (runs, not GenAI traces). MLflow 3's UI reads its own
+GenAI/model-training switch first (browser storage, GenAI in a fresh browser), so a plain link to
+the experiment still opens its GenAI Overview page; `ui_runs_url` opens the runs."""
 
 _clients: dict[str, Any] = {}
 _clients_lock = threading.Lock()
@@ -50,10 +51,11 @@ def experiment_name() -> str:
     return os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
 
 
-def client(root: Path | str = ".") -> Any:
-    """A cached `MlflowClient`; the first use of a fresh SQLite store runs its migrations once,
-    under a file lock so concurrent runs do not migrate the same database twice."""
-    uri = tracking_uri(root)
+def client(root: Path | str = ".", uri: str | None = None) -> Any:
+    """A cached `MlflowClient` (of `uri`, default the project's); the first use of a fresh SQLite
+    store runs its migrations once, under a file lock so concurrent runs do not migrate the same
+    database twice."""
+    uri = uri or tracking_uri(root)
     with _clients_lock:
         if uri not in _clients:
             from mlflow import MlflowClient
@@ -84,9 +86,11 @@ def run_status(root: Path | str, run_id: str) -> str | None:
     return info.status if info.lifecycle_stage == "active" else None
 
 
-def experiment_id(root: Path | str = ".") -> str:
-    """Id of the tracking experiment, created on first use (artifacts under `mlartifacts/`)."""
-    mlflow_client = client(root)
+def experiment_id(root: Path | str = ".", uri: str | None = None) -> str:
+    """Id of the tracking experiment (in `uri`, default the project's), created on first use
+    (artifacts under `mlartifacts/`)."""
+    uri = uri or tracking_uri(root)
+    mlflow_client = client(root, uri)
     name = experiment_name()
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is not None:
@@ -94,12 +98,19 @@ def experiment_id(root: Path | str = ".") -> str:
             mlflow_client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
     location = None
-    if tracking_uri(root).startswith("sqlite:"):
+    if uri.startswith("sqlite:"):
         location = (project_root(root) / "mlartifacts").as_uri()
     try:
         return mlflow_client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # created concurrently by another run
         return mlflow_client.get_experiment_by_name(name).experiment_id
+
+
+def ui_runs_url(ui_url: str, experiment: str) -> str:
+    """The MLflow UI's runs table of `experiment`: `workflowType=machine_learning` sets the UI's
+    GenAI/model-training switch, which otherwise opens the experiment on its GenAI Overview page in
+    a fresh browser (MLflow 3.x; the UI keeps the choice afterwards)."""
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment}?workflowType=machine_learning"
 
 
 class Tracker:

@@ -1,0 +1,76 @@
+"""docs/screenshots.py (`make docs-screenshots`): a real headless Chromium photographs the MLflow UI,
+the Prefect UI and TensorBoard against a real tiny run, and the MLflow link lands on the runs.
+
+The browser is the system's Chromium (`apt-get install chromium`; `.ci/run` installs it) or
+QLLM_CHROMIUM; on a machine with neither, the browser test says so and skips.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, make_project
+
+sys.path.insert(0, str(REPO / "docs"))
+import screenshots  # noqa: E402
+
+from pipelines.core.run import tracking  # noqa: E402
+
+SHOTS = ["mlflow-runs.png", "mlflow-metrics.png", "mlflow-registry.png", "prefect-flow-run.png", "tensorboard.png"]
+
+
+def _png_size(path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_runs_link_sets_the_ui_to_model_training():
+    url = tracking.ui_runs_url("http://127.0.0.1:5000/", "7")
+    assert url == "http://127.0.0.1:5000/#/experiments/7?workflowType=machine_learning"
+
+
+def test_a_named_browser_that_does_not_exist_is_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("QLLM_CHROMIUM", str(tmp_path / "nochrome"))
+    with pytest.raises(screenshots.QllmError, match="QLLM_CHROMIUM=.*is not a file"):
+        screenshots.chromium_executable()
+
+
+def test_a_directory_that_is_no_project_is_refused_before_any_server_starts(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "docs" / "screenshots.py"), "--project", str(tmp_path), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert "is not a qllm project (it has no dvc.yaml)" in done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".qllm").exists()
+
+
+@pytest.mark.timeout(900)
+def test_screenshots_of_a_real_tiny_run(tmp_path, mlflow_template_db):
+    try:
+        browser = screenshots.chromium_executable()
+    except screenshots.QllmError:
+        browser = None
+    if browser is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium, or set QLLM_CHROMIUM)")
+    project = make_project(tmp_path / "project", mlflow_template_db)  # the script's own `qllm run` runs it whole
+    out = tmp_path / "images"
+    done = subprocess.run([sys.executable, str(REPO / "docs" / "screenshots.py"), "--project", str(project), "--out", str(out)],
+                          capture_output=True, text=True, timeout=800)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in SHOTS:
+        assert _png_size(out / name) == (screenshots.VIEWPORT["width"], screenshots.VIEWPORT["height"])
+        assert (out / name).stat().st_size > 20_000, f"{name} looks blank"
+    taken = {shot["file"]: shot for shot in json.loads((out / "screenshots.json").read_text())}
+    assert sorted(taken) == sorted(SHOTS)
+    # the runs link lands on the runs table (model-training face), not the GenAI overview
+    assert "/runs?" in taken["mlflow-runs.png"]["url"] and "workflowType=machine_learning" in taken["mlflow-runs.png"]["url"]
+    assert "overview" not in taken["mlflow-runs.png"]["url"]
+    assert taken["mlflow-registry.png"]["found"] == ["champion"]
+    assert "/runs/flow-run/" in taken["prefect-flow-run.png"]["url"]
+    # everything the script started is stopped again
+    assert not (project / ".qllm" / "serve" / "services.json").exists()
