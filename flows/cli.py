@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--model", required=True, metavar="URI|PATH", help="models:/NAME@ALIAS, models:/NAME/VERSION or a model directory")
     generate.add_argument("--prompt", required=True, help="the user message")
     generate.add_argument("--system", help="an optional system message")
-    generate.add_argument("--image", metavar="PATH", help="an image file to ask about (the multimodal model; README \"Multimodal\")")
+    generate.add_argument("--image", metavar="PATH", help="an image file to ask about (the multimodal model; docs/multimodal.md)")
     generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most N new tokens (default: 64)")
     generate.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); >0: sample at temperature T")
     generate.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")

@@ -38,7 +38,7 @@ DISABLED_README = """\
 # Multimodal stage disabled
 
 `multimodal.enabled` is false, so no image-chat model was trained. To train one on the sample
-digit images: `qllm run --params params/multimodal.yaml` (README "Multimodal").
+digit images: `qllm run --params params/multimodal.yaml` (docs/multimodal.md).
 """
 
 

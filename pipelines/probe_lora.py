@@ -242,7 +242,7 @@ UNUSED_README = """\
 
 `lora.allocation` is not `quantum_opt`: the lora stage allocates its ranks itself (or uses
 uniform ranks), so no static allocation needs these scores. For the static QUBO allocation
-(this probe, then quantum_opt): `lora.allocation: quantum_opt` (README "LoRA rank allocation").
+(this probe, then quantum_opt): `lora.allocation: quantum_opt` (docs/lora.md, "LoRA rank allocation as a QUBO").
 """
 
 

@@ -118,7 +118,7 @@ UNUSED_README = """\
 # No static LoRA rank allocation
 
 `lora.allocation` is not `quantum_opt`: the lora stage allocates its ranks while it trains or
-uses uniform ranks (README "LoRA rank allocation"), so nothing was solved here. For the static
+uses uniform ranks (docs/lora.md, "LoRA rank allocation as a QUBO"), so nothing was solved here. For the static
 QUBO allocation: `lora.allocation: quantum_opt`.
 """
 

@@ -107,7 +107,7 @@ class SampleDataParams(Section):
     system_prompt: str = "Answer with one word or number."
     """System message of every chat; empty for none."""
     images: SampleImagesParams = SampleImagesParams()
-    """Real digit images with questions, for the optional multimodal stage (README "Multimodal")."""
+    """Real digit images with questions, for the optional multimodal stage (docs/multimodal.md)."""
 
 
 SourceKind = Literal["text", "chat", "preference", "image_chat"]
@@ -822,7 +822,7 @@ class VisionParams(Section):
 
 
 class MultimodalParams(Section):
-    """The optional LLaVA-style image-chat stage (`pipelines/multimodal.py`, README "Multimodal")."""
+    """The optional LLaVA-style image-chat stage (`pipelines/multimodal.py`, docs/multimodal.md)."""
 
     enabled: bool = False
     """Train the multimodal model. Off: the stage writes only a README (no cost)."""
@@ -914,7 +914,7 @@ warnings.filterwarnings("ignore", message='Field name "register" in "Params" sha
 
 
 class BaseModelParams(Section):
-    """Where the fine-tuning stages start from (README "Fine-tune your own model")."""
+    """Where the fine-tuning stages start from (docs/fine-tuning.md)."""
 
     name: str | None = None
     """None: the model `pretrain` trains here from scratch. Otherwise a hub id (`Qwen/Qwen2.5-0.5B`)
