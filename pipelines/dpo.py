@@ -1,19 +1,26 @@
-"""Direct preference optimisation from cached reference log-probabilities.
+"""Preference optimisation: DPO and TRL's other DPO losses, KTO, ORPO and SimPO.
 
     python -m pipelines.dpo        # what dvc.yaml runs; writes data/models/dpo/
 
-The policy starts from the reference model of `ref_logprobs` (the SFT model), either
-with all weights trainable (`dpo.adapter: none`) or with a LoRA adapter built by the LoRA stage's
-code (`dpo.adapter: lora`, settings in `dpo.lora`). Each step runs the policy once over the
-concatenated chosen and rejected sequences; the reference log-probabilities come from
-`data/ref_logprobs/`, so the reference model is never run here. The loss is
-`pipelines.core.training.losses.preference_loss` (`dpo.loss_type`, `dpo.beta`, `dpo.label_smoothing`), plus
-`dpo.sft_weight` times the chosen answers' per-token NLL (RPO) when it is set.
+The policy starts from the model `ref_logprobs` names (`dpo.start`: the SFT model, or the base),
+either with all weights trainable (`dpo.adapter: none`) or with a LoRA adapter built by the LoRA
+stage's code (`dpo.adapter: lora`, settings in `dpo.lora`). Each step runs the policy once over the
+concatenated chosen and rejected sequences (KTO: over its examples, and once more without
+gradients over their mismatched KL pairs). The reference log-probabilities come from
+`data/ref_logprobs/`, so the reference model is never run here. The losses are
+`pipelines.core.training.losses`, by `dpo.method`:
 
+- `dpo`: `preference_loss` with `dpo.loss_type` (sigmoid, hinge, ipo, ipo_sum, robust, exo_pair,
+  nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop), `dpo.beta`, `dpo.label_smoothing`;
+- `kto`: `kto_loss` on the unpaired examples, `dpo.desirable_weight`/`dpo.undesirable_weight`;
+- `simpo`: `reference_free_loss` on per-token average log-probabilities, `dpo.simpo_gamma`;
+- `orpo`: the chosen answers' NLL plus `reference_free_loss`'s odds-ratio term (weight `dpo.beta`).
+
+`dpo.sft_weight` adds that times the chosen answers' per-token NLL (dpo: RPO; simpo: CPO-SimPO).
 Logged per step and on validation (`val/...`) with the names TRL uses: `rewards/chosen`,
-`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`,
-plus `kl/chosen` (mean policy - reference log-probability of the chosen answers). After training
-the same metrics on the held-out pairs (test split) are reported as `heldout/...`.
+`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`
+(plus `kl/chosen` with a reference; `kl` for KTO; `nll_loss`, `log_odds_ratio`, `log_odds_chosen`
+for ORPO). After training the same metrics on the held-out split are reported as `heldout/...`.
 """
 
 from __future__ import annotations
@@ -28,63 +35,109 @@ import torch
 from pipelines.core.config import DpoParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, footprint, quantize
-from pipelines.core.models.models import CONSTRUCTION, device, load_for_inference, parameter_counts, save_pretrained
+from pipelines.core.models.models import (
+    CONSTRUCTION,
+    device,
+    load_for_inference,
+    load_tokenizer,
+    parameter_counts,
+    save_pretrained,
+)
 from pipelines.core.outputs import read_json, write_json
 from pipelines.core.run import stage
 from pipelines.core.training import loop, preference_data
 from pipelines.core.training.checkpoint import CheckpointManager
-from pipelines.core.training.losses import preference_loss, reward_metrics
+from pipelines.core.training.losses import (
+    kto_loss,
+    kto_weight_advice,
+    preference_loss,
+    reference_free_loss,
+    reward_metrics,
+)
 
 NAME = "dpo"
+HEADLINE = ("heldout/rewards/accuracies", "heldout/rewards/margins", "heldout/kl")
 
 Reference = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _nll(policy_chosen: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """The chosen answers' NLL per token over the batch (TRL's cross-entropy on them)."""
+    return -policy_chosen.sum() / chosen_tokens.sum().clamp(min=1)
+
+
 def dpo_loss(params: DpoParams, reference: Reference | None = None):
-    """`loss_fn(model, batch)` for the training loop. `reference` None uses the batch's cached
-    reference log-probabilities; a function computes them every step (for benchmarks)."""
+    """`loss_fn(model, batch)` for the training loop, for `params.method`. `reference` None uses the
+    batch's cached reference log-probabilities; a function computes them every step (benchmarks)."""
+    if params.method == "kto":
+        return _kto_loss(params)
 
     def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
         policy_chosen, policy_rejected = preference_data.sequence_logps(model, batch)
-        if reference is None:
-            ref_chosen, ref_rejected = batch["ref_chosen"], batch["ref_rejected"]
-        else:
-            with torch.no_grad():
-                ref_chosen, ref_rejected = reference(batch)
-        losses, chosen_rewards, rejected_rewards = preference_loss(
-            policy_chosen, policy_rejected, ref_chosen, ref_rejected,
-            beta=params.beta, loss_type=params.loss_type, label_smoothing=params.label_smoothing,
-        )  # fmt: skip
-        metrics = reward_metrics(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected, ref_chosen)
-        loss = losses.mean()
-        if params.sft_weight:
-            chosen_tokens = batch["completion_tokens"][: len(policy_chosen)].clamp(min=1)
-            nll = (-policy_chosen / chosen_tokens).mean()
-            metrics["nll/chosen"] = nll.item()
-            loss = loss + params.sft_weight * nll
+        tokens = batch["completion_tokens"].to(policy_chosen.device).float()
+        chosen_tokens, rejected_tokens = tokens[: len(policy_chosen)], tokens[len(policy_chosen) :]
+        if params.method == "dpo":
+            if reference is None:
+                ref_chosen, ref_rejected = batch["ref_chosen"], batch["ref_rejected"]
+            else:
+                with torch.no_grad():
+                    ref_chosen, ref_rejected = reference(batch)
+            losses, chosen_rewards, rejected_rewards = preference_loss(
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=params.beta, loss_type=params.loss_type,
+                label_smoothing=params.label_smoothing, chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens,
+                discopop_tau=params.discopop_tau,
+            )  # fmt: skip
+            metrics = reward_metrics(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected, ref_chosen)
+            loss = losses.mean()
+        else:  # reference-free: per-token averages
+            chosen_avg, rejected_avg = policy_chosen / chosen_tokens.clamp(min=1), policy_rejected / rejected_tokens.clamp(min=1)
+            losses, chosen_rewards, rejected_rewards, extra = reference_free_loss(
+                params.method, chosen_avg, rejected_avg, beta=params.beta, gamma=params.simpo_gamma, label_smoothing=params.label_smoothing
+            )
+            metrics = reward_metrics(chosen_rewards, rejected_rewards, chosen_avg, rejected_avg, None) | extra
+            loss = losses.mean()
+        weight = 1.0 if params.method == "orpo" else params.sft_weight
+        if weight:
+            nll = _nll(policy_chosen, chosen_tokens)
+            metrics["nll_loss" if params.method == "orpo" else "nll/chosen"] = nll.item()
+            loss = loss + weight * nll
         return loss, metrics
 
     return loss_fn
 
 
-def evaluate_pairs(model, loss_fn, pairs: list[preference_data.Pair], pad_id: int, batch_size: int, precision: str, prefix: str) -> dict[str, float]:
-    """Loss and reward metrics over all `pairs` (eval mode, no gradients), as `<prefix>/...`."""
-    if not pairs:
+def _kto_loss(params: DpoParams):
+    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        logps = preference_data.row_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        with torch.no_grad():
+            kl_logps = preference_data.row_logps(model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"])
+        device = logps.device
+        return kto_loss(logps, batch["desirable"].to(device), batch["ref"].to(device), kl_logps, batch["ref_kl"].to(device), beta=params.beta,
+                        desirable_weight=params.desirable_weight, undesirable_weight=params.undesirable_weight)  # fmt: skip
+
+    return loss_fn
+
+
+def evaluate_pairs(model, loss_fn, items: list, make: Callable[[np.ndarray], dict], batch_size: int, precision: str, prefix: str) -> dict[str, float]:
+    """Loss and metrics over all `items` (pairs or KTO examples, batched by `make`; eval mode, no
+    gradients), as `<prefix>/...`: each a mean over the items of the batches that log it."""
+    if not items:
         return {}
     was_training = model.training
     model.eval()
-    make = preference_data.collate(pairs, pad_id)
     totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
     with torch.no_grad():
-        for start in range(0, len(pairs), batch_size):
-            indices = np.arange(start, min(start + batch_size, len(pairs)))
+        for start in range(0, len(items), batch_size):
+            indices = np.arange(start, min(start + batch_size, len(items)))
             batch = loop.to_device(make(indices), device())
             with loop.autocast(device(), precision):
                 loss, metrics = loss_fn(model, batch)
             for key, value in {"loss": float(loss), **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + value * len(indices)
+                counts[key] = counts.get(key, 0) + len(indices)
     model.train(was_training)
-    return {f"{prefix}/{k}": v / len(pairs) for k, v in totals.items()}
+    return {f"{prefix}/{k}": v / counts[k] for k, v in totals.items()}
 
 
 def load_pairs(ref_dir: Path, split: str) -> list[preference_data.Pair]:
@@ -92,17 +145,48 @@ def load_pairs(ref_dir: Path, split: str) -> list[preference_data.Pair]:
     return preference_data.from_frame(pd.read_parquet(path)) if path.exists() else []
 
 
-def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, checkpoint_dir: Path | None = None) -> dict:
+def load_examples(ref_dir: Path, split: str) -> list[preference_data.Example]:
+    path = ref_dir / f"unpaired_{split}.parquet"
+    return preference_data.examples_from_frame(pd.read_parquet(path)) if path.exists() else []
+
+
+def _data(ref_dir: Path, params: DpoParams, pad: int) -> tuple[dict[str, tuple[list, Callable]], int]:
+    """Per split the items (pairs, or KTO examples) and their collate function; and the longest row."""
+    meta = read_json(ref_dir / "meta.json")
+    if meta.get("method", "dpo") != params.method:  # the DAG lists dpo.method for ref_logprobs: only a hand-made directory gets here
+        raise QllmError(f"{ref_dir / 'meta.json'}: encoded for method {meta.get('method', 'dpo')!r}, but dpo.method is {params.method!r}; rerun ref_logprobs")
+    data = {}
+    for split in ("train", "validation", "test"):
+        if params.method == "kto":
+            examples = load_examples(ref_dir, split)
+            data[split] = (examples, preference_data.collate_examples(examples, pad))
+        else:
+            pairs = load_pairs(ref_dir, split)
+            data[split] = (pairs, preference_data.collate(pairs, pad))
+    train = data["train"][0]
+    if not train:
+        raise QllmError(f"{ref_dir / ('unpaired_train.parquet' if params.method == 'kto' else 'train.parquet')}: no preference data to train on")
+    longest = max(max(len(e.ids), len(e.kl_ids)) for e in train) if params.method == "kto" else max(max(len(p.chosen_ids), len(p.rejected_ids)) for p in train)
+    return data, longest
+
+
+def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, checkpoint_dir: Path | None = None, log=None) -> dict:
     cfg = params.train
-    reference = read_json(ref_dir / "meta.json")["reference"]  # the model the reference pass used
+    meta = read_json(ref_dir / "meta.json")
+    start = meta.get("start", meta["reference"])  # the model the policy starts from (and the reference pass used, if any)
     qconfig = quantize.from_params(params.lora, cfg.precision, "dpo.lora") if params.adapter == "lora" else None
-    train_pairs, val_pairs, heldout_pairs = (load_pairs(ref_dir, s) for s in ("train", "validation", "test"))
-    if not train_pairs:
-        raise QllmError(f"{ref_dir / 'train.parquet'}: no preference pairs to train on")
+    tokenizer_source = root / start / "merged" if (root / start / "merged" / "config.json").exists() else root / start
+    data, longest = _data(ref_dir, params, load_tokenizer(tokenizer_source).pad_token_id)
+    if params.method == "kto":
+        train = data["train"][0]
+        desirable = sum(e.desirable for e in train)
+        advice = kto_weight_advice(desirable, len(train) - desirable, params.desirable_weight, params.undesirable_weight)
+        if advice and log is not None:
+            log.warning("dpo.method kto: %s", advice)
     method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
-    estimates = footprint.preflight(root / reference, cfg, method=method, seq_len=max(max(len(p.chosen_ids), len(p.rejected_ids)) for p in train_pairs),
-                                    micro_batch=2 * cfg.micro_batch_size, lora_rank=params.lora.r, desc=NAME)  # chosen and rejected rows  # fmt: skip
-    model, tokenizer = load_for_inference(root / reference, root) if qconfig is None else quantize.load(root / reference, qconfig, "dpo.lora")
+    estimates = footprint.preflight(root / start, cfg, method=method, seq_len=longest, micro_batch=2 * cfg.micro_batch_size, lora_rank=params.lora.r,
+                                    desc=NAME)  # two rows an item: chosen and rejected, or an example and its KL pair  # fmt: skip
+    model, tokenizer = load_for_inference(root / start, root) if qconfig is None else quantize.load(root / start, qconfig, "dpo.lora")
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
@@ -112,43 +196,44 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     if qconfig is not None:
         counts |= quantize.linear_weight_bytes(model)
     if tracker is not None:
-        tracker.log_params({f"dpo.{k}": v for k, v in counts.items()} | {"dpo.reference": reference})
+        tracker.log_params({f"dpo.{k}": v for k, v in counts.items()} | {"dpo.reference": meta["reference"], "dpo.start_model": start})
 
     loss_fn = dpo_loss(params)
-    pad = tokenizer.pad_token_id
-    batches = loop.Batches(len(train_pairs), cfg.micro_batch_size, cfg.seed, preference_data.collate(train_pairs, pad))
+    (train, make_train), (val, make_val), (heldout, make_heldout) = data["train"], data["validation"], data["test"]
+    batches = loop.Batches(len(train), cfg.micro_batch_size, cfg.seed, make_train)
     val_fn = None
-    if val_pairs:
+    if val:
 
         def val_fn(m: torch.nn.Module) -> dict[str, float]:
-            return evaluate_pairs(m, loss_fn, val_pairs, pad, cfg.micro_batch_size, cfg.precision, "val")
+            return evaluate_pairs(m, loss_fn, val, make_val, cfg.micro_batch_size, cfg.precision, "val")
 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     result = loop.train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, desc=NAME)
-    heldout = evaluate_pairs(model, loss_fn, heldout_pairs, pad, cfg.micro_batch_size, cfg.precision, "heldout")
-    if tracker is not None and heldout:
-        tracker.log_metrics(heldout, step=result["steps"])
+    heldout_metrics = evaluate_pairs(model, loss_fn, heldout, make_heldout, cfg.micro_batch_size, cfg.precision, "heldout")
+    if tracker is not None and heldout_metrics:
+        tracker.log_metrics(heldout_metrics, step=result["steps"])
 
     def save(tmp: Path) -> None:
         if params.adapter == "lora":
-            quantized_base = (str(root / reference), qconfig) if qconfig is not None else None
-            adapters.save(reference, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
+            quantized_base = (str(root / start), qconfig) if qconfig is not None else None
+            adapters.save(start, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
         else:
             save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
         # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)
-        write_json(tmp / preference_data.PREFERENCE_CONFIG, {"beta": params.beta, "loss_type": params.loss_type, "reference": reference})
+        write_json(tmp / preference_data.PREFERENCE_CONFIG, {"method": params.method, "beta": params.beta, "loss_type": params.loss_type,
+                                                              "reference": meta["reference"]})  # fmt: skip
 
     result = loop.finish(result, out, save)
-    return {**result, **counts, **heldout, "reference": reference, "train_pairs": len(train_pairs), **estimates}
+    sizes = {"train_examples": len(train)} if params.method == "kto" else {"train_pairs": len(train)}
+    return {**result, **counts, **heldout_metrics, "reference": meta["reference"], "start": start, **sizes, **estimates}
 
 
 def body(ctx: stage.StageContext) -> dict:
-    metrics = run(ctx.root, ctx.input("ref_logprobs"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir)
-    ctx.log.info(
-        "dpo (beta %.3g, %s): %d steps; validation rewards/accuracies %.3f; held-out rewards/accuracies %.3f, margins %.3f",
-        ctx.params.beta, ctx.params.loss_type, metrics["steps"], metrics.get("val/rewards/accuracies", float("nan")),
-        metrics.get("heldout/rewards/accuracies", float("nan")), metrics.get("heldout/rewards/margins", float("nan")),
-    )
+    metrics = run(ctx.root, ctx.input("ref_logprobs"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir, ctx.log)
+    p = ctx.params
+    what = {"dpo": f"dpo {p.loss_type}", "kto": "kto", "orpo": "orpo", "simpo": f"simpo gamma {p.simpo_gamma:g}"}[p.method]
+    heldout = ", ".join(f"{k.removeprefix('heldout/')} {v:.3f}" for k, v in metrics.items() if k in HEADLINE) or "no held-out data"
+    ctx.log.info("%s (beta %.3g, from %s): %d steps; held-out %s", what, p.beta, metrics["start"], metrics["steps"], heldout)
     return metrics
 
 

@@ -16,8 +16,9 @@ For each model in `evaluate.models` (stage outputs `data/models/<stage>`), `eval
   same answers against the references with that local encoder (`BertScore`), mean over questions;
 - `preference_accuracy`: how often the model gives the chosen answer of a held-out preference pair
   (`data/ref_logprobs/test.parquet`) a higher summed log-probability than the rejected one;
-- for a DPO policy (its directory holds `preference_config.json`): the implicit-reward metrics of
-  TRL, `rewards/accuracies`, `rewards/margins`, ..., β·(policy − reference) on the same pairs.
+- for a policy trained with a reference (its directory holds `preference_config.json`; dpo.method
+  dpo or kto): the implicit-reward metrics of TRL, `rewards/accuracies`, `rewards/margins`, ...,
+  β·(policy − reference) on the same pairs (orpo and simpo have no reference: no such metrics).
 
 When the multimodal stage ran (`data/models/multimodal` holds a model), an entry `multimodal` too,
 on the held-out image questions (`data/prepared/image_chat/test.parquet`; `pipelines.core.models.vision.evaluate`):
@@ -293,7 +294,8 @@ def evaluate_model(
     if bertscore is not None:
         similarity |= bertscore.metrics(predictions, questions["reference"].tolist(), params.batch_size)
     config_path = model_dir / preference_data.PREFERENCE_CONFIG
-    beta = read_json(config_path)["beta"] if config_path.exists() else None
+    trained = read_json(config_path) if config_path.exists() else {}
+    beta = trained["beta"] if trained.get("reference") else None  # the reference-free methods have no implicit reward β·(π − ref)
     preference = preference_metrics(model, list(pairs), tokenizer.pad_token_id, params.batch_size, beta)
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)

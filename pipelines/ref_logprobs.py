@@ -1,13 +1,26 @@
-"""Reference log-probabilities for DPO, computed once and cached as a versioned stage output.
+"""The preference data encoded for `dpo`'s method, with reference log-probabilities computed once
+and cached as a versioned stage output.
 
     python -m pipelines.ref_logprobs    # what dvc.yaml runs; writes data/ref_logprobs/
 
-For every preference pair of each split (train, validation, test), the summed completion
-log-probabilities of `chosen` and `rejected` under the reference model (the SFT model, which DPO
-starts from; with `dpo.adapter: lora` it is the LoRA base with adapters disabled) are stored with the pair's token ids in `<split>.parquet`, keyed by the
-pair id. `dpo` trains from these files and never runs the reference model, so a sweep over DPO
-hyperparameters (`qllm run --set dpo.beta=0.05`, then `--set dpo.beta=0.5`) reuses this one pass:
-the stage's inputs do not depend on `dpo.*`, so DVC restores it from the cache.
+Every preference pair of each split (train, validation, test) is rendered with the chat template
+and stored with its token ids in `<split>.parquet`, keyed by the pair id. What else it holds
+depends on `dpo.method` (the only `dpo` keys this stage reads, with `dpo.start`):
+
+- `dpo` and `kto` (a reference): the summed completion log-probabilities of `chosen` and `rejected`
+  under the reference, the model the policy starts from (`dpo.start`: the SFT model, or the base;
+  with `dpo.adapter: lora` the LoRA base with adapters disabled). For `kto` also
+  `unpaired_<split>.parquet`: each pair split into a desirable and an undesirable example (TRL's
+  `unpair_preference_dataset`), each with its mismatched prompt/completion pair for KTO's KL
+  estimate (the prompt with the completion of the example before it) and that pair's reference
+  log-probability.
+- `orpo` and `simpo` (reference-free): the token ids only. No model is loaded (its tokenizer and
+  config are), so the branch costs a tokenization.
+
+`dpo` trains from these files and never runs the reference model, so a sweep over DPO
+hyperparameters (`qllm run --set dpo.beta=0.05`, then `--set dpo.beta=0.5`, or another
+`dpo.loss_type`) reuses this one pass: the stage's inputs do not depend on those keys, so DVC
+restores it from the cache. `meta.json` names the start model and the reference (null without one).
 """
 
 from __future__ import annotations
@@ -20,14 +33,18 @@ import pandas as pd
 import torch
 
 from pipelines.core.config import RefLogprobsParams
+from pipelines.core.errors import QllmError
 from pipelines.core.models import quantize
-from pipelines.core.models.models import load_for_inference
+from pipelines.core.models.model_source import follow
+from pipelines.core.models.models import load_for_inference, load_tokenizer
 from pipelines.core.outputs import atomic_dir, write_json
 from pipelines.core.run import stage
 from pipelines.core.training import preference_data
 
 NAME = "ref_logprobs"
 SPLITS = ("train", "validation", "test")
+REFERENCE_METHODS = ("dpo", "kto")
+STARTS = {"sft": "models/sft", "base": "models/pretrain"}
 
 
 @torch.no_grad()
@@ -42,12 +59,47 @@ def score(model, pairs: list[preference_data.Pair], pad_id: int, batch_size: int
             pairs[i].ref_chosen, pairs[i].ref_rejected = c, r
 
 
-def run(root: Path, reference: Path, preferences: Path, out: Path, params: RefLogprobsParams) -> dict:
-    """`meta.json` names `reference` relative to `root` (`data/models/sft`), as `dpo` loads it."""
-    qconfig = quantize.from_params(params, "fp32", "ref_logprobs")  # QLoRA DPO: the SFT model in the bits DPO trains on
-    model, tokenizer = load_for_inference(reference, root) if qconfig is None else quantize.load(reference, qconfig, "ref_logprobs")
-    max_length = params.max_length or model.config.max_position_embeddings
-    metrics: dict = {"max_length": max_length}
+@torch.no_grad()
+def score_examples(model, examples: list[preference_data.Example], pairs: list[preference_data.Pair], pad_id: int, batch_size: int) -> None:
+    """KTO examples made by `preference_data.unpair(pairs)`: their reference log-probabilities are
+    their pairs' (scored already); their KL rows are scored here."""
+    for example, ref in zip(examples, [p.ref_chosen for p in pairs] + [p.ref_rejected for p in pairs], strict=True):
+        example.ref = ref
+    model.eval()
+    make = preference_data.collate_examples(examples, pad_id)
+    for start in range(0, len(examples), batch_size):
+        indices = np.arange(start, min(start + batch_size, len(examples)))
+        batch = make(indices)
+        kl = preference_data.row_logps(model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"], preference_data.SCORE_CHUNK_TOKENS)
+        for i, value in zip(indices, kl.tolist(), strict=True):
+            examples[i].ref_kl = value
+
+
+def context_length(model_dir: Path) -> int:
+    """The model's context length from its config alone (the reference-free branch loads no weights)."""
+    from transformers import AutoConfig
+
+    source = follow(model_dir / "merged" if (model_dir / "merged" / "config.json").exists() else model_dir)
+    try:
+        return int(AutoConfig.from_pretrained(str(source)).max_position_embeddings)
+    except (OSError, ValueError, AttributeError) as exc:
+        raise QllmError(f"{model_dir}: cannot read the context length from its config ({exc}); set ref_logprobs.max_length") from None
+
+
+def _named(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+
+
+def run(root: Path, start: Path, preferences: Path, out: Path, params: RefLogprobsParams, method: str = "dpo") -> dict:
+    """`meta.json` names `start` relative to `root` (`data/models/sft`), as `dpo` loads it."""
+    if method in REFERENCE_METHODS:
+        qconfig = quantize.from_params(params, "fp32", "ref_logprobs")  # QLoRA DPO: the SFT model in the bits DPO trains on
+        model, tokenizer = load_for_inference(start, root) if qconfig is None else quantize.load(start, qconfig, "ref_logprobs")
+        max_length = params.max_length or model.config.max_position_embeddings
+    else:
+        model, tokenizer = None, load_tokenizer(start / "merged" if (start / "merged" / "config.json").exists() else start)
+        max_length = params.max_length or context_length(start)
+    metrics: dict = {"max_length": max_length, "method": method}
     started = time.perf_counter()
     tokens = 0
     with atomic_dir(out) as tmp:
@@ -56,29 +108,41 @@ def run(root: Path, reference: Path, preferences: Path, out: Path, params: RefLo
             pairs, dropped = preference_data.encode_pairs(
                 tokenizer, frame, max_length, params.max_prompt_length, params.on_invalid, where=f"{preferences / split}.parquet: "
             )
-            score(model, pairs, tokenizer.pad_token_id, params.batch_size)
+            info: dict = {"pairs_in": len(frame), "pairs": len(pairs), "dropped": dropped}
+            if model is not None:
+                score(model, pairs, tokenizer.pad_token_id, params.batch_size)
+                tokens += sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+                info["mean_ref_chosen_logp"] = round(float(np.mean([p.ref_chosen for p in pairs])), 4) if pairs else None
+                info["mean_ref_rejected_logp"] = round(float(np.mean([p.ref_rejected for p in pairs])), 4) if pairs else None
             preference_data.to_frame(pairs, split).to_parquet(tmp / f"{split}.parquet", index=False)
-            tokens += sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-            metrics[split] = {
-                "pairs_in": len(frame),
-                "pairs": len(pairs),
-                "dropped": dropped,
-                "mean_ref_chosen_logp": round(float(np.mean([p.ref_chosen for p in pairs])), 4) if pairs else None,
-                "mean_ref_rejected_logp": round(float(np.mean([p.ref_rejected for p in pairs])), 4) if pairs else None,
-            }
-        named = reference.relative_to(root).as_posix() if reference.is_relative_to(root) else str(reference)
-        write_json(tmp / "meta.json", {"reference": named, "max_length": max_length, "max_prompt_length": params.max_prompt_length})
+            if method == "kto":
+                examples = preference_data.unpair(pairs)
+                score_examples(model, examples, pairs, tokenizer.pad_token_id, params.batch_size)
+                tokens += sum(len(e.kl_ids) for e in examples)
+                preference_data.examples_to_frame(examples, split).to_parquet(tmp / f"unpaired_{split}.parquet", index=False)
+                info["desirable"] = sum(e.desirable for e in examples)
+                info["undesirable"] = len(examples) - info["desirable"]
+                info["mean_ref_kl_logp"] = round(float(np.mean([e.ref_kl for e in examples])), 4) if examples else None
+            metrics[split] = info
+        named = _named(start, root)
+        write_json(tmp / "meta.json", {"method": method, "start": named, "reference": named if model is not None else None,
+                                       "max_length": max_length, "max_prompt_length": params.max_prompt_length})  # fmt: skip
     seconds = time.perf_counter() - started
-    return metrics | {"tokens_per_second": round(tokens / max(seconds, 1e-9)), "forward_seconds": round(seconds, 3)}
+    metrics["forward_seconds"] = round(seconds, 3)
+    if model is not None:
+        metrics["tokens_per_second"] = round(tokens / max(seconds, 1e-9))
+    return metrics
 
 
 def body(ctx: stage.StageContext) -> dict:
-    reference = ctx.input("models/sft")
-    metrics = run(ctx.root, reference, ctx.input("preference"), ctx.output(), ctx.params)
+    method = ctx.param("dpo.method")
+    start = ctx.input(STARTS[ctx.param("dpo.start")])
+    metrics = run(ctx.root, start, ctx.input("preference"), ctx.output(), ctx.params, method)
+    scored = f"scored under {start.relative_to(ctx.root)}" if method in REFERENCE_METHODS else f"encoded (dpo.method {method} needs no reference)"
     for split in SPLITS:
         info = metrics[split]
         dropped = {k: v for k, v in info["dropped"].items() if v}
-        ctx.log.info("%s: %d of %d pairs scored under %s%s", split, info["pairs"], info["pairs_in"], reference.relative_to(ctx.root), f"; dropped {dropped}" if dropped else "")
+        ctx.log.info("%s: %d of %d pairs %s%s", split, info["pairs"], info["pairs_in"], scored, f"; dropped {dropped}" if dropped else "")
         for reason, count in dropped.items():
             ctx.log.warning("%s: dropped %d pairs: %s", split, count, reason.replace("_", " "))
     return metrics

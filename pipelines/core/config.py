@@ -777,17 +777,44 @@ class RefLogprobsParams(Section):
     """As in `dpo.lora`; `auto` here is fp32 (the reference pass scores in fp32)."""
 
 
-class DpoParams(Section):
-    """Direct preference optimisation of the reference model on preference pairs."""
+PREFERENCE_METHODS = ("dpo", "kto", "orpo", "simpo")
+DPO_LOSS_TYPES = Literal["sigmoid", "hinge", "ipo", "ipo_sum", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop"]
 
+
+class DpoParams(Section):
+    """Preference optimisation (DPO and its losses, KTO, ORPO, SimPO) from the cached reference.
+
+    dpo and kto need the reference log-probabilities (`ref_logprobs`); orpo and simpo are
+    reference-free, and `ref_logprobs` then only encodes the pairs (no model is loaded)."""
+
+    method: Literal["dpo", "kto", "orpo", "simpo"] = "dpo"
+    """dpo: paired, with a reference (`loss_type` picks the loss); kto: unpaired desirable/undesirable
+    examples (paired data split in two), with a reference; orpo and simpo: paired, reference-free."""
+    start: Literal["sft", "base"] = "sft"
+    """The model the policy starts from, and dpo's and kto's reference: the SFT model, or the base
+    (`data/models/pretrain`, or the model `base_model.name` names; ORPO's NLL term does the SFT)."""
     beta: float = Field(0.1, gt=0)
-    """Strength of the implicit KL penalty (higher: stay closer to the reference)."""
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """dpo/kto: strength of the implicit KL penalty (higher: stay closer to the reference); simpo:
+    the reward scale (the paper uses 2-2.5); orpo: lambda, the odds-ratio term's weight."""
+    loss_type: DPO_LOSS_TYPES = "sigmoid"
+    """method dpo's loss, TRL's names: sigmoid (DPO), hinge, ipo (TRL 1.16's, per-token), ipo_sum
+    (IPO on summed log-ratios), robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down,
+    discopop (docs/preference.md)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """Conservative DPO (sigmoid loss only): the assumed share of flipped preference labels."""
+    """The assumed share of flipped preference labels: sigmoid (conservative DPO), robust, exo_pair
+    (needs > 0) and simpo."""
+    discopop_tau: float = Field(0.05, gt=0)
+    """loss_type discopop: the temperature of its log-ratio modulation (TRL's default)."""
+    simpo_gamma: float = Field(0.5, ge=0)
+    """simpo: the target reward margin gamma (TRL's `simpo_gamma`)."""
+    desirable_weight: float = Field(1.0, gt=0)
+    """kto: weight of the desirable examples' losses (TRL's guidance on imbalance is checked)."""
+    undesirable_weight: float = Field(1.0, gt=0)
+    """kto: weight of the undesirable examples' losses."""
     sft_weight: float = Field(0.0, ge=0)
-    """Add this times the per-token NLL of the chosen answers to the loss (RPO; TRL's
-    `rpo_alpha`): keeps the policy generating what it is rewarded for, limiting drift."""
+    """dpo and simpo: add this times the per-token NLL of the chosen answers to the loss (RPO; TRL's
+    `rpo_alpha`, or CPO's `cpo_alpha` for simpo): keeps the policy generating what it is rewarded
+    for, limiting drift. orpo always adds the NLL (weight 1)."""
     adapter: Literal["none", "lora"] = "none"
     """Train all weights of the policy, or a LoRA adapter on it (`dpo.lora`)."""
     lora: LoraAdapterParams = LoraAdapterParams()
@@ -798,6 +825,21 @@ class DpoParams(Section):
         if self.train.loss_chunk_tokens:
             raise ValueError("train.loss_chunk_tokens: dpo does not chunk its loss (its loss is per-sequence log-probabilities, not a token cross-entropy); set it to 0")
         return self
+
+    @model_validator(mode="after")
+    def _method_settings(self) -> DpoParams:
+        # A key of another method is left alone (as TRL's configs do), so `--set dpo.method=simpo`
+        # works on any params file; within method dpo a smoothing the loss would ignore is an error.
+        if self.method == "dpo":
+            if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "exo_pair"):
+                raise ValueError(f"label_smoothing applies to loss_type sigmoid, robust or exo_pair, not {self.loss_type}")
+            if self.loss_type == "exo_pair" and not self.label_smoothing:
+                raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper uses 1e-3)")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.method in ("dpo", "kto")
 
 
 class VisionParams(Section):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -10,6 +11,7 @@ import pytest
 
 from pipelines import dpo, ref_logprobs
 from pipelines.core.config import DpoParams, RefLogprobsParams, TrainParams
+from pipelines.core.errors import QllmError
 from pipelines.core.training import preference_data
 from tests.conftest import record_dpo_losses
 
@@ -79,3 +81,100 @@ def test_dpo_on_the_last_layer_leaves_the_earlier_layers_as_sft_made_them(worksp
     changed = sorted(name for name in sft if not (sft[name] == merged[name]).all())
     assert changed and all(name.startswith("model.layers.1.") for name in changed)  # the tiny model has 2 layers
     assert {name.rsplit(".", 2)[-2] for name in changed} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+# ------------------------------------------------------------------- the other methods and losses
+
+
+def _reference_free(tiny_base, tmp_path, method: str):
+    """A workspace whose ref_logprobs ran for a reference-free method: without loading the model."""
+    shutil.copytree(tiny_base / "model", tmp_path / "data/models/sft")
+    shutil.copytree(tiny_base / "preference", tmp_path / "data/prepared/preference")
+    metrics = ref_logprobs.run(tmp_path, tmp_path / "data/models/sft", tmp_path / "data/prepared/preference", tmp_path / "data/ref_logprobs",
+                               RefLogprobsParams(), method=method)  # fmt: skip
+    return tmp_path, metrics
+
+
+@pytest.mark.parametrize("method", ["simpo", "orpo"])
+def test_reference_free_methods_encode_the_pairs_without_loading_the_model(tiny_base, tmp_path, monkeypatch, method):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the reference-free branch loaded a model")
+
+    monkeypatch.setattr(ref_logprobs, "load_for_inference", no_model)
+    root, metrics = _reference_free(tiny_base, tmp_path, method)
+    assert metrics["train"]["pairs"] == 6 and "tokens_per_second" not in metrics and metrics["max_length"] == 128
+    cached = pd.read_parquet(root / "data/ref_logprobs/train.parquet")
+    assert cached["ref_chosen_logp"].isna().all() and len(cached["chosen_ids"][0]) > 0
+    meta = json.loads((root / "data/ref_logprobs/meta.json").read_text())
+    assert meta == {"method": method, "start": "data/models/sft", "reference": None, "max_length": 128, "max_prompt_length": 0}
+
+
+def test_simpo_first_step_is_its_formula_on_average_log_probs(tiny_base, tmp_path, monkeypatch):
+    """SimPO's first loss from the batch's own per-token averages: -logsigmoid(beta (c - r) - gamma)."""
+    root, _ = _reference_free(tiny_base, tmp_path, "simpo")
+    seen = record_dpo_losses(monkeypatch)
+    metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="simpo", beta=2.0, simpo_gamma=0.5, train=TRAIN))
+    loss, first = seen[0]
+    c, r = first["logps/chosen"], first["logps/rejected"]  # the batch means of the per-token averages
+    assert first["rewards/chosen"] == pytest.approx(2.0 * c, abs=1e-5) and first["rewards/rejected"] == pytest.approx(2.0 * r, abs=1e-5)
+    assert loss > 0 and "kl/chosen" not in first and "nll/chosen" not in first
+    assert metrics["steps"] == 4 and "heldout/rewards/margins" in metrics and metrics["reference"] is None
+    config = json.loads((root / "data/models/dpo" / preference_data.PREFERENCE_CONFIG).read_text())
+    assert config == {"method": "simpo", "beta": 2.0, "loss_type": "sigmoid", "reference": None}
+
+
+def test_orpo_adds_the_chosen_nll(tiny_base, tmp_path, monkeypatch):
+    root, _ = _reference_free(tiny_base, tmp_path, "orpo")
+    seen = record_dpo_losses(monkeypatch)
+    dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="orpo", beta=0.25, train=TRAIN))
+    loss, first = seen[0]
+    # loss = nll - beta * mean(logsigmoid(log odds)) and TRL's logged terms
+    assert loss == pytest.approx(first["nll_loss"] - 0.25 * first["log_odds_ratio"], abs=1e-4)
+    assert first["nll_loss"] > 0 and first["log_odds_ratio"] < 0
+
+
+def test_kto_splits_pairs_into_examples_with_mismatched_kl_pairs(workspace, tiny_base, tmp_path):
+    root = tmp_path / "kto"
+    shutil.copytree(tiny_base / "model", root / "data/models/sft")
+    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
+    metrics = ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(), method="kto")
+    assert (metrics["train"]["desirable"], metrics["train"]["undesirable"]) == (6, 6)
+    pairs = preference_data.from_frame(pd.read_parquet(root / "data/ref_logprobs/train.parquet"))
+    examples = preference_data.examples_from_frame(pd.read_parquet(root / "data/ref_logprobs/unpaired_train.parquet"))
+    assert [e.desirable for e in examples] == [True] * 6 + [False] * 6
+    # each example's reference log-prob is its pair's side; its KL row is its prompt + the previous example's answer
+    assert [e.ref for e in examples] == [p.ref_chosen for p in pairs] + [p.ref_rejected for p in pairs]
+    first, last = examples[0], examples[-1]
+    assert list(first.kl_ids[: first.prompt_length]) == list(first.ids[: first.prompt_length])
+    assert list(first.kl_ids[first.prompt_length :]) == list(last.ids[last.prompt_length :])
+    assert all(e.ref_kl < 0 for e in examples)
+
+
+def test_kto_starts_at_one_half_with_zero_kl(tiny_base, tmp_path, monkeypatch):
+    """At step 1 the policy is the reference: every log-ratio and the KL estimate are 0, so each
+    example loses 1 - sigmoid(0) = 0.5 (weights 1)."""
+    root = tmp_path
+    shutil.copytree(tiny_base / "model", root / "data/models/sft")
+    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
+    ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(), method="kto")
+    seen = record_dpo_losses(monkeypatch)
+    metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", train=TRAIN))
+    loss, first = seen[0]
+    assert loss == pytest.approx(0.5, abs=1e-4) and first["kl"] == pytest.approx(0.0, abs=1e-4)
+    assert metrics["train_examples"] == 12 and "heldout/kl" in metrics
+
+
+def test_the_stage_refuses_data_encoded_for_another_method(workspace):
+    root, _ = workspace  # encoded for dpo
+    with pytest.raises(QllmError, match="encoded for method 'dpo', but dpo.method is 'kto'; rerun ref_logprobs"):
+        dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", train=TRAIN))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "ipo_sum", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
+                                       "apo_zero", "apo_down", "discopop"])  # fmt: skip
+def test_every_dpo_loss_trains_from_the_cache(workspace, loss_type):
+    root, _ = workspace
+    smoothing = {"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0)
+    params = DpoParams(loss_type=loss_type, label_smoothing=smoothing, train=TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0}))
+    metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params)
+    assert metrics["steps"] == 2 and math.isfinite(metrics["heldout/loss"]) and math.isfinite(metrics["heldout/rewards/margins"])

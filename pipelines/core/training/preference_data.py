@@ -32,7 +32,8 @@ from pipelines.core.errors import QllmError
 from pipelines.core.training import chunked_loss, diffusion
 
 PREFERENCE_CONFIG = "preference_config.json"
-"""Written by `dpo` next to the policy: {"beta", "loss_type", "reference"}."""
+"""Written by `dpo` next to the policy: {"method", "beta", "loss_type", "reference"} (reference
+null for the reference-free methods)."""
 REASONS = ("empty_chosen", "empty_rejected", "chosen_equals_rejected", "no_user_turn", "prompt_too_long", "too_long")
 
 
@@ -126,32 +127,33 @@ SCORE_CHUNK_TOKENS = 1024
 `evaluate`): 64 sequences of a 151,936-token vocabulary otherwise hold gigabytes of fp32 logits."""
 
 
-def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion-token log-probabilities of the chosen and the rejected halves.
+def row_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """Summed completion-token log-probabilities of every row.
 
-    Only the answers need logits, and they sit at the end of every row: `logits_to_keep` makes the
-    model compute vocabulary logits (and this function the log-softmax) just for the trailing
-    positions from the earliest answer on, instead of for every prompt token as well. `chunk`
-    (without gradients: `ref_logprobs`, `evaluate`): the head over the answer tokens alone, that
-    many at a time, so a large vocabulary's logits of a whole batch are never held
+    Only the completions need logits, and they sit at the end of every row: `logits_to_keep` makes
+    the model compute vocabulary logits (and this function the log-softmax) just for the trailing
+    positions from the earliest completion on, instead of for every prompt token as well. `chunk`
+    (without gradients: `ref_logprobs`, `evaluate`): the head over the completion tokens alone,
+    that many at a time, so a large vocabulary's logits of a whole batch are never held
     (`chunked_loss.summed_logps`).
     """
-    input_ids, completion = batch["input_ids"], batch["completion_mask"]
     if diffusion.objective_of(model) == "masked_diffusion":  # no exact log-probability: its ELBO (`diffusion.sequence_elbo`)
-        summed = diffusion.sequence_elbo(model, input_ids, batch["attention_mask"], completion)
-        half = summed.shape[0] // 2
-        return summed[:half], summed[half:]
+        return diffusion.sequence_elbo(model, input_ids, attention_mask, completion)
     if chunk and not torch.is_grad_enabled() and chunked_loss.chunkable(model):
-        summed = chunked_loss.summed_logps(model, input_ids, batch["attention_mask"], completion, chunk)
-        half = summed.shape[0] // 2
-        return summed[:half], summed[half:]
+        return chunked_loss.summed_logps(model, input_ids, attention_mask, completion, chunk)
     width = input_ids.shape[1]
-    first_answer = int(completion.argmax(dim=1).min())  # earliest answer token in the batch
+    first_answer = int(completion.argmax(dim=1).min())  # earliest completion token in the batch
     keep = width - first_answer + 1  # logits at position t predict token t + 1
-    logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=keep).logits[:, :-1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep).logits[:, :-1]
     targets = input_ids[:, width - keep + 1 :]
     token_logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    summed = (token_logps * completion[:, width - keep + 1 :]).sum(-1)
+    return (token_logps * completion[:, width - keep + 1 :]).sum(-1)
+
+
+def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed completion-token log-probabilities of the chosen and the rejected halves of a
+    `collate` batch (`row_logps`)."""
+    summed = row_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], chunk)
     half = summed.shape[0] // 2
     return summed[:half], summed[half:]
 
@@ -174,5 +176,89 @@ def to_frame(pairs: list[Pair], split: str) -> pd.DataFrame:
 def from_frame(frame: pd.DataFrame) -> list[Pair]:
     return [
         Pair(str(r.id), int(r.prompt_length), np.asarray(r.chosen_ids, dtype=np.int64), np.asarray(r.rejected_ids, dtype=np.int64), float(r.ref_chosen_logp), float(r.ref_rejected_logp))
+        for r in frame.itertuples(index=False)
+    ]
+
+
+# ----------------------------------------------------------------------- unpaired (KTO) examples
+
+
+@dataclass
+class Example:
+    """An unpaired KTO example: a prompt and a completion, desirable or not, and its mismatched
+    pair for the KL estimate (the prompt with another example's completion)."""
+
+    id: str
+    prompt_length: int
+    ids: np.ndarray  # prompt + completion
+    desirable: bool
+    kl_ids: np.ndarray  # the same prompt + the completion of the example before (cyclically)
+    ref: float = float("nan")
+    ref_kl: float = float("nan")
+
+
+def unpair(pairs: list[Pair]) -> list[Example]:
+    """Each pair split into a desirable (chosen) and an undesirable (rejected) example, as TRL's
+    `unpair_preference_dataset`: all desirable ones first, then all undesirable ones. Example i's KL
+    completion is the completion of example i - 1 (cyclically), as TRL rotates completions within a
+    batch: with this order that is another prompt's answer."""
+    sides = [(p, p.chosen_ids, True) for p in pairs] + [(p, p.rejected_ids, False) for p in pairs]
+    examples = []
+    for i, (pair, ids, desirable) in enumerate(sides):
+        other_pair, other_ids, _ = sides[i - 1]
+        kl_ids = np.concatenate([ids[: pair.prompt_length], other_ids[other_pair.prompt_length :]])
+        examples.append(Example(f"{pair.id}:{'chosen' if desirable else 'rejected'}", pair.prompt_length, ids, desirable, kl_ids))
+    return examples
+
+
+def collate_examples(examples: list[Example], pad_id: int) -> Callable[[np.ndarray], dict[str, torch.Tensor]]:
+    """Batches of KTO examples: their rows and their KL rows (right-padded, with completion
+    masks), labels and cached reference log-probabilities."""
+
+    def rows(sequences: list[np.ndarray], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in sequences)
+        input_ids = np.full((len(sequences), width), pad_id, dtype=np.int64)
+        attention = np.zeros((len(sequences), width), dtype=np.int64)
+        completion = np.zeros((len(sequences), width), dtype=np.int64)
+        for i, (ids, start) in enumerate(zip(sequences, starts, strict=True)):
+            input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, start : len(ids)] = ids, 1, 1
+        return torch.from_numpy(input_ids), torch.from_numpy(attention), torch.from_numpy(completion)
+
+    def batch(indices: np.ndarray) -> dict[str, torch.Tensor]:
+        chosen = [examples[i] for i in np.sort(indices)]
+        starts = [e.prompt_length for e in chosen]
+        input_ids, attention, completion = rows([e.ids for e in chosen], starts)
+        kl_ids, kl_attention, kl_completion = rows([e.kl_ids for e in chosen], starts)
+        return {
+            "input_ids": input_ids, "attention_mask": attention, "completion_mask": completion,
+            "kl_input_ids": kl_ids, "kl_attention_mask": kl_attention, "kl_completion_mask": kl_completion,
+            "desirable": torch.tensor([e.desirable for e in chosen]),
+            "ref": torch.tensor([e.ref for e in chosen], dtype=torch.float32),
+            "ref_kl": torch.tensor([e.ref_kl for e in chosen], dtype=torch.float32),
+            "num_tokens": int(attention.sum() + kl_attention.sum()),
+        }  # fmt: skip
+
+    return batch
+
+
+def examples_to_frame(examples: list[Example], split: str) -> pd.DataFrame:
+    """The cached form of KTO examples written by `ref_logprobs` (`unpaired_<split>.parquet`)."""
+    return pd.DataFrame(
+        {
+            "id": [e.id for e in examples],
+            "split": split,
+            "prompt_length": [e.prompt_length for e in examples],
+            "ids": [e.ids.astype(np.int32).tolist() for e in examples],
+            "desirable": [e.desirable for e in examples],
+            "kl_ids": [e.kl_ids.astype(np.int32).tolist() for e in examples],
+            "ref_logp": [e.ref for e in examples],
+            "ref_kl_logp": [e.ref_kl for e in examples],
+        }
+    )
+
+
+def examples_from_frame(frame: pd.DataFrame) -> list[Example]:
+    return [
+        Example(str(r.id), int(r.prompt_length), np.asarray(r.ids, dtype=np.int64), bool(r.desirable), np.asarray(r.kl_ids, dtype=np.int64), float(r.ref_logp), float(r.ref_kl_logp))
         for r in frame.itertuples(index=False)
     ]

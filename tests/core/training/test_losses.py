@@ -41,10 +41,21 @@ def test_label_smoothing_gives_conservative_dpo():
     assert losses[0].item() == pytest.approx(0.574077, abs=1e-6)
 
 
-def test_ipo():
+def test_ipo_sum_is_eq_17_on_summed_log_ratios():
     """beta = 0.5: (z - 1/(2*0.5))^2 = (z - 1)^2 = [0, 1, 9]."""
-    losses, _, _ = preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="ipo")
+    losses, _, _ = preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="ipo_sum")
     assert losses.tolist() == pytest.approx([0.0, 1.0, 9.0])
+
+
+def test_ipo_averages_over_completion_tokens():
+    """beta = 0.5, chosen tokens [2, 1, 4], rejected [1, 1, 2]: c = pc - rc = [0.5, 0, -1], r = pr - rr =
+    [-0.5, 0, 1]; c/n_c - r/n_r = [0.25 + 0.5, 0, -0.25 - 0.5] = [0.75, 0, -0.75]; minus 1: squared
+    [0.0625, 1, 3.0625]."""
+    losses, _, _ = preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="ipo", chosen_tokens=torch.tensor([2.0, 1.0, 4.0]),
+                                   rejected_tokens=torch.tensor([1.0, 1.0, 2.0]))  # fmt: skip
+    assert losses.tolist() == pytest.approx([0.0625, 1.0, 3.0625])
+    with pytest.raises(ValueError, match="pass chosen_tokens and rejected_tokens"):
+        preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="ipo")
 
 
 def test_hinge():
@@ -63,7 +74,8 @@ def test_gradient_raises_chosen_and_lowers_rejected():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"beta": 0.1, "loss_type": "kto"}, "unknown loss_type 'kto'; expected one of sigmoid, ipo, hinge"),
+        ({"beta": 0.1, "loss_type": "kto"}, "unknown loss_type 'kto'; expected one of sigmoid, hinge, ipo, ipo_sum, robust"),
+        ({"beta": 0.1, "loss_type": "exo_pair"}, r"loss_type 'exo_pair' needs label_smoothing > 0"),
         ({"beta": 0.0}, "beta must be > 0, got 0.0"),
         ({"beta": -1.0}, "beta must be > 0"),
         ({"beta": 0.1, "label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\), got 0.5"),
