@@ -49,6 +49,7 @@ from benchmarks.lora_allocation import random_allocation
 from pipelines import lora, probe_lora, quantum_opt
 from pipelines.core import params_file
 from pipelines.core.quantum import qubo
+from pipelines.core.run import stage
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 ARMS = ("qubo", "qubo_in_loop", "greedy", "uniform", "adalora", "random")
@@ -61,7 +62,7 @@ def train_and_score(root: Path, params, allocation: str, ranks: dict | None, see
     run_params = run_params.model_copy(update={"train": run_params.train.model_copy(update={"seed": seed, "checkpoint_every": 0, "extensions": []})})
     out = scratch / f"{name}-{seed}"
     started = time.perf_counter()
-    metrics = lora.run(root / "data/prepared/chat", out, run_params)
+    metrics = lora.run(root / "data/prepared/chat", out, stage.resolve_precision("lora", run_params))
     seconds = time.perf_counter() - started
     result = evaluate_model(out, root, root / "data/tokenized", questions, out / "eval", params.evaluate)
     parameters = metrics.get("allocation/active_parameters")
@@ -102,7 +103,7 @@ def world(root: Path, seeds: list[int], lams: list[float], arms: list[str], scra
     menus = menus or [list(params.probe_lora.ranks)]
     probe = params.probe_lora.model_copy(update={"base_model": str(root / params.probe_lora.base_model), "ranks": sorted({r for m in menus for r in m})})
     probe = probe.model_copy(update={"train": probe.train.model_copy(update={"extensions": []})})
-    probe_lora.run(root / "data/prepared/chat", scratch / "probe", probe)
+    probe_lora.run(root / "data/prepared/chat", scratch / "probe", stage.resolve_precision("probe_lora", probe))
     values, costs, redundancy, shapes = quantum_opt.load_scores(scratch / "probe" / probe_lora.SCORES_FILE)
     SHAPES.clear()
     SHAPES.update(shapes)

@@ -20,6 +20,7 @@ from pathlib import Path
 from pipelines import dpo
 from pipelines.core import params_file
 from pipelines.core.config import EvaluateParams
+from pipelines.core.run import stage
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:
             dpo_params = params.dpo.model_copy(update={"train": params.dpo.train.model_copy(update={"seed": seed, "checkpoint_every": 0})})
             out = Path(tmp) / f"dpo{seed}"
-            metrics = dpo.run(root, root / "data/ref_logprobs", out, dpo_params)
+            metrics = dpo.run(root, root / "data/ref_logprobs", out, stage.resolve_precision("dpo", dpo_params))
             result = evaluate_model(out, root, root / "data/tokenized", questions, out / "eval", EvaluateParams(**{**evaluate.model_dump(), "models": ["dpo"]}))
             exact.append(result["exact_match"])
             accuracy.append(metrics["heldout/rewards/accuracies"])

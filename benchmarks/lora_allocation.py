@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_params = lora.apply_allocation(base, {"rank_pattern": ranks})
                 run_params = run_params.model_copy(update={"train": run_params.train.model_copy(update={"seed": seed, "checkpoint_every": 0})})
                 out = Path(tmp) / f"{name}-{seed}"
-                metrics = lora.run(root / "data/prepared/chat", out, run_params)
+                metrics = lora.run(root / "data/prepared/chat", out, stage.resolve_precision("lora", run_params))
                 result = evaluate_model(out, root, root / "data/tokenized", questions, out / "eval", params.evaluate)
                 losses.append(metrics["val/loss"])
                 exact.append(result["exact_match"])

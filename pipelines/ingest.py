@@ -2,8 +2,8 @@
 
     python -m pipelines.ingest      # what dvc.yaml runs
 
-Writes `data/ingested/text.parquet`, `chat.parquet`, `preference.parquet` and
-`image_chat.parquet` (always all four; a kind without sources is an empty file with the kind's
+Writes `data/ingested/text.parquet`, `chat.parquet`, `preference.parquet`, `image_chat.parquet`
+and `feedback.parquet` (always all five; a kind without sources is an empty file with the kind's
 columns), in source order. The record kinds and accepted input layouts are described in
 `pipelines/core/data/readers.py`; an image chat's images are read (and checked to decode) here, and
 stored in the file as their bytes, so later stages need neither the image files nor their paths.
@@ -53,7 +53,7 @@ def run(root: Path, out_dir: Path, params: IngestParams, *, progress: bool = Tru
     Args:
         root: project root; relative source paths are resolved against it.
         out_dir: directory to (atomically) replace with `text.parquet`, `chat.parquet`,
-            `preference.parquet`, `image_chat.parquet`.
+            `preference.parquet`, `image_chat.parquet`, `feedback.parquet`.
         params: the `ingest` params section.
         progress: a progress bar per source (shown only on a terminal).
 

@@ -2,12 +2,13 @@
 
     python -m pipelines.prepare_data      # what dvc.yaml runs
 
-Reads `data/ingested/{text,chat,preference,image_chat}.parquet` and writes
+Reads `data/ingested/{text,chat,preference,image_chat,feedback}.parquet` and writes
 `data/prepared/<kind>/<split>.parquet` for every kind and split (train, validation, test: always
-all twelve files, empty ones with the kind's columns). Per kind, in order:
+all fifteen files, empty ones with the kind's columns). Per kind, in order:
 
 1. normalise every string (`cleaning.normalize_text`): the text; each message content (an image
-   chat's `<image>` tags stay as they are); the prompt's contents, chosen and rejected. An empty
+   chat's `<image>` tags stay as they are); the prompt's contents, chosen and rejected (the
+   completion of feedback). An empty
    system message is removed (it says nothing). Images are never re-encoded: the `images` column
    (`list<binary>`) leaves as it came from `ingest`.
 2. drop records, each counted under the first reason that applies: `empty` (an empty text,
@@ -121,6 +122,13 @@ def _normalize_preference(frame: pd.DataFrame, form: str) -> pd.DataFrame:
     )
 
 
+def _normalize_feedback(frame: pd.DataFrame, form: str) -> pd.DataFrame:
+    return frame.assign(
+        prompt=[_normalize_messages(p, form) for p in frame["prompt"]],
+        completion=[cleaning.normalize_text(c, form) for c in frame["completion"]],
+    )
+
+
 @dataclass(frozen=True)
 class KindRules:
     """How one record kind is normalised and what its content is."""
@@ -168,6 +176,12 @@ KINDS: dict[str, KindRules] = {
         parts=lambda f: [_contents(m) for m in f["messages"]],
         key=lambda f: [_image_key(m, i) for m, i in zip(f["messages"], f["images"], strict=True)],
         images=lambda f: list(f["images"]),
+    ),
+    "feedback": KindRules(
+        columns=("id", "source", "split", "prompt", "completion", "label"),
+        normalize=_normalize_feedback,
+        parts=lambda f: [[*_contents(p), c] for p, c in zip(f["prompt"], f["completion"], strict=True)],
+        key=lambda f: [_dumps([p, c, lab]) for p, c, lab in zip(f["prompt"], f["completion"], f["label"], strict=True)],
     ),
 }
 

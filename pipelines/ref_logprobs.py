@@ -11,9 +11,10 @@ depends on `dpo.method` (the only `dpo` keys this stage reads, with `dpo.start`)
   under the reference, the model the policy starts from (`dpo.start`: the SFT model, or the base;
   with `dpo.adapter: lora` the LoRA base with adapters disabled). For `kto` also
   `unpaired_<split>.parquet`: each pair split into a desirable and an undesirable example (TRL's
-  `unpair_preference_dataset`), each with its mismatched prompt/completion pair for KTO's KL
-  estimate (the prompt with the completion of the example before it) and that pair's reference
-  log-probability.
+  `unpair_preference_dataset`), followed by the records of kind `feedback`
+  (`data/prepared/feedback`: KTO's own unpaired data, scored here), each with its mismatched
+  prompt/completion pair for KTO's KL estimate (the prompt with the completion of the example
+  before it) and that pair's reference log-probability.
 - `orpo` and `simpo` (reference-free): the token ids only. No model is loaded (its tokenizer and
   config are), so the branch costs a tokenization.
 
@@ -60,19 +61,20 @@ def score(model, pairs: list[preference_data.Pair], pad_id: int, batch_size: int
 
 
 @torch.no_grad()
-def score_examples(model, examples: list[preference_data.Example], pairs: list[preference_data.Pair], pad_id: int, batch_size: int) -> None:
-    """KTO examples made by `preference_data.unpair(pairs)`: their reference log-probabilities are
-    their pairs' (scored already); their KL rows are scored here."""
-    for example, ref in zip(examples, [p.ref_chosen for p in pairs] + [p.ref_rejected for p in pairs], strict=True):
-        example.ref = ref
+def score_rows(model, rows: list[tuple[np.ndarray, int]], pad_id: int, batch_size: int) -> list[float]:
+    """Summed completion log-probabilities of (ids, completion start) rows (eval mode, no gradients)."""
     model.eval()
-    make = preference_data.collate_examples(examples, pad_id)
-    for start in range(0, len(examples), batch_size):
-        indices = np.arange(start, min(start + batch_size, len(examples)))
-        batch = make(indices)
-        kl = preference_data.row_logps(model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"], preference_data.SCORE_CHUNK_TOKENS)
-        for i, value in zip(indices, kl.tolist(), strict=True):
-            examples[i].ref_kl = value
+    scores: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        width = max(len(ids) for ids, _ in chunk)
+        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)
+        completion = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, (ids, begin) in enumerate(chunk):
+            input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, begin : len(ids)] = torch.from_numpy(ids), 1, 1
+        scores += preference_data.row_logps(model, input_ids, attention, completion, preference_data.SCORE_CHUNK_TOKENS).tolist()
+    return scores
 
 
 def context_length(model_dir: Path) -> int:
@@ -90,8 +92,9 @@ def _named(path: Path, root: Path) -> str:
     return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
 
 
-def run(root: Path, start: Path, preferences: Path, out: Path, params: RefLogprobsParams, method: str = "dpo") -> dict:
-    """`meta.json` names `start` relative to `root` (`data/models/sft`), as `dpo` loads it."""
+def run(root: Path, start: Path, preferences: Path, out: Path, params: RefLogprobsParams, method: str = "dpo", feedback: Path | None = None) -> dict:
+    """`meta.json` names `start` relative to `root` (`data/models/sft`), as `dpo` loads it.
+    `feedback`: the prepared feedback records (KTO's own unpaired data), used by method kto."""
     if method in REFERENCE_METHODS:
         qconfig = quantize.from_params(params, "fp32", "ref_logprobs")  # QLoRA DPO: the SFT model in the bits DPO trains on
         model, tokenizer = load_for_inference(start, root) if qconfig is None else quantize.load(start, qconfig, "ref_logprobs")
@@ -116,9 +119,18 @@ def run(root: Path, start: Path, preferences: Path, out: Path, params: RefLogpro
                 info["mean_ref_rejected_logp"] = round(float(np.mean([p.ref_rejected for p in pairs])), 4) if pairs else None
             preference_data.to_frame(pairs, split).to_parquet(tmp / f"{split}.parquet", index=False)
             if method == "kto":
-                examples = preference_data.unpair(pairs)
-                score_examples(model, examples, pairs, tokenizer.pad_token_id, params.batch_size)
-                tokens += sum(len(e.kl_ids) for e in examples)
+                records, dropped_feedback = preference_data.encode_feedback(
+                    tokenizer, pd.read_parquet(feedback / f"{split}.parquet"), max_length, params.max_prompt_length, params.on_invalid,
+                    where=f"{feedback / split}.parquet: ",
+                ) if feedback is not None and (feedback / f"{split}.parquet").exists() else ([], {})  # fmt: skip
+                for record, ref in zip(records, score_rows(model, [(r.ids, r.prompt_length) for r in records], tokenizer.pad_token_id, params.batch_size), strict=True):
+                    record.ref = ref
+                examples = preference_data.unpair(pairs, records)
+                kl = score_rows(model, [(e.kl_ids, e.prompt_length) for e in examples], tokenizer.pad_token_id, params.batch_size)
+                for example, value in zip(examples, kl, strict=True):
+                    example.ref_kl = value
+                tokens += sum(len(e.kl_ids) for e in examples) + sum(len(r.ids) for r in records)
+                info |= {"feedback_in": len(records) + sum(dropped_feedback.values()), "feedback": len(records), "feedback_dropped": dropped_feedback}
                 preference_data.examples_to_frame(examples, split).to_parquet(tmp / f"unpaired_{split}.parquet", index=False)
                 info["desirable"] = sum(e.desirable for e in examples)
                 info["undesirable"] = len(examples) - info["desirable"]
@@ -137,7 +149,7 @@ def run(root: Path, start: Path, preferences: Path, out: Path, params: RefLogpro
 def body(ctx: stage.StageContext) -> dict:
     method = ctx.param("dpo.method")
     start = ctx.input(STARTS[ctx.param("dpo.start")])
-    metrics = run(ctx.root, start, ctx.input("preference"), ctx.output(), ctx.params, method)
+    metrics = run(ctx.root, start, ctx.input("preference"), ctx.output(), ctx.params, method, ctx.input("feedback"))
     scored = f"scored under {start.relative_to(ctx.root)}" if method in REFERENCE_METHODS else f"encoded (dpo.method {method} needs no reference)"
     for split in SPLITS:
         info = metrics[split]

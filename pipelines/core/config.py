@@ -110,7 +110,7 @@ class SampleDataParams(Section):
     """Real digit images with questions, for the optional multimodal stage (docs/multimodal.md)."""
 
 
-SourceKind = Literal["text", "chat", "preference", "image_chat"]
+SourceKind = Literal["text", "chat", "preference", "image_chat", "feedback"]
 SourceFormat = Literal["jsonl", "json", "parquet", "csv", "text", "hf"]
 
 
@@ -120,8 +120,9 @@ class SourceParams(Section):
     path: str
     """File, directory, or (with `format: hf`) a `datasets` path or hub name."""
     kind: SourceKind
-    """What the records are: `text` (pretraining), `chat` (SFT), `preference` (DPO) or `image_chat`
-    (image-text chats: a chat plus its `images`, one `<image>` tag each in the user turns)."""
+    """What the records are: `text` (pretraining), `chat` (SFT), `preference` (DPO and the other
+    paired methods), `image_chat` (image-text chats: a chat plus its `images`, one `<image>` tag
+    each in the user turns) or `feedback` (KTO's unpaired completions labelled desirable or not)."""
     format: SourceFormat | None = None
     """jsonl, json, parquet, csv, text (a .txt/.md file or a directory of them) or hf."""
     split: Literal["auto", "train", "validation", "test"] = "auto"

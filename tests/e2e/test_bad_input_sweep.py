@@ -237,9 +237,11 @@ CASES = [
          "error: ingest: data/sources/chats.jsonl:2: unsupported content part type 'reasoning' in messages[1], content part 0 (expected text)", 1),
     Case("chat-kto-label", "sources", "LLaMA-Factory's KTO layout (`messages` + a boolean `label`) as `kind: chat`", "ingest",
          source("kto.jsonl", jsonl({**chat("q1", "a1"), "label": True}), kind="chat"),
-         "error: ingest: data/sources/kto.jsonl:1: 'label': unpaired feedback (a completion labelled desirable or not) is KTO's layout; "
-         "KTO is not built yet (the issue 'Preference optimisation beyond DPO' adds it): leave the label out to train on the chats with sft, "
-         "or give pairs (prompt, chosen, rejected) to dpo", 1),
+         "error: ingest: data/sources/kto.jsonl:1: 'label': unpaired feedback (a completion labelled desirable or not) is KTO's layout: "
+         "give the source `kind: feedback` and train with `dpo.method: kto` (docs/data.md), or leave the label out to train on the chats with sft", 1),
+    Case("feedback-label-not-bool", "sources", "TRL's unpaired layout (`kind: feedback`) whose line 2 has `\"label\": \"yes\"`", "ingest",
+         source("kto.jsonl", jsonl({"prompt": "q", "completion": "a", "label": True}, {"prompt": "q", "completion": "b", "label": "yes"}), kind="feedback"),
+         "error: ingest: data/sources/kto.jsonl:2: 'label' must be a boolean (true: the completion is desirable, false: undesirable), got str", 1),
     Case("chat-tool-result-first", "sources", "OpenAI chat JSONL whose line 1 has a `tool` message that answers no call", "ingest",
          source("tools.jsonl", jsonl({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}, {"role": "assistant", "content": "a"}]}), kind="chat"),
          "error: ingest: data/sources/tools.jsonl:1: a tool result must follow an assistant message with tool calls (or another tool result) in messages[1]", 1),

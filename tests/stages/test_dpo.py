@@ -178,3 +178,29 @@ def test_every_dpo_loss_trains_from_the_cache(workspace, loss_type):
     params = DpoParams(loss_type=loss_type, label_smoothing=smoothing, train=TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0}))
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params)
     assert metrics["steps"] == 2 and math.isfinite(metrics["heldout/loss"]) and math.isfinite(metrics["heldout/rewards/margins"])
+
+
+def test_kto_takes_feedback_records_as_well(tiny_base, tmp_path):
+    """Records of kind `feedback` (KTO's own layout) join the split pairs: scored under the
+    reference, labelled, with a KL pair of their own; invalid ones are dropped and counted."""
+    root = tmp_path
+    shutil.copytree(tiny_base / "model", root / "data/models/sft")
+    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
+    feedback = root / "data/prepared/feedback"
+    feedback.mkdir(parents=True)
+    prompt = json.dumps([{"role": "user", "content": "Where does Tovik live?"}])
+    rows = {"train": [("f0", prompt, "Pelora", "true"), ("f1", prompt, "Dunmar", "false"), ("f2", prompt, "  ", "true")], "validation": [], "test": []}
+    for split, records in rows.items():
+        pd.DataFrame(records, columns=["id", "prompt", "completion", "label"]).assign(source="t", split=split).to_parquet(feedback / f"{split}.parquet")
+    metrics = ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(),
+                               method="kto", feedback=feedback)  # fmt: skip
+    assert metrics["train"]["feedback"] == 2 and metrics["train"]["feedback_dropped"]["empty_completion"] == 1
+    assert (metrics["train"]["desirable"], metrics["train"]["undesirable"]) == (7, 7)
+    examples = preference_data.examples_from_frame(pd.read_parquet(root / "data/ref_logprobs/unpaired_train.parquet"))
+    f0, f1 = examples[-2], examples[-1]
+    assert (f0.id, f0.desirable, f1.id, f1.desirable) == ("f0", True, "f1", False)
+    assert f0.ref < 0 and f1.ref < 0 and f0.ref != f1.ref
+    # f1's KL row: its prompt with f0's completion
+    assert list(f1.kl_ids[f1.prompt_length :]) == list(f0.ids[f0.prompt_length :])
+    dpo_metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", train=TRAIN))
+    assert dpo_metrics["train_examples"] == 14

@@ -56,7 +56,7 @@ def test_run_writes_one_parquet_per_kind(project):
     out = root / "data/ingested"
     metrics = ingest.run(root, out, params)
     assert metrics == {
-        "records": {"text": 4, "chat": 3, "preference": 2, "image_chat": 0},
+        "records": {"text": 4, "chat": 3, "preference": 2, "image_chat": 0, "feedback": 0},
         "sources": {
             "docs.txt": {"kind": "text", "records": 3},
             "more": {"kind": "text", "records": 1},
@@ -64,7 +64,7 @@ def test_run_writes_one_parquet_per_kind(project):
             "prefs.csv": {"kind": "preference", "records": 2},
         },
     }
-    assert sorted(p.name for p in out.iterdir()) == ["chat.parquet", "image_chat.parquet", "preference.parquet", "text.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == ["chat.parquet", "feedback.parquet", "image_chat.parquet", "preference.parquet", "text.parquet"]
     text = pd.read_parquet(out / "text.parquet")
     assert list(text.columns) == list(COLUMNS["text"])
     # Sources are concatenated in params order.
@@ -90,7 +90,7 @@ def test_kinds_without_sources_are_empty_files_with_the_schema(tmp_path):
         sources=[SourceParams(path=write(tmp_path, "data/sources/t.jsonl", jsonl([{"text": "x"}])), kind="text")]
     )
     metrics = ingest.run(tmp_path, tmp_path / "out", params)
-    assert metrics["records"] == {"text": 1, "chat": 0, "preference": 0, "image_chat": 0}
+    assert metrics["records"] == {"text": 1, "chat": 0, "preference": 0, "image_chat": 0, "feedback": 0}
     for kind in ("chat", "preference", "image_chat"):
         frame = pd.read_parquet(tmp_path / "out" / f"{kind}.parquet")
         assert len(frame) == 0

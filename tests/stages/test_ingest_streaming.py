@@ -70,6 +70,7 @@ def mixed_sources(root: Path) -> IngestParams:
         ),
         SourceParams(path=write(root, "p.csv", "prompt,chosen,rejected\nQ,yes,no\nQ2,good,bad\n"), kind="preference"),
         SourceParams(path=write(root, "hh.jsonl", jsonl([hh])), kind="preference"),
+        SourceParams(path=write(root, "k.csv", "prompt,completion,label\nQ,yes,true\nQ2,bad,False\n"), kind="feedback"),  # TRL's layout; CSV spells the label
     ]
     return IngestParams(sources=sources)
 
@@ -111,10 +112,14 @@ EXPECTED = {
         ["hh.jsonl-0", "hh.jsonl", "auto", '[{"role": "user", "content": "hi"}]', "hello", "go away"],
     ],
     "image_chat": [],  # (tests/core/data/test_image_records.py)
+    "feedback": [
+        ["k.csv-0", "k.csv", "auto", '[{"role": "user", "content": "Q"}]', "yes", "true"],
+        ["k.csv-1", "k.csv", "auto", '[{"role": "user", "content": "Q2"}]', "bad", "false"],
+    ],
 }
 EXPECTED_SOURCES = {
     "notes.txt": 4, "docs": 4, "t.jsonl": 4, "t.csv": 3, "t.tsv": 1, "t.json": 2, "pq": 5,
-    "sharegpt": 3, "held.jsonl": 2, "p.csv": 2, "hh.jsonl": 1,
+    "sharegpt": 3, "held.jsonl": 2, "p.csv": 2, "hh.jsonl": 1, "k.csv": 2,
 }
 
 
@@ -173,7 +178,7 @@ def test_a_source_bigger_than_a_row_group_streams_in_several(tmp_path):
             SourceParams(path=write(tmp_path, "more.txt", "last\n"), kind="text"),
         ]
     )
-    assert ingest.run(tmp_path, tmp_path / "out", params)["records"] == {"text": n + 1, "chat": n, "preference": 0, "image_chat": 0}
+    assert ingest.run(tmp_path, tmp_path / "out", params)["records"] == {"text": n + 1, "chat": n, "preference": 0, "image_chat": 0, "feedback": 0}
     rest = n - 2 * readers.BATCH_ROWS
     assert row_groups(tmp_path / "out/chat.parquet") == [readers.BATCH_ROWS, readers.BATCH_ROWS, rest]
     assert row_groups(tmp_path / "out/text.parquet") == [readers.BATCH_ROWS, readers.BATCH_ROWS, rest, 1]

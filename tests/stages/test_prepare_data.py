@@ -44,12 +44,12 @@ def frame(kind: str, rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(records, columns=list(COLUMNS[kind])).astype("str") if records else empty_frame(kind)
 
 
-def write_ingested(root: Path, text=(), chat=(), preference=()) -> Path:
+def write_ingested(root: Path, text=(), chat=(), preference=(), feedback=()) -> Path:
     """The ingested files of the string kinds from rows, and an empty image_chat file (as ingest
     writes it without image_chat sources; tests/core/data/test_image_records.py has the image chats)."""
     folder = root / "data/ingested"
     folder.mkdir(parents=True, exist_ok=True)
-    for kind, rows in (("text", text), ("chat", chat), ("preference", preference)):
+    for kind, rows in (("text", text), ("chat", chat), ("preference", preference), ("feedback", feedback)):
         frame(kind, list(rows)).to_parquet(folder / f"{kind}.parquet", index=False)
     pq.write_table(SCHEMAS["image_chat"].empty_table(), folder / "image_chat.parquet")
     return folder
@@ -160,16 +160,16 @@ def test_auto_split_is_by_content_and_stable(tmp_path):
     assert sorted(read_out(tmp_path / "out2", "text", "validation")["text"]) == sorted(validation)
 
 
-def test_always_twelve_files_with_schema_and_no_temporaries(tmp_path):
+def test_always_fifteen_files_with_schema_and_no_temporaries(tmp_path):
     in_dir = write_ingested(tmp_path, text=[{"text": "only text"}])
     out = tmp_path / "data/prepared"
     (out / "stale").mkdir(parents=True)  # replaced as a whole
     metrics = prepare_data.run(in_dir, out, params())
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.parquet")) == sorted(
-        f"{kind}/{split}.parquet" for kind in ("text", "chat", "preference", "image_chat") for split in SPLITS
+        f"{kind}/{split}.parquet" for kind in ("text", "chat", "preference", "image_chat", "feedback") for split in SPLITS
     )
     assert not (out / "stale").exists()
-    for kind in ("chat", "preference", "image_chat"):
+    for kind in ("chat", "preference", "image_chat", "feedback"):
         assert metrics[kind] == {"in": 0, "dropped": NO_DROPS, "out": dict.fromkeys(SPLITS, 0)}
         for split in SPLITS:
             empty = read_out(out, kind, split)

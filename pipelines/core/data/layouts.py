@@ -259,9 +259,8 @@ def _chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = N
     return (_dump(messages),)
 
 
-KTO_HELP = ("unpaired feedback (a completion labelled desirable or not) is KTO's layout; KTO is not built yet "
-            "(the issue 'Preference optimisation beyond DPO' adds it): leave the label out to train on the chats with sft, "
-            "or give pairs (prompt, chosen, rejected) to dpo")  # fmt: skip
+KTO_HELP = ("unpaired feedback (a completion labelled desirable or not) is KTO's layout: give the source `kind: feedback` "
+            "and train with `dpo.method: kto` (docs/data.md), or leave the label out to train on the chats with sft")  # fmt: skip
 
 
 def _refuse_unpaired(record: dict[str, Any]) -> None:
@@ -467,6 +466,40 @@ def _preference_unpaired(record: dict[str, Any]) -> tuple[str, str, str]:
     raise Bad(f"'label': {KTO_HELP}")
 
 
+def _label(record: dict[str, Any], field: str) -> str:
+    """KTO's label as the stored string: "true" (desirable) or "false". CSV cells may spell it."""
+    value = plain(record[field])
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        value = value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise Bad(f"{field!r} must be a boolean (true: the completion is desirable, false: undesirable), got {type_name(value)}")
+    return "true" if value else "false"
+
+
+def _feedback(record: dict[str, Any]) -> tuple[str, str, str]:
+    """TRL's unpaired preference layout: `prompt`, `completion` (strings or messages), `label`."""
+    prompt = _prompt(record["prompt"])
+    return (_dump(prompt), _response(record["completion"], "completion", prompt), _label(record, "label"))
+
+
+def _feedback_conversation(messages: list[dict[str, Any]], record: dict[str, Any], field: str, label: str) -> tuple[str, str, str]:
+    """A whole conversation judged by its final assistant turn (LLaMA-Factory's `kto_en_demo.json`)."""
+    if not messages or messages[-1]["role"] != "assistant":
+        raise Bad(f"{label!r} must end with an assistant turn, the completion judged (it ends with {messages[-1]['role'] if messages else 'nothing'})")
+    return (_dump(_prompt(messages[:-1])), _answer(messages[-1], "completion"), _label(record, field))
+
+
+def _feedback_messages(field: str) -> Callable[[dict[str, Any]], tuple[str, str, str]]:
+    def convert(record: dict[str, Any]) -> tuple[str, str, str]:
+        return _feedback_conversation(_message_list(_messages_value(record), "messages"), record, field, "messages")
+
+    return convert
+
+
+def _feedback_sharegpt(record: dict[str, Any]) -> tuple[str, str, str]:
+    return _feedback_conversation(_sharegpt_turns(record["conversations"]), record, "kto_tag", "conversations")
+
+
 def _image_chat(messages: list[dict[str, Any]], found: list, record: dict[str, Any], tools: Any) -> tuple[str]:
     """An image chat whose image parts (`found`: each part's image, None where it names none)
     go with the record's `images` column (TRL: bare `{"type": "image"}` parts) or carry the
@@ -508,6 +541,14 @@ LAYOUTS: dict[str, tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple
         (("chosen", "rejected"), _preference_implicit),
         (("chosen_messages", "rejected_messages"), _preference_messages),
         (("prompt", "completion", "label"), _preference_unpaired),
+    ),
+    # KTO's unpaired feedback: TRL's layout, LLaMA-Factory's (`messages` + `kto_tag`, which its
+    # dataset_info maps to the file's `label`) and ShareGPT turns + `kto_tag`.
+    "feedback": (
+        (("prompt", "completion", "label"), _feedback),
+        (("messages", "kto_tag"), _feedback_messages("kto_tag")),
+        (("messages", "label"), _feedback_messages("label")),
+        (("conversations", "kto_tag"), _feedback_sharegpt),
     ),
     # The chat layouts that carry messages; `_batches` reads the `images` beside them (or the
     # converter puts there the images the content parts carry).

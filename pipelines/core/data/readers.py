@@ -10,13 +10,16 @@ Every record kind is a DataFrame of `str` columns (`COLUMNS`): `id, source, spli
 `text` (text), `messages` (chat: a JSON list of {role, content}) or `prompt` (a JSON message list
 ending with a user turn), `chosen`, `rejected` (preference); `image_chat` (LLaMA-Factory's
 multimodal layout) is a chat's `messages` plus `images`, the one column that is not a string: the
-bytes of each image file, unchanged (Arrow `list<binary>`, `IMAGES_TYPE`). The layouts people have are
+bytes of each image file, unchanged (Arrow `list<binary>`, `IMAGES_TYPE`); `feedback` (KTO's
+unpaired data) is a `prompt`, a `completion` and a `label` ("true": desirable, "false"). The layouts people have are
 recognised from their keys (`LAYOUTS`), no `columns` map needed: chats as OpenAI `messages` (with
 per-message `name` and `weight`: 0 marks an assistant turn that is context, not a target),
 ShareGPT `conversations` (`from`/`value`, `human`/`gpt`/`system`), `prompt`/`completion`, Alpaca
 `instruction`/`input`/`output` and Dolly `instruction`/`context`/`response`; preferences with a
 `prompt`, or without one (TRL's implicit prompt: `chosen`/`rejected` conversations; Anthropic
-HH-RLHF: `\n\nHuman:`/`\n\nAssistant:` transcripts), whose shared turns become the prompt. A chat needs an assistant turn; a
+HH-RLHF: `\n\nHuman:`/`\n\nAssistant:` transcripts), whose shared turns become the prompt; feedback as
+TRL's `prompt`/`completion`/`label` or LLaMA-Factory's `messages` + `kto_tag` (its file's `label`),
+the last assistant turn being the completion judged. A chat needs an assistant turn; a
 held-out chat (`split: test`) must end with one, the reference answer `evaluate` scores. An image
 chat is a `messages` or ShareGPT `conversations` chat with an `images` list, each entry a path
 (relative to the source's folder, or absolute), the bytes, or a `{bytes, path}` object as
@@ -67,6 +70,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "chat": ("id", "source", "split", "messages"),
     "preference": ("id", "source", "split", "prompt", "chosen", "rejected"),
     "image_chat": ("id", "source", "split", "messages", "images"),
+    "feedback": ("id", "source", "split", "prompt", "completion", "label"),
 }
 IMAGES_TYPE = pa.list_(pa.binary())
 """The type of the `images` column (every other column is a string): per record, the bytes of

@@ -125,7 +125,7 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
     everything, _ = params_file.load(root)
     params, listed = getattr(everything, name), listed_params(everything, dag.stages(root)[name])
     if _trains(params):
-        params = _resolve_precision(name, params)
+        params = resolve_precision(name, params)
     if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.core.training.distributed
         return _execute_distributed(name, body, root, params, listed, parent_run_id)
     return _execute(name, body, root, params, listed, parent_run_id)
@@ -208,7 +208,7 @@ def _execute(
     return metrics
 
 
-def _resolve_precision(name: str, params: Any) -> Any:
+def resolve_precision(name: str, params: Any) -> Any:
     """`train.precision: auto` -> the precision this device trains in (`pipelines.core.training.precision`); an
     explicit one is kept (bf16 on a CPU that emulates it warns once). The stage then runs, logs and
     fingerprints the resolved value, and its metrics file records it as `precision`."""

@@ -197,17 +197,61 @@ class Example:
     ref_kl: float = float("nan")
 
 
-def unpair(pairs: list[Pair]) -> list[Example]:
-    """Each pair split into a desirable (chosen) and an undesirable (rejected) example, as TRL's
-    `unpair_preference_dataset`: all desirable ones first, then all undesirable ones. Example i's KL
-    completion is the completion of example i - 1 (cyclically), as TRL rotates completions within a
-    batch: with this order that is another prompt's answer."""
-    sides = [(p, p.chosen_ids, True) for p in pairs] + [(p, p.rejected_ids, False) for p in pairs]
+@dataclass
+class Feedback:
+    """One encoded feedback record (KTO's own unpaired data), before its KL pair is chosen."""
+
+    id: str
+    prompt_length: int
+    ids: np.ndarray
+    desirable: bool
+    ref: float = float("nan")
+
+
+FEEDBACK_REASONS = ("empty_completion", "no_user_turn", "prompt_too_long", "too_long")
+
+
+def encode_feedback(tokenizer, frame: pd.DataFrame, max_length: int, max_prompt_length: int = 0, on_invalid: str = "drop", where: str = "") -> tuple[list[Feedback], dict[str, int]]:
+    """Encode a feedback frame (`id, prompt, completion, label`); returns the records and drop counts."""
+    dropped = dict.fromkeys(FEEDBACK_REASONS, 0)
+    records = []
+    for row in frame.itertuples(index=False):
+        prompt = parse_messages(row.prompt)
+        reason = None
+        if not row.completion.strip():
+            reason = "empty_completion"
+        elif not prompt or prompt[-1]["role"] != "user" or not prompt[-1]["content"].strip():
+            reason = "no_user_turn"
+        else:
+            ids, start = _render(tokenizer, prompt, row.completion)
+            if max_prompt_length and start > max_prompt_length:
+                reason = "prompt_too_long"
+            elif len(ids) > max_length:
+                reason = "too_long"
+        if reason is not None:
+            if on_invalid == "error":
+                raise QllmError(f"{where}record {row.id!r}: {reason.replace('_', ' ')} (set on_invalid: drop to skip such records)")
+            dropped[reason] += 1
+            continue
+        records.append(Feedback(str(row.id), start, ids, row.label == "true"))
+    return records, dropped
+
+
+def unpair(pairs: list[Pair], feedback: list[Feedback] = ()) -> list[Example]:
+    """KTO's examples: each pair split into a desirable (chosen) and an undesirable (rejected) one,
+    as TRL's `unpair_preference_dataset` does, all desirable ones first, then `feedback` (records
+    of the `feedback` kind) as they come. Example i's KL completion is the completion of example
+    i - 1 (cyclically), as TRL rotates completions within a batch: with this order that is another
+    prompt's answer. The paired examples' reference log-probabilities are their pairs' (`ref_chosen`,
+    `ref_rejected`), the feedback's its own."""
+    sides = [(f"{p.id}:chosen", p.prompt_length, p.chosen_ids, True, p.ref_chosen) for p in pairs]
+    sides += [(f"{p.id}:rejected", p.prompt_length, p.rejected_ids, False, p.ref_rejected) for p in pairs]
+    sides += [(f.id, f.prompt_length, f.ids, f.desirable, f.ref) for f in feedback]
     examples = []
-    for i, (pair, ids, desirable) in enumerate(sides):
-        other_pair, other_ids, _ = sides[i - 1]
-        kl_ids = np.concatenate([ids[: pair.prompt_length], other_ids[other_pair.prompt_length :]])
-        examples.append(Example(f"{pair.id}:{'chosen' if desirable else 'rejected'}", pair.prompt_length, ids, desirable, kl_ids))
+    for i, (name, start, ids, desirable, ref) in enumerate(sides):
+        _, other_start, other_ids, _, _ = sides[i - 1]
+        kl_ids = np.concatenate([ids[:start], other_ids[other_start:]])
+        examples.append(Example(name, start, ids, desirable, kl_ids, ref))
     return examples
 
 

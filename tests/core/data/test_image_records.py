@@ -237,7 +237,7 @@ def test_ingest_writes_image_chat_parquet_as_list_of_binary(tmp_path):
     write(tmp_path, "images/7.png", seven)
     source = SourceParams(path=write(tmp_path, "digits.jsonl", jsonl([{"messages": chat("<image>?", "7"), "images": ["images/7.png"]}])), kind="image_chat")
     metrics = ingest.run(tmp_path, tmp_path / "out", IngestParams(sources=[source]), progress=False)
-    assert metrics["records"] == {"text": 0, "chat": 0, "preference": 0, "image_chat": 1}
+    assert metrics["records"] == {"text": 0, "chat": 0, "preference": 0, "image_chat": 1, "feedback": 0}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"{kind}.parquet" for kind in sorted(COLUMNS)]
     table = pq.read_table(tmp_path / "out/image_chat.parquet")
     assert table.schema == SCHEMAS["image_chat"] and table.schema.field("images").type == pa.list_(pa.binary())
@@ -306,7 +306,7 @@ def test_same_inputs_same_bytes_in_two_directories(tmp_path, monkeypatch):
         monkeypatch.setenv("QLLM_DATA_WORKERS", workers)
         prepare(root)
     files = sorted(p.relative_to(first).as_posix() for p in (first / "data").rglob("*.parquet") if "sources" not in p.parts)
-    assert len(files) == 4 + 12
+    assert len(files) == 5 + 15
     assert pq.ParquetFile(first / "data/prepared/image_chat/train.parquet").metadata.num_row_groups == 2  # a row group an image chat
     for name in files:
         data = (first / name).read_bytes()

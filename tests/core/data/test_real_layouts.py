@@ -151,8 +151,8 @@ def test_text_files_by_line_and_a_warning_for_a_huge_document(caplog, tmp_path):
 # ---------------------------------------------------------------- refusals
 
 
-def test_kto_feedback_is_recognised_and_refused_until_kto_exists(tmp_path):
-    assert "'label': unpaired feedback (a completion labelled desirable or not) is KTO's layout; KTO is not built yet" in refused("kto_en_demo.json", "chat")
+def test_kto_feedback_as_a_chat_or_preference_source_says_to_use_kind_feedback(tmp_path):
+    assert "'label': unpaired feedback (a completion labelled desirable or not) is KTO's layout: give the source `kind: feedback`" in refused("kto_en_demo.json", "chat")
     unpaired = records(tmp_path, [{"prompt": "q", "completion": "a", "label": True}])
     assert "record" not in refused("x.jsonl", "preference", unpaired) and "KTO's layout" in refused("x.jsonl", "preference", unpaired)
     assert "'kto_tag': unpaired feedback" in refused("x.jsonl", "chat", records(tmp_path, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "kto_tag": False}]))

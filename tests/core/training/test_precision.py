@@ -129,7 +129,7 @@ def test_stage_resolves_and_records_precision(monkeypatch):
 
     _cpu(monkeypatch)
     params = FinetuneParams()
-    resolved = stage._resolve_precision("sft", params)
+    resolved = stage.resolve_precision("sft", params)
     assert params.train.precision == "auto"
     assert resolved.train.precision == "fp32"
     assert resolved.model_copy(update={"train": params.train}) == params  # only the precision changed
