@@ -106,11 +106,25 @@ def dpo_loss(params: DpoParams, reference: Reference | None = None):
     return loss_fn
 
 
-def _kto_loss(params: DpoParams):
-    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+def _kto_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The examples' completion log-probabilities, and their KL rows' without gradients: each
+    prompt run once for both where the model allows it (`preference_data.shares_prompt`)."""
+    if not preference_data.shares_prompt(model):
         logps = preference_data.row_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
         with torch.no_grad():
-            kl_logps = preference_data.row_logps(model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"])
+            return logps, preference_data.row_logps(model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"])
+    prompt_mask = batch["prompt_mask"]
+    first, cache = preference_data.prompt_cache(model, batch["prompt_ids"], prompt_mask)
+    logps = preference_data.continuation_logps(model, first, cache, prompt_mask, batch["completion_ids"], batch["completion_only_mask"])
+    cache.crop(-batch["completion_ids"].shape[1])  # back to the prompts (transformers: a negative count removes that many)
+    with torch.no_grad():
+        kl_logps = preference_data.continuation_logps(model, first.detach(), cache, prompt_mask, batch["kl_completion_ids"], batch["kl_completion_only_mask"])
+    return logps, kl_logps
+
+
+def _kto_loss(params: DpoParams):
+    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        logps, kl_logps = _kto_logps(model, batch)
         device = logps.device
         return kto_loss(logps, batch["desirable"].to(device), batch["ref"].to(device), kl_logps, batch["ref_kl"].to(device), beta=params.beta,
                         desirable_weight=params.desirable_weight, undesirable_weight=params.undesirable_weight)  # fmt: skip

@@ -6,8 +6,10 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from pipelines import dpo, ref_logprobs
 from pipelines.core.config import DpoParams, RefLogprobsParams, TrainParams
@@ -204,3 +206,26 @@ def test_kto_takes_feedback_records_as_well(tiny_base, tmp_path):
     assert list(f1.kl_ids[f1.prompt_length :]) == list(f0.ids[f0.prompt_length :])
     dpo_metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", train=TRAIN))
     assert dpo_metrics["train_examples"] == 14
+
+
+def test_kto_runs_each_prompt_once_for_the_example_and_its_kl_row(tiny_base, tmp_path, monkeypatch):
+    """The example rows and their KL rows share the prompt's cache: the same log-probabilities
+    (and gradients of the example rows) as each row whole; the KL rows carry no gradient."""
+    from pipelines.core.models.models import load_causal_lm
+
+    root = tmp_path
+    shutil.copytree(tiny_base / "model", root / "data/models/sft")
+    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
+    ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(), method="kto")
+    examples = dpo.load_examples(root / "data/ref_logprobs", "train")
+    batch = preference_data.collate_examples(examples, 0)(np.arange(len(examples)))
+    model = load_causal_lm(root / "data/models/sft").eval()
+    shared_logps, shared_kl = dpo._kto_logps(model, batch)
+    shared_grad = torch.autograd.grad(shared_logps.sum(), model.lm_head.weight)[0]
+    assert shared_logps.requires_grad and not shared_kl.requires_grad
+    monkeypatch.setattr(preference_data, "shares_prompt", lambda m: False)
+    rows_logps, rows_kl = dpo._kto_logps(model, batch)
+    rows_grad = torch.autograd.grad(rows_logps.sum(), model.lm_head.weight)[0]
+    torch.testing.assert_close(shared_logps.detach(), rows_logps.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared_kl, rows_kl, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared_grad, rows_grad, atol=1e-5, rtol=1e-4)

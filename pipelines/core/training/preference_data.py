@@ -109,11 +109,28 @@ def collate(pairs: list[Pair], pad_id: int) -> Callable[[np.ndarray], dict[str, 
         completion = np.zeros((len(sequences), width), dtype=np.int64)
         for i, (ids, start) in enumerate(zip(sequences, starts, strict=True)):
             input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, start : len(ids)] = ids, 1, 1
+        # The same pairs as one left-padded prompt each and their two answers, interleaved
+        # [chosen_1, rejected_1, chosen_2, ...] (`shared_prompt_logps`).
+        prompt_width = max(p.prompt_length for p in chosen)
+        answer_width = max(max(len(p.chosen_ids), len(p.rejected_ids)) - p.prompt_length for p in chosen)
+        prompt_ids = np.full((len(chosen), prompt_width), pad_id, dtype=np.int64)
+        prompt_mask = np.zeros((len(chosen), prompt_width), dtype=np.int64)
+        answer_ids = np.full((2 * len(chosen), answer_width), pad_id, dtype=np.int64)
+        answer_mask = np.zeros((2 * len(chosen), answer_width), dtype=np.int64)
+        for i, p in enumerate(chosen):
+            prompt_ids[i, prompt_width - p.prompt_length :], prompt_mask[i, prompt_width - p.prompt_length :] = p.chosen_ids[: p.prompt_length], 1
+            for j, ids in enumerate((p.chosen_ids, p.rejected_ids)):
+                answer = ids[p.prompt_length :]
+                answer_ids[2 * i + j, : len(answer)], answer_mask[2 * i + j, : len(answer)] = answer, 1
         return {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention),
             "completion_mask": torch.from_numpy(completion),
             "completion_tokens": torch.from_numpy(completion.sum(1)),
+            "prompt_ids": torch.from_numpy(prompt_ids),
+            "prompt_mask": torch.from_numpy(prompt_mask),
+            "answer_ids": torch.from_numpy(answer_ids),
+            "answer_mask": torch.from_numpy(answer_mask),
             "ref_chosen": torch.tensor([p.ref_chosen for p in chosen], dtype=torch.float32),
             "ref_rejected": torch.tensor([p.ref_rejected for p in chosen], dtype=torch.float32),
             "num_tokens": int(attention.sum()),
@@ -150,9 +167,66 @@ def row_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: t
     return (token_logps * completion[:, width - keep + 1 :]).sum(-1)
 
 
+def shares_prompt(model: torch.nn.Module) -> bool:
+    """Whether `shared_prompt_logps` can and should run `model`: a transformers causal LM (PEFT-wrapped
+    or not) in one process, not compiled, without gradient checkpointing (which turns the cache
+    off), not a masked-diffusion model (no causal log-probability), and not under CPU bf16
+    autocast, where each forward call casts every weight again: the second call cost what the
+    saved prompt tokens gained (sample model, AVX512-BF16 EPYC; benchmarks/RESULTS.md)."""
+    from transformers import PreTrainedModel
+
+    if diffusion.objective_of(model) == "masked_diffusion" or hasattr(model, "_orig_mod") or torch.is_autocast_enabled("cpu"):
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False  # DDP/FSDP: one forward per backward
+    lm = chunked_loss.causal_lm(model)
+    return isinstance(lm, PreTrainedModel) and not getattr(lm, "is_gradient_checkpointing", False)
+
+
+def prompt_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """Left-padded prompts through the model once: the logits of each one's last position (which
+    predict a continuation's first token) and the KV cache continuations go on from."""
+    from transformers import DynamicCache
+
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)  # fmt: skip
+    return out.logits[:, -1:], out.past_key_values
+
+
+def continuation_logps(model: torch.nn.Module, first_logits: torch.Tensor, cache, prompt_mask: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed log-probabilities of right-padded continuations `ids` of the cached prompts (one row
+    each). The model appends them to `cache`: `cache.crop(-continuation width)` before another set."""
+    positions = prompt_mask.sum(-1)[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
+    logits = model(input_ids=ids, attention_mask=torch.cat([prompt_mask, mask], dim=1), position_ids=positions, past_key_values=cache, use_cache=False).logits
+    # the prompt's last position predicts the first token; continuation position t the token t + 1
+    logits = torch.cat([first_logits, logits[:, :-1]], dim=1)
+    token_logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return (token_logps * mask).sum(-1)
+
+
+def shared_prompt_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` with each pair's prompt run once: the left-padded prompts go through the
+    model with a KV cache, which is repeated for the two answers, and the answers go through on
+    top of it. The same log-probabilities and gradients (to float rounding; tested), for the
+    tokens of one prompt instead of two: preference answers are often far shorter than their
+    prompts."""
+    prompt_mask = batch["prompt_mask"]
+    first, cache = prompt_cache(model, batch["prompt_ids"], prompt_mask)
+    cache.batch_repeat_interleave(2)  # [prompt_1, prompt_1, prompt_2, ...] as the answers are ordered
+    summed = continuation_logps(model, first.repeat_interleave(2, dim=0), cache, prompt_mask.repeat_interleave(2, dim=0), batch["answer_ids"], batch["answer_mask"])
+    return summed[0::2], summed[1::2]
+
+
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed completion-token log-probabilities of the chosen and the rejected halves of a
-    `collate` batch (`row_logps`)."""
+    `collate` batch: in training (`chunk` 0) each prompt run once (`shared_prompt_logps`) where the
+    model allows it; else, and for scoring (`ref_logprobs`, `evaluate`), every row whole (`row_logps`)."""
+    if not chunk and "answer_ids" in batch and shares_prompt(model):
+        return shared_prompt_logps(model, batch)
+    return _rows(model, batch, chunk)
+
+
+def _rows(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     summed = row_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], chunk)
     half = summed.shape[0] // 2
     return summed[:half], summed[half:]
@@ -268,12 +342,27 @@ def collate_examples(examples: list[Example], pad_id: int) -> Callable[[np.ndarr
             input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, start : len(ids)] = ids, 1, 1
         return torch.from_numpy(input_ids), torch.from_numpy(attention), torch.from_numpy(completion)
 
+    def continuations(sequences: list[np.ndarray], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What follows each prompt, right-padded, and its mask."""
+        ids, attention, _ = rows([s[start:] for s, start in zip(sequences, starts, strict=True)], [0] * len(starts))
+        return ids, attention
+
     def batch(indices: np.ndarray) -> dict[str, torch.Tensor]:
         chosen = [examples[i] for i in np.sort(indices)]
         starts = [e.prompt_length for e in chosen]
         input_ids, attention, completion = rows([e.ids for e in chosen], starts)
         kl_ids, kl_attention, kl_completion = rows([e.kl_ids for e in chosen], starts)
+        # the prompts left-padded and the two continuations of each (`shares_prompt`)
+        width = max(starts)
+        prompt_ids = torch.full((len(chosen), width), pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(chosen), width), dtype=torch.long)
+        for i, e in enumerate(chosen):
+            prompt_ids[i, width - e.prompt_length :], prompt_mask[i, width - e.prompt_length :] = torch.from_numpy(e.ids[: e.prompt_length]), 1
+        completion_ids, completion_only = continuations([e.ids for e in chosen], starts)
+        kl_completion_ids, kl_completion_only = continuations([e.kl_ids for e in chosen], starts)
         return {
+            "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_only_mask": completion_only,
+            "kl_completion_ids": kl_completion_ids, "kl_completion_only_mask": kl_completion_only,
             "input_ids": input_ids, "attention_mask": attention, "completion_mask": completion,
             "kl_input_ids": kl_ids, "kl_attention_mask": kl_attention, "kl_completion_mask": kl_completion,
             "desirable": torch.tensor([e.desirable for e in chosen]),

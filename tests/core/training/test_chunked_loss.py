@@ -137,7 +137,8 @@ def test_chunked_preference_scores_are_the_whole_logits_ones(tiny_base, chunk):
 
     model = load_causal_lm(tiny_base / "model").eval()
     g = np.random.default_rng(0)
-    pairs = [Pair(f"p{i}", 4 + i, g.integers(3, 300, 9 + 3 * i), g.integers(3, 300, 12 - i), 0.0, 0.0) for i in range(3)]
+    chosen = [g.integers(3, 300, 9 + 3 * i) for i in range(3)]  # a pair's two rows share their prompt, as encode_pairs makes them
+    pairs = [Pair(f"p{i}", 4 + i, chosen[i], np.concatenate([chosen[i][: 4 + i], g.integers(3, 300, 8 - 2 * i)]), 0.0, 0.0) for i in range(3)]
     batch = preference_data.collate(pairs, pad_id=0)(np.arange(3))
     with torch.no_grad():
         whole = preference_data.sequence_logps(model, batch)

@@ -84,3 +84,47 @@ def test_cached_frame_round_trip(tiny_base):
     (back,) = preference_data.from_frame(preference_data.to_frame(pairs, "train"))
     assert np.array_equal(back.chosen_ids, pairs[0].chosen_ids) and back.prompt_length == pairs[0].prompt_length
     assert (back.ref_chosen, back.ref_rejected) == (-1.5, -7.25)
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_each_prompt_once_gives_the_whole_rows_logps_and_gradients(tiny_base, adapter):
+    """Training runs each pair's prompt once (a KV cache repeated for both answers): the same
+    log-probabilities and gradients as the concatenated rows, with prompts of different lengths
+    (left-padded) and answers of different lengths (right-padded)."""
+    from pipelines.core.config import LoraAdapterParams
+    from pipelines.core.models import adapters
+
+    tokenizer = load_tokenizer(tiny_base / "model")
+    rows = [(USER, "Pelora", "Dunmar Kestal"), ([{"role": "system", "content": "Answer with one word."}, *USER], "Kestal is far away", "No"),
+            ([{"role": "user", "content": "What is 3 plus 4?"}], "7", "eight")]  # fmt: skip
+    pairs, _ = preference_data.encode_pairs(tokenizer, frame(rows), max_length=128)
+    assert len({p.prompt_length for p in pairs}) == 3
+    model = load_causal_lm(tiny_base / "model")
+    if adapter:
+        model = adapters.wrap(LoraAdapterParams(r=2, trainable_tokens=[]), "dpo.lora")(model, tokenizer)
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(weight, std=0.05)  # non-zero, so the adapter's gradients matter
+    model.eval()  # no dropout (the adapter's would draw different masks); gradients flow all the same
+    batch = preference_data.collate(pairs, tokenizer.pad_token_id)(np.arange(3))
+    assert preference_data.shares_prompt(model)
+
+    def logps_and_grads(fn):
+        model.zero_grad()
+        chosen, rejected = fn(model, batch)
+        (chosen.sum() + 2 * rejected.sum()).backward()
+        return chosen.detach(), rejected.detach(), {n: w.grad.clone() for n, w in model.named_parameters() if w.grad is not None}
+
+    shared = logps_and_grads(preference_data.shared_prompt_logps)
+    whole = logps_and_grads(preference_data._rows)
+    torch.testing.assert_close(shared[0], whole[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared[1], whole[1], atol=1e-5, rtol=1e-5)
+    assert shared[2].keys() == whole[2].keys() and shared[2]
+    for name in whole[2]:
+        torch.testing.assert_close(shared[2][name], whole[2][name], atol=1e-5, rtol=1e-4)
+    # the stage's entry point takes the shared path in training; gradient checkpointing turns it off
+    assert torch.equal(preference_data.sequence_logps(model, batch)[0].detach(), preference_data.shared_prompt_logps(model, batch)[0].detach())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU bf16: one forward a batch was as fast (measured)
+        assert not preference_data.shares_prompt(model)
+    preference_data.chunked_loss.causal_lm(model).gradient_checkpointing_enable()
+    assert not preference_data.shares_prompt(model)
