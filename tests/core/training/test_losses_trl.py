@@ -9,6 +9,7 @@ fused head returns them for label -100). Loss, rewards and TRL's logged metrics 
 
 from __future__ import annotations
 
+import os
 import types
 from collections import defaultdict
 
@@ -18,6 +19,7 @@ import torch
 
 from pipelines.core.training import losses
 
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # CPO and ORPO live in trl.experimental in 1.16
 trl = pytest.importorskip("trl", minversion="1.16")
 from trl.experimental.cpo import CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOTrainer  # noqa: E402
