@@ -229,3 +229,35 @@ def test_kto_runs_each_prompt_once_for_the_example_and_its_kl_row(tiny_base, tmp
     torch.testing.assert_close(shared_logps.detach(), rows_logps.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared_kl, rows_kl, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared_grad, rows_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_kto_warns_as_trl_does_when_the_weights_do_not_balance_the_data(tiny_base, tmp_path):
+    """Three desirable examples more than undesirable ones (feedback records) at weights 1, 1:
+    the stage says which weight range balances them (TRL's guidance, KTO paper Eq. 8)."""
+    import logging
+
+    root = tmp_path
+    shutil.copytree(tiny_base / "model", root / "data/models/sft")
+    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
+    feedback = root / "data/prepared/feedback"
+    feedback.mkdir(parents=True)
+    prompt = json.dumps([{"role": "user", "content": "Where does Tovik live?"}])
+    for split in ("train", "validation", "test"):
+        rows = [(f"f{i}", prompt, answer, "true") for i, answer in enumerate(["Pelora", "In Pelora", "Pelora, I think"])] if split == "train" else []
+        pd.DataFrame(rows, columns=["id", "prompt", "completion", "label"]).assign(source="t", split=split).to_parquet(feedback / f"{split}.parquet")
+    ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(), method="kto", feedback=feedback)
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("test.kto.balance")
+    log.addHandler(Collect())
+    short = TRAIN.model_copy(update={"max_steps": 1, "eval_every": 0})
+    dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", train=short), log=log)
+    assert records == ["dpo.method kto: 9 desirable and 6 undesirable examples: with these weights the two sides are out of balance "
+                       "(KTO paper, Eq. 8); set EITHER desirable_weight in [0.67, 0.89] OR undesirable_weight in [1.13, 1.5] (not both)"]  # fmt: skip
+    records.clear()
+    dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", desirable_weight=0.8, train=short), log=log)
+    assert records == []
