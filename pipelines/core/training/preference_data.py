@@ -1,4 +1,4 @@
-"""Preference pairs -> token sequences for DPO, and their summed completion log-probabilities.
+"""Preference data -> token sequences for the `dpo` stage, and their summed completion log-probabilities.
 
 Each pair becomes two sequences rendered with the chat template: prompt + chosen answer and
 prompt + rejected answer. Only the answer's tokens (and its closing `<|im_end|>`) count: the
@@ -16,6 +16,11 @@ against TRL's own precompute pass; `python -m benchmarks.peer_dpo --logps` on a 
 Bad pairs (empty or identical answers, no user turn, too long) are dropped and counted per
 reason, or stop the stage with an error naming the pair (`on_invalid`), so they can never turn
 into NaN losses.
+
+KTO's unpaired examples (`Example`: the pairs split in two by `unpair`, plus `feedback` records,
+each with its mismatched KL row) batch with `collate_examples`. In training each prompt goes
+through the model once and its answers continue from its KV cache (`shared_prompt_logps`,
+`prompt_cache`/`continuation_logps`, where `shares_prompt` allows): the same numbers for fewer tokens.
 """
 
 from __future__ import annotations
