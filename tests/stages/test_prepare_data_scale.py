@@ -97,7 +97,7 @@ def test_one_two_workers_and_a_dask_cluster_write_the_same_bytes(tmp_path, monke
                for workers, engine in ((1, "local"), (2, "local"), (2, "dask"))]  # fmt: skip
     (first, metrics), *others = outputs
     files = sorted(p.relative_to(first).as_posix() for p in first.rglob("*") if p.is_file())
-    assert len(files) == 12
+    assert len(files) == 15  # five kinds, three splits
     for out, other_metrics in others:
         assert other_metrics == metrics
         assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == files
