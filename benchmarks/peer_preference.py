@@ -1,7 +1,7 @@
 """KTO, ORPO and SimPO step time: the `dpo` stage's step vs TRL's `KTOTrainer`, `ORPOTrainer` and
 `CPOTrainer(loss_type="simpo")`.
 
-    python -m benchmarks.peer_preference [--methods kto orpo simpo] [--steps 30] [--trials 3] [--precision auto|fp32|bf16] [--project .]
+    python -m benchmarks.peer_preference [--methods kto orpo simpo] [--steps 30] [--trials 3] [--precision auto|fp32|bf16] [--project .] [--set dpo.KEY=VALUE]
 
 Reads a finished `qllm run --until ref_logprobs` of the project (nothing is written there): the SFT
 model, its tokenizer and chat template, the train pairs as `ref_logprobs` encoded them and the same
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--project", type=Path, default=Path(__file__).resolve().parents[1], help="a project with a finished `qllm run --until ref_logprobs`")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="dpo.KEY=VALUE", help="e.g. dpo.train.attention=eager (ours only)")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     root = args.project.resolve()
     base, tokenizer, pairs, records, max_length = load_run(root)
-    params, _ = params_file.load(root)
+    params, _ = params_file.load(root, overrides=args.overrides)
     resolved = precision.resolve(args.precision)
     cfg = params.dpo.train.model_copy(update={"max_steps": args.steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0,
                                               "log_every": 10, "precision": resolved, "extensions": []})  # fmt: skip

@@ -313,6 +313,12 @@ class TrainParams(Section):
     (2 bytes a parameter instead of 8: for full fine-tuning of a 1.5B model 3 GB instead of 12);
     `paged_adamw_8bit`: the same, its state paged to host memory when the GPU runs short (CUDA;
     on a CPU the plain 8-bit one). HF `Trainer`'s names for both."""
+    attention: Literal["model", "sdpa", "eager"] = "model"
+    """The attention kernel while training: `model` keeps the model's own (transformers' default is
+    SDPA); `eager` is the plain matmul-and-softmax one. On a CPU in bf16, PyTorch's SDPA backward is
+    slow at short lengths: `eager` trained the sample model's rows of 32-128 tokens in 0.65-0.74 of
+    the time, but took 1.2x at 256 and 2x at 512 tokens, and in fp32 it gains nothing
+    (benchmarks/RESULTS.md). The saved model keeps its own kernel."""
     compile: bool = False
     """Compile the model's forward with `torch.compile` (TorchInductor; on a CPU it needs a C++
     compiler). The first steps pay the compilation (tens of seconds on a CPU) and every new

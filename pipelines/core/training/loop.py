@@ -435,7 +435,7 @@ def train(
     at the end every rank's `model` gets the full trained weights.
     """
     _check_resolved(cfg.precision, f"{desc}.train.precision")
-    with training_thread(), _StopSignals() as stop_signals:
+    with training_thread(), _StopSignals() as stop_signals, _attention(model, cfg.attention, desc):
         return _train(model, loss_fn, batches, cfg, val_fn=val_fn, tracker=tracker, checkpoints=checkpoints, extensions=extensions,
                       schedule=schedule or OnePhase(), desc=desc, stop_signals=stop_signals)  # fmt: skip
 
@@ -487,6 +487,27 @@ class _Step:
     grad_norm: torch.Tensor
     metrics: dict[str, float]
     tokens: int
+
+
+@contextlib.contextmanager
+def _attention(model: torch.nn.Module, kernel: str, desc: str) -> Iterator[None]:
+    """`train.attention`: the model's attention kernel while it trains, its own one restored after
+    (so what is saved, and everything after training, is as before)."""
+    if kernel == "model":
+        yield
+        return
+    from pipelines.core.training.chunked_loss import causal_lm
+
+    lm = causal_lm(model)
+    own = lm.config._attn_implementation
+    try:
+        lm.set_attn_implementation(kernel)
+    except (AttributeError, ValueError, ImportError) as exc:
+        raise QllmError(f"{desc}.train.attention: {type(lm).__name__} cannot use the {kernel!r} attention kernel ({exc}); use model") from None
+    try:
+        yield
+    finally:
+        lm.set_attn_implementation(own)
 
 
 def _train(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipelines.core.config import ModelParams, TrainParams
+from pipelines.core.errors import QllmError
 from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.models.models import build_llama
 from pipelines.core.training import loop
@@ -258,3 +259,25 @@ def test_8bit_adamw_keeps_8bit_moments_trains_and_resumes_exactly(tmp_path, opti
     resumed, _, _ = run(tmp_path / "killed")  # from the checkpoint at step 3, optimizer state included
     for (name, a), (_, b) in zip(reference.state_dict().items(), resumed.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_attention_kernel_is_swapped_while_training_and_restored(tiny_base):
+    """`train.attention: eager` trains with the eager kernel (the same loss to rounding) and gives
+    the model back with its own; a kernel the model cannot use is a clear error."""
+    from pipelines.core.models.models import load_causal_lm
+
+    model = load_causal_lm(tiny_base / "model")
+    assert model.config._attn_implementation == "sdpa"
+    seen = []
+
+    def loss_fn(m, batch):
+        seen.append(m.config._attn_implementation)
+        return loop.causal_lm_loss(m, batch)
+
+    ids = torch.randint(5, 300, (4, 16))
+    batches = loop.Batches(4, 2, 0, lambda idx: {"input_ids": ids[idx], "num_tokens": 32})
+    cfg = TrainParams(max_steps=2, micro_batch_size=2, warmup_steps=0, eval_every=0, checkpoint_every=0, precision="fp32", extensions=[], attention="eager")
+    loop.train(model, loss_fn, batches, cfg)
+    assert seen == ["eager", "eager"] and model.config._attn_implementation == "sdpa"
+    with pytest.raises(QllmError, match="train.attention: .* cannot use the 'flash_attention_2' attention kernel"), loop._attention(model, "flash_attention_2", "x"):
+        raise AssertionError("not reached: entering the context fails")
