@@ -98,6 +98,18 @@ def trl_dataset(records: pd.DataFrame):
                               "chosen": [answer(c) for c in records["chosen"]], "rejected": [answer(r) for r in records["rejected"]]})  # fmt: skip
 
 
+def trainer_args(cfg, out: str) -> dict:
+    """The `transformers.TrainingArguments` a TRL trainer gets to match the loop's `cfg`: steps,
+    batch, learning rate and schedule, AdamW, clipping, precision, CPU, nothing saved or logged."""
+    return dict(
+        output_dir=out, max_steps=cfg.max_steps, per_device_train_batch_size=cfg.micro_batch_size, learning_rate=cfg.lr,
+        weight_decay=cfg.weight_decay, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, max_grad_norm=cfg.max_grad_norm,
+        lr_scheduler_type="cosine", warmup_steps=0, bf16=cfg.precision == "bf16", fp16=False, gradient_checkpointing=cfg.gradient_checkpointing,
+        optim="adamw_torch_fused" if cfg.optimizer == "adamw_fused" else "adamw_torch", use_cpu=True, save_strategy="no",
+        report_to=[], logging_steps=10, disable_tqdm=True, dataloader_num_workers=0, dataloader_drop_last=True, seed=cfg.seed,
+    )  # fmt: skip
+
+
 def trl_trainer(model, tokenizer, records: pd.DataFrame, dpo_params, cfg, *, precompute: bool, max_length: int, out: str, callbacks=()):
     """`trl.DPOTrainer` on a copy of `model` with the settings of `dpo_params` (its `train` as `cfg`)."""
     from trl import DPOConfig, DPOTrainer
@@ -106,12 +118,7 @@ def trl_trainer(model, tokenizer, records: pd.DataFrame, dpo_params, cfg, *, pre
     if dpo_params.sft_weight:
         loss_types, weights = [*loss_types, "sft"], [1.0, dpo_params.sft_weight]
     args = DPOConfig(
-        output_dir=out, max_steps=cfg.max_steps, per_device_train_batch_size=cfg.micro_batch_size, learning_rate=cfg.lr,
-        weight_decay=cfg.weight_decay, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, max_grad_norm=cfg.max_grad_norm,
-        lr_scheduler_type="cosine", warmup_steps=0, bf16=cfg.precision == "bf16", fp16=False, gradient_checkpointing=cfg.gradient_checkpointing,
-        optim="adamw_torch_fused" if cfg.optimizer == "adamw_fused" else "adamw_torch", use_cpu=True, save_strategy="no",
-        report_to=[], logging_steps=10, disable_tqdm=True, dataloader_num_workers=0, dataloader_drop_last=True, seed=cfg.seed,
-        beta=dpo_params.beta, loss_type=loss_types, loss_weights=weights, label_smoothing=dpo_params.label_smoothing,
+        **trainer_args(cfg, out), beta=dpo_params.beta, loss_type=loss_types, loss_weights=weights, label_smoothing=dpo_params.label_smoothing,
         precompute_ref_log_probs=precompute, max_length=max_length,
     )  # fmt: skip
     policy, peft_config, reference = copy.deepcopy(model), None, None

@@ -38,7 +38,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from benchmarks.peer_dpo import WARMUP, load_run
+from benchmarks.peer_dpo import WARMUP, load_run, trainer_args
 from pipelines import dpo, ref_logprobs
 from pipelines.core import params_file
 from pipelines.core.data.chat_template import parse_messages
@@ -62,14 +62,7 @@ def trl_trainer(method: str, model, tokenizer, records: pd.DataFrame, dpo_params
     """TRL's trainer for `method` on a copy of `model` with the settings of `dpo_params`."""
     from datasets import Dataset
 
-    common = dict(
-        output_dir=out, max_steps=cfg.max_steps, per_device_train_batch_size=cfg.micro_batch_size, learning_rate=cfg.lr,
-        weight_decay=cfg.weight_decay, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, max_grad_norm=cfg.max_grad_norm,
-        lr_scheduler_type="cosine", warmup_steps=0, bf16=cfg.precision == "bf16", fp16=False, gradient_checkpointing=cfg.gradient_checkpointing,
-        optim="adamw_torch_fused" if cfg.optimizer == "adamw_fused" else "adamw_torch", use_cpu=True, save_strategy="no",
-        report_to=[], logging_steps=10, disable_tqdm=True, dataloader_num_workers=0, dataloader_drop_last=True, seed=cfg.seed,
-        beta=dpo_params.beta, max_length=max_length,
-    )  # fmt: skip
+    common = trainer_args(cfg, out) | {"beta": dpo_params.beta, "max_length": max_length}
     prompts = [parse_messages(p) for p in records["prompt"]]
     lora = dpo_params.lora
     policy = copy.deepcopy(model)

@@ -67,12 +67,7 @@ def score_rows(model, rows: list[tuple[np.ndarray, int]], pad_id: int, batch_siz
     scores: list[float] = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        width = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(chunk), width), dtype=torch.long)
-        completion = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, (ids, begin) in enumerate(chunk):
-            input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, begin : len(ids)] = torch.from_numpy(ids), 1, 1
+        input_ids, attention, completion = preference_data.right_padded([ids for ids, _ in chunk], [begin for _, begin in chunk], pad_id)
         scores += preference_data.row_logps(model, input_ids, attention, completion, preference_data.SCORE_CHUNK_TOKENS).tolist()
     return scores
 

@@ -88,13 +88,29 @@ def test_dpo_on_the_last_layer_leaves_the_earlier_layers_as_sft_made_them(worksp
 # ------------------------------------------------------------------- the other methods and losses
 
 
+PROMPT = json.dumps([{"role": "user", "content": "Where does Tovik live?"}])
+
+
+def _encoded(tiny_base, root, method: str, feedback_train: list[tuple[str, str, str]] | None = None):
+    """A workspace whose ref_logprobs ran for `method`, with `feedback_train` records (id,
+    completion, label) of kind feedback in the train split when given."""
+    shutil.copytree(tiny_base / "model", root / "data/models/sft")
+    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
+    feedback = None
+    if feedback_train is not None:
+        feedback = root / "data/prepared/feedback"
+        feedback.mkdir(parents=True)
+        for split in ("train", "validation", "test"):
+            rows = [(i, PROMPT, completion, label) for i, completion, label in feedback_train] if split == "train" else []
+            pd.DataFrame(rows, columns=["id", "prompt", "completion", "label"]).assign(source="t", split=split).to_parquet(feedback / f"{split}.parquet")
+    metrics = ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs",
+                               RefLogprobsParams(), method=method, feedback=feedback)  # fmt: skip
+    return root, metrics
+
+
 def _reference_free(tiny_base, tmp_path, method: str):
     """A workspace whose ref_logprobs ran for a reference-free method: without loading the model."""
-    shutil.copytree(tiny_base / "model", tmp_path / "data/models/sft")
-    shutil.copytree(tiny_base / "preference", tmp_path / "data/prepared/preference")
-    metrics = ref_logprobs.run(tmp_path, tmp_path / "data/models/sft", tmp_path / "data/prepared/preference", tmp_path / "data/ref_logprobs",
-                               RefLogprobsParams(), method=method)  # fmt: skip
-    return tmp_path, metrics
+    return _encoded(tiny_base, tmp_path, method)
 
 
 @pytest.mark.parametrize("method", ["simpo", "orpo"])
@@ -136,10 +152,7 @@ def test_orpo_adds_the_chosen_nll(tiny_base, tmp_path, monkeypatch):
 
 
 def test_kto_splits_pairs_into_examples_with_mismatched_kl_pairs(workspace, tiny_base, tmp_path):
-    root = tmp_path / "kto"
-    shutil.copytree(tiny_base / "model", root / "data/models/sft")
-    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
-    metrics = ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(), method="kto")
+    root, metrics = _encoded(tiny_base, tmp_path / "kto", "kto")
     assert (metrics["train"]["desirable"], metrics["train"]["undesirable"]) == (6, 6)
     pairs = preference_data.from_frame(pd.read_parquet(root / "data/ref_logprobs/train.parquet"))
     examples = preference_data.examples_from_frame(pd.read_parquet(root / "data/ref_logprobs/unpaired_train.parquet"))
@@ -155,10 +168,7 @@ def test_kto_splits_pairs_into_examples_with_mismatched_kl_pairs(workspace, tiny
 def test_kto_starts_at_one_half_with_zero_kl(tiny_base, tmp_path, monkeypatch):
     """At step 1 the policy is the reference: every log-ratio and the KL estimate are 0, so each
     example loses 1 - sigmoid(0) = 0.5 (weights 1)."""
-    root = tmp_path
-    shutil.copytree(tiny_base / "model", root / "data/models/sft")
-    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
-    ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(), method="kto")
+    root, _ = _encoded(tiny_base, tmp_path, "kto")
     seen = record_dpo_losses(monkeypatch)
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", train=TRAIN))
     loss, first = seen[0]
@@ -185,17 +195,7 @@ def test_every_dpo_loss_trains_from_the_cache(workspace, loss_type):
 def test_kto_takes_feedback_records_as_well(tiny_base, tmp_path):
     """Records of kind `feedback` (KTO's own layout) join the split pairs: scored under the
     reference, labelled, with a KL pair of their own; invalid ones are dropped and counted."""
-    root = tmp_path
-    shutil.copytree(tiny_base / "model", root / "data/models/sft")
-    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
-    feedback = root / "data/prepared/feedback"
-    feedback.mkdir(parents=True)
-    prompt = json.dumps([{"role": "user", "content": "Where does Tovik live?"}])
-    rows = {"train": [("f0", prompt, "Pelora", "true"), ("f1", prompt, "Dunmar", "false"), ("f2", prompt, "  ", "true")], "validation": [], "test": []}
-    for split, records in rows.items():
-        pd.DataFrame(records, columns=["id", "prompt", "completion", "label"]).assign(source="t", split=split).to_parquet(feedback / f"{split}.parquet")
-    metrics = ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(),
-                               method="kto", feedback=feedback)  # fmt: skip
+    root, metrics = _encoded(tiny_base, tmp_path, "kto", [("f0", "Pelora", "true"), ("f1", "Dunmar", "false"), ("f2", "  ", "true")])
     assert metrics["train"]["feedback"] == 2 and metrics["train"]["feedback_dropped"]["empty_completion"] == 1
     assert (metrics["train"]["desirable"], metrics["train"]["undesirable"]) == (7, 7)
     examples = preference_data.examples_from_frame(pd.read_parquet(root / "data/ref_logprobs/unpaired_train.parquet"))
@@ -213,10 +213,7 @@ def test_kto_runs_each_prompt_once_for_the_example_and_its_kl_row(tiny_base, tmp
     (and gradients of the example rows) as each row whole; the KL rows carry no gradient."""
     from pipelines.core.models.models import load_causal_lm
 
-    root = tmp_path
-    shutil.copytree(tiny_base / "model", root / "data/models/sft")
-    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
-    ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(), method="kto")
+    root, _ = _encoded(tiny_base, tmp_path, "kto")
     examples = dpo.load_examples(root / "data/ref_logprobs", "train")
     batch = preference_data.collate_examples(examples, 0)(np.arange(len(examples)))
     model = load_causal_lm(root / "data/models/sft").eval()
@@ -236,16 +233,7 @@ def test_kto_warns_as_trl_does_when_the_weights_do_not_balance_the_data(tiny_bas
     the stage says which weight range balances them (TRL's guidance, KTO paper Eq. 8)."""
     import logging
 
-    root = tmp_path
-    shutil.copytree(tiny_base / "model", root / "data/models/sft")
-    shutil.copytree(tiny_base / "preference", root / "data/prepared/preference")
-    feedback = root / "data/prepared/feedback"
-    feedback.mkdir(parents=True)
-    prompt = json.dumps([{"role": "user", "content": "Where does Tovik live?"}])
-    for split in ("train", "validation", "test"):
-        rows = [(f"f{i}", prompt, answer, "true") for i, answer in enumerate(["Pelora", "In Pelora", "Pelora, I think"])] if split == "train" else []
-        pd.DataFrame(rows, columns=["id", "prompt", "completion", "label"]).assign(source="t", split=split).to_parquet(feedback / f"{split}.parquet")
-    ref_logprobs.run(root, root / "data/models/sft", root / "data/prepared/preference", root / "data/ref_logprobs", RefLogprobsParams(), method="kto", feedback=feedback)
+    root, _ = _encoded(tiny_base, tmp_path, "kto", [(f"f{i}", answer, "true") for i, answer in enumerate(["Pelora", "In Pelora", "Pelora, I think"])])
     records: list[str] = []
 
     class Collect(logging.Handler):

@@ -100,42 +100,55 @@ def encode_pairs(tokenizer, frame: pd.DataFrame, max_length: int, max_prompt_len
     return pairs, dropped
 
 
+def right_padded(sequences: list[np.ndarray], starts: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows right-padded to the longest: ids, attention mask, and the mask of the tokens from
+    each row's `start` on (its completion)."""
+    width = max(len(s) for s in sequences)
+    input_ids = np.full((len(sequences), width), pad_id, dtype=np.int64)
+    attention = np.zeros((len(sequences), width), dtype=np.int64)
+    completion = np.zeros((len(sequences), width), dtype=np.int64)
+    for i, (ids, start) in enumerate(zip(sequences, starts, strict=True)):
+        input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, start : len(ids)] = ids, 1, 1
+    return torch.from_numpy(input_ids), torch.from_numpy(attention), torch.from_numpy(completion)
+
+
+def left_padded_prompts(prompts: list[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to the longest (so each ends at the last column, where its
+    continuations start; `prompt_cache`): ids and attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :], mask[i, width - len(prompt) :] = prompt, 1
+    return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+def continuations(sequences: list[np.ndarray], starts: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What follows each row's prompt, right-padded, and its mask (`continuation_logps`)."""
+    ids, attention, _ = right_padded([s[start:] for s, start in zip(sequences, starts, strict=True)], [0] * len(starts), pad_id)
+    return ids, attention
+
+
 def collate(pairs: list[Pair], pad_id: int) -> Callable[[np.ndarray], dict[str, torch.Tensor]]:
     """Batches of `[chosen_1..B; rejected_1..B]`, right-padded, with completion masks and the
-    pairs' cached reference log-probabilities."""
+    pairs' cached reference log-probabilities; and the same pairs as one left-padded prompt each
+    with their two answers interleaved, `[chosen_1, rejected_1, chosen_2, ...]`
+    (`shared_prompt_logps`)."""
 
     def batch(indices: np.ndarray) -> dict[str, torch.Tensor]:
         chosen = [pairs[i] for i in np.sort(indices)]
-        sequences = [p.chosen_ids for p in chosen] + [p.rejected_ids for p in chosen]
-        starts = [p.prompt_length for p in chosen] * 2
-        width = max(len(s) for s in sequences)
-        input_ids = np.full((len(sequences), width), pad_id, dtype=np.int64)
-        attention = np.zeros((len(sequences), width), dtype=np.int64)
-        completion = np.zeros((len(sequences), width), dtype=np.int64)
-        for i, (ids, start) in enumerate(zip(sequences, starts, strict=True)):
-            input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, start : len(ids)] = ids, 1, 1
-        # The same pairs as one left-padded prompt each and their two answers, interleaved
-        # [chosen_1, rejected_1, chosen_2, ...] (`shared_prompt_logps`).
-        prompt_width = max(p.prompt_length for p in chosen)
-        answer_width = max(max(len(p.chosen_ids), len(p.rejected_ids)) - p.prompt_length for p in chosen)
-        prompt_ids = np.full((len(chosen), prompt_width), pad_id, dtype=np.int64)
-        prompt_mask = np.zeros((len(chosen), prompt_width), dtype=np.int64)
-        answer_ids = np.full((2 * len(chosen), answer_width), pad_id, dtype=np.int64)
-        answer_mask = np.zeros((2 * len(chosen), answer_width), dtype=np.int64)
-        for i, p in enumerate(chosen):
-            prompt_ids[i, prompt_width - p.prompt_length :], prompt_mask[i, prompt_width - p.prompt_length :] = p.chosen_ids[: p.prompt_length], 1
-            for j, ids in enumerate((p.chosen_ids, p.rejected_ids)):
-                answer = ids[p.prompt_length :]
-                answer_ids[2 * i + j, : len(answer)], answer_mask[2 * i + j, : len(answer)] = answer, 1
+        input_ids, attention, completion = right_padded([p.chosen_ids for p in chosen] + [p.rejected_ids for p in chosen], [p.prompt_length for p in chosen] * 2, pad_id)
+        prompt_ids, prompt_mask = left_padded_prompts([p.chosen_ids[: p.prompt_length] for p in chosen], pad_id)
+        answer_ids, answer_mask = continuations([ids for p in chosen for ids in (p.chosen_ids, p.rejected_ids)], [p.prompt_length for p in chosen for _ in (0, 1)], pad_id)
         return {
-            "input_ids": torch.from_numpy(input_ids),
-            "attention_mask": torch.from_numpy(attention),
-            "completion_mask": torch.from_numpy(completion),
-            "completion_tokens": torch.from_numpy(completion.sum(1)),
-            "prompt_ids": torch.from_numpy(prompt_ids),
-            "prompt_mask": torch.from_numpy(prompt_mask),
-            "answer_ids": torch.from_numpy(answer_ids),
-            "answer_mask": torch.from_numpy(answer_mask),
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "completion_mask": completion,
+            "completion_tokens": completion.sum(1),
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "answer_ids": answer_ids,
+            "answer_mask": answer_mask,
             "ref_chosen": torch.tensor([p.ref_chosen for p in chosen], dtype=torch.float32),
             "ref_rejected": torch.tensor([p.ref_rejected for p in chosen], dtype=torch.float32),
             "num_tokens": int(attention.sum()),
@@ -336,35 +349,17 @@ def unpair(pairs: list[Pair], feedback: list[Feedback] = ()) -> list[Example]:
 
 def collate_examples(examples: list[Example], pad_id: int) -> Callable[[np.ndarray], dict[str, torch.Tensor]]:
     """Batches of KTO examples: their rows and their KL rows (right-padded, with completion
-    masks), labels and cached reference log-probabilities."""
-
-    def rows(sequences: list[np.ndarray], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        width = max(len(s) for s in sequences)
-        input_ids = np.full((len(sequences), width), pad_id, dtype=np.int64)
-        attention = np.zeros((len(sequences), width), dtype=np.int64)
-        completion = np.zeros((len(sequences), width), dtype=np.int64)
-        for i, (ids, start) in enumerate(zip(sequences, starts, strict=True)):
-            input_ids[i, : len(ids)], attention[i, : len(ids)], completion[i, start : len(ids)] = ids, 1, 1
-        return torch.from_numpy(input_ids), torch.from_numpy(attention), torch.from_numpy(completion)
-
-    def continuations(sequences: list[np.ndarray], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """What follows each prompt, right-padded, and its mask."""
-        ids, attention, _ = rows([s[start:] for s, start in zip(sequences, starts, strict=True)], [0] * len(starts))
-        return ids, attention
+    masks), labels and cached reference log-probabilities; and the prompts left-padded with the
+    two continuations of each (`shares_prompt`)."""
 
     def batch(indices: np.ndarray) -> dict[str, torch.Tensor]:
         chosen = [examples[i] for i in np.sort(indices)]
         starts = [e.prompt_length for e in chosen]
-        input_ids, attention, completion = rows([e.ids for e in chosen], starts)
-        kl_ids, kl_attention, kl_completion = rows([e.kl_ids for e in chosen], starts)
-        # the prompts left-padded and the two continuations of each (`shares_prompt`)
-        width = max(starts)
-        prompt_ids = torch.full((len(chosen), width), pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(chosen), width), dtype=torch.long)
-        for i, e in enumerate(chosen):
-            prompt_ids[i, width - e.prompt_length :], prompt_mask[i, width - e.prompt_length :] = torch.from_numpy(e.ids[: e.prompt_length]), 1
-        completion_ids, completion_only = continuations([e.ids for e in chosen], starts)
-        kl_completion_ids, kl_completion_only = continuations([e.kl_ids for e in chosen], starts)
+        input_ids, attention, completion = right_padded([e.ids for e in chosen], starts, pad_id)
+        kl_ids, kl_attention, kl_completion = right_padded([e.kl_ids for e in chosen], starts, pad_id)
+        prompt_ids, prompt_mask = left_padded_prompts([e.ids[: e.prompt_length] for e in chosen], pad_id)
+        completion_ids, completion_only = continuations([e.ids for e in chosen], starts, pad_id)
+        kl_completion_ids, kl_completion_only = continuations([e.kl_ids for e in chosen], starts, pad_id)
         return {
             "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_only_mask": completion_only,
             "kl_completion_ids": kl_completion_ids, "kl_completion_only_mask": kl_completion_only,
