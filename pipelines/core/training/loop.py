@@ -496,9 +496,7 @@ def _attention(model: torch.nn.Module, kernel: str, desc: str) -> Iterator[None]
     if kernel == "model":
         yield
         return
-    from pipelines.core.training.chunked_loss import causal_lm
-
-    lm = causal_lm(model)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT; DDP and compile wrap it later
     own = lm.config._attn_implementation
     try:
         lm.set_attn_implementation(kernel)
