@@ -48,11 +48,15 @@ def _free(port: int) -> bool:
     return True
 
 
-def _port(preferred: int) -> int:
-    """`preferred` if it is free, else (or for 0) any free port."""
-    if preferred and _free(preferred):
+def _port(preferred: int, taken: tuple[int, ...] = ()) -> int:
+    """`preferred` if it is free, else (or for 0) any free port not in `taken` (two back-to-back
+    requests for a free port may be handed the same one: the first is not bound yet)."""
+    if preferred and preferred not in taken and _free(preferred):
         return preferred
-    return free_port()
+    port = free_port()
+    while port in taken:  # the OS hands out another on the next request
+        port = free_port()
+    return port
 
 
 def service_env(root: Path, prefect_url: str | None = None) -> dict[str, str]:
@@ -86,7 +90,8 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
         running = {name: s["pid"] for name, s in read_record(root)["services"].items() if _alive(s["pid"])}
         if running:
             raise QllmError(f"services already running ({', '.join(f'{n} pid {p}' for n, p in running.items())}); run `make stop` first")
-    prefect_port, mlflow_port = _port(prefect_port), _port(mlflow_port)
+    prefect_port = _port(prefect_port)
+    mlflow_port = _port(mlflow_port, taken=(prefect_port,))
     prefect_url = f"http://127.0.0.1:{prefect_port}/api"
     env = service_env(root, prefect_url)
     bin_dir = Path(sys.executable).parent

@@ -153,3 +153,12 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
     rerun = deployment_run(env, project, "qllm-pipeline/default", *params)
     assert rerun.returncode == 0 and "Completed" in rerun.stdout, rerun.stdout + rerun.stderr
     assert f"pretrain: resumed from step {stopped.group(1)}" in new_log(), new_log()[-3000:]
+
+
+def test_two_services_asking_for_any_port_never_get_the_same_one(monkeypatch):
+    """Two back-to-back requests for a free port may be handed the same one (the first is not bound
+    until its server starts): the MLflow UI's must differ from the Prefect server's."""
+    handed = iter([41001, 41001, 41001, 41002])
+    monkeypatch.setattr(serve, "free_port", lambda: next(handed))
+    first = serve._port(0)
+    assert (first, serve._port(0, taken=(first,))) == (41001, 41002)
