@@ -1,0 +1,112 @@
+"""Reward functions for GRPO (issue 39), with TRL's signature, built in or a user's own.
+
+    fn = load("exact_match")                          # built in
+    fn = load("mypkg.rewards:brevity")                # a user's, `package.module:function`
+    scores = fn(prompts, completions, answer=answers) # -> one float (or None: not scored) per completion
+
+A reward function is called as TRL's `GRPOTrainer` calls one: `prompts` and `completions` as
+lists (message lists for chat data, each completion `[{"role": "assistant", "content": ...}]`), and
+every other column of the records as a keyword list (here `answer`: the reference answer, the final
+assistant turn of each prompt's chat record). It returns a list with one float per completion, or
+None where it does not apply (TRL drops those from the mean).
+
+Built in:
+
+- `exact_match`: 1.0 when the completion's first line equals the reference answer after
+  `evaluate`'s normalisation (`chat_template.normalize_answer`: trimmed, case-folded, without
+  trailing punctuation), else 0.0;
+- `format`: 1.0 when the completion is one non-empty line, the form the held-out questions'
+  answers take, else 0.0.
+
+`load` checks what it can before any training: the name resolves, the object is callable, and its
+signature takes `prompts` and `completions` (or `**kwargs`); each failure is a `RewardError` naming
+the function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pipelines.core.data.chat_template import normalize_answer
+from pipelines.core.errors import QllmError
+
+RewardFn = Callable[..., list[float | None]]
+
+
+class RewardError(QllmError, ValueError):
+    """A reward function that cannot be loaded or called as TRL calls one."""
+
+
+def text_of(completion: Any) -> str:
+    """A completion as text: a string, or the content of a one-message list (chat data)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content") or "")
+    raise RewardError(f"a completion must be a string or a list of messages, got {type(completion).__name__}")
+
+
+def exact_match(prompts: list, completions: list, answer: list[str], **_: Any) -> list[float]:
+    """1.0 where the completion's first line is the reference answer (evaluate's normalisation)."""
+    return [1.0 if normalize_answer(text_of(c)) == normalize_answer(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def format_reward(prompts: list, completions: list, **_: Any) -> list[float]:
+    """1.0 where the completion is one non-empty line."""
+    return [1.0 if (text := text_of(c).strip()) and "\n" not in text else 0.0 for c in completions]
+
+
+BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "format": format_reward}
+
+
+PASSED = ("prompts", "completions", "completion_ids", "trainer_state")
+"""What TRL's GRPOTrainer passes a reward function besides the records' columns."""
+
+
+def load(name: str, where: str = "reward", columns: Sequence[str] = ("answer",)) -> RewardFn:
+    """A built-in reward by name, or `package.module:function` imported and checked against what
+    it will be called with (TRL's arguments and the records' `columns`)."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    module_name, sep, attribute = name.partition(":")
+    if not sep or not module_name or not attribute:
+        raise RewardError(f"{where}: {name!r} is neither a built-in reward ({', '.join(BUILT_IN)}) nor `package.module:function`")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(f"{where}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH or installed?") from None
+    fn = getattr(module, attribute, None)
+    if fn is None:
+        raise RewardError(f"{where}: module {module_name!r} has no {attribute!r}")
+    if not callable(fn):
+        raise RewardError(f"{where}: {name!r} is a {type(fn).__name__}, not a function")
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn  # a builtin or C function: nothing to inspect
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    missing = [n for n in ("prompts", "completions") if n not in parameters and not takes_any]
+    if missing:
+        raise RewardError(f"{where}: {name!r} must take TRL's arguments (prompts, completions, **kwargs); it lacks {', '.join(missing)}")
+    if not takes_any:
+        raise RewardError(f"{where}: {name!r} must accept **kwargs: it is called with every column of the records (e.g. answer=...)")
+    unknown = [n for n, p in parameters.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in (*PASSED, *columns)]
+    if unknown:
+        raise RewardError(f"{where}: {name!r} requires {', '.join(unknown)}, which it would not be given (it gets {', '.join((*PASSED, *columns))})")
+    return fn
+
+
+def score(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, list]) -> list[float]:
+    """`fn`'s rewards as floats (NaN where it returned None), checked to be one per completion."""
+    values = fn(prompts=prompts, completions=completions, **columns)
+    if not isinstance(values, Sequence) or len(values) != len(completions):
+        got = len(values) if isinstance(values, Sequence) else type(values).__name__
+        raise RewardError(f"reward {name!r} returned {got} values for {len(completions)} completions (one float or None each)")
+    try:
+        return [float("nan") if v is None else float(v) for v in values]
+    except (TypeError, ValueError):
+        bad = next(v for v in values if v is not None and not isinstance(v, int | float))
+        raise RewardError(f"reward {name!r} returned {type(bad).__name__} {bad!r}; expected a float or None per completion") from None
