@@ -1,0 +1,53 @@
+"""GRPO's rollouts: groups of sampled completions with their masks, reproducible from the seed, and
+their per-token log-probabilities as the training forward computes them."""
+
+from __future__ import annotations
+
+import torch
+
+from pipelines.core.models.models import load_causal_lm, load_tokenizer, stop_token_ids
+from pipelines.core.training import preference_data, rollouts
+
+PROMPTS = [[{"role": "user", "content": "Where does Tovik live?"}], [{"role": "system", "content": "Answer with one word."},
+           {"role": "user", "content": "What is 3 plus 4?"}]]  # fmt: skip
+
+
+def test_groups_of_samples_with_masks_up_to_the_stop_token(tiny_base):
+    tokenizer = load_tokenizer(tiny_base / "model")
+    model = load_causal_lm(tiny_base / "model").train()  # as the loop holds it
+    torch.manual_seed(0)
+    out = rollouts.sample(model, tokenizer, PROMPTS, group_size=4, max_completion_length=12, temperature=1.0)
+    assert out.completion_ids.shape[0] == 8 and out.prompt_ids.shape[0] == 2 and len(out.texts) == 8
+    assert out.completion_ids.shape[1] <= 12 and model.training  # the mode it came in
+    stops = torch.tensor(stop_token_ids(tokenizer))
+    for ids, mask, truncated in zip(out.completion_ids, out.completion_mask, out.truncated, strict=True):
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any()  # one run from the start
+        if truncated:
+            assert n == out.completion_ids.shape[1] and not torch.isin(ids, stops).any()
+        else:
+            assert ids[n - 1] in stops and not torch.isin(ids[: n - 1], stops).any()  # through its first stop token
+    # the same seed, the same samples (the loop's checkpoints restore torch's generator)
+    torch.manual_seed(0)
+    again = rollouts.sample(model, tokenizer, PROMPTS, group_size=4, max_completion_length=12, temperature=1.0)
+    assert torch.equal(again.completion_ids, out.completion_ids) and again.texts == out.texts
+    # a random untrained model samples differently within a group
+    assert len({tuple(r.tolist()) for r in out.completion_ids[:4]}) > 1
+
+
+def test_token_logps_are_the_rows_log_probabilities(tiny_base):
+    tokenizer = load_tokenizer(tiny_base / "model")
+    model = load_causal_lm(tiny_base / "model").eval()
+    torch.manual_seed(1)
+    out = rollouts.sample(model, tokenizer, PROMPTS, group_size=3, max_completion_length=10, temperature=1.0)
+    per_token = rollouts.token_logps(model, out)
+    assert per_token.shape == out.completion_ids.shape and (per_token[out.completion_mask == 0] == 0).all()
+    # the same sums as the preference code's whole-row scoring of prompt + completion, row by row
+    for row in range(6):
+        prompt = out.prompt_ids[row // 3][out.prompt_mask[row // 3].bool()]
+        completion = out.completion_ids[row][out.completion_mask[row].bool()]
+        ids = torch.cat([prompt, completion]).unsqueeze(0)
+        mask = torch.zeros_like(ids)
+        mask[0, len(prompt) :] = 1
+        whole = preference_data.row_logps(model, ids, torch.ones_like(ids), mask)
+        torch.testing.assert_close(per_token[row].sum(), whole[0], atol=1e-4, rtol=1e-5)
