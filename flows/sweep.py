@@ -25,12 +25,19 @@ from pipelines.core import dag, params_file
 from pipelines.core.errors import QllmError
 
 
+def _reads(params: tuple[str, ...], key: str) -> bool:
+    """Whether a stage listing `params` in dvc.yaml (sections, or dotted keys of another section)
+    reads the overridden `key`."""
+    return any(key == p or key.startswith(p + ".") or p.startswith(key + ".") for p in params)
+
+
 def shared_stages(root: Path, override_sets: list[list[str]]) -> list[str]:
-    """Stages (in DAG order) no override set can change: not named by any override, not downstream
-    of one that is."""
+    """Stages (in DAG order) no override set can change: reading none of the overridden keys (a
+    stage's params in dvc.yaml: its section, and the keys of other sections it lists, such as
+    ref_logprobs' `dpo.method`), and not downstream of one that does."""
     graph = dag.stages(root)
-    touched = {key.split("=", 1)[0].split(".", 1)[0] for overrides in override_sets for key in overrides}
-    changed = {name for name in graph if name in touched}
+    keys = {key.split("=", 1)[0] for overrides in override_sets for key in overrides}
+    changed = {name for name, spec in graph.items() if any(_reads(spec.params, key) for key in keys)}
     for name in list(changed):
         changed |= dag.downstream(root, name)
     return [name for name in dag.order(root) if name not in changed]

@@ -354,3 +354,4 @@ def test_every_command_resolves_relative_paths_against_the_project_not_the_curre
         assert shlex.split(cd) == ["cd", str(project)]
         argv = shlex.split(command)
         assert argv[argv.index("--model_args") + 1] == expected
+
