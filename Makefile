@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-all bench gpu-check lock clean-outputs serve stop docs docs-screenshots
+.PHONY: install run test test-all browser bench gpu-check lock clean-outputs serve stop docs docs-screenshots
 
 # Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
 # PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
@@ -64,10 +64,17 @@ run: install
 TEST_WORKERS ?= auto
 PYTEST = PATH="$(BIN):$$PATH" $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 
-test: install $(VENV)/.installed-peers
+# The docs' screenshot test drives a headless Chromium: QLLM_CHROMIUM or one on PATH, else the
+# system's package where apt-get runs as root (Debian: chromium), else Playwright's own build.
+browser: install
+	@[ -n "$$QLLM_CHROMIUM" ] || command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null \
+	  || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } \
+	  || $(PY) -m playwright install chromium
+
+test: install $(VENV)/.installed-peers browser
 	$(PYTEST) $(ARGS)
 
-test-all: install $(VENV)/.installed-peers
+test-all: install $(VENV)/.installed-peers browser
 	$(PYTEST) -m "slow or not slow" $(ARGS)
 
 # Local Prefect server + process worker (pool "qllm") + MLflow UI on 127.0.0.1; `make stop` ends them.

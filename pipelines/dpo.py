@@ -39,7 +39,6 @@ from pipelines.core.models.models import (
     CONSTRUCTION,
     device,
     load_for_inference,
-    load_tokenizer,
     parameter_counts,
     save_pretrained,
 )
@@ -164,20 +163,14 @@ def load_examples(ref_dir: Path, split: str) -> list[preference_data.Example]:
     return preference_data.examples_from_frame(pd.read_parquet(path)) if path.exists() else []
 
 
-def _data(ref_dir: Path, params: DpoParams, pad: int) -> tuple[dict[str, tuple[list, Callable]], int]:
-    """Per split the items (pairs, or KTO examples) and their collate function; and the longest row."""
-    meta = read_json(ref_dir / "meta.json")
+def _data(ref_dir: Path, params: DpoParams, meta: dict) -> tuple[dict[str, list], int]:
+    """Per split the items (pairs, or KTO examples) `ref_logprobs` encoded; and the longest row
+    (read before the model loads: the memory estimate needs it)."""
     if meta.get("method", "dpo") != params.method:  # the DAG lists dpo.method for ref_logprobs: only a hand-made directory gets here
         raise QllmError(f"{ref_dir / 'meta.json'}: encoded for method {meta.get('method', 'dpo')!r}, but dpo.method is {params.method!r}; rerun ref_logprobs")
-    data = {}
-    for split in ("train", "validation", "test"):
-        if params.method == "kto":
-            examples = load_examples(ref_dir, split)
-            data[split] = (examples, preference_data.collate_examples(examples, pad))
-        else:
-            pairs = load_pairs(ref_dir, split)
-            data[split] = (pairs, preference_data.collate(pairs, pad))
-    train = data["train"][0]
+    load = load_examples if params.method == "kto" else load_pairs
+    data = {split: load(ref_dir, split) for split in ("train", "validation", "test")}
+    train = data["train"]
     if not train:
         raise QllmError(f"{ref_dir / ('unpaired_train.parquet' if params.method == 'kto' else 'train.parquet')}: no preference data to train on")
     longest = max(max(len(e.ids), len(e.kl_ids)) for e in train) if params.method == "kto" else max(max(len(p.chosen_ids), len(p.rejected_ids)) for p in train)
@@ -189,10 +182,9 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     meta = read_json(ref_dir / "meta.json")
     start = meta.get("start", meta["reference"])  # the model the policy starts from (and the reference pass used, if any)
     qconfig = quantize.from_params(params.lora, cfg.precision, "dpo.lora") if params.adapter == "lora" else None
-    tokenizer_source = root / start / "merged" if (root / start / "merged" / "config.json").exists() else root / start
-    data, longest = _data(ref_dir, params, load_tokenizer(tokenizer_source).pad_token_id)
+    data, longest = _data(ref_dir, params, meta)
     if params.method == "kto":
-        train = data["train"][0]
+        train = data["train"]
         desirable = sum(e.desirable for e in train)
         advice = kto_weight_advice(desirable, len(train) - desirable, params.desirable_weight, params.undesirable_weight)
         if advice and log is not None:
@@ -213,7 +205,8 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         tracker.log_params({f"dpo.{k}": v for k, v in counts.items()} | {"dpo.reference": meta["reference"], "dpo.start_model": start})
 
     loss_fn = dpo_loss(params)
-    (train, make_train), (val, make_val), (heldout, make_heldout) = data["train"], data["validation"], data["test"]
+    collate = preference_data.collate_examples if params.method == "kto" else preference_data.collate
+    (train, make_train), (val, make_val), (heldout, make_heldout) = ((data[s], collate(data[s], tokenizer.pad_token_id)) for s in ("train", "validation", "test"))
     batches = loop.Batches(len(train), cfg.micro_batch_size, cfg.seed, make_train)
     val_fn = None
     if val:

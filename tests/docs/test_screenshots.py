@@ -1,8 +1,9 @@
 """docs/screenshots.py (`make docs-screenshots`): a real headless Chromium photographs the MLflow UI,
 the Prefect UI and TensorBoard against a real tiny run, and the MLflow link lands on the runs.
 
-The browser is the system's Chromium (`apt-get install chromium`; `.ci/run` installs it) or
-QLLM_CHROMIUM; on a machine with neither, the browser test says so and skips.
+The browser is QLLM_CHROMIUM, a Chromium on PATH, or Playwright's own build: `make test` provides
+one first (`make browser`: the system package where apt-get runs as root, else `playwright install
+chromium`).
 """
 
 from __future__ import annotations
@@ -51,12 +52,6 @@ def test_a_directory_that_is_no_project_is_refused_before_any_server_starts(tmp_
 
 @pytest.mark.timeout(900)
 def test_screenshots_of_a_real_tiny_run(tmp_path, mlflow_template_db):
-    try:
-        browser = screenshots.chromium_executable()
-    except screenshots.QllmError:
-        browser = None
-    if browser is None:
-        pytest.skip("no Chromium on this machine (apt-get install chromium, or set QLLM_CHROMIUM)")
     project = make_project(tmp_path / "project", mlflow_template_db)  # the script's own `qllm run` runs it whole
     out = tmp_path / "images"
     done = subprocess.run([sys.executable, str(REPO / "docs" / "screenshots.py"), "--project", str(project), "--out", str(out)],

@@ -16,12 +16,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from trl.trainer.grpo_trainer import GRPOTrainer
+from trl.trainer.utils import nanstd
 
 from pipelines.core.training import grpo
-
-trl = pytest.importorskip("trl", minversion="1.16")
-from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import nanstd  # noqa: E402
 
 
 class _Accelerator:

@@ -20,7 +20,6 @@ import torch
 from pipelines.core.training import losses
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # CPO and ORPO live in trl.experimental in 1.16
-trl = pytest.importorskip("trl", minversion="1.16")
 from trl.experimental.cpo import CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOTrainer  # noqa: E402
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
