@@ -35,6 +35,7 @@ Also written: `data/evaluate/comparison.csv` (one row per model; logged to MLflo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import threading
@@ -79,8 +80,6 @@ def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
     (`ingest` already rejects such a chat in a `split: test` source), and a `QllmError` says so
     when no conversation is left.
     """
-    import logging
-
     for split in ("test", "validation"):
         path = chat_dir / f"{split}.parquet"
         frame = pd.read_parquet(path)
@@ -338,6 +337,12 @@ def evaluate_multimodal(model_dir: Path, image_dir: Path, out: Path, params: Eva
     return {renamed.get(k, k): v for k, v in metrics.items()} | {"eval_seconds": round(time.perf_counter() - started, 3)}
 
 
+def has_model(model_dir: Path) -> bool:
+    """Whether a stage's model directory holds a model (a full one, an adapter, or `merged/`), not
+    only the README of a stage its params switch off (`grpo.enabled: false`)."""
+    return any((model_dir / name).exists() for name in ("config.json", "adapter_config.json", "merged/config.json"))
+
+
 def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams, preferences: Path | None = None,
         image_dir: Path | None = None) -> dict[str, dict]:  # fmt: skip
     """`{model: metrics}` for every model in `params.models` (and `multimodal` when `models_dir/multimodal`
@@ -350,15 +355,20 @@ def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path
     for name in params.models:
         if not (models_dir / name).exists():
             raise QllmError(f"{models_dir / name}: model of stage {name!r} not found (evaluate.models lists it)")
+    models = [name for name in params.models if has_model(models_dir / name)]
+    if skipped := sorted(set(params.models) - set(models)):
+        logging.getLogger(f"qllm.{NAME}").info("not evaluated: %s (switched off: the stage wrote only its README)", ", ".join(skipped))
+    if not models:
+        raise QllmError(f"{models_dir}: none of evaluate.models ({', '.join(params.models)}) holds a trained model")
     with atomic_dir(out) as tmp:
 
         def one(name: str) -> dict:
             return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs, bertscore)
 
         with ThreadPoolExecutor(max_workers=params.workers) as pool:
-            results = dict(zip(params.models, pool.map(one, params.models), strict=True))
+            results = dict(zip(models, pool.map(one, models), strict=True))
         comparison(results).to_csv(tmp / COMPARISON, index=False)
-        plots.loss_curves({name: models_dir / name for name in params.models}, tmp / PLOTS / "loss_curves.png")
+        plots.loss_curves({name: models_dir / name for name in models}, tmp / PLOTS / "loss_curves.png")
         plots.metric_bars(results, [m for m in ("exact_match", "rougeL", "preference_accuracy") if any(m in r for r in results.values())],
                           tmp / PLOTS / "metrics.png")  # fmt: skip
         if image_dir is not None and vision.trained(models_dir / MULTIMODAL):

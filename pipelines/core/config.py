@@ -849,6 +849,100 @@ class DpoParams(Section):
         return self.method in ("dpo", "kto")
 
 
+BUILT_IN_REWARDS = ("exact_match", "format")
+"""The reward functions `pipelines.core.training.rewards` has built in."""
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "answer")
+"""What a reward function is called with: TRL's arguments and the records' columns."""
+
+
+class RewardParams(Section):
+    """One reward function of `grpo.rewards` and its weight."""
+
+    function: str = Field(min_length=1)
+    """A built-in reward (`exact_match`, `format`) or a user's `package.module:function` (importable
+    from the project, e.g. a module next to params.yaml), called with TRL's reward signature
+    (`prompts`, `completions`, `**kwargs` with the records' columns: `answer`)."""
+    weight: float = 1.0
+    """The function's weight in the summed reward (TRL's `reward_weights`)."""
+
+    @field_validator("function")
+    @classmethod
+    def _loads(cls, name: str) -> str:
+        if name in BUILT_IN_REWARDS:
+            return name
+        if ":" not in name:
+            raise ValueError(f"{name!r} is neither a built-in reward ({', '.join(BUILT_IN_REWARDS)}) nor `package.module:function`")
+        try:
+            extensions.user_function(name, "function", required=("prompts", "completions"), given=REWARD_ARGUMENTS, what="reward function")
+        except QllmError as exc:
+            raise ValueError(str(exc)) from None
+        return name
+
+    @property
+    def name(self) -> str:
+        """What its metrics are logged under (`rewards/<name>/mean`): the function's own name, as TRL's."""
+        return self.function.rpartition(":")[2]
+
+
+class GrpoParams(Section):
+    """Reinforcement learning with verifiable rewards (GRPO and its Dr. GRPO and DAPO losses, as
+    TRL's `GRPOTrainer`) from the SFT model, on the chat records' questions (docs/grpo.md)."""
+
+    enabled: bool = True
+    """Train the GRPO model. Off: the stage writes only a README (no cost)."""
+    rewards: list[RewardParams] = Field(default_factory=lambda: [RewardParams(function="exact_match")], min_length=1)
+    """Reward functions and weights; each is checked (imported, signature) when params load."""
+    group_size: int = Field(8, ge=2)
+    """Completions sampled per prompt (TRL's `num_generations`); the advantages are normalised
+    within each group. `train.micro_batch_size` counts completions and must be a multiple of it."""
+    max_completion_length: int = Field(16, ge=1)
+    """Tokens a completion may have; one that reaches it without a stop token is truncated."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the rollouts (TRL's default 1.0)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling of the rollouts (1.0: off)."""
+    beta: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference (the SFT model); 0, TRL's default, loads no
+    reference. With > 0, the reference log-probabilities are computed once per generation."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
+    """How the per-token loss is averaged (TRL's names; docs/grpo.md): grpo per completion then
+    over completions, dr_grpo over completions x max_completion_length, dapo (TRL's default) over
+    the generation batch's completion tokens, bnpo over the micro-batch's."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide the centred rewards by the group's standard deviation (GRPO), the batch's, or not at
+    all (Dr. GRPO)."""
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    """The ratio clipping range's lower side (and upper, unless `epsilon_high` is set)."""
+    epsilon_high: float | None = Field(None, gt=0)
+    """The upper side (DAPO's clip-higher uses 0.28); None: `epsilon`."""
+    num_iterations: int = Field(1, ge=1)
+    """Optimizer steps per generation (GRPO's mu): more than 1 reuses each batch of completions,
+    with the ratio to the policy that generated them clipped."""
+    mask_truncated_completions: bool = False
+    """Leave truncated completions (no stop token within `max_completion_length`) out of the loss (DAPO)."""
+    log_completions_every: int = Field(10, ge=0)
+    """Log a table of sample completions with their rewards to MLflow every N steps (0: never)."""
+    adapter: Literal["none", "lora"] = "none"
+    """Train all weights of the policy, or a LoRA adapter on it (`grpo.lora`; with `beta` > 0 the
+    reference is the model under the adapter, so no copy is held)."""
+    lora: LoraAdapterParams = LoraAdapterParams()
+    train: TrainParams = TrainParams()
+
+    @model_validator(mode="after")
+    def _batches_hold_groups(self) -> GrpoParams:
+        names = [r.name for r in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rewards: two functions share a name ({', '.join(names)}), so their metrics would too")
+        if self.train.micro_batch_size % self.group_size:
+            raise ValueError(f"train.micro_batch_size ({self.train.micro_batch_size}) counts completions and must be a multiple of group_size "
+                             f"({self.group_size}), so that each micro-batch holds whole groups")  # fmt: skip
+        if self.train.loss_chunk_tokens:
+            raise ValueError("train.loss_chunk_tokens: grpo does not chunk its loss (it scores its completions' tokens itself); set it to 0")
+        if self.train.nproc > 1:
+            raise ValueError("train.nproc: grpo runs in one process (its rollouts are generated where it trains); set it to 1")
+        return self
+
+
 class VisionParams(Section):
     """The vision tower of the multimodal model: a SigLIP vision transformer built from config."""
 
@@ -902,11 +996,11 @@ class MultimodalParams(Section):
         return self
 
 
-ModelStage = Literal["pretrain", "sft", "lora", "dpo"]
+ModelStage = Literal["pretrain", "sft", "lora", "dpo", "grpo"]
 
 
 class EvaluateParams(Section):
-    models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora", "dpo"], min_length=1)
+    models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora", "dpo", "grpo"], min_length=1)
     """Models to evaluate on the same held-out sets (outputs of these stages)."""
     max_new_tokens: int = Field(16, ge=1)
     """Greedy decoding length for exact-match answers."""
@@ -1000,6 +1094,7 @@ class Params(Section):
     lora: LoraParams = LoraParams()
     ref_logprobs: RefLogprobsParams = RefLogprobsParams()
     dpo: DpoParams = DpoParams()
+    grpo: GrpoParams = GrpoParams()
     multimodal: MultimodalParams = MultimodalParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
@@ -1027,6 +1122,15 @@ class Params(Section):
         if self.pretrain.objective == "masked_diffusion" and not self.train_tokenizer.mask_token and self.base_model.name is None:
             raise ValueError("pretrain.objective is masked_diffusion but train_tokenizer.mask_token is false: the objective needs the "
                              "tokenizer's <|mask|> token; set train_tokenizer.mask_token: true")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_needs_a_causal_model(self) -> Params:
+        if self.grpo.enabled and self.pretrain.objective == "masked_diffusion" and self.base_model.name is None:
+            raise ValueError("grpo.enabled: GRPO samples completions left to right and scores their tokens' log-probabilities, which a "
+                             "masked-diffusion model (pretrain.objective: masked_diffusion) does not give; set grpo.enabled: false")  # fmt: skip
+        if not self.grpo.enabled and self.register.model == "grpo":
+            raise ValueError("register.model is grpo but grpo.enabled is false: there is no GRPO model to register")
         return self
 
     @model_validator(mode="after")

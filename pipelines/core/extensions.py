@@ -234,3 +234,35 @@ def build(entries: Sequence[Any], context: ExtensionContext, where: str = "train
         except (TypeError, ValueError) as exc:
             raise QllmError(f"{at} ({name}): {exc}") from exc
     return built
+
+
+def user_function(name: str, where: str, required: Sequence[str], given: Sequence[str], what: str = "function") -> Callable[..., Any]:
+    """`package.module:function` imported, callable, taking every name of `required` and
+    `**kwargs` (it is called with keywords), and requiring nothing outside `given`; each failure a
+    `QllmError` naming `where` and what was expected."""
+    module_name, sep, attribute = name.partition(":")
+    if not sep or not module_name or not attribute:
+        raise QllmError(f"{where}: {name!r} is not `package.module:function`")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise QllmError(f"{where}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH or installed?") from None
+    fn = getattr(module, attribute, None)
+    if fn is None:
+        raise QllmError(f"{where}: module {module_name!r} has no {attribute!r}")
+    if not callable(fn):
+        raise QllmError(f"{where}: {name!r} is a {type(fn).__name__}, not a {what}")
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn  # a builtin or C function: nothing to inspect
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    missing = [n for n in required if n not in parameters and not takes_any]
+    if missing:
+        raise QllmError(f"{where}: {name!r} must take ({', '.join(required)}, **kwargs); it lacks {', '.join(missing)}")
+    if not takes_any:
+        raise QllmError(f"{where}: {name!r} must accept **kwargs: it is called with keywords ({', '.join(given)}, ...)")
+    unknown = [n for n, p in parameters.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in given]
+    if unknown:
+        raise QllmError(f"{where}: {name!r} requires {', '.join(unknown)}, which it would not be given (it gets {', '.join(given)})")
+    return fn

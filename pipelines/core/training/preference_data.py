@@ -211,13 +211,20 @@ def prompt_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
     return out.logits[:, -1:], out.past_key_values
 
 
-def continuation_logps(model: torch.nn.Module, first_logits: torch.Tensor, cache, prompt_mask: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Summed log-probabilities of right-padded continuations `ids` of the cached prompts (one row
-    each). The model appends them to `cache`: `cache.crop(-continuation width)` before another set."""
+def continuation_logits(model: torch.nn.Module, first_logits: torch.Tensor, cache, prompt_mask: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The logits that predict each token of right-padded continuations `ids` of the cached prompts
+    (one row each; `[rows, width, vocabulary]`). The model appends them to `cache`:
+    `cache.crop(-continuation width)` before another set."""
     positions = prompt_mask.sum(-1)[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
     logits = model(input_ids=ids, attention_mask=torch.cat([prompt_mask, mask], dim=1), position_ids=positions, past_key_values=cache, use_cache=False).logits
     # the prompt's last position predicts the first token; continuation position t the token t + 1
-    logits = torch.cat([first_logits, logits[:, :-1]], dim=1)
+    return torch.cat([first_logits, logits[:, :-1]], dim=1)
+
+
+def continuation_logps(model: torch.nn.Module, first_logits: torch.Tensor, cache, prompt_mask: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed log-probabilities of right-padded continuations `ids` of the cached prompts (one row
+    each); see `continuation_logits`."""
+    logits = continuation_logits(model, first_logits, cache, prompt_mask, ids, mask)
     token_logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     return (token_logps * mask).sum(-1)
 

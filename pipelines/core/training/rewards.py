@@ -25,11 +25,10 @@ the function.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pipelines.core import extensions
 from pipelines.core.data.chat_template import normalize_answer
 from pipelines.core.errors import QllmError
 
@@ -71,32 +70,12 @@ def load(name: str, where: str = "reward", columns: Sequence[str] = ("answer",))
     it will be called with (TRL's arguments and the records' `columns`)."""
     if name in BUILT_IN:
         return BUILT_IN[name]
-    module_name, sep, attribute = name.partition(":")
-    if not sep or not module_name or not attribute:
+    if ":" not in name:
         raise RewardError(f"{where}: {name!r} is neither a built-in reward ({', '.join(BUILT_IN)}) nor `package.module:function`")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardError(f"{where}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH or installed?") from None
-    fn = getattr(module, attribute, None)
-    if fn is None:
-        raise RewardError(f"{where}: module {module_name!r} has no {attribute!r}")
-    if not callable(fn):
-        raise RewardError(f"{where}: {name!r} is a {type(fn).__name__}, not a function")
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn  # a builtin or C function: nothing to inspect
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    missing = [n for n in ("prompts", "completions") if n not in parameters and not takes_any]
-    if missing:
-        raise RewardError(f"{where}: {name!r} must take TRL's arguments (prompts, completions, **kwargs); it lacks {', '.join(missing)}")
-    if not takes_any:
-        raise RewardError(f"{where}: {name!r} must accept **kwargs: it is called with every column of the records (e.g. answer=...)")
-    unknown = [n for n, p in parameters.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in (*PASSED, *columns)]
-    if unknown:
-        raise RewardError(f"{where}: {name!r} requires {', '.join(unknown)}, which it would not be given (it gets {', '.join((*PASSED, *columns))})")
-    return fn
+        return extensions.user_function(name, where, required=("prompts", "completions"), given=(*PASSED, *columns), what="reward function")
+    except QllmError as exc:
+        raise RewardError(str(exc)) from None
 
 
 def score(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, list]) -> list[float]:

@@ -1,27 +1,38 @@
-"""GRPO's rollouts (issue 39, third part): a group of sampled completions per prompt, and their
-per-token log-probabilities.
+"""GRPO's rollouts: a group of sampled completions per prompt, their per-token log-probabilities,
+and the batches the training loop draws them from.
 
     rollouts = sample(model, tokenizer, prompts, group_size=8, max_completion_length=32, temperature=1.0)
     logps = token_logps(model, rollouts)        # [prompts x group, completion tokens], masked by rollouts.completion_mask
+    batches = RolloutBatches(model, tokenizer, questions, settings, reward_fns, ...)  # loop.train's `batches`
 
-`sample` renders each chat prompt with the chat template (as `evaluate` does), left-pads the batch
-and calls `model.generate` once with `num_return_sequences=group_size`, sampling at `temperature`
-(and `top_p`) with the KV cache, stopping at the template's end of turn. The completions of one
-prompt are consecutive rows (what `grpo.group_advantages` expects). A completion's mask covers
-its tokens up to and including its first stop token, as TRL's; one with no stop token within
-`max_completion_length` is `truncated` (its share is a metric; TRL's `mask_truncated_completions`
-would drop it from the loss). Sampling draws from torch's global generator, which the training
-loop's checkpoints save and restore: a run resumed after a kill samples what it would have.
+`sample` renders each chat prompt with the chat template (as `evaluate` does), left-pads the batch,
+runs the prompts through the model once, repeats their KV cache for the `group_size` completions
+of each, and samples token by token at `temperature` (and `top_p`) until every completion has its
+stop token (the template's end of turn) or `max_completion_length` tokens. The completions of one
+prompt are consecutive rows (what `grpo.group_advantages` expects). A completion's mask covers its
+tokens up to and including its first stop token, as TRL's; one with no stop token within
+`max_completion_length` is `truncated`. Sampling draws from torch's global generator, which the
+training loop's checkpoints save and restore: a run resumed after a kill samples what it would have.
+
+Why not `model.generate(num_return_sequences=G)`: it repeats each prompt G times before the
+prefill and runs its logits processors and stopping criteria in Python per token; answers here
+are a few tokens after a longer prompt, so the prefill once per prompt and a bare loop are most of
+the generation time saved (benchmarks/RESULTS.md "GRPO").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from pipelines.core.data.chat_template import render_prompt
 from pipelines.core.models.models import stop_token_ids
+from pipelines.core.training import grpo, loop, preference_data, rewards
 
 
 @dataclass(frozen=True)
@@ -41,41 +52,291 @@ class Rollouts:
         return self.completion_mask.sum(-1)
 
 
+def _draw(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """One token per row from `softmax(logits / temperature)`, restricted to the smallest set of
+    tokens whose probability reaches `top_p` (nucleus sampling; 1.0: all)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps the token that crosses top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[list[dict]], *, group_size: int, max_completion_length: int, temperature: float = 1.0, top_p: float = 1.0) -> Rollouts:
-    """`group_size` completions of each chat prompt, sampled with the KV cache; see the module docstring."""
+    """`group_size` completions of each chat prompt; see the module docstring."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to sample a group, got {temperature}")
     was_training = model.training
     model.eval()
     tokenizer.padding_side = "left"
     encoded = tokenizer([render_prompt(tokenizer, p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
-    encoded = {k: v.to(model.device) for k, v in encoded.items()}
-    stop = stop_token_ids(tokenizer)
-    output = model.generate(**encoded, do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_completion_length,
-                            num_return_sequences=group_size, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    model.train(was_training)
-    completion_ids = output[:, encoded["input_ids"].shape[1] :]
-    is_stop = torch.isin(completion_ids, torch.tensor(stop, device=completion_ids.device))
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    stop = torch.tensor(stop_token_ids(tokenizer), device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stop[0])
+    try:
+        first, cache = preference_data.prompt_cache(model, prompt_ids, prompt_mask)
+        cache.batch_repeat_interleave(group_size)
+        logits = first[:, -1].repeat_interleave(group_size, dim=0)
+        mask = prompt_mask.repeat_interleave(group_size, dim=0)
+        positions = mask.sum(-1, keepdim=True)
+        rows = logits.shape[0]
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        tokens = []
+        for t in range(max_completion_length):
+            token = torch.where(done, torch.full_like(done, pad, dtype=torch.long), _draw(logits, temperature, top_p))
+            tokens.append(token)
+            done = done | torch.isin(token, stop)
+            if bool(done.all()) or t + 1 == max_completion_length:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions + t, past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+    finally:
+        model.train(was_training)
+    completion_ids = torch.stack(tokens, dim=1)
+    is_stop = torch.isin(completion_ids, stop)
     width = completion_ids.shape[1]
     first_stop = torch.where(is_stop.any(-1), is_stop.int().argmax(-1), torch.full_like(is_stop[:, 0], width, dtype=torch.long))
-    positions = torch.arange(width, device=completion_ids.device).unsqueeze(0)
-    completion_mask = (positions <= first_stop.unsqueeze(1)).long()
-    texts = [tokenizer.decode(ids[: int(n)], skip_special_tokens=True).strip() for ids, n in zip(completion_ids, completion_mask.sum(-1), strict=True)]
-    return Rollouts(encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask, ~is_stop.any(-1), texts, group_size)
+    completion_mask = (torch.arange(width, device=device)[None] <= first_stop[:, None]).long()
+    texts = [tokenizer.decode(ids[: int(n)], skip_special_tokens=True).strip() for ids, n in zip(completion_ids.cpu(), completion_mask.sum(-1).cpu(), strict=True)]
+    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, ~is_stop.any(-1), texts, group_size)
+
+
+def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                     group_size: int, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Per-token log-probabilities of completions (`group_size` consecutive rows per prompt row of
+    the left-padded `prompt_ids`; `[rows, width]`, 0 outside the mask), and with `entropy` the
+    policy's entropy at each of their positions (no gradient). Each prompt runs once for its group
+    (its KV cache repeated) where the model allows it (`preference_data.shares_prompt`); else every
+    row whole, only the completion's positions getting vocabulary logits."""
+    if preference_data.shares_prompt(model):
+        first, cache = preference_data.prompt_cache(model, prompt_ids, prompt_mask)
+        cache.batch_repeat_interleave(group_size)
+        logits = preference_data.continuation_logits(model, first.repeat_interleave(group_size, dim=0), cache,
+                                                     prompt_mask.repeat_interleave(group_size, dim=0), completion_ids, completion_mask)  # fmt: skip
+    else:
+        rows_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+        input_ids = torch.cat([prompt_ids.repeat_interleave(group_size, dim=0), completion_ids], dim=1)
+        attention = torch.cat([rows_mask, completion_mask], dim=1)
+        width = completion_ids.shape[1]
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens
+        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=width + 1).logits[:, :-1]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    logps = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) * completion_mask
+    if not entropy:
+        return logps, None
+    with torch.no_grad():
+        return logps, torch.special.entr(log_probs.exp()).sum(-1) * completion_mask
 
 
 def token_logps(model, rollouts: Rollouts) -> torch.Tensor:
-    """Per-token log-probabilities of the completions under `model` ([rows, completion width]; 0
-    outside the mask), the prompt repeated for each of its group's rows; only the completion's
-    positions get vocabulary logits."""
-    group = rollouts.group_size
-    prompt_ids = rollouts.prompt_ids.repeat_interleave(group, dim=0)
-    prompt_mask = rollouts.prompt_mask.repeat_interleave(group, dim=0)
-    input_ids = torch.cat([prompt_ids, rollouts.completion_ids], dim=1)
-    attention = torch.cat([prompt_mask, rollouts.completion_mask], dim=1)
-    width = rollouts.completion_ids.shape[1]
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=width + 1).logits[:, :-1]
-    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, rollouts.completion_ids.unsqueeze(-1)).squeeze(-1)
-    return logps * rollouts.completion_mask
+    """Per-token log-probabilities of `rollouts`' completions under `model` (`completion_logps`)."""
+    return completion_logps(model, rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask, rollouts.group_size)[0]
+
+
+# --------------------------------------------------------------------------- the loop's batches
+
+
+@dataclass(frozen=True)
+class Question:
+    """A prompt to sample for, and the columns its reward functions get (`answer`: the reference)."""
+
+    id: str
+    prompt: list[dict]
+    answer: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What `RolloutBatches` needs of `grpo` params (kept free of the schema)."""
+
+    group_size: int
+    max_completion_length: int
+    temperature: float
+    top_p: float
+    scale_rewards: str
+    num_iterations: int
+    mask_truncated_completions: bool
+    micro_batch_size: int  # completions
+    grad_accum_steps: int
+    seed: int
+    precision: str
+
+
+@dataclass
+class Generation:
+    """One generation batch: every micro-batch of an optimizer step (reused `num_iterations` times)."""
+
+    micro_batches: list[dict[str, Any]]
+    metrics: dict[str, float]
+    table: list[dict[str, Any]] = field(default_factory=list)
+
+
+RewardSpec = tuple[str, rewards.RewardFn, float]
+"""A reward function's name, the function and its weight."""
+
+
+class RolloutBatches:
+    """`loop.train`'s batches for GRPO: at the first step of each generation (every
+    `num_iterations` steps) it draws `micro_batch_size x grad_accum_steps / group_size` questions
+    (a seeded, resumable order: `loop.Batches`), samples their groups with the policy, scores them
+    with the reward functions, normalises the advantages per group, and computes what the loss
+    compares with once: the generating policy's log-probabilities (only with `num_iterations` > 1)
+    and the reference's (with a `reference`: `beta` > 0). The loop then draws that generation's
+    micro-batches; `metrics` reports the generation's rewards, lengths and timing in TRL's names.
+
+    `reference` is a context manager factory under which `model` computes the reference
+    log-probabilities (a LoRA policy's `disable_adapter`), or a frozen model. `on_generation(step,
+    generation)`: called after each generation (the stage logs the sample table from it).
+    Checkpoints hold the question order and, with `num_iterations` > 1, the generation in use, so a
+    resumed run continues the same generation."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, questions: Sequence[Question], settings: Settings, reward_fns: Sequence[RewardSpec],
+                 *, reference: Any = None, on_generation: Callable[[int, Generation], None] | None = None) -> None:  # fmt: skip
+        self.model, self.tokenizer, self.questions, self.settings = model, tokenizer, list(questions), settings
+        self.reward_fns, self.reference, self.on_generation = list(reward_fns), reference, on_generation
+        per_generation = settings.micro_batch_size * settings.grad_accum_steps // settings.group_size
+        self.order = loop.Batches(len(self.questions), per_generation, settings.seed, lambda indices: indices)
+        self.generation: Generation | None = None
+        self.generation_index = -1
+        self.micro = 0
+        self.generated_at = time.perf_counter()
+
+    # The loop's batches protocol (`loop.Batches`).
+    def __iter__(self):
+        return self
+
+    def shard(self, rank: int, world: int) -> None:
+        if world > 1:
+            raise ValueError("grpo generates its rollouts in one process")
+
+    def begin_step(self, step: int) -> None:
+        index = step // self.settings.num_iterations
+        if self.generation is None or index != self.generation_index:
+            self.generation = self._generate(step)
+            self.generation_index = index
+            if self.on_generation is not None:
+                self.on_generation(step + 1, self.generation)
+        self.generated_at = time.perf_counter()
+        self.micro = 0
+
+    def __next__(self) -> dict[str, Any]:
+        batch = self.generation.micro_batches[self.micro % len(self.generation.micro_batches)]
+        self.micro += 1
+        return batch
+
+    def metrics(self, step: int) -> dict[str, float]:
+        if self.generation is None:
+            return {}
+        return self.generation.metrics | {"timing/optimisation_seconds": round(time.perf_counter() - self.generated_at, 4)}
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"order": self.order.state_dict(), "generation_index": self.generation_index}
+        if self.settings.num_iterations > 1 and self.generation is not None:  # reused by the next steps: a resume needs it
+            state["micro_batches"] = self.generation.micro_batches
+            state["metrics"] = self.generation.metrics
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order.load_state_dict(state["order"])
+        self.generation_index = int(state["generation_index"])
+        self.generation = Generation(state["micro_batches"], dict(state["metrics"])) if "micro_batches" in state else None
+
+    # Generation.
+    def _generate(self, step: int) -> Generation:
+        started = time.perf_counter()
+        s, model = self.settings, self.model
+        chosen = [self.questions[i] for i in next(self.order)]
+        device = next(model.parameters()).device
+        with loop.autocast(device, s.precision):
+            out = sample(model, self.tokenizer, [q.prompt for q in chosen], group_size=s.group_size, max_completion_length=s.max_completion_length,
+                         temperature=s.temperature, top_p=s.top_p)  # fmt: skip
+        sampled = time.perf_counter()
+        prompts = [q.prompt for q in chosen for _ in range(s.group_size)]
+        completions = [[{"role": "assistant", "content": text}] for text in out.texts]
+        columns = {"answer": [q.answer for q in chosen for _ in range(s.group_size)]}
+        scores = [rewards.score(fn, name, prompts, completions, columns) for name, fn, _ in self.reward_fns]
+        per_func = torch.tensor(scores, dtype=torch.float32).T  # [completions, functions]
+        weights = torch.tensor([w for _, _, w in self.reward_fns], dtype=torch.float32)
+        advantages, zero_std = grpo.group_advantages(per_func, weights, s.group_size, s.scale_rewards)
+        mask = out.completion_mask
+        if s.mask_truncated_completions:
+            mask = mask * (~out.truncated).long().unsqueeze(1)
+        micro_batches = self._micro_batches(out, mask, advantages.to(device))
+        scored = time.perf_counter()
+        metrics = _rollout_metrics(out, per_func, weights, zero_std, [name for name, _, _ in self.reward_fns], s.group_size)
+        metrics |= {"timing/generation_seconds": round(sampled - started, 4), "timing/scoring_seconds": round(scored - sampled, 4)}
+        table = [{"step": step + 1, "id": q.id, "prompt": q.prompt[-1]["content"], "answer": q.answer, "completion": out.texts[row],
+                  **{f"reward/{name}": per_func[row, j].item() for j, (name, _, _) in enumerate(self.reward_fns)},
+                  "advantage": round(advantages[row].item(), 4)}
+                 for row, q in ((r, chosen[r // s.group_size]) for r in range(len(out.texts)))]  # fmt: skip
+        return Generation(micro_batches, metrics, table)
+
+    def _micro_batches(self, out: Rollouts, mask: torch.Tensor, advantages: torch.Tensor) -> list[dict[str, Any]]:
+        """The generation cut into micro-batches of whole groups, each with what the loss needs."""
+        s = self.settings
+        prompts_per_micro = s.micro_batch_size // s.group_size
+        num_items = float(mask.sum()) / s.grad_accum_steps  # dapo: the generation's tokens; the loop divides each micro-batch's loss by the steps
+        batches = []
+        for start in range(0, out.prompt_ids.shape[0], prompts_per_micro):
+            rows = slice(start * s.group_size, (start + prompts_per_micro) * s.group_size)
+            prompt_mask = out.prompt_mask[start : start + prompts_per_micro]
+            keep = int(prompt_mask.sum(0).nonzero().min())  # drop the columns of left padding no prompt here needs
+            width = max(int(out.completion_mask[rows].sum(-1).max()), 1)
+            batch = {
+                "prompt_ids": out.prompt_ids[start : start + prompts_per_micro, keep:], "prompt_mask": prompt_mask[:, keep:],
+                "completion_ids": out.completion_ids[rows, :width], "completion_mask": mask[rows, :width],
+                "advantages": advantages[rows], "num_items": torch.tensor(num_items), "group_size": torch.tensor(s.group_size),
+                "num_tokens": torch.tensor(int(prompt_mask.sum()) * s.group_size + int(out.completion_mask[rows].sum())),
+            }  # fmt: skip
+            with torch.no_grad(), loop.autocast(out.prompt_ids.device, s.precision):
+                if s.num_iterations > 1:  # the generating policy's, for the ratio of the later iterations
+                    batch["old_logps"] = _logps(self.model, batch)
+                if self.reference is not None:
+                    batch["ref_logps"] = self._reference_logps(batch)
+            batches.append(batch)
+        return batches
+
+    def _reference_logps(self, batch: dict[str, Any]) -> torch.Tensor:
+        if isinstance(self.reference, torch.nn.Module):
+            return _logps(self.reference, batch)
+        with self.reference():
+            return _logps(self.model, batch)
+
+
+def _logps(model, batch: dict[str, Any]) -> torch.Tensor:
+    was_training = model.training
+    model.eval()
+    try:
+        return completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], int(batch["group_size"]))[0]
+    finally:
+        model.train(was_training)
+
+
+def _rollout_metrics(out: Rollouts, per_func: torch.Tensor, weights: torch.Tensor, zero_std: torch.Tensor, names: list[str], group_size: int) -> dict[str, float]:
+    """What TRL's GRPOTrainer logs about a generation, under its names."""
+    lengths = out.lengths.float().cpu()
+    truncated = out.truncated.cpu()
+    terminated = lengths[~truncated]
+    summed = (per_func * weights).nansum(dim=1)
+    summed[torch.isnan(per_func).all(dim=1)] = float("nan")
+    metrics = {
+        "reward": torch.nanmean(summed).item(),
+        "reward_std": np.nanmean(summed.view(-1, group_size).numpy().std(axis=1, ddof=1)).item(),
+        "frac_reward_zero_std": zero_std.float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+    }
+    for j, name in enumerate(names):
+        column = per_func[:, j]
+        scored = column[~torch.isnan(column)]
+        metrics[f"rewards/{name}/mean"] = scored.mean().item() if len(scored) else float("nan")
+        metrics[f"rewards/{name}/std"] = scored.std().item() if len(scored) > 1 else 0.0
+    return {k: round(v, 6) for k, v in metrics.items()}

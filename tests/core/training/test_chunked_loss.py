@@ -109,7 +109,7 @@ def test_a_masked_diffusion_objective_is_refused():
         chunked_loss.for_loop(diffusion.Objective(DiffusionParams(), 3), torch.nn.Linear(2, 2), TrainParams(loss_chunk_tokens=16), "pretrain")
 
 
-@pytest.mark.parametrize("stage", ["dpo", "multimodal"])
+@pytest.mark.parametrize("stage", ["dpo", "grpo", "multimodal"])
 def test_stages_that_do_not_chunk_their_loss_refuse_the_setting(stage):
     from pipelines.core import params_file
     from tests.conftest import REPO

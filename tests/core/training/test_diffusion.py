@@ -188,7 +188,8 @@ def test_the_whole_pipeline_runs_a_masked_diffusion_model_end_to_end(tmp_path, m
     from pipelines.core.run import repro
     from tests.conftest import make_project
 
-    overlay = {"train_tokenizer": {"mask_token": True}, "pretrain": {"objective": "masked_diffusion", "diffusion": {"unmask_steps": 4}}}
+    overlay = {"train_tokenizer": {"mask_token": True}, "pretrain": {"objective": "masked_diffusion", "diffusion": {"unmask_steps": 4}},
+               "grpo": {"enabled": False}}  # GRPO samples left to right (refused with masked diffusion: tests/core/test_config.py)
     root = make_project(tmp_path / "project", mlflow_template_db, overlay)
     try:
         outcomes = {name: repro.reproduce(root, name).status for name in dag.stages(Path(__file__).resolve().parents[3])}
@@ -203,6 +204,7 @@ def test_the_whole_pipeline_runs_a_masked_diffusion_model_end_to_end(tmp_path, m
     evaluated = read_json(root / "data/metrics/evaluate.json")
     for name in ("sft", "lora", "dpo"):
         assert 0 <= evaluated[name]["exact_match"] <= 1 and evaluated[name]["val_perplexity"] > 1
+    assert "grpo" not in evaluated and (root / "data/models/grpo/README.md").exists()  # switched off: a README, skipped by evaluate
     predictions = (root / "data/evaluate/sft/predictions.jsonl").read_text().splitlines()
     assert predictions and all(diffusion.MASK not in json_line for json_line in predictions)
     # qllm generate, from the directory and from the registry: the same model, the same (greedy) answer

@@ -51,3 +51,36 @@ def test_token_logps_are_the_rows_log_probabilities(tiny_base):
         mask[0, len(prompt) :] = 1
         whole = preference_data.row_logps(model, ids, torch.ones_like(ids), mask)
         torch.testing.assert_close(per_token[row].sum(), whole[0], atol=1e-4, rtol=1e-5)
+
+
+def test_each_prompt_runs_once_for_its_group_with_the_same_logps_and_gradients(tiny_base, monkeypatch):
+    tokenizer = load_tokenizer(tiny_base / "model")
+    model = load_causal_lm(tiny_base / "model").train()
+    torch.manual_seed(2)
+    out = rollouts.sample(model, tokenizer, PROMPTS, group_size=3, max_completion_length=8, temperature=1.0)
+    args = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, 3)
+    assert preference_data.shares_prompt(model)
+    shared, shared_entropy = rollouts.completion_logps(model, *args, entropy=True)
+    shared.sum().backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(preference_data, "shares_prompt", lambda m: False)  # every row whole: prompt repeated per completion
+    rows, rows_entropy = rollouts.completion_logps(model, *args, entropy=True)
+    rows.sum().backward()
+    torch.testing.assert_close(shared, rows, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared_entropy, rows_entropy, atol=1e-5, rtol=1e-5)
+    for got, want in zip(shared_grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # entropy: at most log(vocabulary), 0 outside the completions
+    assert (shared_entropy <= torch.log(torch.tensor(float(model.config.vocab_size))) + 1e-4).all()
+    assert (shared_entropy[out.completion_mask == 0] == 0).all()
+
+
+def test_top_p_samples_only_from_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    torch.manual_seed(0)
+    drawn = rollouts._draw(logits, temperature=1.0, top_p=0.7)
+    assert set(drawn.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7: the two likeliest only
+    share = (drawn == 0).float().mean().item()
+    assert abs(share - 0.5 / 0.8) < 0.04  # renormalised over the nucleus
+    assert set(rollouts._draw(logits, temperature=1.0, top_p=1.0).tolist()) == {0, 1, 2, 3}

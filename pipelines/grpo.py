@@ -1,0 +1,161 @@
+"""Reinforcement learning with verifiable rewards: GRPO (and Dr. GRPO, DAPO) from the SFT model.
+
+    python -m pipelines.grpo       # what dvc.yaml runs; writes data/models/grpo/
+    qllm run --set grpo.beta=0.04  # reruns grpo, evaluate and register only
+
+The questions are the prepared chat records' training split: each conversation's turns before its
+final assistant turn are the prompt, that turn's text the reference `answer` its rewards get. Each
+optimizer step samples `grpo.group_size` completions per question with the current policy
+(`pipelines.core.training.rollouts`: a KV cache, the prompt run once per group), scores them with
+`grpo.rewards` (built-in `exact_match` and `format`, or a user's `package.module:function` with
+TRL's signature; `pipelines.core.training.rewards`), normalises the weighted sum within each group
+and optimises the clipped surrogate of `grpo.loss_type` (`pipelines.core.training.grpo`), with
+`beta` times the KL to the SFT model (its log-probabilities computed once per generation). The
+policy trains all its weights or a LoRA (or QLoRA) adapter (`grpo.adapter`), in the shared loop:
+checkpoints, exact resume (the sampler's generator and, with `num_iterations` > 1, the generation
+in use are in them), stop signals, MLflow.
+
+Logged per step (TRL's names): `reward`, `reward_std`, `rewards/<function>/mean|std`,
+`frac_reward_zero_std`, `completions/mean_length|min_length|max_length|clipped_ratio|
+mean_terminated_length`, `kl` (beta > 0), `clip_ratio/low_mean|high_mean|region_mean`, `entropy`,
+`timing/generation_seconds`, `timing/scoring_seconds`, `timing/optimisation_seconds`; every
+`grpo.log_completions_every` steps a table of the completions with their rewards and advantages
+(MLflow artifact `completions/step-<N>.json`). With `grpo.enabled: false` it writes only a README.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from pipelines.core.config import GrpoParams
+from pipelines.core.data.chat_template import parse_messages, split_last_answer
+from pipelines.core.errors import QllmError
+from pipelines.core.models import adapters, footprint, quantize
+from pipelines.core.models.models import CONSTRUCTION, load_for_inference, parameter_counts, save_pretrained
+from pipelines.core.run import stage
+from pipelines.core.training import diffusion, grpo, loop, rewards, rollouts
+from pipelines.core.training.checkpoint import CheckpointManager
+
+NAME = "grpo"
+START = "data/models/sft"
+"""The model the policy starts from (and the reference of `beta`), as users name it."""
+
+DISABLED_README = """\
+# GRPO stage disabled
+
+`grpo.enabled` is false, so no model was trained with reinforcement learning. To train one:
+`qllm run --set grpo.enabled=true` (docs/grpo.md).
+"""
+
+
+def questions(chat_dir: Path, split: str = "train") -> list[rollouts.Question]:
+    """The chat records of `split` that end with an assistant's text answer, as prompts and
+    reference answers (the others have nothing to check a completion against)."""
+    path = chat_dir / f"{split}.parquet"
+    found = []
+    for record in pd.read_parquet(path).itertuples(index=False):
+        messages = parse_messages(record.messages)
+        if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1] and len(messages) > 1:
+            prompt, answer = split_last_answer(messages)
+            found.append(rollouts.Question(str(record.id), prompt, answer))
+    if not found:
+        raise QllmError(f"{path}: no chat record ends with an assistant's text answer, so GRPO has no questions with a reference answer")
+    return found
+
+
+def grpo_loss(params: GrpoParams):
+    """`loss_fn(model, batch)` for the loop over `RolloutBatches`' micro-batches."""
+
+    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        mask = batch["completion_mask"]
+        logps, entropy = rollouts.completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask,
+                                                   int(batch["group_size"]), entropy=True)  # fmt: skip
+        loss, metrics = grpo.policy_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask, loss_type=params.loss_type,
+                                         beta=params.beta, epsilon_low=params.epsilon, epsilon_high=params.epsilon_high,
+                                         max_completion_length=params.max_completion_length, num_items=float(batch["num_items"]))  # fmt: skip
+        metrics["entropy"] = (entropy.sum() / mask.sum().clamp(min=1)).item()
+        return loss, metrics
+
+    return loss_fn
+
+
+def completions_logger(tracker, every: int):
+    """`on_generation` for `RolloutBatches`: the generation's completions as an MLflow table every
+    `every` steps (one file per step, so a resumed run rewrites rather than repeats one)."""
+
+    def log(step: int, generation: rollouts.Generation) -> None:
+        if tracker is not None and every and (step == 1 or step % every == 0):
+            tracker.log_table(pd.DataFrame(generation.table), f"completions/step-{step:06d}.json")
+
+    return log
+
+
+def run(root: Path, chat_dir: Path, out: Path, params: GrpoParams, tracker=None, checkpoint_dir: Path | None = None, log=None) -> dict:
+    cfg = params.train
+    train = questions(chat_dir)
+    reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
+    qconfig = quantize.from_params(params.lora, cfg.precision, "grpo.lora") if params.adapter == "lora" else None
+    method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
+    estimates = footprint.preflight(root / START, cfg, method=method, seq_len=64 + params.max_completion_length, micro_batch=cfg.micro_batch_size,
+                                    lora_rank=params.lora.r, desc=NAME)  # fmt: skip
+    model, tokenizer = load_for_inference(root / START, root) if qconfig is None else quantize.load(root / START, qconfig, "grpo.lora")
+    if diffusion.objective_of(model) == "masked_diffusion":
+        raise QllmError(f"{START}: a masked-diffusion model has no left-to-right sampling or token log-probabilities for GRPO; set grpo.enabled: false")
+    with CONSTRUCTION:
+        torch.manual_seed(cfg.seed)
+        model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
+        if params.adapter == "lora":
+            model = adapters.wrap(params.lora, "grpo.lora")(model, tokenizer)
+    reference = None
+    if params.beta:  # LoRA: the model under its adapter; full training: a frozen copy of the start
+        reference = model.disable_adapter if params.adapter == "lora" else copy.deepcopy(model).eval().requires_grad_(False)
+    counts = parameter_counts(model)
+    if qconfig is not None:
+        counts |= quantize.linear_weight_bytes(model)
+    if tracker is not None:
+        tracker.log_params({f"grpo.{k}": v for k, v in counts.items()} | {"grpo.start_model": START, "grpo.questions": len(train)})
+    settings = rollouts.Settings(group_size=params.group_size, max_completion_length=params.max_completion_length, temperature=params.temperature,
+                                 top_p=params.top_p, scale_rewards=params.scale_rewards, num_iterations=params.num_iterations,
+                                 mask_truncated_completions=params.mask_truncated_completions, micro_batch_size=cfg.micro_batch_size,
+                                 grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, precision=cfg.precision)  # fmt: skip
+    batches = rollouts.RolloutBatches(model, tokenizer, train, settings, reward_fns, reference=reference,
+                                      on_generation=completions_logger(tracker, params.log_completions_every))  # fmt: skip
+    checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
+    result = loop.train(model, grpo_loss(params), batches, cfg, tracker=tracker, checkpoints=checkpoints, desc=NAME)
+    last = batches.metrics(result["steps"])
+
+    def save(tmp: Path) -> None:
+        if params.adapter == "lora":
+            quantized_base = (str(root / START), qconfig) if qconfig is not None else None
+            adapters.save(START, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
+        else:
+            save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
+
+    result = loop.finish(result, out, save)
+    final = {k: v for k, v in last.items() if k in ("reward", "frac_reward_zero_std", "completions/mean_length") or k.startswith("rewards/")}
+    return {**result, **counts, **final, "questions": len(train), "start": START, **estimates}
+
+
+def body(ctx: stage.StageContext) -> dict:
+    p = ctx.params
+    if not p.enabled:
+        stage.placeholder(ctx, DISABLED_README)
+        ctx.log.info("grpo disabled (grpo.enabled: false): wrote only a README")
+        return {"enabled": False}
+    metrics = run(ctx.root, ctx.input("chat"), ctx.output(), p, ctx.tracker, ctx.checkpoint_dir, ctx.log)
+    rewards_text = ", ".join(f"{k.removeprefix('rewards/').removesuffix('/mean')} {v:.3f}" for k, v in metrics.items() if k.startswith("rewards/") and k.endswith("/mean"))
+    ctx.log.info("grpo %s (beta %g, groups of %d): %d steps on %d questions; last generation's rewards: %s", p.loss_type, p.beta, p.group_size,
+                 metrics["steps"], metrics["questions"], rewards_text)  # fmt: skip
+    return {"enabled": True, **metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage.main(NAME, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""The GRPO stage on a tiny random model: its questions, its micro-batches (whole groups, the first
+step's loss and gradient being the policy gradient), what it logs, the KL to a reference, the reuse
+of a generation (num_iterations) resumed exactly, and a reward function from a user's module."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+import textwrap
+
+import pandas as pd
+import pytest
+import torch
+from pydantic import ValidationError
+
+from pipelines import grpo
+from pipelines.core.config import GrpoParams, RewardParams, TrainParams
+from pipelines.core.errors import QllmError, request_stop
+from pipelines.core.extensions import Extension
+from pipelines.core.models.models import load_causal_lm, load_tokenizer
+from pipelines.core.training import loop, rewards, rollouts
+from pipelines.core.training.loop import TrainingInterrupted
+
+TRAIN = TrainParams(max_steps=4, micro_batch_size=8, warmup_steps=1, lr=0.01, log_every=1, checkpoint_every=0, precision="fp32",
+                    weight_decay=0.0, extensions=[])  # fmt: skip
+
+REWARDS = '''
+def brevity(prompts, completions, **kwargs):
+    """1 for an answer of at most 8 characters, else 0 (a random model's vary)."""
+    return [1.0 if len(c[-1]["content"]) <= 8 else 0.0 for c in completions]
+
+def echo_answer(prompts, completions, answer, **kwargs):
+    assert len(answer) == len(completions) and isinstance(prompts[0], list)
+    return [float(len(a)) for a in answer]
+'''
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    """A user's module of reward functions, importable as `my_grpo_rewards` (as from the project root)."""
+    (tmp_path / "my_grpo_rewards.py").write_text(textwrap.dedent(REWARDS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_grpo_rewards"
+    sys.modules.pop("my_grpo_rewards", None)
+
+
+@pytest.fixture
+def workspace(tiny_base, tmp_path):
+    """A project-like tree: the SFT model at data/models/sft and the prepared chats."""
+    shutil.copytree(tiny_base / "model", tmp_path / "data/models/sft")
+    shutil.copytree(tiny_base / "chat", tmp_path / "data/prepared/chat")
+    return tmp_path
+
+
+def params(user_rewards: str, **changes) -> GrpoParams:
+    settings = {"rewards": [RewardParams(function=f"{user_rewards}:brevity")], "group_size": 4, "max_completion_length": 6, "train": TRAIN,
+                "log_completions_every": 2} | changes  # fmt: skip
+    return GrpoParams(**settings)
+
+
+class Recorder:
+    """The tracker calls the stage and the loop make, kept."""
+
+    root = None
+
+    def __init__(self):
+        self.metrics: list[tuple[int, dict]] = []
+        self.tables: dict[str, pd.DataFrame] = {}
+        self.params: dict = {}
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_table(self, data, artifact_file):
+        self.tables[artifact_file] = data
+
+    def log_params(self, params):
+        self.params |= dict(params)
+
+    def flush(self):
+        return None
+
+
+def test_questions_are_the_chats_that_end_with_an_answer(tmp_path):
+    chats = [[{"role": "user", "content": "What is 1 plus 2?"}, {"role": "assistant", "content": "3"}],
+             [{"role": "user", "content": "Hello?"}],  # no answer to check against
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where?"}, {"role": "assistant", "content": "Pelora"}]]  # fmt: skip
+    pd.DataFrame({"id": ["a", "b", "c"], "messages": [json.dumps(c) for c in chats]}).to_parquet(tmp_path / "train.parquet")
+    found = grpo.questions(tmp_path)
+    assert [(q.id, q.answer, len(q.prompt)) for q in found] == [("a", "3", 1), ("c", "Pelora", 2)]
+    pd.DataFrame({"id": ["b"], "messages": [json.dumps(chats[1])]}).to_parquet(tmp_path / "train.parquet")
+    with pytest.raises(QllmError, match=r"train.parquet: no chat record ends with an assistant's text answer"):
+        grpo.questions(tmp_path)
+
+
+def test_micro_batches_hold_whole_groups_and_the_first_step_is_the_policy_gradient(workspace, user_rewards):
+    model = load_causal_lm(workspace / "data/models/sft").train()
+    tokenizer = load_tokenizer(workspace / "data/models/sft")
+    p = params(user_rewards, train=TRAIN.model_copy(update={"grad_accum_steps": 2}))
+    settings = rollouts.Settings(group_size=4, max_completion_length=6, temperature=1.0, top_p=1.0, scale_rewards="group", num_iterations=1,
+                                 mask_truncated_completions=False, micro_batch_size=8, grad_accum_steps=2, seed=0, precision="fp32")  # fmt: skip
+    brevity = rewards.load(f"{user_rewards}:brevity")
+    torch.manual_seed(3)
+    batches = rollouts.RolloutBatches(model, tokenizer, grpo.questions(workspace / "data/prepared/chat"), settings, [("brevity", brevity, 1.0)])
+    batches.begin_step(0)
+    micro = [next(batches), next(batches)]
+    assert [b["prompt_ids"].shape[0] for b in micro] == [2, 2] and [b["completion_ids"].shape[0] for b in micro] == [8, 8]  # 2 questions x 4
+    tokens = sum(float(b["completion_mask"].sum()) for b in micro)
+    assert all(float(b["num_items"]) == tokens / 2 for b in micro)  # dapo: the generation's tokens (the loop divides by the 2 steps)
+    for b in micro:
+        assert torch.allclose(b["advantages"].view(-1, 4).sum(-1), torch.zeros(2), atol=1e-4)  # centred within each group
+    metrics = batches.metrics(1)
+    assert 0 <= metrics["reward"] <= 1 and metrics["completions/max_length"] <= 6 and 0 <= metrics["frac_reward_zero_std"] <= 1
+    assert metrics["timing/generation_seconds"] > 0 and "rewards/brevity/mean" in metrics
+    # Step 1 (the policy generated the batch): every ratio is 1, so the loss is -sum(A x tokens) / N and
+    # its gradient the policy gradient -sum_i A_i grad log p(completion_i) / N.
+    loss_fn = grpo.grpo_loss(p)
+    model.zero_grad()
+    total = 0.0
+    for b in micro:
+        loss, step_metrics = loss_fn(model, b)
+        (loss / 2).backward()
+        total += float(loss.detach()) / 2
+        assert step_metrics["clip_ratio/region_mean"] == 0 and step_metrics["entropy"] > 0
+    expected = -sum(float((b["advantages"] * b["completion_mask"].sum(-1)).sum()) for b in micro) / tokens
+    assert total == pytest.approx(expected, abs=1e-5)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    surrogate = sum(-(b["advantages"] * rollouts.completion_logps(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
+                                                                   b["completion_mask"], 4)[0].sum(-1)).sum() for b in micro) / tokens  # fmt: skip
+    surrogate.backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_stage_trains_and_logs_what_users_watch(workspace, user_rewards):
+    tracker = Recorder()
+    p = params(user_rewards, rewards=[RewardParams(function=f"{user_rewards}:brevity"), RewardParams(function="format", weight=0.5)],
+               train=TRAIN.model_copy(update={"extensions": ["mlflow_metrics"]}))
+    metrics = grpo.run(workspace, workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
+    assert metrics["steps"] == 4 and metrics["questions"] == 10 and (workspace / "data/models/grpo/model.safetensors").exists()
+    logged = {k for _, m in tracker.metrics for k in m}
+    watched = {"reward", "reward_std", "rewards/brevity/mean", "rewards/brevity/std", "rewards/format/mean", "frac_reward_zero_std",
+               "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+               "clip_ratio/region_mean", "entropy", "timing/generation_seconds", "timing/optimisation_seconds", "train/loss"}  # fmt: skip
+    assert watched <= logged, watched - logged
+    assert "kl" not in logged  # beta 0: no reference
+    # the completions table at step 1 and every 2 steps: each row a completion with its rewards and advantage
+    assert sorted(tracker.tables) == ["completions/step-000001.json", "completions/step-000002.json", "completions/step-000004.json"]
+    table = tracker.tables["completions/step-000002.json"]
+    assert len(table) == 8 and set(table.columns) >= {"step", "prompt", "completion", "answer", "reward/brevity", "reward/format", "advantage"}
+    assert set(table["step"]) == {2} and table["reward/brevity"].isin([0.0, 1.0]).all()
+    assert tracker.params["grpo.start_model"] == "data/models/sft"
+
+
+@pytest.mark.parametrize("adapter", ["none", "lora"])
+def test_beta_adds_the_kl_to_the_start_model(workspace, user_rewards, adapter):
+    tracker = Recorder()
+    p = params(user_rewards, beta=0.1, adapter=adapter, train=TRAIN.model_copy(update={"lr": 0.05, "extensions": ["mlflow_metrics"]}))
+    grpo.run(workspace, workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
+    kl = [m["kl"] for _, m in tracker.metrics if "kl" in m]
+    assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+    assert kl[-1] > 1e-6  # then it moves away (a frozen copy, or the model under its disabled adapter)
+    saved = workspace / "data/models/grpo"
+    assert (saved / ("adapter_config.json" if adapter == "lora" else "model.safetensors")).exists()
+
+
+class StopAt(Extension):
+    """Ask the loop to stop after `step` steps (as SIGTERM would): it checkpoints and raises."""
+
+    name = "stop_at"
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, state, metrics) -> None:
+        if state.step == self.step:
+            request_stop(signal.SIGTERM)
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_a_reused_generation_resumes_exactly(workspace, user_rewards, monkeypatch):
+    """num_iterations 2 with a checkpoint in the middle of a generation (after step 3 of 2-3): the
+    resumed run restores that generation and the sampler's generator, and saves the same weights."""
+    p = params(user_rewards, num_iterations=2, train=TRAIN.model_copy(update={"max_steps": 6, "checkpoint_every": 3}))
+    chat = workspace / "data/prepared/chat"
+    grpo.run(workspace, chat, workspace / "reference", p, checkpoint_dir=workspace / "ckpt-reference")
+    real_train = loop.train
+    monkeypatch.setattr(loop, "train", lambda *a, **k: real_train(*a, **k, extensions=[StopAt(3)]))
+    with pytest.raises(TrainingInterrupted):
+        grpo.run(workspace, chat, workspace / "resumed", p, checkpoint_dir=workspace / "ckpt")
+    assert sorted(c.name for c in (workspace / "ckpt").iterdir()) == ["step-00000003"]
+    monkeypatch.setattr(loop, "train", real_train)
+    metrics = grpo.run(workspace, chat, workspace / "resumed", p, checkpoint_dir=workspace / "ckpt")
+    assert metrics["steps"] == 6
+    reference, resumed = _weights(workspace / "reference"), _weights(workspace / "resumed")
+    assert reference.keys() == resumed.keys() and all(torch.equal(reference[k], resumed[k]) for k in reference)
+    assert not all(torch.equal(reference[k], v) for k, v in _weights(workspace / "data/models/sft").items())  # it trained
+
+
+def test_a_users_reward_functions_get_the_records_columns(workspace, user_rewards):
+    tracker = Recorder()
+    p = params(user_rewards, rewards=[RewardParams(function=f"{user_rewards}:echo_answer", weight=2.0)],
+               train=TRAIN.model_copy(update={"max_steps": 1, "extensions": ["mlflow_metrics"]}))
+    grpo.run(workspace, workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
+    (_, first), *_ = [(s, m) for s, m in tracker.metrics if "reward" in m]
+    answers = [q.answer for q in grpo.questions(workspace / "data/prepared/chat")]
+    assert first["frac_reward_zero_std"] == 1.0  # the reward is the answer's length: the same within each group
+    assert min(len(a) for a in answers) <= first["rewards/echo_answer/mean"] <= max(len(a) for a in answers)
+    assert first["reward"] == pytest.approx(2 * first["rewards/echo_answer/mean"])  # weighted
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rewards": [{"function": "nosuch"}]}, "'nosuch' is neither a built-in reward (exact_match, format) nor `package.module:function`"),
+    ({"rewards": [{"function": "my_grpo_rewards:missing"}]}, "module 'my_grpo_rewards' has no 'missing'"),
+    ({"rewards": [{"function": "exact_match"}, {"function": "exact_match", "weight": 2}]}, "two functions share a name"),
+    ({"group_size": 3}, "train.micro_batch_size (8) counts completions and must be a multiple of group_size (3)"),
+])  # fmt: skip
+def test_bad_settings_are_refused_when_params_load(user_rewards, change, message):
+    with pytest.raises(ValidationError) as refused:
+        GrpoParams(**({"train": TRAIN} | change))
+    assert message in str(refused.value)
