@@ -32,17 +32,15 @@ import pandas as pd
 import torch
 
 from pipelines.core.config import GrpoParams
-from pipelines.core.data.chat_template import parse_messages, split_last_answer
+from pipelines.core.data.chat_template import parse_messages, render_prompt, split_last_answer
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, footprint, quantize
-from pipelines.core.models.models import CONSTRUCTION, load_for_inference, parameter_counts, save_pretrained
+from pipelines.core.models.models import CONSTRUCTION, load_for_inference, load_tokenizer, parameter_counts, save_pretrained
 from pipelines.core.run import stage
 from pipelines.core.training import diffusion, grpo, loop, rewards, rollouts
 from pipelines.core.training.checkpoint import CheckpointManager
 
 NAME = "grpo"
-START = "data/models/sft"
-"""The model the policy starts from (and the reference of `beta`), as users name it."""
 
 DISABLED_README = """\
 # GRPO stage disabled
@@ -65,6 +63,11 @@ def questions(chat_dir: Path, split: str = "train") -> list[rollouts.Question]:
     if not found:
         raise QllmError(f"{path}: no chat record ends with an assistant's text answer, so GRPO has no questions with a reference answer")
     return found
+
+
+def longest_prompt(tokenizer, found: list[rollouts.Question]) -> int:
+    """Tokens of the longest question as the model sees it (the chat template, generation prompt)."""
+    return max(len(tokenizer(render_prompt(tokenizer, q.prompt), add_special_tokens=False)["input_ids"]) for q in found)
 
 
 def grpo_loss(params: GrpoParams):
@@ -94,17 +97,21 @@ def completions_logger(tracker, every: int):
     return log
 
 
-def run(root: Path, chat_dir: Path, out: Path, params: GrpoParams, tracker=None, checkpoint_dir: Path | None = None, log=None) -> dict:
+def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoParams, tracker=None, checkpoint_dir: Path | None = None) -> dict:
+    """Train the policy from the model in `start_dir` (the SFT model: also `beta`'s reference) on the
+    questions of `chat_dir`; write it to `out`. The summary metrics."""
     cfg = params.train
+    start = start_dir.relative_to(root).as_posix() if start_dir.is_relative_to(root) else str(start_dir)  # as users name it (an adapter's base)
     train = questions(chat_dir)
     reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
     qconfig = quantize.from_params(params.lora, cfg.precision, "grpo.lora") if params.adapter == "lora" else None
     method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
-    estimates = footprint.preflight(root / START, cfg, method=method, seq_len=64 + params.max_completion_length, micro_batch=cfg.micro_batch_size,
+    longest = longest_prompt(load_tokenizer(start_dir), train)  # before the model loads: the memory estimate needs it
+    estimates = footprint.preflight(start_dir, cfg, method=method, seq_len=longest + params.max_completion_length, micro_batch=cfg.micro_batch_size,
                                     lora_rank=params.lora.r, desc=NAME)  # fmt: skip
-    model, tokenizer = load_for_inference(root / START, root) if qconfig is None else quantize.load(root / START, qconfig, "grpo.lora")
+    model, tokenizer = load_for_inference(start_dir, root) if qconfig is None else quantize.load(start_dir, qconfig, "grpo.lora")
     if diffusion.objective_of(model) == "masked_diffusion":
-        raise QllmError(f"{START}: a masked-diffusion model has no left-to-right sampling or token log-probabilities for GRPO; set grpo.enabled: false")
+        raise QllmError(f"{start}: a masked-diffusion model has no left-to-right sampling or token log-probabilities for GRPO; set grpo.enabled: false")
     with CONSTRUCTION:
         torch.manual_seed(cfg.seed)
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
@@ -117,7 +124,7 @@ def run(root: Path, chat_dir: Path, out: Path, params: GrpoParams, tracker=None,
     if qconfig is not None:
         counts |= quantize.linear_weight_bytes(model)
     if tracker is not None:
-        tracker.log_params({f"grpo.{k}": v for k, v in counts.items()} | {"grpo.start_model": START, "grpo.questions": len(train)})
+        tracker.log_params({f"grpo.{k}": v for k, v in counts.items()} | {"grpo.start_model": start, "grpo.questions": len(train)})
     settings = rollouts.Settings(group_size=params.group_size, max_completion_length=params.max_completion_length, temperature=params.temperature,
                                  top_p=params.top_p, scale_rewards=params.scale_rewards, num_iterations=params.num_iterations,
                                  mask_truncated_completions=params.mask_truncated_completions, micro_batch_size=cfg.micro_batch_size,
@@ -130,14 +137,14 @@ def run(root: Path, chat_dir: Path, out: Path, params: GrpoParams, tracker=None,
 
     def save(tmp: Path) -> None:
         if params.adapter == "lora":
-            quantized_base = (str(root / START), qconfig) if qconfig is not None else None
-            adapters.save(START, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
+            quantized_base = (str(start_dir), qconfig) if qconfig is not None else None
+            adapters.save(start, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
         else:
             save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
 
     result = loop.finish(result, out, save)
     final = {k: v for k, v in last.items() if k in ("reward", "frac_reward_zero_std", "completions/mean_length") or k.startswith("rewards/")}
-    return {**result, **counts, **final, "questions": len(train), "start": START, **estimates}
+    return {**result, **counts, **final, "questions": len(train), "start": start, **estimates}
 
 
 def body(ctx: stage.StageContext) -> dict:
@@ -146,7 +153,7 @@ def body(ctx: stage.StageContext) -> dict:
         stage.placeholder(ctx, DISABLED_README)
         ctx.log.info("grpo disabled (grpo.enabled: false): wrote only a README")
         return {"enabled": False}
-    metrics = run(ctx.root, ctx.input("chat"), ctx.output(), p, ctx.tracker, ctx.checkpoint_dir, ctx.log)
+    metrics = run(ctx.root, ctx.input("models/sft"), ctx.input("chat"), ctx.output(), p, ctx.tracker, ctx.checkpoint_dir)
     rewards_text = ", ".join(f"{k.removeprefix('rewards/').removesuffix('/mean')} {v:.3f}" for k, v in metrics.items() if k.startswith("rewards/") and k.endswith("/mean"))
     ctx.log.info("grpo %s (beta %g, groups of %d): %d steps on %d questions; last generation's rewards: %s", p.loss_type, p.beta, p.group_size,
                  metrics["steps"], metrics["questions"], rewards_text)  # fmt: skip

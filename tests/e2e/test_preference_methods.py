@@ -1,4 +1,4 @@
-"""Each preference method through the tiny pipeline, and what a change of method or loss reruns.
+"""Each preference method (and GRPO) through the tiny pipeline, and what a change of method or loss reruns.
 
 One project for the module: the whole tiny pipeline runs once (in process, as `qllm run` does),
 then each method runs as a pipeline with overrides (`qllm run --set dpo.method=...`, in a run
@@ -90,3 +90,23 @@ def test_dvc_exp_run_switches_the_method_rerunning_only_what_it_must(project):
     assert "Stage 'ref_logprobs' is cached - skipping run, checking out outputs" in output
     assert all(f"Stage '{n}' didn't change, skipping" in output for n in ("pretrain", "sft", "lora"))
     assert metrics(project, "ref_logprobs")["method"] == "simpo" and metrics(project, "dpo")["start"] == "data/models/sft"
+
+
+REWARDS = """
+def brevity(prompts, completions, answer, **kwargs):
+    return [1.0 if len(c[0]["content"]) <= len(a) + 2 else 0.0 for c, a in zip(completions, answer)]
+"""
+
+
+def test_a_grpo_reward_or_beta_change_reruns_grpo_onward(project, tmp_path, monkeypatch):
+    """GRPO reads the SFT model and the chats: a reward, weight or beta change reruns grpo, evaluate
+    and register and nothing upstream; a user's reward module is loaded from the path."""
+    assert metrics(project, "grpo")["steps"] == 4 and "grpo" in metrics(project, "evaluate")
+    (tmp_path / "team_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ran, workspace = method_run(project, "grpo.beta=0.04", "grpo.rewards=[{function: exact_match}, {function: 'team_rewards:brevity', weight: 0.5}]")
+    assert ran == [*ALWAYS, "grpo", "evaluate", "register"]
+    grpo = metrics(workspace, "grpo")
+    assert {"rewards/exact_match/mean", "rewards/brevity/mean"} <= set(grpo) and grpo["steps"] == 4
+    assert "grpo" in metrics(workspace, "evaluate")
+    sys.modules.pop("team_rewards", None)

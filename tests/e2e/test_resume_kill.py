@@ -162,6 +162,60 @@ def test_kill9_mid_training_resumes_exactly_and_continues_its_mlflow_run(base, t
     assert {m.step: m.value for m in history} == {m.step: m.value for m in reference_history}
 
 
+GRPO = {"max_steps": 10, "checkpoint_every": 4, "keep_checkpoints": 3, "log_every": 1, "extensions": [
+    "mlflow_metrics", {"name": "tests.hold_training:HoldAtStep", "step": 6, "marker": "grpo-held"}]}  # fmt: skip
+
+
+def grpo_ready(root: Path) -> None:
+    """pretrain (not held: its marker written) and sft run in `root`; grpo set to be held after step 6."""
+    (root / HELD).write_text("not held")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["grpo"]["train"] |= GRPO
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for name in ("pretrain", "sft"):
+        assert reproduce(root, name).status == "ran"
+
+
+def test_kill9_mid_grpo_resumes_with_the_samplers_generator(base, tmp_path, caplog):
+    """GRPO samples its completions from torch's generator as it trains: a run killed after step 6
+    (its newest checkpoint at step 4) resumes from step 4, samples what the uninterrupted run
+    sampled, and saves the same weights, bit for bit."""
+    killed = copy_project(base, tmp_path / "killed")
+    grpo_ready(killed)
+    reference = copy_project(killed, tmp_path / "reference")
+    with open(tmp_path / "killed.log", "wb") as log:
+        process = stage_process(killed, "-m", "pipelines.grpo", stderr=log)
+        wait_for((killed / "grpo-held").exists, process, "grpo held after step 6")
+        kill9(process)
+    steps = sorted(int(p.name[5:]) for p in killed.glob(".qllm/checkpoints/grpo/*/step-*"))
+    assert steps == [4] and not (killed / "data/models/grpo").exists()
+    with caplog.at_level(logging.INFO, logger="qllm"):
+        assert reproduce(killed, "grpo").status == "ran"
+    assert "grpo: resumed from step 4" in caplog.text
+    (reference / "grpo-held").write_text("not held")
+    assert reproduce(reference, "grpo").status == "ran"
+    got, expected = (load_grpo(r) for r in (killed, reference))
+    assert got.keys() == expected.keys() and all(torch_equal(got[k], expected[k]) for k in got), "weights differ after resume"
+    assert dag.dvc_md5(killed / "data/models/grpo") == dag.dvc_md5(reference / "data/models/grpo")
+    # the rewards it logged after the resume are the uninterrupted run's (the same samples)
+    client, reference_client = mlflow_client(killed), mlflow_client(reference)
+    (run,) = client.search_runs([client.get_experiment_by_name("qllm").experiment_id], "tags.qllm.stage = 'grpo'")
+    (uninterrupted,) = reference_client.search_runs([reference_client.get_experiment_by_name("qllm").experiment_id], "tags.qllm.stage = 'grpo'")
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "completions/mean_length")}
+    assert set(range(1, 11)) <= set(history)  # every step (and the stage summary at 0)
+    assert history == {m.step: m.value for m in reference_client.get_metric_history(uninterrupted.info.run_id, "completions/mean_length")}
+
+
+def load_grpo(root: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(root / "data/models/grpo/model.safetensors"))
+
+
+def torch_equal(a, b) -> bool:
+    return a.dtype == b.dtype and bool((a == b).all())
+
+
 PAUSED_STAGE = """\
 import contextlib, sys, time
 from pathlib import Path

@@ -14,7 +14,8 @@ def test_a_sweep_over_a_key_another_stage_lists_does_not_share_that_stage():
 
     root = Path(__file__).resolve().parents[2]
     order = dag.order(root)
-    assert shared_stages(root, [["dpo.beta=0.1"]]) == order[: order.index("dpo")] + ["multimodal"]
+    assert shared_stages(root, [["dpo.beta=0.1"]]) == order[: order.index("dpo")] + ["grpo", "multimodal"]
+    assert "grpo" not in shared_stages(root, [["grpo.beta=0.04"], ["grpo.beta=0.0"]])
     by_method = shared_stages(root, [["dpo.method=kto"], ["dpo.method=simpo"]])
     assert "ref_logprobs" not in by_method and "sft" in by_method
     by_allocation = shared_stages(root, [["lora.allocation=uniform"]])

@@ -139,7 +139,7 @@ def test_the_stage_trains_and_logs_what_users_watch(workspace, user_rewards):
     tracker = Recorder()
     p = params(user_rewards, rewards=[RewardParams(function=f"{user_rewards}:brevity"), RewardParams(function="format", weight=0.5)],
                train=TRAIN.model_copy(update={"extensions": ["mlflow_metrics"]}))
-    metrics = grpo.run(workspace, workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
+    metrics = grpo.run(workspace, workspace / "data/models/sft", workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
     assert metrics["steps"] == 4 and metrics["questions"] == 10 and (workspace / "data/models/grpo/model.safetensors").exists()
     logged = {k for _, m in tracker.metrics for k in m}
     watched = {"reward", "reward_std", "rewards/brevity/mean", "rewards/brevity/std", "rewards/format/mean", "frac_reward_zero_std",
@@ -159,7 +159,7 @@ def test_the_stage_trains_and_logs_what_users_watch(workspace, user_rewards):
 def test_beta_adds_the_kl_to_the_start_model(workspace, user_rewards, adapter):
     tracker = Recorder()
     p = params(user_rewards, beta=0.1, adapter=adapter, train=TRAIN.model_copy(update={"lr": 0.05, "extensions": ["mlflow_metrics"]}))
-    grpo.run(workspace, workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
+    grpo.run(workspace, workspace / "data/models/sft", workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
     kl = [m["kl"] for _, m in tracker.metrics if "kl" in m]
     assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
     assert kl[-1] > 1e-6  # then it moves away (a frozen copy, or the model under its disabled adapter)
@@ -191,14 +191,14 @@ def test_a_reused_generation_resumes_exactly(workspace, user_rewards, monkeypatc
     resumed run restores that generation and the sampler's generator, and saves the same weights."""
     p = params(user_rewards, num_iterations=2, train=TRAIN.model_copy(update={"max_steps": 6, "checkpoint_every": 3}))
     chat = workspace / "data/prepared/chat"
-    grpo.run(workspace, chat, workspace / "reference", p, checkpoint_dir=workspace / "ckpt-reference")
+    grpo.run(workspace, workspace / "data/models/sft", chat, workspace / "reference", p, checkpoint_dir=workspace / "ckpt-reference")
     real_train = loop.train
     monkeypatch.setattr(loop, "train", lambda *a, **k: real_train(*a, **k, extensions=[StopAt(3)]))
     with pytest.raises(TrainingInterrupted):
-        grpo.run(workspace, chat, workspace / "resumed", p, checkpoint_dir=workspace / "ckpt")
+        grpo.run(workspace, workspace / "data/models/sft", chat, workspace / "resumed", p, checkpoint_dir=workspace / "ckpt")
     assert sorted(c.name for c in (workspace / "ckpt").iterdir()) == ["step-00000003"]
     monkeypatch.setattr(loop, "train", real_train)
-    metrics = grpo.run(workspace, chat, workspace / "resumed", p, checkpoint_dir=workspace / "ckpt")
+    metrics = grpo.run(workspace, workspace / "data/models/sft", chat, workspace / "resumed", p, checkpoint_dir=workspace / "ckpt")
     assert metrics["steps"] == 6
     reference, resumed = _weights(workspace / "reference"), _weights(workspace / "resumed")
     assert reference.keys() == resumed.keys() and all(torch.equal(reference[k], resumed[k]) for k in reference)
@@ -209,7 +209,7 @@ def test_a_users_reward_functions_get_the_records_columns(workspace, user_reward
     tracker = Recorder()
     p = params(user_rewards, rewards=[RewardParams(function=f"{user_rewards}:echo_answer", weight=2.0)],
                train=TRAIN.model_copy(update={"max_steps": 1, "extensions": ["mlflow_metrics"]}))
-    grpo.run(workspace, workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
+    grpo.run(workspace, workspace / "data/models/sft", workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
     (_, first), *_ = [(s, m) for s, m in tracker.metrics if "reward" in m]
     answers = [q.answer for q in grpo.questions(workspace / "data/prepared/chat")]
     assert first["frac_reward_zero_std"] == 1.0  # the reward is the answer's length: the same within each group

@@ -119,7 +119,7 @@ def test_default_is_auto_and_params_yaml_uses_it():
     assert TrainParams().precision == "auto"
     data = yaml.safe_load((REPO / "params.yaml").read_text())
     assert {name: section["train"]["precision"] for name, section in data.items() if isinstance(section, dict) and "train" in section} == {
-        name: "auto" for name in ("pretrain", "sft", "probe_lora", "lora", "dpo", "multimodal")
+        name: "auto" for name in ("pretrain", "sft", "probe_lora", "lora", "dpo", "grpo", "multimodal")
     }
 
 
