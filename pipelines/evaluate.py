@@ -337,10 +337,10 @@ def evaluate_multimodal(model_dir: Path, image_dir: Path, out: Path, params: Eva
     return {renamed.get(k, k): v for k, v in metrics.items()} | {"eval_seconds": round(time.perf_counter() - started, 3)}
 
 
-def has_model(model_dir: Path) -> bool:
-    """Whether a stage's model directory holds a model (a full one, an adapter, or `merged/`), not
-    only the README of a stage its params switch off (`grpo.enabled: false`)."""
-    return any((model_dir / name).exists() for name in ("config.json", "adapter_config.json", "merged/config.json"))
+def switched_off(model_dir: Path) -> bool:
+    """Whether a stage's model directory holds only the README of a stage its params switch off
+    (`grpo.enabled: false`: `stage.placeholder`), no model."""
+    return {p.name for p in model_dir.iterdir()} == {"README.md"}
 
 
 def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams, preferences: Path | None = None,
@@ -355,7 +355,7 @@ def run(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path
     for name in params.models:
         if not (models_dir / name).exists():
             raise QllmError(f"{models_dir / name}: model of stage {name!r} not found (evaluate.models lists it)")
-    models = [name for name in params.models if has_model(models_dir / name)]
+    models = [name for name in params.models if not switched_off(models_dir / name)]
     if skipped := sorted(set(params.models) - set(models)):
         logging.getLogger(f"qllm.{NAME}").info("not evaluated: %s (switched off: the stage wrote only its README)", ", ".join(skipped))
     if not models:

@@ -179,13 +179,13 @@ def test_registered_model_is_champion_with_lineage_and_loads(first, project):
 
 def test_evaluate_compares_every_model(first, project):
     evaluation = json.loads((project / "data/metrics/evaluate.json").read_text())
-    models = ["pretrain", "sft", "lora", "dpo"]
+    models = ["pretrain", "sft", "lora", "dpo", "grpo"]
     assert sorted(m for m in evaluation if m in models) == sorted(models)
     for name in models:
         entry = evaluation[name]
         assert 0 <= entry["exact_match"] <= 1 and 0 <= entry["bleu"] <= 100 and 0 <= entry["rougeL"] <= 1
         assert 0 <= entry["preference_accuracy"] <= 1 and entry["preference_pairs"] > 0
-    assert "rewards/accuracies" in evaluation["dpo"] and "rewards/accuracies" not in evaluation["sft"]
+    assert "rewards/accuracies" in evaluation["dpo"] and "rewards/accuracies" not in evaluation["sft"] and "rewards/accuracies" not in evaluation["grpo"]
     table = (project / "data/evaluate/comparison.csv").read_text().splitlines()
     assert table[0].startswith("model,exact_match,bleu,rougeL,preference_accuracy") and [r.split(",")[0] for r in table[1:]] == models
     for name in ("loss_curves.png", "metrics.png"):
@@ -218,7 +218,7 @@ def test_prefect_artifacts_table_and_summary(first, project):
 
     table = asyncio.run(latest("qllm-evaluation"))
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
-    assert table.type == "table" and [r["model"] for r in rows] == ["pretrain", "sft", "lora", "dpo"]
+    assert table.type == "table" and [r["model"] for r in rows] == ["pretrain", "sft", "lora", "dpo", "grpo"]
     summary = asyncio.run(latest("qllm-run-summary"))
     assert summary.type == "markdown" and "| pretrain | " in summary.data and "@champion" in summary.data
 
