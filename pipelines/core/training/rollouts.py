@@ -111,9 +111,9 @@ def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     """Per-token log-probabilities of completions (`group_size` consecutive rows per prompt row of
     the left-padded `prompt_ids`; `[rows, width]`, 0 outside the mask), and with `entropy` the
     policy's entropy at each of their positions (no gradient). Each prompt runs once for its group
-    (its KV cache repeated) where the model allows it (`preference_data.shares_prompt`); else every
-    row whole, only the completion's positions getting vocabulary logits."""
-    if preference_data.shares_prompt(model):
+    (its KV cache repeated) where the model allows it and it pays (`preference_data.shares_prompt`);
+    else every row whole, only the completion's positions getting vocabulary logits."""
+    if preference_data.shares_prompt(model, group_size):
         first, cache = preference_data.prompt_cache(model, prompt_ids, prompt_mask)
         cache.batch_repeat_interleave(group_size)
         logits = preference_data.continuation_logits(model, first.repeat_interleave(group_size, dim=0), cache,

@@ -59,12 +59,12 @@ def test_each_prompt_runs_once_for_its_group_with_the_same_logps_and_gradients(t
     torch.manual_seed(2)
     out = rollouts.sample(model, tokenizer, PROMPTS, group_size=3, max_completion_length=8, temperature=1.0)
     args = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, 3)
-    assert preference_data.shares_prompt(model)
+    assert preference_data.shares_prompt(model, 3)
     shared, shared_entropy = rollouts.completion_logps(model, *args, entropy=True)
     shared.sum().backward()
     shared_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    monkeypatch.setattr(preference_data, "shares_prompt", lambda m: False)  # every row whole: prompt repeated per completion
+    monkeypatch.setattr(preference_data, "shares_prompt", lambda m, n=2: False)  # every row whole: prompt repeated per completion
     rows, rows_entropy = rollouts.completion_logps(model, *args, entropy=True)
     rows.sum().backward()
     torch.testing.assert_close(shared, rows, atol=1e-5, rtol=1e-5)
