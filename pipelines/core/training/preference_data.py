@@ -202,7 +202,10 @@ def shares_prompt(model: torch.nn.Module, continuations: int = 2) -> bool:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False  # DDP/FSDP: one forward per backward
     lm = chunked_loss.causal_lm(model)
-    return isinstance(lm, PreTrainedModel) and not getattr(lm, "is_gradient_checkpointing", False)
+    if not isinstance(lm, PreTrainedModel):
+        return False
+    checkpointing = lm.is_activation_checkpointing if hasattr(type(lm), "is_activation_checkpointing") else lm.is_gradient_checkpointing  # transformers 5 renamed it
+    return not checkpointing
 
 
 def prompt_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
