@@ -28,7 +28,7 @@ import torch
 from benchmarks.default_quality import _with, cpu_name, reads
 from pipelines import grpo, pretrain, sft
 from pipelines.core import config, dag, params_file
-from pipelines.core.outputs import read_json, write_json
+from pipelines.core.outputs import write_json
 from pipelines.core.training import precision
 from pipelines.evaluate import evaluate_model, heldout_questions
 

@@ -208,13 +208,20 @@ def same_split(prepared: pd.DataFrame, pairs: list[preference_data.Pair], tails:
     ])  # fmt: skip
 
 
-def time_ours(base, tokenizer, pairs, dpo_params, cfg, live: bool) -> float:
-    """Seconds per step of the `dpo` stage's loop (reference cached, or computed every step)."""
+def fresh_policy(base, tokenizer, params, section: str, seed: int):
+    """A copy of `base` as a stage trains it: all weights, or under the LoRA adapter `params`
+    (`params.adapter`, `params.lora`) builds, initialised from `seed`."""
     policy = copy.deepcopy(base)
     with CONSTRUCTION:
-        torch.manual_seed(cfg.seed)
-        if dpo_params.adapter == "lora":
-            policy = adapters.wrap(dpo_params.lora, "dpo.lora")(policy, tokenizer)
+        torch.manual_seed(seed)
+        if params.adapter == "lora":
+            policy = adapters.wrap(params.lora, f"{section}.lora")(policy, tokenizer)
+    return policy
+
+
+def time_ours(base, tokenizer, pairs, dpo_params, cfg, live: bool) -> float:
+    """Seconds per step of the `dpo` stage's loop (reference cached, or computed every step)."""
+    policy = fresh_policy(base, tokenizer, dpo_params, "dpo", cfg.seed)
     reference = None
     if live and dpo_params.adapter == "lora":
 

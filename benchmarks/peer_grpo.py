@@ -34,13 +34,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peer_dpo import WARMUP, trainer_args
+from benchmarks.peer_dpo import WARMUP, fresh_policy, trainer_args
 from pipelines import grpo
 from pipelines.core import params_file
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
-from pipelines.core.models.models import CONSTRUCTION, load_for_inference, stop_token_ids
+from pipelines.core.models.models import load_for_inference, stop_token_ids
 from pipelines.core.training import loop, precision, rewards, rollouts
 
 
@@ -52,11 +52,7 @@ def settings(p, cfg) -> rollouts.Settings:
 
 def time_ours(base, tokenizer, questions, p, cfg) -> tuple[float, float, list[float]]:
     """(seconds a step, generation seconds a step, mean reward per step) of the stage's loop."""
-    policy = copy.deepcopy(base)
-    with CONSTRUCTION:
-        torch.manual_seed(cfg.seed)
-        if p.adapter == "lora":
-            policy = adapters.wrap(p.lora, "grpo.lora")(policy, tokenizer)
+    policy = fresh_policy(base, tokenizer, p, "grpo", cfg.seed)
     marks: list[float] = []
     generation: list[float] = []
     reward: list[float] = []

@@ -38,13 +38,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from benchmarks.peer_dpo import WARMUP, load_run, trainer_args
+from benchmarks.peer_dpo import WARMUP, fresh_policy, load_run, trainer_args
 from pipelines import dpo, ref_logprobs
 from pipelines.core import params_file
 from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
-from pipelines.core.models.models import CONSTRUCTION
 from pipelines.core.training import loop, precision, preference_data
 
 SETTINGS = {
@@ -89,11 +88,7 @@ def trl_trainer(method: str, model, tokenizer, records: pd.DataFrame, dpo_params
 
 def time_ours(base, tokenizer, items: list, make, dpo_params, cfg) -> float:
     """Seconds per step of the `dpo` stage's loop for the method (its cached inputs)."""
-    policy = copy.deepcopy(base)
-    with CONSTRUCTION:
-        torch.manual_seed(cfg.seed)
-        if dpo_params.adapter == "lora":
-            policy = adapters.wrap(dpo_params.lora, "dpo.lora")(policy, tokenizer)
+    policy = fresh_policy(base, tokenizer, dpo_params, "dpo", cfg.seed)
     marks: list[float] = []
     batches = loop.Batches(len(items), cfg.micro_batch_size, cfg.seed, make)
     loop.train(policy, dpo.dpo_loss(dpo_params), batches, cfg, extensions=[Hook("on_step_end", lambda state, metrics: marks.append(time.perf_counter()))])

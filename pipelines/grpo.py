@@ -35,7 +35,13 @@ from pipelines.core.config import GrpoParams
 from pipelines.core.data.chat_template import parse_messages, render_prompt, split_last_answer
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, footprint, quantize
-from pipelines.core.models.models import CONSTRUCTION, load_for_inference, load_tokenizer, parameter_counts, save_pretrained
+from pipelines.core.models.models import (
+    CONSTRUCTION,
+    load_for_inference,
+    load_tokenizer,
+    parameter_counts,
+    save_pretrained,
+)
 from pipelines.core.run import stage
 from pipelines.core.training import diffusion, grpo, loop, rewards, rollouts
 from pipelines.core.training.checkpoint import CheckpointManager

@@ -51,6 +51,8 @@ stop signal).
 In params, `train.extensions` names the extensions of a training stage, with their settings
 (`build`): the built-in ones below by name, others as `package.module:Class`, built with
 `Class(context, **settings)` (`ExtensionContext`: the stage, its MLflow tracker, the project root).
+A user's plain function named in params the same way (GRPO's reward functions) is imported and
+checked against how it will be called by `user_function`, when the params load.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
