@@ -191,6 +191,37 @@ def test_qlora_dpo_starts_from_the_reference_it_was_scored_against(qbase, tmp_pa
     assert "quantization_config" not in merged
 
 
+def test_qlora_grpo_takes_its_reference_from_the_quantized_base_under_the_adapter(qbase, tmp_path, monkeypatch):
+    """GRPO with a LoRA adapter on the 4-bit SFT model and beta > 0: the reference is the same
+    quantized model with its adapter switched off (no second copy), so the KL starts at 0."""
+    from pipelines import grpo
+    from pipelines.core.config import GrpoParams
+
+    shutil.copytree(qbase / "model", tmp_path / "data/models/sft")
+    train = TRAIN.model_copy(update={"micro_batch_size": 8, "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "extensions": []})
+    params = GrpoParams(rewards=[{"function": "format"}], group_size=4, max_completion_length=6, beta=0.1, adapter="lora", train=train,
+                        lora={"r": 2, "trainable_tokens": [], "quantization": "nf4", "compute_dtype": "fp32"})  # fmt: skip
+    kl = []
+    real = grpo.grpo_loss
+
+    def recording(p):
+        fn = real(p)
+
+        def loss_fn(model, batch):
+            loss, metrics = fn(model, batch)
+            kl.append(metrics["kl"])
+            return loss, metrics
+
+        return loss_fn
+
+    monkeypatch.setattr(grpo, "grpo_loss", recording)
+    metrics = grpo.run(tmp_path, tmp_path / "data/models/sft", qbase / "chat", tmp_path / "data/models/grpo", params)
+    assert metrics["steps"] == 4 and metrics["linear_weight_bytes"] > 0 and len(kl) == 4
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)
+    merged = json.loads((tmp_path / "data/models/grpo/merged/config.json").read_text())
+    assert "quantization_config" not in merged
+
+
 def test_reference_and_policy_must_be_quantized_alike(tmp_path):
     from pipelines.core import config
 
