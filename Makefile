@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-all browser bench gpu-check lock clean-outputs serve stop docs docs-screenshots
+.PHONY: servers install run test test-all browser bench gpu-check lock clean-outputs serve stop docs docs-screenshots
 
 # Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
 # PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
@@ -71,10 +71,17 @@ browser: install
 	  || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } \
 	  || $(PY) -m playwright install chromium
 
-test: install $(VENV)/.installed-peers browser
+# The servers the suite starts itself on 127.0.0.1 (tests/e2e/test_remote.py: OpenSSH's sshd as a
+# DVC remote): the system's package where apt-get runs as root (Debian: openssh-server).
+servers:
+	@command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] \
+	  || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq openssh-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq openssh-server >/dev/null 2>&1; }; }; } \
+	  || { echo "the suite needs OpenSSH's sshd (Debian: apt-get install openssh-server)" >&2; exit 1; }
+
+test: install $(VENV)/.installed-peers browser servers
 	$(PYTEST) $(ARGS)
 
-test-all: install $(VENV)/.installed-peers browser
+test-all: install $(VENV)/.installed-peers browser servers
 	$(PYTEST) -m "slow or not slow" $(ARGS)
 
 # Local Prefect server + process worker (pool "qllm") + MLflow UI on 127.0.0.1; `make stop` ends them.

@@ -6,6 +6,10 @@
     cache_dir(root)              where its cache keeps objects
     run_cache_key(stage)         DVC's run-cache key of a stage (None: DVC would not cache a run of it)
     restore_from_run_cache(...)  a stage's outputs from the run-cache, False when it has no entry
+                                 (`pull`: the outputs, and the run-cache's entries, from the default remote)
+    default_remote(repo)         the project's default DVC remote (`dvc remote add -d`), or None
+    pull_run_cache(repo)         the default remote's run-cache entries into the local cache
+    push(repo, stage, target)    a stage's outputs (`cache: false` ones too) and the run-cache entries to the default remote
     params_read_once()           while held, each params file is parsed once, not once per stage
 
 `pipelines/core/run/repro.py` reproduces stages with these and the `Stage` objects DVC's public
@@ -75,15 +79,46 @@ def run_cache_key(stage) -> str | None:
     return _get_stage_hash(stage) if _can_hash(stage) else None
 
 
-def restore_from_run_cache(repo, stage) -> bool:
-    """Restore `stage`'s outputs from DVC's run-cache; False when it has no entry for them."""
+def restore_from_run_cache(repo, stage, pull: bool = False) -> bool:
+    """Restore `stage`'s outputs from DVC's run-cache; False when it has no entry for them. With
+    `pull`, outputs missing from the local cache are downloaded from the default remote (as
+    `dvc repro --pull` does): an entry whose objects the remote lacks too counts as none."""
     from dvc.stage.cache import RunCacheNotFoundError
 
     try:
-        repo.stage_cache.restore(stage)
+        repo.stage_cache.restore(stage, pull=pull)
     except RunCacheNotFoundError:
         return False
     return True
+
+
+def default_remote(repo) -> str | None:
+    """The name of the project's default DVC remote (`dvc remote add -d NAME URL`), or None."""
+    return repo.config["core"].get("remote") or None
+
+
+def pull_run_cache(repo) -> int:
+    """Download the default remote's run-cache entries (small YAML files naming outputs by hash;
+    the outputs themselves come when a stage is restored); how many were new here."""
+    return len(repo.stage_cache.pull(None))
+
+
+def push(repo, stage, target: str) -> int:
+    """Upload `stage`'s outputs (`target`: its `dvc.yaml:stage` address) and the local run-cache
+    entries to the default remote; how many files were sent (what the remote had is skipped).
+
+    `dvc push --run-cache` sends the entries and the cached outputs, but not the outputs marked
+    `cache: false` (the metrics files) that DVC commits to the cache for the run-cache alone, so
+    another machine's restore finds the entry but not all of its outputs, and runs the stage: they
+    are pushed here as well."""
+    sent = repo.push(targets=[target], run_cache=True)
+    uncached = {out.hash_info for out in stage.outs if not out.use_cache and out.hash_info}
+    if uncached:
+        result = repo.cloud.push(uncached)
+        if result.failed:
+            raise OSError(f"could not push {len(result.failed)} of the outputs marked cache: false")
+        sent += len(result.transferred)
+    return sent
 
 
 @contextlib.contextmanager

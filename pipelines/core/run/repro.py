@@ -149,7 +149,7 @@ def reproduce(
         if not restored:
             log.info("%s: running", name)
             execute(root, name, parent_run_id)
-        _commit(root, repo, stage)
+        _commit(root, repo, stage, ran=not restored)
     return _outcome(stage, "cached" if restored else "ran", "run-cache" if restored else "executed", started)
 
 
@@ -229,19 +229,61 @@ def _run_cache_lock(root: Path) -> contextlib.AbstractContextManager:
     return workspace.project_lock(root, "run-cache", "DVC's run-cache")
 
 
+def _remote(repo) -> str | None:
+    """The project's default DVC remote, its run-cache entries pulled once per Repo object (once
+    per `qllm run`: `close` drops the object at the end), or None when there is none. A remote
+    that cannot be reached is warned about and treated as none: the run computes what it needs."""
+    if (remote := dvc_api.default_remote(repo)) is None:
+        return None
+    if not getattr(repo, "_qllm_pulled_run_cache", False):
+        repo._qllm_pulled_run_cache = True
+        try:
+            new = dvc_api.pull_run_cache(repo)
+        except Exception as exc:  # noqa: BLE001 - any transport or DVC error: the run goes on without the remote
+            log.warning("DVC remote %r: could not fetch its run-cache (%s: %s); stages it holds will run here", remote, type(exc).__name__, exc)
+            repo._qllm_remote_failed = True
+            return None
+        log.info("DVC remote %r: %d run-cache entries fetched", remote, new)
+    return None if getattr(repo, "_qllm_remote_failed", False) else remote
+
+
 def _restore(root: Path, repo, stage) -> bool:
-    """Outputs restored from DVC's run-cache (an entry for the same command, deps and params)."""
+    """Outputs restored from DVC's run-cache (an entry for the same command, deps and params); with
+    a default remote, from its run-cache too, downloading the stage's outputs."""
     with _run_cache_lock(root):
+        if (remote := _remote(repo)) is not None:
+            try:
+                return dvc_api.restore_from_run_cache(repo, stage, pull=True)
+            except Exception as exc:  # noqa: BLE001 - a remote that fails mid-way: the local cache, else run
+                log.warning("DVC remote %r: could not restore %s from it (%s: %s)", remote, stage.name, type(exc).__name__, exc)
         return dvc_api.restore_from_run_cache(repo, stage)
 
 
-def _commit(root: Path, repo, stage) -> None:
+def _commit(root: Path, repo, stage, ran: bool = False) -> None:
+    """The stage's outputs into the DVC cache, its run-cache entry and `dvc.lock`; a stage that `ran`
+    here is pushed to the default remote too (one restored came from a cache that has it)."""
     with _repo_lock, contextlib.chdir(root), repo.lock:
         stage.save(run_cache=False)  # hashes the outputs
         stage.commit()  # moves outputs into the DVC cache (links them back)
         with _run_cache_lock(root):  # the run-cache entry, published once the objects it names are cached
             repo.stage_cache.save(stage)
         stage.dump(update_pipeline=False)  # dvc.lock
+        remote = _remote(repo) if ran and stage.outs else None
+    if remote is not None:
+        with _repo_lock, contextlib.chdir(root):  # `push` takes the repo's lock itself
+            _push(repo, stage, remote)
+
+
+def _push(repo, stage, remote: str) -> None:
+    """The stage's outputs and the run-cache entries to the default remote, so that another machine
+    restores this stage instead of computing it. A failure is warned about, not fatal: the outputs
+    are in the local cache, and `dvc push --run-cache` sends them later."""
+    try:
+        sent = dvc_api.push(repo, stage, f"{dag.DVC_FILE}:{stage.name}")
+    except Exception as exc:  # noqa: BLE001
+        log.warning("DVC remote %r: could not push %s (%s: %s); `dvc push --run-cache` retries", remote, stage.name, type(exc).__name__, exc)
+        return
+    log.info("DVC remote %r: %s pushed (%d files sent)", remote, stage.name, sent)
 
 
 def _run_cache_key(stage) -> str | None:

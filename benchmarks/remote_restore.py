@@ -1,0 +1,77 @@
+"""A second machine against the first: `qllm run` restoring every stage from a DVC remote, against
+training from scratch, and the bytes the remote holds.
+
+    python -m benchmarks.remote_restore --remote ssh://USER@HOST:PORT/PATH [--keyfile KEY] [--remote-dir PATH] [--params params/tiny.yaml]
+
+Two fresh clones of this repository under a temporary directory, each with its own HOME (the
+caller's `~/.ssh/known_hosts` copied in), DVC cache, MLflow store and no `dvc.lock`, sharing only
+the remote: the first runs `qllm run` (training everything, pushing each stage as it finishes),
+the second runs `qllm run` (restoring). Each is a `qllm run` process, timed whole. `--remote-dir`,
+where the remote is a directory on this machine (an SSH server on 127.0.0.1), sums the bytes it
+holds. Prints both wall times, their ratio and the stages each ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True, text=True)
+
+
+def clone(dest: Path, remote: str, keyfile: str | None) -> tuple[Path, dict]:
+    sh(["git", "clone", "-q", str(REPO), str(dest)], REPO)
+    home = dest.parent / f"{dest.name}-home"
+    (home / ".ssh").mkdir(parents=True)
+    known = Path.home() / ".ssh/known_hosts"
+    if known.exists():
+        shutil.copy(known, home / ".ssh/known_hosts")
+    sh([sys.executable, "-m", "dvc", "remote", "add", "-f", "-d", "--local", "team", remote], dest)
+    if keyfile:
+        sh([sys.executable, "-m", "dvc", "remote", "modify", "--local", "team", "keyfile", keyfile], dest)
+    return dest, os.environ | {"HOME": str(home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def qllm_run(root: Path, env: dict, params: list[str]) -> tuple[float, dict]:
+    started = time.perf_counter()
+    args = [sys.executable, "-m", "flows.cli", "run", "--summary-json", "summary.json"] + [a for p in params for a in ("--params", p)]
+    done = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode:
+        raise SystemExit(f"qllm run failed in {root}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    summary = json.loads((root / "summary.json").read_text())
+    return seconds, {s["name"]: s["status"] for s in summary["stages"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--remote", required=True, help="the DVC remote URL both clones share")
+    parser.add_argument("--keyfile", help="an SSH key for the remote")
+    parser.add_argument("--remote-dir", type=Path, help="the remote's directory, where it is on this machine: its size is reported")
+    parser.add_argument("--params", action="append", default=[], help="params files for both runs (e.g. params/tiny.yaml)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        first, first_env = clone(Path(tmp) / "first", args.remote, args.keyfile)
+        trained, first_stages = qllm_run(first, first_env, args.params)
+        second, second_env = clone(Path(tmp) / "second", args.remote, args.keyfile)
+        restored, second_stages = qllm_run(second, second_env, args.params)
+    held = sum(f.stat().st_size for f in args.remote_dir.rglob("*") if f.is_file()) if args.remote_dir else None
+    print(f"first clone (trains): {trained:.1f} s, ran {sorted(n for n, s in first_stages.items() if s == 'ran')}")
+    print(f"second clone (restores): {restored:.1f} s, ran {sorted(n for n, s in second_stages.items() if s == 'ran')}")
+    print(f"restore / train: {restored / trained:.3f}" + (f"; the remote holds {held / 1e6:.2f} MB" if held is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
