@@ -126,3 +126,22 @@ def test_a_second_machine_restores_every_stage_from_an_ssh_remote(sshd, tmp_path
     for name in ("pretrain", "sft", "grpo", "evaluate"):
         assert f"Stage '{name}' is cached - skipping run, checking out outputs" in out.stdout, out.stdout
     assert _outs(third) == _outs(first)
+
+
+def test_an_unreachable_remote_is_a_warning_and_the_stage_runs(tmp_path, mlflow_template_db, caplog):
+    """A remote that cannot be reached (nothing listens on its port) never stops a run: the
+    run-cache fetch and the push are warned about, the stage runs and is recorded locally."""
+    import logging
+
+    from pipelines.core.run import repro
+
+    root = make_project(tmp_path / "project", mlflow_template_db)
+    run([sys.executable, "-m", "dvc", "remote", "add", "-d", "--local", "team", f"ssh://nobody@127.0.0.1:{free_port()}/nowhere"], root)
+    with caplog.at_level(logging.WARNING, logger="qllm"):
+        try:
+            outcome = repro.reproduce(root, "sample_data")
+        finally:
+            repro.close(root)
+    assert (outcome.status, outcome.reason) == ("ran", "executed")
+    assert "DVC remote 'team': could not fetch its run-cache" in caplog.text and "stages it holds will run here" in caplog.text
+    assert "sample_data" in yaml.safe_load((root / "dvc.lock").read_text())["stages"]
