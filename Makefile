@@ -72,11 +72,14 @@ browser: install
 	  || $(PY) -m playwright install chromium
 
 # The servers the suite starts itself on 127.0.0.1 (tests/e2e/test_remote.py: OpenSSH's sshd as a
-# DVC remote): the system's package where apt-get runs as root (Debian: openssh-server).
+# DVC remote; tests/e2e/test_mlflow_server.py: PostgreSQL under an MLflow server): the system's
+# packages where apt-get runs as root (Debian: openssh-server, postgresql).
+APT_INSTALL = command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq $(1) >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq $(1) >/dev/null 2>&1; }; }
 servers:
-	@command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] \
-	  || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq openssh-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq openssh-server >/dev/null 2>&1; }; }; } \
+	@command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || { $(call APT_INSTALL,openssh-server); } \
 	  || { echo "the suite needs OpenSSH's sshd (Debian: apt-get install openssh-server)" >&2; exit 1; }
+	@command -v pg_ctl >/dev/null || ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || { $(call APT_INSTALL,postgresql); } \
+	  || { echo "the suite needs PostgreSQL's server (Debian: apt-get install postgresql)" >&2; exit 1; }
 
 test: install $(VENV)/.installed-peers browser servers
 	$(PYTEST) $(ARGS)
@@ -113,7 +116,7 @@ gpu-check: install $(VENV)/.installed-peers
 # every extra, resolved for .venv's Python; each pin of the current requirements.lock that still
 # fits is kept (`make lock UPGRADE=1` takes the newest versions instead). torch stays out: TORCH_SPEC
 # decides its build, and is the constraint the rest is resolved against.
-LOCK_EXTRAS := test dwave qaoa dask peers dev
+LOCK_EXTRAS := test server dwave qaoa dask peers dev
 lock: | $(VENV)/bin/python $(UV)
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-spec.txt
 	$(UV) pip compile pyproject.toml $(foreach extra,$(LOCK_EXTRAS),--extra $(extra)) --python $(PY) $(UV_FIND_LINKS_ARGS) \

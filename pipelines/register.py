@@ -125,6 +125,51 @@ def gate(client, params: RegisterParams, value: float) -> Decision:
     return Decision(params.alias if passed else params.challenger_alias, passed, comparison, str(champion.version), current)
 
 
+def promote(client, params: RegisterParams, version: str, value: float) -> Decision:
+    """Gate `version` (its `metric.<name>` tag already set), record the decision on it, and set the
+    aliases. Registrations on other machines may run at the same moment (a shared MLflow server):
+    each tags the champion its gate compared against (`gate.champion`) before any alias moves, then
+    `settle`s, so `@champion` ends on the best of the versions promoted against the same champion
+    (or a better one that arrived since), never on a worse one that happened to write last."""
+    decision = gate(client, params, value)
+    for key, tag in (("gate.decision", decision.alias), ("gate.reason", decision.reason), ("gate.champion", decision.champion_version or "none")):
+        client.set_model_version_tag(params.model_name, version, key, tag)
+    if decision.promoted:
+        settle(client, params, decision.champion_version or "none")
+    else:
+        client.set_registered_model_alias(params.model_name, decision.alias, version)
+    return decision
+
+
+def settle(client, params: RegisterParams, against: str, rounds: int = 10) -> str | None:
+    """Point `params.alias` at the best of the versions promoted against champion `against` (their
+    `gate.champion` tag) and the version that holds the alias now (which another registration may
+    have moved to a better one meanwhile), reading back until the registry agrees; that version.
+    Ties go to the later version, as the gate's `>=` does."""
+    name, metric, sign = params.model_name, params.metric, 1.0 if params.mode == "max" else -1.0
+    best = None
+    for _ in range(rounds):
+        holder = _alias_version(client, name, params.alias)
+        candidates = [v for v in client.search_model_versions(f"name='{name}'") if f"metric.{metric}" in v.tags
+                      and ((v.tags.get("gate.decision") == params.alias and v.tags.get("gate.champion") == against) or str(v.version) == holder)]  # fmt: skip
+        if not candidates:
+            return holder
+        best = max(candidates, key=lambda v: (sign * float(v.tags[f"metric.{metric}"]), int(v.version)))
+        if holder == str(best.version):
+            return holder
+        client.set_registered_model_alias(name, params.alias, best.version)
+    return str(best.version) if best is not None else None
+
+
+def _alias_version(client, name: str, alias: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
 def model_metrics(evaluation: dict, params: RegisterParams, where: str) -> dict[str, float]:
     """The numeric evaluation metrics of the registered stage's model; the gate's metric must be one."""
     entry = evaluation.get(params.model)
@@ -178,11 +223,9 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
     for key, tag in tags.items():  # the metric tags first: the next gate reads them
         client.set_model_version_tag(params.model_name, model_version, key, tag)
     # gate and alias as one step: two runs registering at once must not both beat the same champion
+    # (the lock: runs of this project on this machine; `promote`'s settling: runs anywhere)
     with workspace.project_lock(root, f"registry-{params.model_name}", f"the registry entry {params.model_name!r}"):
-        decision = gate(client, params, value)
-        client.set_registered_model_alias(params.model_name, decision.alias, model_version)
-    client.set_model_version_tag(params.model_name, model_version, "gate.decision", decision.alias)
-    client.set_model_version_tag(params.model_name, model_version, "gate.reason", decision.reason)
+        decision = promote(client, params, model_version, value)
     record = {
         "stage": params.model,
         "model_name": params.model_name,
