@@ -71,9 +71,10 @@ browser: install
 	  || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } \
 	  || $(PY) -m playwright install chromium
 
-# The servers the suite starts itself on 127.0.0.1 (tests/e2e/test_remote.py: OpenSSH's sshd as a
-# DVC remote; tests/e2e/test_mlflow_server.py: PostgreSQL under an MLflow server): the system's
-# packages where apt-get runs as root (Debian: openssh-server, postgresql).
+# The system servers the suite starts itself on 127.0.0.1 (tests/e2e/test_remote.py: OpenSSH's sshd
+# as a DVC remote; tests/e2e/test_mlflow_server.py: PostgreSQL under an MLflow server; moto's S3
+# endpoint is a Python package of the test extra): the system's packages where apt-get runs as root
+# (Debian: openssh-server, postgresql).
 APT_INSTALL = command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq $(1) >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq $(1) >/dev/null 2>&1; }; }
 servers:
 	@command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || { $(call APT_INSTALL,openssh-server); } \

@@ -1,5 +1,6 @@
-"""A second machine restores what the first one ran, sharing nothing with it but a DVC remote on a
-real SSH server (OpenSSH's sshd, started here on 127.0.0.1 with generated keys).
+"""A second machine restores what the first one ran, sharing nothing with it but a DVC remote: on a
+real SSH server (OpenSSH's sshd, started here on 127.0.0.1 with generated keys), and on an S3 API
+endpoint (moto's server, started here on 127.0.0.1; DVC's S3 remote through dvc-s3).
 
 The first clone runs the tiny pipeline with the remote as its default (`dvc remote add -d`): each
 stage's outputs and the run-cache entries are pushed as the stage finishes. A second clone, in
@@ -62,20 +63,70 @@ def _keyscan(port: int) -> str:
     return subprocess.run(["ssh-keyscan", "-p", str(port), "127.0.0.1"], capture_output=True, text=True).stdout.strip()
 
 
-def _home(root: Path, server: dict) -> Path:
-    """A HOME of its own for a clone (a machine): only the server's host key in known_hosts."""
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 with one bucket (moto accepts any credentials)."""
+    import boto3
+
+    port = free_port()
+    home = tmp_path_factory.mktemp("s3")
+    log = open(home / "moto.log", "wb")  # noqa: SIM115 - closed below
+    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.create_bucket(Bucket="qllm-dvc")
+            break
+        except Exception:  # noqa: BLE001 - not listening yet
+            assert process.poll() is None and time.monotonic() < deadline, (home / "moto.log").read_text()
+            time.sleep(0.2)
+    yield {"endpoint": endpoint, "client": client}
+    process.terminate()
+    process.wait(timeout=10)
+    log.close()
+
+
+@pytest.fixture(params=["ssh", "s3"])
+def shared_remote(request, tmp_path) -> dict:
+    """The remote both clones share: its URL, the settings committed with it, each machine's own
+    (`.dvc/config.local`), what goes in each machine's known_hosts, and how many bytes it holds."""
+    if request.param == "ssh":
+        server = request.getfixturevalue("sshd")
+        where = tmp_path / "remote"
+        return {"url": f"ssh://{server['user']}@127.0.0.1:{server['port']}{where}", "committed": {}, "local": {"keyfile": str(server["key"])},
+                "known_host": server["known_host"], "size": lambda: sum(f.stat().st_size for f in where.rglob("*") if f.is_file())}  # fmt: skip
+    server = request.getfixturevalue("s3")
+    prefix = f"store-{tmp_path.name}"
+
+    def size() -> int:
+        pages = server["client"].get_paginator("list_objects_v2").paginate(Bucket="qllm-dvc", Prefix=prefix)
+        return sum(o["Size"] for page in pages for o in page.get("Contents", []))
+
+    return {"url": f"s3://qllm-dvc/{prefix}", "committed": {"endpointurl": server["endpoint"]},
+            "local": {"access_key_id": "testing", "secret_access_key": "testing"}, "known_host": "", "size": size}  # fmt: skip
+
+
+def _home(root: Path, remote: dict) -> Path:
+    """A HOME of its own for a clone (a machine): only the SSH server's host key in known_hosts."""
     home = root.parent / f"{root.name}-home"
     (home / ".ssh").mkdir(parents=True)
-    (home / ".ssh/known_hosts").write_text(server["known_host"] + "\n")
+    (home / ".ssh/known_hosts").write_text(remote["known_host"] + "\n")
     return home
 
 
-def _clone(source: Path, dest: Path, template_db: Path, server: dict) -> Path:
+def _credentials(root: Path, remote: dict) -> None:
+    for key, value in remote["local"].items():
+        run([sys.executable, "-m", "dvc", "remote", "modify", "--local", "team", key, value], root)
+
+
+def _clone(source: Path, dest: Path, template_db: Path, remote: dict) -> Path:
     run(["git", "clone", "-q", str(source), str(dest)], source.parent)
     shutil.copy2(template_db, dest / "mlflow.db")  # its own MLflow store
     run(["git", "config", "user.email", "tests@example.com"], dest)
     run(["git", "config", "user.name", "tests"], dest)
-    run([sys.executable, "-m", "dvc", "remote", "modify", "--local", "team", "keyfile", str(server["key"])], dest)
+    _credentials(dest, remote)
     return dest
 
 
@@ -84,28 +135,30 @@ def _outs(root: Path) -> dict[str, dict[str, str]]:
     return {name: {o["path"]: o["md5"] for o in entry.get("outs", [])} for name, entry in lock.items() if name not in ALWAYS}
 
 
-def test_a_second_machine_restores_every_stage_from_an_ssh_remote(sshd, tmp_path, mlflow_template_db, prefect_server, monkeypatch):
+def test_a_second_machine_restores_every_stage_from_the_shared_remote(shared_remote, tmp_path, mlflow_template_db, prefect_server, monkeypatch):
     from flows.pipeline import pipeline
     from pipelines.core.run import repro
 
-    remote = tmp_path / "remote"
+    remote = shared_remote
     first = make_project(tmp_path / "first", mlflow_template_db)
-    run([sys.executable, "-m", "dvc", "remote", "add", "-d", "team", f"ssh://{sshd['user']}@127.0.0.1:{sshd['port']}{remote}"], first)
-    run([sys.executable, "-m", "dvc", "remote", "modify", "--local", "team", "keyfile", str(sshd["key"])], first)
+    run([sys.executable, "-m", "dvc", "remote", "add", "-d", "team", remote["url"]], first)
+    for key, value in remote["committed"].items():
+        run([sys.executable, "-m", "dvc", "remote", "modify", "team", key, value], first)
+    _credentials(first, remote)
     run(["git", "commit", "-qam", "the team's DVC remote"], first)
 
-    monkeypatch.setenv("HOME", str(_home(first, sshd)))
+    monkeypatch.setenv("HOME", str(_home(first, remote)))
     started = time.perf_counter()
     trained = pipeline(project_dir=str(first))
     first_seconds = time.perf_counter() - started
     repro.close(first)
     assert {s["name"] for s in trained["stages"] if s["status"] == "ran"} >= {"pretrain", "sft", "lora", "dpo", "grpo"}
-    pushed = sum(f.stat().st_size for f in remote.rglob("*") if f.is_file())
-    assert (remote / "runs").is_dir() and pushed > 0  # the outputs and the run-cache entries
+    pushed = remote["size"]()
+    assert pushed > 0  # the outputs and the run-cache entries
 
-    second = _clone(first, tmp_path / "second", mlflow_template_db, sshd)
+    second = _clone(first, tmp_path / "second", mlflow_template_db, remote)
     assert not (second / "dvc.lock").exists() and not (second / ".dvc/cache").exists()
-    monkeypatch.setenv("HOME", str(_home(second, sshd)))
+    monkeypatch.setenv("HOME", str(_home(second, remote)))
     started = time.perf_counter()
     restored = pipeline(project_dir=str(second))
     second_seconds = time.perf_counter() - started
@@ -119,8 +172,8 @@ def test_a_second_machine_restores_every_stage_from_an_ssh_remote(sshd, tmp_path
     print(f"\nfirst clone trains: {first_seconds:.1f} s; second clone restores: {second_seconds:.1f} s; remote holds {pushed / 1e6:.1f} MB")
 
     # DVC's own way on a third machine: `dvc repro --pull` restores each stage from the remote's run-cache
-    third = _clone(first, tmp_path / "third", mlflow_template_db, sshd)
-    env = os.environ | {"HOME": str(_home(third, sshd))}
+    third = _clone(first, tmp_path / "third", mlflow_template_db, remote)
+    env = os.environ | {"HOME": str(_home(third, remote))}
     out = subprocess.run([sys.executable, "-m", "dvc", "repro", "--pull"], cwd=third, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     for name in ("pretrain", "sft", "grpo", "evaluate"):
