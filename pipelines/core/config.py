@@ -855,6 +855,17 @@ REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state",
 """What a reward function is called with: TRL's arguments and the records' columns."""
 
 
+def user_reward(name: str, where: str):
+    """None for a built-in reward's name; else the user's `package.module:function`, imported and
+    checked against how it will be called (`REWARD_ARGUMENTS`); a `QllmError` naming `where` if it
+    is neither. Used when params load and by `pipelines.core.training.rewards.load`."""
+    if name in BUILT_IN_REWARDS:
+        return None
+    if ":" not in name:
+        raise QllmError(f"{where}: {name!r} is neither a built-in reward ({', '.join(BUILT_IN_REWARDS)}) nor `package.module:function`")
+    return extensions.user_function(name, where, required=("prompts", "completions"), given=REWARD_ARGUMENTS, what="reward function")
+
+
 class RewardParams(Section):
     """One reward function of `grpo.rewards` and its weight."""
 
@@ -868,12 +879,8 @@ class RewardParams(Section):
     @field_validator("function")
     @classmethod
     def _loads(cls, name: str) -> str:
-        if name in BUILT_IN_REWARDS:
-            return name
-        if ":" not in name:
-            raise ValueError(f"{name!r} is neither a built-in reward ({', '.join(BUILT_IN_REWARDS)}) nor `package.module:function`")
         try:
-            extensions.user_function(name, "function", required=("prompts", "completions"), given=REWARD_ARGUMENTS, what="reward function")
+            user_reward(name, "function")
         except QllmError as exc:
             raise ValueError(str(exc)) from None
         return name

@@ -17,13 +17,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from flows.local_api import free_port
+from flows.local_api import free_port, wait_http
 from tests.conftest import make_project
 
 
@@ -76,16 +74,7 @@ def mlflow_server(postgres, tmp_path_factory):
                                 "--artifacts-destination", str(home / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
                                 "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    break
-        except OSError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-3000:]
-        time.sleep(0.5)
+    wait_http(f"{url}/health", process, "the MLflow server", hint=f"; see {home / 'server.log'}")
     yield {"url": url, "artifacts": home / "artifacts"}
     os.killpg(process.pid, 15)
     process.wait(timeout=30)

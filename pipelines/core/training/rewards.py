@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipelines.core import extensions
+from pipelines.core import config
 from pipelines.core.data.chat_template import normalize_answer
 from pipelines.core.errors import QllmError
 
@@ -61,21 +61,14 @@ def format_reward(prompts: list, completions: list, **_: Any) -> list[float]:
 BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "format": format_reward}
 
 
-PASSED = ("prompts", "completions", "completion_ids", "trainer_state")
-"""What TRL's GRPOTrainer passes a reward function besides the records' columns."""
-
-
-def load(name: str, where: str = "reward", columns: Sequence[str] = ("answer",)) -> RewardFn:
+def load(name: str, where: str = "reward") -> RewardFn:
     """A built-in reward by name, or `package.module:function` imported and checked against what
-    it will be called with (TRL's arguments and the records' `columns`)."""
-    if name in BUILT_IN:
-        return BUILT_IN[name]
-    if ":" not in name:
-        raise RewardError(f"{where}: {name!r} is neither a built-in reward ({', '.join(BUILT_IN)}) nor `package.module:function`")
+    it will be called with (`config.user_reward`: TRL's arguments and the records' columns)."""
     try:
-        return extensions.user_function(name, where, required=("prompts", "completions"), given=(*PASSED, *columns), what="reward function")
+        fn = config.user_reward(name, where)
     except QllmError as exc:
         raise RewardError(str(exc)) from None
+    return BUILT_IN[name] if fn is None else fn
 
 
 def score(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, list]) -> list[float]:

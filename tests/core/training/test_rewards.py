@@ -66,3 +66,10 @@ def test_a_reward_that_returns_the_wrong_things_is_named(user_module):
         rewards.score(rewards.load("my_rewards:too_few"), "too_few", [CHAT, CHAT], ["a", "b"], {})
     with pytest.raises(rewards.RewardError, match="reward 'strings' returned str 'high'; expected a float or None"):
         rewards.score(rewards.load("my_rewards:strings"), "strings", [CHAT], ["a"], {})
+
+
+def test_the_params_schema_knows_the_built_in_rewards():
+    from pipelines.core import config
+
+    assert tuple(rewards.BUILT_IN) == config.BUILT_IN_REWARDS  # the names params accept without importing anything
+    assert config.user_reward("exact_match", "grpo.rewards[0]") is None
