@@ -45,6 +45,9 @@ log = logging.getLogger("qllm.runner")
 # always runs from the repo root, so DVC steps run under chdir(root). Stage code only uses
 # absolute paths, so this brief, serialised chdir cannot affect stages in other threads.
 _repos: dict[Path, object] = {}
+_remotes: dict[object, str | None] = {}
+"""Per Repo object: its default remote once the run-cache entries were fetched from it (None: it
+could not be reached, so this run goes without it)."""
 _repo_lock = threading.RLock()
 
 
@@ -72,6 +75,7 @@ def close(root: Path | str) -> None:
     with _repo_lock:
         repo = _repos.pop(Path(root).resolve(), None)
         if repo is not None:
+            _remotes.pop(repo, None)
             repo.close()
 
 
@@ -230,21 +234,22 @@ def _run_cache_lock(root: Path) -> contextlib.AbstractContextManager:
 
 
 def _remote(repo) -> str | None:
-    """The project's default DVC remote, its run-cache entries pulled once per Repo object (once
+    """The project's default DVC remote, its run-cache entries fetched once per Repo object (once
     per `qllm run`: `close` drops the object at the end), or None when there is none. A remote
     that cannot be reached is warned about and treated as none: the run computes what it needs."""
     if (remote := dvc_api.default_remote(repo)) is None:
         return None
-    if not getattr(repo, "_qllm_pulled_run_cache", False):
-        repo._qllm_pulled_run_cache = True
-        try:
-            new = dvc_api.pull_run_cache(repo)
-        except Exception as exc:  # noqa: BLE001 - any transport or DVC error: the run goes on without the remote
-            log.warning("DVC remote %r: could not fetch its run-cache (%s: %s); stages it holds will run here", remote, type(exc).__name__, exc)
-            repo._qllm_remote_failed = True
-            return None
-        log.info("DVC remote %r: %d run-cache entries fetched", remote, new)
-    return None if getattr(repo, "_qllm_remote_failed", False) else remote
+    with _repo_lock:
+        if repo not in _remotes:
+            try:
+                new = dvc_api.pull_run_cache(repo)
+            except Exception as exc:  # noqa: BLE001 - any transport or DVC error: the run goes on without the remote
+                log.warning("DVC remote %r: could not fetch its run-cache (%s: %s); stages it holds will run here", remote, type(exc).__name__, exc)
+                _remotes[repo] = None
+            else:
+                log.info("DVC remote %r: %d run-cache entries fetched", remote, new)
+                _remotes[repo] = remote
+        return _remotes[repo]
 
 
 def _restore(root: Path, repo, stage) -> bool:
