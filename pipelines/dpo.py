@@ -36,11 +36,11 @@ from pipelines.core.config import DpoParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, footprint, quantize
 from pipelines.core.models.models import (
-    CONSTRUCTION,
     device,
     load_for_inference,
     parameter_counts,
     save_pretrained,
+    seeded,
 )
 from pipelines.core.outputs import read_json, write_json
 from pipelines.core.run import stage
@@ -193,8 +193,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     estimates = footprint.preflight(root / start, cfg, method=method, seq_len=longest, micro_batch=2 * cfg.micro_batch_size, lora_rank=params.lora.r,
                                     desc=NAME)  # two rows an item: chosen and rejected, or an example and its KL pair  # fmt: skip
     model, tokenizer = load_for_inference(root / start, root) if qconfig is None else quantize.load(root / start, qconfig, "dpo.lora")
-    with CONSTRUCTION:
-        torch.manual_seed(cfg.seed)
+    with seeded(cfg.seed):
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
         if params.adapter == "lora":
             model = adapters.wrap(params.lora, "dpo.lora")(model, tokenizer)

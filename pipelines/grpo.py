@@ -36,11 +36,11 @@ from pipelines.core.data.chat_template import parse_messages, render_prompt, spl
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, footprint, quantize
 from pipelines.core.models.models import (
-    CONSTRUCTION,
     load_for_inference,
     load_tokenizer,
     parameter_counts,
     save_pretrained,
+    seeded,
 )
 from pipelines.core.run import stage
 from pipelines.core.training import diffusion, grpo, loop, rewards, rollouts
@@ -118,8 +118,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     model, tokenizer = load_for_inference(start_dir, root) if qconfig is None else quantize.load(start_dir, qconfig, "grpo.lora")
     if diffusion.objective_of(model) == "masked_diffusion":
         raise QllmError(f"{start}: a masked-diffusion model has no left-to-right sampling or token log-probabilities for GRPO; set grpo.enabled: false")
-    with CONSTRUCTION:
-        torch.manual_seed(cfg.seed)
+    with seeded(cfg.seed):
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
         if params.adapter == "lora":
             model = adapters.wrap(params.lora, "grpo.lora")(model, tokenizer)

@@ -9,7 +9,9 @@ weights, a tokenizer no bigger than the embedding) so that a bad one is one clea
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +27,17 @@ from pipelines.core.models.model_source import follow, local_model_dir, model_lo
 # device ("Cannot copy out of meta tensor"). Every model construction in the pipeline (loading,
 # building, PEFT wrapping, merging) holds this lock; training and inference do not.
 CONSTRUCTION = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Random construction (initial weights, adapters) as a function of `seed` alone: under
+    CONSTRUCTION, in a fork of torch's global generators that is restored after, so a stage
+    training in another thread neither disturbs it nor is disturbed by it
+    (`pipelines.core.training.randomness`)."""
+    with CONSTRUCTION, torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        torch.manual_seed(seed)
+        yield
 
 
 def device() -> torch.device:
@@ -78,8 +91,7 @@ def build_llama(params: ModelParams, tokenizer, max_positions: int, seed: int, d
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    with CONSTRUCTION:
-        torch.manual_seed(seed)
+    with seeded(seed):
         model = model_class(config)
     configure_generation(model, tokenizer)
     return model

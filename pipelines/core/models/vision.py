@@ -44,7 +44,7 @@ from pipelines.core.data.images import (
 )
 from pipelines.core.data.images import open_image as decode
 from pipelines.core.errors import QllmError
-from pipelines.core.models.models import stop_token_ids
+from pipelines.core.models.models import seeded, stop_token_ids
 
 
 def image_tokens(config) -> int:
@@ -63,7 +63,8 @@ def build(language_model, tokenizer, vision: VisionParams, projector_act: str = 
     """(LlavaForConditionalGeneration, LlavaProcessor) around a trained causal language model.
 
     The tokenizer gains `IMAGE_TOKEN` (the language model's embedding grows by one row, the mean
-    of the others); the vision tower and projector are built from config, seeded by `seed`."""
+    of the others, drawn as transformers' mean resizing does); that row, the vision tower and the projector
+    are seeded by `seed`."""
     from tokenizers import AddedToken
     from transformers import LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
 
@@ -75,7 +76,8 @@ def build(language_model, tokenizer, vision: VisionParams, projector_act: str = 
     if IMAGE_TOKEN not in tokenizer.get_vocab():
         tokenizer.add_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    language_model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    with seeded(seed):  # mean resizing draws the new row from a normal around the others' mean
+        language_model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     vision_config = SiglipVisionConfig(
         hidden_size=vision.hidden_size, intermediate_size=vision.intermediate_size, num_hidden_layers=vision.num_layers,
         num_attention_heads=vision.num_heads, image_size=vision.image_size, patch_size=vision.patch_size, num_channels=3,
@@ -85,9 +87,9 @@ def build(language_model, tokenizer, vision: VisionParams, projector_act: str = 
         image_seq_length=(vision.image_size // vision.patch_size) ** 2, vision_feature_select_strategy="full",
         vision_feature_layer=-1, projector_hidden_act=projector_act, tie_word_embeddings=bool(language_model.config.tie_word_embeddings),
     )  # fmt: skip
-    torch.manual_seed(seed)
     try:
-        model = LlavaForConditionalGeneration(config)
+        with seeded(seed):
+            model = LlavaForConditionalGeneration(config)
     except (ValueError, KeyError) as exc:
         raise QllmError(f"multimodal.base_model: transformers cannot build a LLaVA model around {type(language_model).__name__}: {exc}") from None
     model.model.language_model.load_state_dict(language_model.model.state_dict())

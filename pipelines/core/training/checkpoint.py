@@ -4,7 +4,7 @@ Layout (one directory per checkpoint, written to a temporary name and renamed wh
 
     <dir>/step-00000200/model.safetensors   the trainable weights (all of them for full training,
                                             the adapter for LoRA; tied tensors stored once)
-                        state.pt            optimizer, scheduler, scaler, RNG, data position,
+                        state.pt            optimizer, scheduler, scaler, the run's random stream, data position,
                                             loop state: loaded with torch.load(weights_only=True)
                         manifest.json       step + SHA-256 of both files, written last
     <dir>/best.json                         which step holds the best validation loss
@@ -20,14 +20,12 @@ import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 log = logging.getLogger("qllm.checkpoint")
@@ -42,30 +40,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch RNG states as tensors/ints (loadable with weights_only=True)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    version, py_state, gauss = random.getstate()
-    state = {
-        "python": [version, list(py_state), gauss],
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "cached": cached},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, py_state, gauss = state["python"]
-    random.setstate((version, tuple(py_state), gauss))
-    numpy = state["numpy"]
-    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"], numpy["cached"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -30,8 +30,9 @@ Time steps are
   hash of the row's tokens and k, so a frozen trunk's activations repeat and the time-step
   activation cache (`pipelines.core.training.progressive`) can serve them.
 
-Random draws use torch's global generator, which checkpoints save and restore: a resumed run
-draws the same time steps and masks (exact resume). Validation (`nelbo_fn`) estimates the bound
+Random draws use torch's global generator, which under `loop.train` holds the run's own stream
+(`Objective.draws`; `pipelines.core.training.randomness`) that checkpoints save and restore: a
+resumed run draws the same time steps and masks (exact resume). Validation (`nelbo_fn`) estimates the bound
 with `val_samples` time steps per sequence from a generator seeded with `val_seed`, so every
 evaluation sees the same masks; `exp(bound)` is the NELBO perplexity bound, comparable with a causal
 model's perplexity on the same tokens (the causal model scores T-1 predictions per row, the bound T).
@@ -100,6 +101,9 @@ class Objective:
     `batch["input_ids"]` holds the clean tokens; `labels` (-100: not trained, as in SFT: only
     answer tokens are masked and scored) and `attention_mask` (padding) are optional.
     """
+
+    draws = True
+    """Its time steps and masks are random: `loop.train` gives the run its own stream (`training.randomness`)."""
 
     def __init__(self, params: DiffusionParams, mask_token_id: int) -> None:
         self.params, self.mask_token_id = params, mask_token_id

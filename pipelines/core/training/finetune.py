@@ -22,7 +22,7 @@ from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.errors import QllmError
 from pipelines.core.models import footprint, quantize
 from pipelines.core.models.model_source import follow
-from pipelines.core.models.models import CONSTRUCTION, device, load_model_and_tokenizer, parameter_counts
+from pipelines.core.models.models import device, load_model_and_tokenizer, parameter_counts, seeded
 from pipelines.core.training import chunked_loss, loop, objectives, progressive
 from pipelines.core.training.checkpoint import CheckpointManager
 
@@ -106,8 +106,7 @@ def run(
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     max_len = params.max_seq_len or model.config.max_position_embeddings
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
-    with CONSTRUCTION:
-        torch.manual_seed(cfg.seed)  # adapter initialisation is random: make it a function of the seed
+    with seeded(cfg.seed):  # adapter initialisation is random: make it a function of the seed
         model = wrap(quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing), tokenizer)
     counts = parameter_counts(model)
     if qconfig is not None:

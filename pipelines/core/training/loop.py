@@ -48,8 +48,9 @@ from pipelines.core.extensions import Extension, Extensions
 from pipelines.core.models.models import CONSTRUCTION
 from pipelines.core.outputs import atomic_dir
 from pipelines.core.training import distributed
-from pipelines.core.training.checkpoint import CheckpointManager, rng_state, set_rng_state
+from pipelines.core.training.checkpoint import CheckpointManager
 from pipelines.core.training.phases import OnePhase, Phase, Schedule
+from pipelines.core.training.randomness import StageRandom, draws
 
 log = logging.getLogger("qllm.training")
 
@@ -128,6 +129,10 @@ class Batches:
     `world`-th micro-batch, starting at its `rank`: together the ranks see exactly the micro-batches
     one process would, and the position (the resume point) is the same on every rank.
     """
+
+    draws = False
+    """Batches drawn at random from torch's generators (GRPO's samples) set it: `train` then gives
+    the run its own random stream (`pipelines.core.training.randomness`)."""
 
     def __init__(self, n: int, batch_size: int, seed: int, collate: Callable[[np.ndarray], Any], shuffle: bool = True):
         if n <= 0:
@@ -473,6 +478,8 @@ class _Run:
     hooks: Extensions
     scaler: torch.amp.GradScaler
     oom: _OutOfMemoryGuard
+    random: StageRandom
+    """The run's own random stream (dropout, sampling): `pipelines.core.training.randomness`."""
     schedule: Schedule
     """The run's phases (`pipelines.core.training.phases`)."""
     now: _Progress
@@ -582,7 +589,8 @@ def _setup(model, loss_fn, batches, cfg, val_fn, tracker, checkpoints, extension
     return _Run(
         model=model, loss_fn=loss_fn, batches=batches, cfg=cfg, val_fn=val_fn, checkpoints=checkpoints, desc=desc,
         stop_signals=stop_signals, parallel=parallel, hooks=hooks, scaler=torch.amp.GradScaler(parallel.device.type, enabled=cfg.precision == "fp16"),
-        oom=_OutOfMemoryGuard(desc, cfg, optimizer), schedule=schedule, now=now,
+        oom=_OutOfMemoryGuard(desc, cfg, optimizer), random=StageRandom(cfg.seed, active=draws(model, loss_fn, batches)),
+        schedule=schedule, now=now,
     )  # fmt: skip
 
 
@@ -611,7 +619,7 @@ def _snapshot(run: _Run) -> dict[str, Any]:
         "optimizer": run.parallel.optimizer_state(run.now.optimizer),
         "scheduler": run.now.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
-        "rng": rng_state(),
+        "rng": run.random.state_dict(),
         "batches": run.batches.state_dict(),
         "loop": asdict(run.now.state),
         "extensions": run.hooks.state_dict(),
@@ -633,7 +641,7 @@ def _resume(run: _Run) -> None:
     run.now.scheduler.load_state_dict(saved["scheduler"])
     run.scaler.load_state_dict(saved["scaler"])
     run.batches.load_state_dict(saved["batches"])
-    set_rng_state(saved["rng"])
+    run.random.load_state_dict(saved["rng"])
     run.now.state = TrainState(**saved["loop"])
     run.hooks.load_state_dict(saved.get("extensions", {}))
     run.now.start_step = run.now.state.step
@@ -656,20 +664,21 @@ def _step(run: _Run) -> _Step | None:
     metrics: dict[str, float] = {}
     tokens = 0
     oom.step = run.now.state.step + 1
-    run.batches.begin_step(run.now.state.step)
-    with oom:
-        for micro in range(parallel.accum):
-            batch = oom.batch = to_device(next(run.batches), parallel.device)
-            with parallel.gradient_sync(micro):
-                with autocast(parallel.device, cfg.precision):
-                    loss, extra = run.loss_fn(parallel.net, batch)
-                run.scaler.scale(loss / parallel.accum).backward()
-            loss_sum += loss.detach()
-            for key, value in extra.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value) / parallel.accum
-            tokens += _batch_tokens(batch)
-        run.scaler.unscale_(run.now.optimizer)
-        grad_norm = gradient_norm(run.now.trainable)
+    with run.random.step():  # a run that draws random numbers draws them from its own stream
+        run.batches.begin_step(run.now.state.step)
+        with oom:
+            for micro in range(parallel.accum):
+                batch = oom.batch = to_device(next(run.batches), parallel.device)
+                with parallel.gradient_sync(micro):
+                    with autocast(parallel.device, cfg.precision):
+                        loss, extra = run.loss_fn(parallel.net, batch)
+                    run.scaler.scale(loss / parallel.accum).backward()
+                loss_sum += loss.detach()
+                for key, value in extra.items():
+                    metrics[key] = metrics.get(key, 0.0) + float(value) / parallel.accum
+                tokens += _batch_tokens(batch)
+            run.scaler.unscale_(run.now.optimizer)
+            grad_norm = gradient_norm(run.now.trainable)
     oom.check()
     loss = loss_sum / parallel.accum
     if parallel.world > 1:  # every rank then takes the same skip decision (the gradient norm is already global)

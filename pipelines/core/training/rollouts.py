@@ -11,8 +11,10 @@ of each, and samples token by token at `temperature` (and `top_p`) until every c
 stop token (the template's end of turn) or `max_completion_length` tokens. The completions of one
 prompt are consecutive rows (what `grpo.group_advantages` expects). A completion's mask covers its
 tokens up to and including its first stop token, as TRL's; one with no stop token within
-`max_completion_length` is `truncated`. Sampling draws from torch's global generator, which the
-training loop's checkpoints save and restore: a run resumed after a kill samples what it would have.
+`max_completion_length` is `truncated`. Sampling draws from torch's global generator; under
+`loop.train` (`RolloutBatches.draws`) that holds the run's own stream (`training.randomness`), which
+checkpoints save and restore: a run resumed after a kill samples what it would have, and a stage
+training beside it in another thread neither changes nor sees its draws.
 
 Why not `model.generate(num_return_sequences=G)`: it repeats each prompt G times before the
 prefill and runs its logits processors and stopping criteria in Python per token; answers here
@@ -194,6 +196,9 @@ class RolloutBatches:
     generation)`: called after each generation (the stage logs the sample table from it).
     Checkpoints hold the question order and, with `num_iterations` > 1, the generation in use, so a
     resumed run continues the same generation."""
+
+    draws = True
+    """Its batches are sampled: `loop.train` gives the run its own random stream (`training.randomness`)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, questions: Sequence[Question], settings: Settings, reward_fns: Sequence[RewardSpec],
                  *, reference: Any = None, on_generation: Callable[[int, Generation], None] | None = None) -> None:  # fmt: skip

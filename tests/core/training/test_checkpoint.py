@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from pipelines.core.training.checkpoint import CheckpointManager, rng_state, set_rng_state
+from pipelines.core.training.checkpoint import CheckpointManager
 
 
 def model():
@@ -87,14 +87,3 @@ def test_every_kind_of_damage_falls_back_to_the_previous_checkpoint(tmp_path, ca
         chosen = manager.latest_valid()
     assert chosen.step == 1 and manager.load(chosen.path, model())["step"] == 1
     assert "step-00000002" in caplog.text and "corrupt" in caplog.text
-
-
-def test_rng_state_roundtrip():
-    import random
-
-    import numpy as np
-
-    state = rng_state()
-    expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    set_rng_state(state)
-    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
