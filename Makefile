@@ -89,8 +89,11 @@ test-all: install $(VENV)/.installed-peers browser servers
 	$(PYTEST) -m "slow or not slow" $(ARGS)
 
 # Local Prefect server + process worker (pool "qllm") + MLflow UI on 127.0.0.1; `make stop` ends them.
+# PROFILE=team: PostgreSQL under both servers, MLflow's basic auth, Prefect's auth string, a DVC
+# remote; credentials in .qllm/serve/team.env (docs/deployments.md "A team's servers").
+PROFILE ?= local
 serve: install
-	PATH="$(BIN):$$PATH" $(PY) -m flows.serve start
+	PATH="$(BIN):$$PATH" $(PY) -m flows.serve start --profile $(PROFILE)
 
 stop:
 	$(PY) -m flows.serve stop

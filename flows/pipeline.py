@@ -122,7 +122,7 @@ def pipeline(
             "workspace": str(ws),
             "seconds": round(time.perf_counter() - started, 3),
         }
-        parent.set_tags({f"qllm.stage.{s['name']}": s["status"] for s in stages})
+        parent.set_tags({f"qllm.stage.{s['name']}": s["status"] for s in stages} | ({"qllm.model_version": registered["version"]} if registered else {}))
         if (ws / "dvc.lock").exists():
             parent.log_artifact(ws / "dvc.lock")  # hashes of every input and output after the run
         parent.log_metrics({f"stage_seconds/{s['name']}": s["seconds"] for s in stages if s["seconds"] is not None})

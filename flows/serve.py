@@ -14,13 +14,25 @@ Then, from this directory:
     export PREFECT_API_URL=http://127.0.0.1:4200/api
     prefect --no-prompt deploy --all
     prefect deployment run 'qllm-pipeline/default' --watch
+
+`--profile team` (`make serve PROFILE=team`) serves a team instead of a laptop: a PostgreSQL
+cluster of the project's own (`flows.postgres`) under both servers, an MLflow tracking server
+(not the UI on the project's SQLite file) with `--serve-artifacts` and MLflow's basic-auth app, a
+Prefect server asking for `PREFECT_SERVER_API_AUTH_STRING`, and a default DVC remote (a
+directory, `--dvc-remote` for another URL; set in `.dvc/config.local`) unless the project has one.
+The passwords are generated once and kept in `.qllm/serve/secrets.json`; what a client or worker
+needs (server URLs, user and password) is written to `.qllm/serve/team.env` (both readable by
+the owner only; nothing prints them): `set -a; . .qllm/serve/team.env; set +a`.
+Every server binds 127.0.0.1 unless `--host` says otherwise (PostgreSQL always does).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,13 +40,21 @@ import sys
 import time
 from pathlib import Path
 
+from flows import postgres
 from flows.local_api import free_port, wait_http
 from pipelines.core.errors import QllmError
 
 STATE_DIR = ".qllm/serve"
 RECORD = "services.json"
 POOL = "qllm"
-DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
+DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "postgres": 5433}
+PROFILES = ("local", "team")
+TEAM_ENV = "team.env"
+"""In STATE_DIR (team profile): the settings a client or worker needs, with the credentials."""
+SECRETS = "secrets.json"
+"""In STATE_DIR (team profile): the generated passwords, kept across restarts."""
+USER = postgres.USER
+"""The team profile's user on every server (MLflow's admin, Prefect's basic auth, PostgreSQL)."""
 
 
 def _free(port: int) -> bool:
@@ -59,8 +79,9 @@ def _port(preferred: int, taken: tuple[int, ...] = ()) -> int:
     return port
 
 
-def service_env(root: Path, prefect_url: str | None = None) -> dict[str, str]:
-    """The environment the served processes (and `prefect deploy`/`deployment run`) use."""
+def service_env(root: Path, prefect_url: str | None = None, client: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the served processes (and `prefect deploy`/`deployment run`) use;
+    `client`: the team profile's client settings (`team_env`)."""
     env = {
         **os.environ,
         "PREFECT_HOME": str(root / STATE_DIR / "prefect"),
@@ -73,7 +94,70 @@ def service_env(root: Path, prefect_url: str | None = None) -> dict[str, str]:
     }
     if prefect_url:
         env["PREFECT_API_URL"] = prefect_url
-    return env
+    return env | (client or {})
+
+
+def _private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only (created so, never world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(path, 0o600)
+
+
+def _secrets(state: Path) -> dict[str, str]:
+    """The team profile's passwords: generated on its first start, then read back."""
+    path = state / SECRETS
+    if path.exists():
+        return json.loads(path.read_text())
+    made = {name: secrets.token_urlsafe(24) for name in ("postgres", "mlflow", "prefect", "mlflow_flask")}
+    _private(path, json.dumps(made, indent=2) + "\n")
+    return made
+
+
+def postgres_dir(root: Path) -> Path:
+    """The team profile's PostgreSQL cluster: in the project's state directory, or, run as root
+    (the cluster then belongs to the `postgres` user, who cannot enter root's home), in
+    /var/lib/qllm under a name made from the project's path."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/qllm") / f"postgres-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}"
+    return root / STATE_DIR / "postgres"
+
+
+def team_env(mlflow_url: str, prefect_url: str, passwords: dict[str, str]) -> dict[str, str]:
+    """What a client or worker of the team servers sets (`.qllm/serve/team.env`)."""
+    return {
+        "MLFLOW_TRACKING_URI": mlflow_url,
+        "MLFLOW_TRACKING_USERNAME": USER,
+        "MLFLOW_TRACKING_PASSWORD": passwords["mlflow"],
+        "PREFECT_API_URL": prefect_url,
+        "PREFECT_API_AUTH_STRING": f"{USER}:{passwords['prefect']}",
+    }
+
+
+def worker_command(limit: int | None = None, name: str | None = None) -> list[str]:
+    """A process worker on the pool (`limit`: flow runs it takes at once; `name`: Prefect's label
+    `prefect.worker.name` on each flow run it takes). Run it in the checkout its flows run in."""
+    return [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", POOL, "--type", "process",
+            *(["--limit", str(limit)] if limit else []), *(["--name", name] if name else [])]  # fmt: skip
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """`KEY=VALUE` lines of `team.env` (comments skipped)."""
+    return dict(line.split("=", 1) for line in Path(path).read_text().splitlines() if line.strip() and not line.startswith("#"))
+
+
+def _default_dvc_remote(root: Path, url: str, env: dict[str, str]) -> str:
+    """The project's default DVC remote, made (`team`, in .dvc/config.local) if it has none."""
+    dvc = str(Path(sys.executable).parent / "dvc")
+    current = subprocess.run([dvc, "remote", "default"], cwd=root, env=env, capture_output=True, text=True)
+    if current.returncode == 0 and current.stdout.strip():
+        return f"{current.stdout.strip()} (the project's own)"
+    added = subprocess.run([dvc, "remote", "add", "--local", "-d", "team", url], cwd=root, env=env, capture_output=True, text=True)
+    if added.returncode != 0:
+        raise QllmError(f"could not add the DVC remote {url!r}: {added.stdout}{added.stderr}")
+    return f"team -> {url} (default, in .dvc/config.local)"
 
 
 def _spawn(command: list[str], root: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -82,43 +166,79 @@ def _spawn(command: list[str], root: Path, env: dict[str, str], log: Path) -> su
         return subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port: int = DEFAULT_PORTS["mlflow"], timeout: float | None = None) -> dict:
-    """Start the services (refuses if a recorded set is still running); returns the record."""
+def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port: int = DEFAULT_PORTS["mlflow"], timeout: float | None = None,
+          profile: str = "local", host: str = "127.0.0.1", postgres_port: int = DEFAULT_PORTS["postgres"], dvc_remote: str | None = None,
+          worker_limit: int | None = None) -> dict:  # fmt: skip
+    """Start the services of `profile` (refuses if a recorded set is still running); returns the
+    record. `worker_limit`: flow runs the worker takes at once (None: no limit)."""
     root = root.resolve()
     state = root / STATE_DIR
+    if profile not in PROFILES:
+        raise QllmError(f"serve: unknown profile {profile!r}; one of {', '.join(PROFILES)}")
     if (state / RECORD).exists():
         running = {name: s["pid"] for name, s in read_record(root)["services"].items() if _alive(s["pid"])}
         if running:
             raise QllmError(f"services already running ({', '.join(f'{n} pid {p}' for n, p in running.items())}); run `make stop` first")
     prefect_port = _port(prefect_port)
     mlflow_port = _port(mlflow_port, taken=(prefect_port,))
-    prefect_url = f"http://127.0.0.1:{prefect_port}/api"
-    env = service_env(root, prefect_url)
+    local = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # what clients on this host call
+    prefect_url, mlflow_url = f"http://{local}:{prefect_port}/api", f"http://{local}:{mlflow_port}"
     bin_dir = Path(sys.executable).parent
     services: dict[str, dict] = {}
+    record: dict = {"profile": profile, "prefect_api_url": prefect_url, "services": services}
+    server_env: dict[str, str] = {}
+    mlflow_server = [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
+    client = None
     try:
+        if profile == "team":
+            passwords = _secrets(state)
+            client = team_env(mlflow_url, prefect_url, passwords)
+            cluster = postgres.Cluster(postgres_dir(root), _port(postgres_port, taken=(prefect_port, mlflow_port)), passwords["postgres"])
+            cluster.init()
+            log = state / "postgres.log"
+            process = _spawn(cluster.command(), root, service_env(root), log)
+            services["postgres"] = {"pid": process.pid, "port": cluster.port, "data": str(cluster.data), "log": str(log), "signal": "SIGINT"}
+            cluster.wait(process, timeout or 60.0, log)
+            for database in ("mlflow", "mlflow_auth", "prefect"):
+                cluster.create_database(database)
+            auth = state / "mlflow-auth.ini"
+            _private(auth, "[mlflow]\ndefault_permission = READ\n"
+                           f"database_uri = {cluster.url('mlflow_auth')}\nadmin_username = {USER}\nadmin_password = {passwords['mlflow']}\n"
+                           "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")  # fmt: skip
+            server_env = {"PREFECT_API_DATABASE_CONNECTION_URL": cluster.url("prefect", driver="asyncpg"),
+                          "PREFECT_SERVER_API_AUTH_STRING": client["PREFECT_API_AUTH_STRING"], "MLFLOW_AUTH_CONFIG_PATH": str(auth),
+                          "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"]}  # the auth app's CSRF key  # fmt: skip
+            mlflow_server = [str(bin_dir / "mlflow"), "server", "--backend-store-uri", cluster.url("mlflow"), "--serve-artifacts",
+                             "--artifacts-destination", str(state / "mlartifacts"), "--app-name", "basic-auth", "--workers", "1"]  # fmt: skip
+        env = service_env(root, prefect_url, client)
         # The two servers boot side by side (each takes seconds); the worker needs the Prefect one first.
         log = state / "prefect-server.log"
-        server = _spawn([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)], root, env, log)
-        services["prefect-server"] = {"pid": server.pid, "url": f"http://127.0.0.1:{prefect_port}", "log": str(log)}
-        ui_log = state / "mlflow-ui.log"
-        uri = f"sqlite:///{root / 'mlflow.db'}"
-        ui = _spawn([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(mlflow_port)], root, env, ui_log)
-        services["mlflow-ui"] = {"pid": ui.pid, "url": f"http://127.0.0.1:{mlflow_port}", "log": str(ui_log)}
+        server = _spawn([str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], root,
+                        env | server_env | {"PREFECT_SERVER_API_HOST": host}, log)  # fmt: skip
+        services["prefect-server"] = {"pid": server.pid, "url": f"http://{local}:{prefect_port}", "log": str(log)}
+        name = "mlflow-server" if profile == "team" else "mlflow-ui"
+        ui_log = state / f"{name}.log"
+        ui = _spawn([*mlflow_server, "--host", host, "--port", str(mlflow_port)], root, env | server_env, ui_log)
+        services[name] = {"pid": ui.pid, "url": mlflow_url, "log": str(ui_log)}
         wait_http(f"{prefect_url}/health", server, "the Prefect server", timeout, hint=f"; see {log}")
         created = subprocess.run([str(bin_dir / "prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
                                  cwd=root, env=env, capture_output=True, text=True)  # fmt: skip
         if created.returncode != 0:
             raise QllmError(f"could not create work pool {POOL!r}: {created.stdout}{created.stderr}")
         log = state / "prefect-worker.log"
-        worker = _spawn([str(bin_dir / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"], root, env, log)
+        worker = _spawn(worker_command(worker_limit), root, env, log)
         services["prefect-worker"] = {"pid": worker.pid, "pool": POOL, "log": str(log)}
-        wait_http(f"http://127.0.0.1:{mlflow_port}/health", ui, "the MLflow UI", timeout, hint=f"; see {ui_log}")
+        wait_http(f"{mlflow_url}/health", ui, f"the MLflow {'server' if profile == 'team' else 'UI'}", timeout, hint=f"; see {ui_log}")
+        if profile == "team":
+            record["dvc_remote"] = _default_dvc_remote(root, dvc_remote or str(state / "dvc-remote"), env)
+            record["env_file"] = str(state / TEAM_ENV)
+            _private(state / TEAM_ENV, "# `make serve PROFILE=team`: what a client or worker of these servers sets (set -a; . THIS; set +a)\n"
+                                       + "".join(f"{key}={value}\n" for key, value in client.items()))  # fmt: skip
     except BaseException:
         _stop_all(services)  # nothing is left running, so no record: `make stop` must not kill reused PIDs
         raise
     state.mkdir(parents=True, exist_ok=True)
-    (state / RECORD).write_text(json.dumps({"prefect_api_url": prefect_url, "services": services}, indent=2) + "\n")
+    (state / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return read_record(root)
 
 
@@ -149,7 +269,7 @@ def _stop_all(services: dict[str, dict], timeout: float = 15.0) -> list[str]:
         if not _alive(pid):
             continue
         try:
-            os.killpg(pid, signal.SIGTERM)  # started with a new session: its group is its pid
+            os.killpg(pid, getattr(signal, service.get("signal", "SIGTERM")))  # started with a new session: its group is its pid
         except ProcessLookupError:
             continue
         deadline = time.monotonic() + timeout
@@ -187,14 +307,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project-dir", default=".", type=Path)
     parser.add_argument("--prefect-port", type=int, default=DEFAULT_PORTS["prefect"])
     parser.add_argument("--mlflow-port", type=int, default=DEFAULT_PORTS["mlflow"])
+    parser.add_argument("--profile", choices=PROFILES, default="local",
+                        help="local: Prefect + worker + the MLflow UI on mlflow.db; team: PostgreSQL, MLflow server with basic auth, "
+                             "Prefect with an auth string, a DVC remote")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="the address the Prefect and MLflow servers bind (default 127.0.0.1: this host only)")
+    parser.add_argument("--postgres-port", type=int, default=DEFAULT_PORTS["postgres"], help="team profile: PostgreSQL's port (127.0.0.1)")
+    parser.add_argument("--worker-limit", type=int, help="flow runs the worker takes at once (default: no limit)")
+    parser.add_argument("--dvc-remote", help="team profile: the DVC remote's URL when the project has no default one (default .qllm/serve/dvc-remote)")
     args = parser.parse_args(argv)
     try:
         if args.action == "start":
-            record = start(args.project_dir, args.prefect_port, args.mlflow_port)
+            if args.host not in ("127.0.0.1", "localhost"):
+                print(f"warning: the servers bind {args.host}: reachable from other machines"
+                      + ("" if args.profile == "team" else " with no authentication (the team profile has it)"), file=sys.stderr)  # fmt: skip
+            record = start(args.project_dir, args.prefect_port, args.mlflow_port, profile=args.profile, host=args.host,
+                           postgres_port=args.postgres_port, dvc_remote=args.dvc_remote, worker_limit=args.worker_limit)  # fmt: skip
             services = record["services"]
             print(f"Prefect UI/API  {services['prefect-server']['url']}   (export PREFECT_API_URL={record['prefect_api_url']})")
             print(f"Prefect worker  pool {POOL!r} (process), pid {services['prefect-worker']['pid']}")
-            print(f"MLflow UI       {services['mlflow-ui']['url']}   (the runs: {runs_link(args.project_dir, services['mlflow-ui']['url'])})")
+            if args.profile == "team":
+                print(f"MLflow server   {services['mlflow-server']['url']}   (basic auth, user {USER!r}; artifacts proxied)")
+                print(f"PostgreSQL      127.0.0.1:{services['postgres']['port']}   (data {services['postgres']['data']})")
+                print(f"DVC remote      {record['dvc_remote']}")
+                print(f"credentials     {record['env_file']} (owner-only): set -a; . {record['env_file']}; set +a")
+            else:
+                print(f"MLflow UI       {services['mlflow-ui']['url']}   (the runs: {runs_link(args.project_dir, services['mlflow-ui']['url'])})")
             print(f"logs and PIDs   {args.project_dir / STATE_DIR}; stop with `make stop`")
         elif args.action == "stop":
             stopped = stop(args.project_dir)

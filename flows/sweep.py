@@ -9,6 +9,14 @@ brought up to date once, in the project itself; then each override set runs as a
 subflow in its own run workspace, `max_parallel` at a time. Each finds those shared stages in
 DVC's run-cache and runs only what its overrides change (for a DPO beta sweep: `dpo`, `evaluate`,
 `register`). Returns one summary per override set.
+
+With `deployment` (e.g. `qllm-pipeline/default`), each override set is a run of that deployment
+instead of a subflow in this process: the work pool's workers take them, each in its own checkout
+(its own machine), so a sweep spreads over a team's workers. The shared stages still run once,
+here, before the sets start; with a default DVC remote (`dvc remote add -d`) they are pushed to it
+as they finish and every other worker restores them from it instead of computing them again
+(`pipelines.core.run.repro`). Each set's summary then comes from the tracking server (the
+pipeline run tagged with the flow run's id) and names the worker that ran it.
 """
 
 from __future__ import annotations
@@ -21,8 +29,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows.pipeline import pipeline, stop_stages_on_termination
-from pipelines.core import dag, params_file
+from pipelines.core import dag, dvc_api, params_file
 from pipelines.core.errors import QllmError
+from pipelines.core.run import tracking
+
+WORKER_LABEL = "prefect.worker.name"
+"""The label a Prefect worker gives each flow run it takes."""
 
 
 def _reads(params: tuple[str, ...], key: str) -> bool:
@@ -50,6 +62,7 @@ def sweep(
     params_files: list[str] | None = None,
     max_parallel: int = 2,
     project_dir: str = ".",
+    deployment: str | None = None,
 ) -> list[dict]:
     """Run the pipeline for every override set in `sweep` (each a list of `section.key=value`,
     applied after the common `overrides`).
@@ -60,6 +73,8 @@ def sweep(
         params_files: YAML files merged over params.yaml for every run.
         max_parallel: pipeline subflows running at once.
         project_dir: the project root.
+        deployment: run each set as a run of this deployment (`flow/deployment`, e.g.
+            `qllm-pipeline/default`), taken by its work pool's workers, instead of in this process.
     """
     logger = get_run_logger()
     root = Path(project_dir).resolve()
@@ -78,7 +93,13 @@ def sweep(
             pipeline(overrides=overrides, params_files=params_files, until=sink, project_dir=str(root))
 
     def one(item: list[str]) -> dict:
+        if deployment:
+            return on_workers(root, deployment, item, params_files)
         return pipeline(overrides=item, params_files=params_files, project_dir=str(root))
+
+    if deployment and shared and _default_remote(root) is None:
+        logger.warning("sweep: the sets run on %s's workers but this project has no default DVC remote: a worker in another checkout "
+                       "computes the shared stages again (`dvc remote add -d NAME URL`; docs/deployments.md)", deployment)  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=max_parallel) as pool:  # each thread keeps this flow as parent
         futures = [pool.submit(contextvars.copy_context().run, one, item) for item in runs]
@@ -86,5 +107,46 @@ def sweep(
             summaries = [future.result() for future in futures]
     for item, summary in zip(sweep, summaries, strict=True):
         ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
-        logger.info("%s: ran %s; model version %s", " ".join(item), ", ".join(ran) or "nothing", summary["model_version"])
+        where = f" on {summary['worker']}" if summary.get("worker") else ""
+        logger.info("%s%s: ran %s; model version %s", " ".join(item), where, ", ".join(ran) or "nothing", summary["model_version"])
     return summaries
+
+
+def _default_remote(root: Path) -> str | None:
+    with dvc_api.open_repo(root) as repo:
+        return dvc_api.default_remote(repo)
+
+
+def on_workers(root: Path, deployment: str, overrides: list[str], params_files: list[str] | None) -> dict:
+    """One override set as a run of `deployment` (a subflow of the calling flow run), waited for;
+    its summary from the tracking server: the stages' statuses (the pipeline run's `qllm.stage.*`
+    tags), the MLflow run, the model version and the worker that ran it."""
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(deployment, parameters={"overrides": overrides, "params_files": params_files or []}, timeout=None, poll_interval=2)
+    worker = (run.labels or {}).get(WORKER_LABEL)
+    what = f"sweep: {' '.join(overrides)}: flow run {run.name} ({run.id}) of {deployment}" + (f" on worker {worker}" if worker else "")
+    if run.state is None or not run.state.is_completed():
+        state = run.state.name if run.state else "no state"
+        raise QllmError(f"{what} ended {state}: {run.state.message if run.state else ''}")
+    client = tracking.client(root)
+    found = client.search_runs([tracking.experiment_id(root)], filter_string=f"tags.`qllm.prefect_flow_run_id` = '{run.id}'", max_results=1)
+    if not found:
+        raise QllmError(f"{what} completed but no pipeline run in {tracking.tracking_uri(root)} carries its id: do the workers track to "
+                        "the same MLflow server as this flow (MLFLOW_TRACKING_URI)?")  # fmt: skip
+    tags = found[0].data.tags
+    stages = [{"name": name, "status": tags[f"qllm.stage.{name}"]} for name in dag.order(root) if f"qllm.stage.{name}" in tags]
+    return {"stages": stages, "mlflow_run_id": found[0].info.run_id, "model_version": tags.get("qllm.model_version"),
+            "flow_run_id": str(run.id), "worker": worker}  # fmt: skip
+
+
+def stage_run_counts(root: Path) -> dict[str, int]:
+    """How many of the tracking store's pipeline runs ran each stage (not restored or cached):
+    after a sweep, the shared stages should count 1 however many workers took part."""
+    client = tracking.client(root)
+    counts: dict[str, int] = {}
+    for run in client.search_runs([tracking.experiment_id(root)], filter_string="tags.`qllm.kind` = 'pipeline'", max_results=10_000):
+        for tag, status in run.data.tags.items():
+            if tag.startswith("qllm.stage.") and status == "ran":
+                counts[tag.removeprefix("qllm.stage.")] = counts.get(tag.removeprefix("qllm.stage."), 0) + 1
+    return counts

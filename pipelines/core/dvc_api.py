@@ -71,6 +71,32 @@ def cache_dir(root: Path | str) -> Path:
         return Path(repo.cache.local_cache_dir)
 
 
+def workspace_config(root: Path | str, cache: Path) -> dict[str, str]:
+    """The DVC config files (`config`, `config.local`: their text) of a run workspace of the
+    project at `root`: no git, the project's cache (`cache`), and the project's remotes and default
+    remote, each at the level it was set (credentials stay in `config.local`), with local paths
+    made absolute (a relative one names a place from the project's `.dvc/`)."""
+    from io import BytesIO
+
+    from configobj import ConfigObj
+    from dvc.config import Config
+
+    project = Config(dvc_dir=str(Path(root) / ".dvc"), validate=False)
+    files = {}
+    for level, name in (("repo", "config"), ("local", "config.local")):
+        conf = project.load_one(level)  # paths resolved to absolute ones
+        out: dict[str, Any] = {"core": {"no_scm": "true"}, "cache": {"dir": str(cache)}} if level == "repo" else {}
+        if conf["core"].get("remote"):
+            out.setdefault("core", {})["remote"] = conf["core"]["remote"]
+        if conf["remote"]:
+            out |= {f'remote "{remote}"': dict(options) for remote, options in sorted(conf["remote"].items())}  # DVC's section names
+        if out or level == "repo":
+            text = BytesIO()
+            ConfigObj(out).write(text)
+            files[name] = text.getvalue().decode()
+    return files
+
+
 def run_cache_key(stage) -> str | None:
     """DVC's run-cache key of `stage` (None for a stage DVC would not cache a run of). Private
     names: see the module docstring."""

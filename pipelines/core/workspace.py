@@ -81,9 +81,13 @@ def prepare(root: Path | str, params_data: dict[str, Any]) -> Path:
 
 def _sync(root: Path, ws: Path, params_data: dict[str, Any]) -> None:
     (ws / ".dvc").mkdir(parents=True, exist_ok=True)
-    dvc_config = f"[core]\n    no_scm = true\n[cache]\n    dir = {_cache_dir(root)}\n"
-    if not (ws / ".dvc" / "config").exists() or (ws / ".dvc" / "config").read_text() != dvc_config:
-        (ws / ".dvc" / "config").write_text(dvc_config)
+    configs = dvc_api.workspace_config(root, _cache_dir(root))  # the project's remotes too: a run here pushes and restores as the project does
+    for name in ("config", "config.local"):
+        path = ws / ".dvc" / name
+        if name not in configs:
+            path.unlink(missing_ok=True)
+        elif not path.exists() or path.read_text() != configs[name]:
+            path.write_text(configs[name])
     for name in (dag.DVC_FILE, ".dvcignore"):
         if (root / name).exists():
             _sync_file(root / name, ws / name)

@@ -42,3 +42,22 @@ def test_the_private_names_used_are_there_with_the_signatures_used():
     assert list(inspect.signature(cache._can_hash).parameters) == ["stage"]
     assert list(inspect.signature(cache._get_stage_hash).parameters) == ["stage"]
     assert list(inspect.signature(param.load_path).parameters)[:2] == ["fs_path", "fs"]
+
+
+def test_a_run_workspace_gets_the_projects_remotes_at_their_levels_with_absolute_paths(tmp_path):
+    """Run workspaces (`.qllm/runs/<hash>`) push and restore as the project does: they carry its
+    remotes and default remote; a relative local path names the same place from the workspace;
+    credentials stay in config.local."""
+    from configobj import ConfigObj
+
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / ".dvc" / "config").write_text("[core]\n    remote = team\n    analytics = false\n['remote \"team\"']\n    url = ../../storage\n")
+    (tmp_path / ".dvc" / "config.local").write_text("['remote \"team\"']\n    password = s3cret\n")
+    files = dvc_api.workspace_config(tmp_path, tmp_path / "cache")
+    repo, local = (ConfigObj(text.splitlines()) for text in (files["config"], files["config.local"]))
+    assert repo["core"] == {"no_scm": "true", "remote": "team"} and repo["cache"] == {"dir": str(tmp_path / "cache")}
+    assert repo['remote "team"'] == {"url": str((tmp_path / ".dvc" / "../../storage").resolve())}
+    assert local['remote "team"'] == {"password": "s3cret"}
+    (tmp_path / ".dvc" / "config").write_text("")
+    (tmp_path / ".dvc" / "config.local").unlink()
+    assert dvc_api.workspace_config(tmp_path, tmp_path / "cache") == {"config": f"[core]\n    no_scm = true\n[cache]\n    dir = {tmp_path / 'cache'}\n"}

@@ -10,10 +10,10 @@ artifact store (none in the project); the registry gate reads the champion from 
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,42 +25,27 @@ from flows.local_api import free_port, wait_http
 from tests.conftest import make_project
 
 
-def _postgres_bin() -> Path:
-    found = shutil.which("pg_ctl")
-    if found:
-        return Path(os.path.realpath(found)).parent
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
-    assert candidates, "PostgreSQL's server is needed (Debian: apt-get install postgresql; `make test` installs it as root)"
-    return Path(candidates[-1]).parent
-
-
 @pytest.fixture(scope="module")
 def postgres():
-    """A PostgreSQL cluster of its own on 127.0.0.1 (a free port), database `mlflow`, trust auth for
-    the local user `qllm`. Run as the `postgres` system user when the tests run as root (initdb
-    refuses root)."""
-    bindir = _postgres_bin()
+    """A PostgreSQL cluster of its own on 127.0.0.1 (a free port; `flows.postgres`, as the team
+    profile runs it), database `mlflow`, trust auth for the user `qllm`."""
+    from flows.postgres import Cluster
+
     home = Path(tempfile.mkdtemp(prefix="qllm-postgres-"))  # not under pytest's 0700 root-owned directory: the postgres user reads it
-    data, sockets = home / "data", home / "sockets"
-    sockets.mkdir()
-    as_user: list[str] = []
     if os.geteuid() == 0:
         shutil.chown(home, "postgres")
-        shutil.chown(sockets, "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    port = free_port()
-
-    def pg(*args: str) -> None:
-        done = subprocess.run([*as_user, *args], capture_output=True, text=True)
-        assert done.returncode == 0, f"{' '.join(args)}: {done.stdout}{done.stderr}"
-
-    pg(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "qllm", "--no-sync")
-    pg(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(home / "postgres.log"), "-w", "-o",
-       f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off", "start")  # fmt: skip
-    pg(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "qllm", "mlflow")
-    yield f"postgresql://qllm@127.0.0.1:{port}/mlflow"
-    pg(str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
-    shutil.rmtree(home, ignore_errors=True)
+    cluster = Cluster(home / "data", free_port(), password=None)
+    cluster.init()
+    with open(home / "postgres.log", "wb") as log:
+        process = subprocess.Popen(cluster.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        cluster.wait(process, 120, home / "postgres.log")
+        cluster.create_database("mlflow")
+        yield cluster.url("mlflow")
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # PostgreSQL's fast shutdown
+        process.wait(timeout=60)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
