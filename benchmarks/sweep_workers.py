@@ -68,7 +68,11 @@ def arm(base: Path, workers: int, params: list[str]) -> dict:
     finally:
         if extra is not None:
             os.killpg(extra.pid, signal.SIGTERM)
-            extra.wait(timeout=60)
+            try:
+                extra.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                print(f"worker-two did not stop within 60 s of SIGTERM: killed; its log ends:\n{(base / 'worker-two.log').read_text()[-3000:]}")
+                os.killpg(extra.pid, signal.SIGKILL)
         serve.stop(one)
         shutil.rmtree(record["services"]["postgres"]["data"], ignore_errors=True)
 

@@ -196,7 +196,7 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
             cluster = postgres.Cluster(postgres_dir(root), _port(postgres_port, taken=(prefect_port, mlflow_port)), passwords["postgres"])
             cluster.init()
             log = state / "postgres.log"
-            process = _spawn(cluster.command(), root, service_env(root), log)
+            process = _spawn(cluster.command(), cluster.data.parent, service_env(root), log)  # a directory its user may enter
             services["postgres"] = {"pid": process.pid, "port": cluster.port, "data": str(cluster.data), "log": str(log), "signal": "SIGINT"}
             cluster.wait(process, timeout or 60.0, log)
             for database in ("mlflow", "mlflow_auth", "prefect"):
@@ -207,9 +207,10 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
                            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")  # fmt: skip
             server_env = {"PREFECT_API_DATABASE_CONNECTION_URL": cluster.url("prefect", driver="asyncpg"),
                           "PREFECT_SERVER_API_AUTH_STRING": client["PREFECT_API_AUTH_STRING"], "MLFLOW_AUTH_CONFIG_PATH": str(auth),
-                          "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"]}  # the auth app's CSRF key  # fmt: skip
-            mlflow_server = [str(bin_dir / "mlflow"), "server", "--backend-store-uri", cluster.url("mlflow"), "--serve-artifacts",
-                             "--artifacts-destination", str(state / "mlartifacts"), "--app-name", "basic-auth", "--workers", "1"]  # fmt: skip
+                          "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"],  # the auth app's CSRF key
+                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow")}  # in the environment: a command line shows in `ps`  # fmt: skip
+            mlflow_server = [str(bin_dir / "mlflow"), "server", "--serve-artifacts", "--artifacts-destination", str(state / "mlartifacts"),
+                             "--app-name", "basic-auth", "--workers", "1"]  # fmt: skip
         env = service_env(root, prefect_url, client)
         # The two servers boot side by side (each takes seconds); the worker needs the Prefect one first.
         log = state / "prefect-server.log"

@@ -107,6 +107,13 @@ def test_requests_without_credentials_are_refused_and_everything_listens_on_loca
     passwords = json.loads((state / serve.SECRETS).read_text())
     logs = "".join(Path(s["log"]).read_text(errors="replace") for s in services.values())
     assert not any(secret in logs for secret in passwords.values())
+    command_lines = []  # what `ps` shows every user of the host
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command_lines.append(cmdline.read_bytes().decode(errors="replace"))
+        except OSError:  # a process that ended meanwhile
+            continue
+    assert not any(secret in line for line in command_lines for secret in passwords.values())
 
 
 def test_a_sweep_spreads_over_two_workers_and_computes_shared_stages_once(team, monkeypatch):
