@@ -72,7 +72,8 @@ browser: install
 	  || $(PY) -m playwright install chromium
 
 # The system servers the suite starts itself on 127.0.0.1 (tests/e2e/test_remote.py: OpenSSH's sshd
-# as a DVC remote; tests/e2e/test_mlflow_server.py: PostgreSQL under an MLflow server; moto's S3
+# as a DVC remote; tests/e2e/test_mlflow_server.py and test_team.py: PostgreSQL under the MLflow
+# and Prefect servers (`make serve PROFILE=team` uses it too); moto's S3
 # endpoint is a Python package of the test extra): the system's packages where apt-get runs as root
 # (Debian: openssh-server, postgresql).
 APT_INSTALL = command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq $(1) >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq $(1) >/dev/null 2>&1; }; }

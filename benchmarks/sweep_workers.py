@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -67,12 +66,8 @@ def arm(base: Path, workers: int, params: list[str]) -> dict:
         return {"workers": workers, "seconds": round(seconds, 1), "ran": dict(sorted(sweep.stage_run_counts(one).items()))}
     finally:
         if extra is not None:
-            os.killpg(extra.pid, signal.SIGTERM)
-            try:
-                extra.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                print(f"worker-two did not stop within 60 s of SIGTERM: killed; its log ends:\n{(base / 'worker-two.log').read_text()[-3000:]}")
-                os.killpg(extra.pid, signal.SIGKILL)
+            serve.stop_processes({"worker-two": {"pid": extra.pid}})
+            extra.wait()
         serve.stop(one)
         shutil.rmtree(record["services"]["postgres"]["data"], ignore_errors=True)
 
@@ -81,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", action="append", default=None, help="params files for every run (default: none, the shipped profile)")
     parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--two-first", action="store_true", help="the two-worker arm first in even trials (then alternating)")
     args = parser.parse_args(argv)
     results: dict[int, list[dict]] = {1: [], 2: []}
     for trial in range(args.trials):
-        for workers in (1, 2) if trial % 2 == 0 else (2, 1):
+        for workers in (1, 2) if (trial + args.two_first) % 2 == 0 else (2, 1):
             with tempfile.TemporaryDirectory(prefix="qllm-sweep-bench-") as base:
                 result = arm(Path(base), workers, args.params or [])
             results[workers].append(result)

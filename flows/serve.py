@@ -236,7 +236,7 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
             _private(state / TEAM_ENV, "# `make serve PROFILE=team`: what a client or worker of these servers sets (set -a; . THIS; set +a)\n"
                                        + "".join(f"{key}={value}\n" for key, value in client.items()))  # fmt: skip
     except BaseException:
-        _stop_all(services)  # nothing is left running, so no record: `make stop` must not kill reused PIDs
+        stop_processes(services)  # nothing is left running, so no record: `make stop` must not kill reused PIDs
         raise
     state.mkdir(parents=True, exist_ok=True)
     (state / RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -263,7 +263,9 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _stop_all(services: dict[str, dict], timeout: float = 15.0) -> list[str]:
+def stop_processes(services: dict[str, dict], timeout: float = 15.0) -> list[str]:
+    """Stop each `{name: {"pid": ...}}` (its process group: started with a new session), last
+    first: its `signal` (default SIGTERM), SIGKILL after `timeout` seconds; the names stopped."""
     stopped = []
     for name, service in reversed(list(services.items())):  # worker before server
         pid = service["pid"]
@@ -288,7 +290,7 @@ def _stop_all(services: dict[str, dict], timeout: float = 15.0) -> list[str]:
 def stop(root: Path) -> list[str]:
     """Stop the recorded services (only those PIDs) and forget them; returns what was stopped."""
     root = root.resolve()
-    stopped = _stop_all(read_record(root)["services"])
+    stopped = stop_processes(read_record(root)["services"])
     (root / STATE_DIR / RECORD).unlink(missing_ok=True)
     return stopped
 

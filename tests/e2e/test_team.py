@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -58,8 +56,8 @@ def team(tmp_path_factory, mlflow_template_db):
         yield {"one": one, "two": two, "record": record, "env": env, "client": client}
     finally:
         if worker is not None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(timeout=30)
+            serve.stop_processes({SECOND: {"pid": worker.pid}})  # SIGTERM, SIGKILL after 15 s
+            worker.wait()
         stopped = serve.stop(one)
         assert len(stopped) == 4 and all(not serve._alive(s["pid"]) for s in record["services"].values())
         shutil.rmtree(record["services"]["postgres"]["data"], ignore_errors=True)
