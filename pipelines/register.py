@@ -3,9 +3,11 @@
     python -m pipelines.register      # what dvc.yaml runs; writes data/register/registered.json
 
 Logs the model of stage `register.model` (a LoRA adapter merged into its base) with its tokenizer
-as an `mlflow.transformers` text-generation model, so
-`mlflow.transformers.load_model("models:/qllm@champion")` returns a working pipeline (and
-`mlflow.pyfunc.load_model` works too), and registers it under `register.model_name`. The multimodal
+as an `mlflow.transformers` text-generation model with MLflow's chat task (`llm/v1/chat`), so
+`mlflow.transformers.load_model("models:/qllm@champion")` returns a working pipeline,
+`mlflow.pyfunc.load_model` a model answering OpenAI-style chat requests with the tokenizer's chat
+template applied, and `mlflow models serve -m models:/qllm@champion` serves those requests over
+HTTP; and registers it under `register.model_name`. The multimodal
 model (`register.model: multimodal`) is logged as a pyfunc over its directory
 (`pipelines.core.models.image_chat_pyfunc`: `predict` takes image bytes and questions).
 
@@ -202,10 +204,13 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
             )
         else:
             model, tokenizer = load_for_inference(model_dir, root)
+            # what the chat task names as `model` in its answers (and MLmodel as the source): the stage's
+            # output as the project names it, not this machine's absolute path (nor a hub id MLflow would look up)
+            model.name_or_path = model.config._name_or_path = model_dir.relative_to(root).as_posix() if model_dir.is_relative_to(root) else model_dir.name
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer},
                 name="model",
-                task="text-generation",
+                task="llm/v1/chat",  # messages in, the chat template applied, an OpenAI chat.completion out (pyfunc and `mlflow models serve`)
                 pip_requirements=pip_requirements(),
                 registered_model_name=params.model_name,
             )

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -275,3 +279,37 @@ def load_with_remote_code(model_dir: Path, input_ids: list[list[int]]) -> tuple[
     assert done.returncode == 0, done.stderr[-2000:]
     name, imported, total = done.stdout.split()
     return name, imported == "True", float(total)
+
+
+@contextlib.contextmanager
+def mlflow_model_server(model_uri: str, root: Path, log: Path) -> Iterator[str]:
+    """`mlflow models serve -m MODEL_URI --env-manager local` on 127.0.0.1 (a free port) against
+    the project's registry, as the docs say to run it; yields its `/invocations` URL."""
+    from flows.local_api import free_port, wait_http
+
+    port = free_port()
+    env = os.environ | {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", "HF_HUB_OFFLINE": "1",
+                        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # it starts `uvicorn` from PATH
+    with open(log, "wb") as out:
+        server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local",
+                                   "--host", "127.0.0.1", "--port", str(port)], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ping", server, "mlflow models serve", hint=f"; see {log}")
+        yield f"http://127.0.0.1:{port}/invocations"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def post_json(url: str, body: bytes) -> tuple[int, dict]:
+    """(HTTP status, the JSON answer) of a POST of `body`; an error status is returned, not raised."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")

@@ -17,7 +17,7 @@ import yaml
 
 from pipelines.core import dag
 from pipelines.core.run import tracking
-from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
+from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, mlflow_model_server, post_json, run
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[2]))
 
@@ -173,8 +173,34 @@ def test_registered_model_is_champion_with_lineage_and_loads(first, project):
         generator = mlflow.transformers.load_model("models:/qllm@champion")
         out = generator([{"role": "user", "content": "What is 2 plus 3?"}], max_new_tokens=3)
         assert isinstance(out[0]["generated_text"], list)  # chat in, chat out: the template is applied
-        pyfunc = mlflow.pyfunc.load_model("models:/qllm/1")
-        assert isinstance(pyfunc.predict(["Tovik lives in"])[0], str)
+        pyfunc = mlflow.pyfunc.load_model("models:/qllm/1")  # MLflow's chat task: messages in, an OpenAI chat.completion out
+        answer = pyfunc.predict({"messages": [{"role": "user", "content": "Where does Tovik live?"}], "max_tokens": 4})
+        assert answer[0]["object"] == "chat.completion" and answer[0]["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_mlflow_models_serve_answers_chat_requests_as_qllm_generate(first, project, tmp_path):
+    """MLflow's own server (`mlflow models serve -m models:/qllm@champion`) on 127.0.0.1: an
+    OpenAI-style chat request gets the chat-templated greedy answer `qllm generate` gives for the
+    same prompt and token limit; a request without messages, or with messages of the wrong shape,
+    gets a 400 saying what was expected."""
+    from flows import generation
+
+    with mlflow_model_server("models:/qllm@champion", project, tmp_path / "serve.log") as url:
+        model, tokenizer = generation.load("models:/qllm@champion", project)
+        for question in ("Where does Tovik live?", "What is 2 plus 3?", "Who is Mira's brother?"):
+            status, body = post_json(url, json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": 8}).encode())
+            assert status == 200, body
+            (completion,) = body  # one chat.completion per request, OpenAI's fields
+            assert completion["object"] == "chat.completion" and completion["model"].startswith("data/models/dpo")  # the stage's output, no local path
+            (choice,) = completion["choices"]
+            assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+            assert choice["message"]["content"].strip() == generation.generate(model, tokenizer, question, max_new_tokens=8), question
+        status, body = post_json(url, json.dumps({"prompt": "Where does Tovik live?"}).encode())
+        assert status == 400 and "missing inputs ['messages']" in body["message"], body
+        status, body = post_json(url, json.dumps({"messages": "Where does Tovik live?"}).encode())
+        assert status == 400 and "Expected data to be list" in body["message"], body
+        status, body = post_json(url, b"{not json")
+        assert status == 400 and "valid JSON" in body["message"], body
 
 
 def test_evaluate_compares_every_model(first, project):

@@ -321,3 +321,15 @@ def test_the_multimodal_branch_runs_end_to_end(tmp_path, mlflow_template_db, mon
         pyfunc = mlflow.pyfunc.load_model("models:/qllm-vision@champion")
     answers = pyfunc.predict(pd.DataFrame({"image": [image.read_bytes()], "question": ["Which digit is this?"]}), params={"max_new_tokens": 4})
     assert answers == [local]
+    # over HTTP: MLflow's model server, the image base64-encoded (the signature's binary column)
+    import base64
+
+    from tests.conftest import mlflow_model_server, post_json
+
+    request = {"dataframe_split": {"columns": ["image", "question"], "data": [[base64.b64encode(image.read_bytes()).decode(), "Which digit is this?"]]},
+               "params": {"max_new_tokens": 4}}  # fmt: skip
+    with mlflow_model_server("models:/qllm-vision@champion", root, tmp_path / "serve.log") as url:
+        status, body = post_json(url, json.dumps(request).encode())
+        assert (status, body) == (200, {"predictions": [local]})
+        status, body = post_json(url, json.dumps({"dataframe_split": {"columns": ["question"], "data": [["Which digit is this?"]]}}).encode())
+        assert status == 400 and "image" in body["message"], body
