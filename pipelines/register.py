@@ -184,6 +184,24 @@ def model_metrics(evaluation: dict, params: RegisterParams, where: str) -> dict[
     return numeric
 
 
+def log_chat_model(root: Path, model_dir: Path, registered_model_name: str | None = None):
+    """Log the language model in `model_dir` (an adapter merged into its base) with its tokenizer
+    to the active MLflow run as `model`, with MLflow's chat task; its `ModelInfo`."""
+    import mlflow
+
+    model, tokenizer = load_for_inference(model_dir, root)
+    # what the chat task names as `model` in its answers (and MLmodel as the source): the stage's
+    # output as the project names it, not this machine's absolute path (nor a hub id MLflow would look up)
+    model.name_or_path = model.config._name_or_path = model_dir.relative_to(root).as_posix() if model_dir.is_relative_to(root) else model_dir.name
+    return mlflow.transformers.log_model(
+        transformers_model={"model": model, "tokenizer": tokenizer},
+        name="model",
+        task="llm/v1/chat",  # messages in, the chat template applied, an OpenAI chat.completion out (pyfunc and `mlflow models serve`)
+        pip_requirements=pip_requirements(),
+        registered_model_name=registered_model_name,
+    )
+
+
 def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: str, parent_run_id: str | None, metrics: dict[str, float],
         prefect_flow_run_id: str | None = None) -> dict:  # fmt: skip
     import mlflow
@@ -203,17 +221,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
                 registered_model_name=params.model_name,
             )
         else:
-            model, tokenizer = load_for_inference(model_dir, root)
-            # what the chat task names as `model` in its answers (and MLmodel as the source): the stage's
-            # output as the project names it, not this machine's absolute path (nor a hub id MLflow would look up)
-            model.name_or_path = model.config._name_or_path = model_dir.relative_to(root).as_posix() if model_dir.is_relative_to(root) else model_dir.name
-            info = mlflow.transformers.log_model(
-                transformers_model={"model": model, "tokenizer": tokenizer},
-                name="model",
-                task="llm/v1/chat",  # messages in, the chat template applied, an OpenAI chat.completion out (pyfunc and `mlflow models serve`)
-                pip_requirements=pip_requirements(),
-                registered_model_name=params.model_name,
-            )
+            info = log_chat_model(root, model_dir, params.model_name)
         trail = lineage.build(root)
         lineage.log_lineage(client, run_id, trail)
     model_version = str(info.registered_model_version)

@@ -53,6 +53,16 @@ def _absl_handler_writes_to_the_real_stderr() -> None:
 _absl_handler_writes_to_the_real_stderr()
 
 
+LONGEST_FIRST = ("tests/e2e/test_team.py", "tests/e2e/test_pipeline_e2e.py", "tests/e2e/test_remote.py")
+"""Modules of minutes each, which `make test` starts first: pytest-xdist (`--dist loadscope`) hands
+modules to its workers in collection order, and one of these collected last ran alone at the end."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.path).relative_to(config.rootpath).as_posix(), len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_env(tmp_path_factory):
     """No telemetry, no network lookups, and Prefect/MLflow state in a temporary home."""
