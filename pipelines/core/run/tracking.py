@@ -41,6 +41,7 @@ the experiment still opens its GenAI Overview page; `ui_runs_url` opens the runs
 _clients: dict[str, Any] = {}
 _clients_lock = threading.Lock()
 _dataset_lock = threading.Lock()  # stages of one flow run side by side log the same inputs
+_fluent_lock = threading.RLock()  # MLflow's fluent URIs, active model and last logged model are process-wide
 
 
 def tracking_uri(root: Path | str = ".") -> str:
@@ -318,19 +319,24 @@ def fluent_uris(uri: str) -> Iterator[None]:
     """Point MLflow's fluent API (`mlflow.start_run`, `mlflow.transformers.log_model`) at `uri`
     for the block, then put back what was there: `mlflow.set_tracking_uri` also exports
     MLFLOW_TRACKING_URI/MLFLOW_REGISTRY_URI, which would send every later run in this process
-    (another project's included) to this store."""
+    (another project's included) to this store.
+
+    One block at a time in a process: those URIs (and MLflow's last logged model) are global, so
+    a sweep's two registers in threads would otherwise log into each other's store or reset it
+    mid-`log_model` ("Run with id=... not found"). Re-entrant for one thread."""
     import mlflow
 
-    saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"])
-        mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"])
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with _fluent_lock:
+        saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"])
+            mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"])
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

@@ -1,0 +1,51 @@
+"""pipelines.core.run.tracking: MLflow's fluent API used from threads of one process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+from pipelines.core.run import tracking
+
+
+def test_fluent_blocks_in_threads_each_log_to_their_own_store(tmp_path, mlflow_template_db, monkeypatch):
+    """A sweep registers two sets in threads of one process: each block's runs land in its own
+    store, and the URIs after both blocks are what was there before (MLflow keeps them process-wide:
+    without the lock the second thread's block reset the first's store in the middle of its run)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    uris = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copy2(mlflow_template_db, tmp_path / name / "mlflow.db")
+        uris.append(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+    errors: list[BaseException] = []
+    started = threading.Barrier(2)
+
+    def log_runs(uri: str, label: str) -> None:
+        try:
+            started.wait()
+            for step in range(3):
+                with tracking.fluent_uris(uri), mlflow.start_run(run_name=f"{label}-{step}"):
+                    time.sleep(0.05)  # the other thread comes and goes meanwhile
+                    mlflow.log_param("label", label)
+                    assert mlflow.get_tracking_uri() == uri
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=log_runs, args=(uri, label)) for uri, label in zip(uris, "ab")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for uri, label in zip(uris, "ab"):
+        runs = MlflowClient(tracking_uri=uri).search_runs(["0"])
+        assert sorted(r.info.run_name for r in runs) == [f"{label}-{step}" for step in range(3)]
+        assert {r.data.params["label"] for r in runs} == {label}
+    assert "MLFLOW_TRACKING_URI" not in os.environ and "MLFLOW_REGISTRY_URI" not in os.environ
