@@ -38,13 +38,13 @@ def test_fluent_blocks_in_threads_each_log_to_their_own_store(tmp_path, mlflow_t
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=log_runs, args=(uri, label)) for uri, label in zip(uris, "ab")]
+    threads = [threading.Thread(target=log_runs, args=(uri, label)) for uri, label in zip(uris, "ab", strict=True)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert not errors, errors
-    for uri, label in zip(uris, "ab"):
+    for uri, label in zip(uris, "ab", strict=True):
         runs = MlflowClient(tracking_uri=uri).search_runs(["0"])
         assert sorted(r.info.run_name for r in runs) == [f"{label}-{step}" for step in range(3)]
         assert {r.data.params["label"] for r in runs} == {label}
