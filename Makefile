@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: servers install run test test-all browser bench gpu-check lock clean-outputs serve stop docs docs-screenshots
+.PHONY: servers install run test test-all test-gguf browser bench gpu-check lock clean-outputs serve stop docs docs-screenshots
 
 # Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
 # PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
@@ -86,8 +86,17 @@ servers:
 test: install $(VENV)/.installed-peers browser servers
 	$(PYTEST) $(ARGS)
 
-test-all: install $(VENV)/.installed-peers browser servers
+test-all: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check browser servers
 	$(PYTEST) -m "slow or not slow" $(ARGS)
+
+# llama.cpp itself (llama-cpp-python, built from source: minutes) loading the export stage's GGUF
+# files: logits against transformers', greedy answers against evaluate's (tests/stages/test_export.py).
+$(VENV)/.installed-gguf-check: $(VENV)/.installed
+	$(PIP_INSTALL) -c requirements.lock -e ".[gguf-check]"
+	touch $@
+
+test-gguf: install $(VENV)/.installed-gguf-check
+	$(PYTEST) -m slow tests/stages/test_export.py $(ARGS)
 
 # Local Prefect server + process worker (pool "qllm") + MLflow UI on 127.0.0.1; `make stop` ends them.
 # PROFILE=team: PostgreSQL under both servers, MLflow's basic auth, Prefect's auth string, a DVC
@@ -121,7 +130,7 @@ gpu-check: install $(VENV)/.installed-peers
 # every extra, resolved for .venv's Python; each pin of the current requirements.lock that still
 # fits is kept (`make lock UPGRADE=1` takes the newest versions instead). torch stays out: TORCH_SPEC
 # decides its build, and is the constraint the rest is resolved against.
-LOCK_EXTRAS := test server dwave qaoa dask peers dev
+LOCK_EXTRAS := test server dwave qaoa dask peers dev gguf-check
 lock: | $(VENV)/bin/python $(UV)
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-spec.txt
 	$(UV) pip compile pyproject.toml $(foreach extra,$(LOCK_EXTRAS),--extra $(extra)) --python $(PY) $(UV_FIND_LINKS_ARGS) \

@@ -18,7 +18,11 @@ in data/metrics/evaluate.json (default held-out exact match) is at least the cha
 
 Version tags: git commit, DVC md5 of every data set and of the model (as in dvc.lock), the params
 of every stage (`params.<stage>`), the evaluation metrics (`metric.<name>`), the gate's decision,
-the parent MLflow run and the Prefect flow run when Prefect runs it.
+the parent MLflow run and the Prefect flow run when Prefect runs it. With the export stage on and
+exporting this model, its GGUF files and Modelfile are logged in the version's run under `gguf/`
+and the version is tagged `qllm.gguf.<type>` / `qllm.ollama_modelfile` with their artifact paths:
+
+    mlflow artifacts download -r <the version's run id> -a gguf/qllm-q8_0.gguf
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from pipelines.core.run import lineage, stage, tracking
 from pipelines.core.workspace import project_root
 
 NAME = "register"
+GGUF_ARTIFACTS = "gguf"
+"""Where the version's run keeps the export stage's GGUF files and Modelfile (`qllm.gguf.<type>` tags name them)."""
 RUNTIME_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
 
 
@@ -202,8 +208,25 @@ def log_chat_model(root: Path, model_dir: Path, registered_model_name: str | Non
     )
 
 
+def exported_files(export_dir: Path | None, stage_name: str) -> tuple[list[Path], dict[str, str]]:
+    """The export stage's GGUF files and Modelfile when they are of `stage_name`'s model (else
+    none), and the version tags that name them (`qllm.gguf.<type>`: the artifact path)."""
+    record_path = export_dir / "export.json" if export_dir is not None else None
+    if record_path is None or not record_path.exists():
+        return [], {}
+    record = read_json(record_path)
+    if record.get("stage") != stage_name:
+        return [], {}
+    files = [export_dir / entry["file"] for entry in record["files"]]
+    tags = {f"qllm.gguf.{entry['type']}": f"{GGUF_ARTIFACTS}/{entry['file']}" for entry in record["files"]}
+    if record.get("modelfile"):
+        files.append(export_dir / record["modelfile"])
+        tags["qllm.ollama_modelfile"] = f"{GGUF_ARTIFACTS}/{record['modelfile']}"
+    return files, tags
+
+
 def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: str, parent_run_id: str | None, metrics: dict[str, float],
-        prefect_flow_run_id: str | None = None) -> dict:  # fmt: skip
+        prefect_flow_run_id: str | None = None, export_dir: Path | None = None) -> dict:  # fmt: skip
     import mlflow
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model-card lookups must not reach for the hub
@@ -222,6 +245,9 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
             )
         else:
             info = log_chat_model(root, model_dir, params.model_name)
+        gguf_files, gguf_tags = exported_files(export_dir, params.model)
+        for path in gguf_files:  # the export stage's files of this model, beside it in the version's run
+            mlflow.log_artifact(str(path), artifact_path=GGUF_ARTIFACTS)
         trail = lineage.build(root)
         lineage.log_lineage(client, run_id, trail)
     model_version = str(info.registered_model_version)
@@ -232,6 +258,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
         "qllm.stage": params.model,
         "qllm.lineage": lineage.ARTIFACT,
         "gate.metric": params.metric,
+        **gguf_tags,
     }
     for key, tag in tags.items():  # the metric tags first: the next gate reads them
         client.set_model_version_tag(params.model_name, model_version, key, tag)
@@ -264,7 +291,8 @@ def body(ctx: stage.StageContext) -> dict:
         parent = ctx.tracker.client.get_run(ctx.tracker.run_id).data.tags.get("mlflow.parentRunId")
         if parent:  # the pipeline run started by Prefect records its flow run id
             flow_run_id = ctx.tracker.client.get_run(parent).data.tags.get("qllm.prefect_flow_run_id")
-    record = run(ctx.root, ctx.input(f"models/{ctx.params.model}"), ctx.output(), ctx.params, ctx.tracker.run_id, parent, metrics, flow_run_id)
+    record = run(ctx.root, ctx.input(f"models/{ctx.params.model}"), ctx.output(), ctx.params, ctx.tracker.run_id, parent, metrics, flow_run_id,
+                 export_dir=ctx.input("export"))  # fmt: skip
     ctx.tracker.set_tags({"gate.decision": record["alias"], "gate.reason": record["reason"]})
     log = ctx.log.info if record["promoted"] else ctx.log.warning
     log("registered %s version %s (%s model) as @%s: %s", record["model_name"], record["version"], ctx.params.model, record["alias"], record["reason"])

@@ -1034,6 +1034,36 @@ class EvaluateParams(Section):
         return _only_with(self, "bertscore_layer", "bertscore_model", "the layer is one of that encoder's")
 
 
+GgufType = Literal["f16", "q8_0", "bf16", "f32", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k"]
+
+
+class ExportParams(Section):
+    """The optional GGUF export for llama.cpp and Ollama (`pipelines/export.py`, docs/export.md)."""
+
+    enabled: bool = False
+    """Write GGUF files. Off: the stage writes only a README (no cost)."""
+    model: ModelStage | None = None
+    """Which stage's model to export (adapters merged first); null: the one `register.model` registers
+    (then register attaches the files to the registry version)."""
+    types: list[GgufType] = Field(default_factory=lambda: ["f16", "q8_0"], min_length=1)
+    """One GGUF file per type: f16, q8_0, bf16, f32 are written by the `gguf` package; the K-quants
+    (q4_k_m, q4_k_s, q5_k_m, q6_k) by llama.cpp's quantizer from the f16 file, which needs llama-cpp-python."""
+    modelfile: bool = True
+    """Also write an Ollama Modelfile: the chat template in Ollama's template language, its stop tokens, greedy decoding."""
+    modelfile_type: GgufType = "q8_0"
+    """The file the Modelfile's FROM names (one of `types`)."""
+    system: str | None = None
+    """The Modelfile's default system prompt (SYSTEM); null: none (the sample chats' is "Answer with one word or number.")."""
+
+    @model_validator(mode="after")
+    def _modelfile_type_written(self) -> ExportParams:
+        if len(set(self.types)) != len(self.types):
+            raise ValueError(f"types: each type once (got {self.types})")
+        if self.modelfile and self.modelfile_type not in self.types:
+            raise ValueError(f"modelfile_type {self.modelfile_type!r} is not among types {self.types}: the Modelfile's FROM names one of the files written")
+        return self
+
+
 class RegisterParams(Section):
     model: ModelStage | Literal["multimodal"] = "dpo"
     """Which stage's model to register (`multimodal`: the image-chat model, gated on its entry in
@@ -1103,6 +1133,7 @@ class Params(Section):
     dpo: DpoParams = DpoParams()
     grpo: GrpoParams = GrpoParams()
     multimodal: MultimodalParams = MultimodalParams()
+    export: ExportParams = ExportParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
 

@@ -317,7 +317,7 @@ def test_the_in_loop_adapter_registers_as_the_merged_model(first, project):
     from flows.pipeline import pipeline
 
     summary = pipeline(overrides=["register.model=lora"], project_dir=str(project))
-    assert [s["name"] for s in summary["stages"] if s["status"] == "ran"] == ["base_model", "probe_device", "register"]
+    assert [s["name"] for s in summary["stages"] if s["status"] == "ran"] == ["base_model", "probe_device", "export", "register"]
     ws = Path(summary["workspace"])
     version = json.loads((ws / "data/register/registered.json").read_text())["version"]
     assert mlflow_client(project).get_model_version("qllm", str(version)).tags["dvc.model_md5"] == lock_outs(ws)["data/models/lora"]
@@ -339,7 +339,7 @@ def static(first, project) -> dict:
 
 def test_static_quantum_allocation_drives_lora(static):
     ran = [s["name"] for s in static["stages"] if s["status"] == "ran"]
-    assert ran == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "evaluate", "register"]
+    assert ran == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "export", "evaluate", "register"]
     ws = Path(static["workspace"])
     allocation = json.loads((ws / "data/quantum_opt/allocation.json").read_text())
     metrics = json.loads((ws / "data/metrics/quantum_opt.json").read_text())
@@ -368,7 +368,7 @@ def test_changing_the_solver_reruns_from_quantum_opt(static, project):
     # bytes and all, and DVC finds evaluate and register up to date; otherwise they rerun.
     lock = lambda root: {o["path"]: o["md5"] for o in yaml.safe_load((root / "dvc.lock").read_text())["stages"]["lora"]["outs"]}  # noqa: E731
     same_adapter = lock(Path(summary["workspace"]))["data/models/lora"] == lock(Path(static["workspace"]))["data/models/lora"]
-    assert ran[4:] == ([] if same_adapter else ["evaluate", "register"]), status
+    assert ran[4:] == ([] if same_adapter else ["export", "evaluate", "register"]), status
     assert status["probe_lora"] == ("cached", "run-cache")
     metrics = json.loads((Path(summary["workspace"]) / "data/metrics/quantum_opt.json").read_text())
     assert metrics["solver"] == "milp" and metrics["gap_to_milp"] == 0.0
@@ -384,7 +384,7 @@ def test_uniform_lora_rank_retrains_lora_and_downstream(static, project):
     summary = pipeline(overrides=["lora.allocation=uniform", "lora.adapter.r=2"], project_dir=str(project))
     status = {s["name"]: s["status"] for s in summary["stages"]}
     # probe_lora and quantum_opt list lora.allocation, so they rerun, writing the same placeholder: no static allocation either
-    assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "evaluate", "register"]
+    assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "export", "evaluate", "register"]
     ws, static_ws = Path(summary["workspace"]), Path(static["workspace"])
     assert lock_outs(ws)["data/quantum_opt"] == lock_outs(project)["data/quantum_opt"]
     trainable = json.loads((ws / "data/metrics/lora.json").read_text())["trainable_parameters"]
@@ -399,7 +399,7 @@ def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):
     for beta in ("0.05", "0.2"):  # both differ from params.yaml (1.0): real overrides
         summary = pipeline(overrides=[f"dpo.beta={beta}"], project_dir=str(project))
         status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
-        assert [n for n, (st, _) in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "evaluate", "register"], status
+        assert [n for n, (st, _) in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "export", "evaluate", "register"], status
         # the reference pass (and everything before it) comes from DVC's run-cache
         assert status["ref_logprobs"] == status["sft"] == status["pretrain"] == ("cached", "run-cache")
         dpo_metrics = json.loads((Path(summary["workspace"]) / "data/metrics/dpo.json").read_text())
@@ -421,7 +421,7 @@ def test_qlora_in_the_sample_pipeline_retrains_lora_and_what_follows(first, proj
     summary = pipeline(overrides=["lora.allocation=uniform", "lora.adapter.quantization=nf4"], project_dir=str(project))
     status = {s["name"]: s["status"] for s in summary["stages"]}
     static = ("probe_lora", "quantum_opt")  # their placeholders: run for the changed lora.allocation, or from the run-cache
-    assert [n for n, st in status.items() if st == "ran" and n not in static] == ["base_model", "probe_device", "lora", "evaluate", "register"], status
+    assert [n for n, st in status.items() if st == "ran" and n not in static] == ["base_model", "probe_device", "lora", "export", "evaluate", "register"], status
     ws = Path(summary["workspace"])
     assert all(lock_outs(ws)[f"data/{n}"] == lock_outs(project)[f"data/{n}"] for n in static)
     lora_metrics = json.loads((ws / "data/metrics/lora.json").read_text())
@@ -540,12 +540,12 @@ def test_dvc_exp_run_reruns_only_evaluate_and_register(first, project):
 def test_sweep_runs_each_override_set_sharing_upstream(first, project):
     from flows.sweep import shared_stages, sweep
 
-    assert shared_stages(project, [["dpo.beta=0.1"]]) == [n for n in STAGES if n not in ("dpo", "evaluate", "register")]
+    assert shared_stages(project, [["dpo.beta=0.1"]]) == [n for n in STAGES if n not in ("dpo", "export", "evaluate", "register")]
     summaries = sweep(sweep=[["dpo.beta=0.11"], ["dpo.beta=0.12"]], project_dir=str(project))
     assert len(summaries) == 2 and summaries[0]["workspace"] != summaries[1]["workspace"]
     for summary in summaries:
         status = {s["name"]: s["status"] for s in summary["stages"]}
-        assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "evaluate", "register"], status
+        assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "export", "evaluate", "register"], status
 
 
 def test_from_stage_reruns_only_downstream(first, project):
@@ -555,3 +555,47 @@ def test_from_stage_reruns_only_downstream(first, project):
     status = {s["name"]: s["status"] for s in summary["stages"]}
     assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "evaluate", "register"]
     assert all(status[n] == "cached" for n in STAGES if n not in (*ALWAYS_CHANGED, "evaluate", "register"))
+
+
+def test_export_writes_gguf_of_the_registered_model_and_register_attaches_it(first, project):
+    """`qllm run --params params/export.yaml`: export (off by default: a README) writes the dpo
+    model, the one register registers, as f16 and q8_0 GGUF with a Modelfile; its tensors are the
+    model's; register reruns (its data/export dependency changed) and the new version's run carries
+    the files, named by the version's tags; nothing else reruns."""
+    import gguf
+    import mlflow
+    import numpy as np
+
+    from flows.pipeline import pipeline
+    from pipelines.core.models.models import load_for_inference
+    from pipelines.core.outputs import read_json
+
+    assert (project / "data/export/README.md").read_text().startswith("# Export stage disabled")
+    assert sorted(p.name for p in (project / "data/export").iterdir()) == ["README.md"]
+    summary = pipeline(params_files=["params/export.yaml"], project_dir=str(project))
+    assert [s["name"] for s in summary["stages"] if s["status"] == "ran"] == ["base_model", "probe_device", "export", "register"]
+    ws = Path(summary["workspace"])
+    record = read_json(ws / "data/export/export.json")
+    assert record["stage"] == "dpo" and record["source"] == "data/models/dpo" and record["stop"] == ["<|im_end|>", "<|endoftext|>"]
+    assert [(f["file"], f["type"]) for f in record["files"]] == [("qllm-f16.gguf", "f16"), ("qllm-q8_0.gguf", "q8_0")]
+    f16 = ws / "data/export/qllm-f16.gguf"
+    model, tokenizer = load_for_inference(ws / "data/models/dpo", ws)
+    read = gguf.GGUFReader(f16)
+    embedding = {t.name: t for t in read.tensors}["token_embd.weight"]
+    assert np.array_equal(np.asarray(embedding.data), model.get_input_embeddings().weight.detach().half().numpy())
+    assert read.fields["tokenizer.chat_template"].contents() == tokenizer.chat_template
+    for path in (ws / "data/export").iterdir():
+        assert str(project).encode() not in path.read_bytes(), path  # the same bytes in any checkout
+    modelfile = (ws / "data/export/Modelfile").read_text()
+    assert modelfile.startswith("FROM ./qllm-q8_0.gguf\n") and 'SYSTEM """Answer with one word or number."""' in modelfile
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile and "PARAMETER temperature 0" in modelfile
+    metrics = read_json(ws / "data/metrics/export.json")
+    assert metrics["files"] == 2 and metrics["q8_0_mb"] < metrics["f16_mb"]
+
+    client = mlflow_client(project)
+    version = client.get_model_version("qllm", str(summary["model_version"]))
+    assert version.tags["qllm.gguf.q8_0"] == "gguf/qllm-q8_0.gguf" and version.tags["qllm.ollama_modelfile"] == "gguf/Modelfile"
+    with tracking.fluent_uris(f"sqlite:///{project / 'mlflow.db'}"):
+        local = mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path=version.tags["qllm.gguf.f16"])
+    assert Path(local).read_bytes() == f16.read_bytes()
+    assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], ws).stdout)

@@ -5,7 +5,7 @@ a Prefect server asking for an auth string and an MLflow tracking server with ba
 proxied artifacts, a worker in the first checkout and a DVC remote (a directory). A second worker
 runs in a clone of the project (its own checkout, DVC cache and PREFECT_HOME: another machine,
 sharing only the servers and the DVC remote). The sweep deployment `qllm-sweep/dpo-beta-workers`
-then spreads its three DPO betas over both workers, and every stage outside dpo, evaluate and
+then spreads its three DPO betas over both workers, and every stage outside dpo, export, evaluate and
 register is computed once in all: the second checkout restores them from the remote.
 """
 
@@ -28,7 +28,7 @@ from tests.conftest import REPO, make_project, run
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 SECOND = "worker-two"
-PER_SET = {"dpo", "evaluate", "register"}
+PER_SET = {"dpo", "export", "evaluate", "register"}
 MACHINE = {"base_model", "probe_device"}  # read the machine: they run in every checkout (milliseconds)
 
 

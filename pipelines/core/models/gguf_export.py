@@ -1,0 +1,404 @@
+"""GGUF files for llama.cpp and Ollama, written with the `gguf` package (llama.cpp's own writer).
+
+    write(model, tokenizer, "qllm-f16.gguf", "f16", name="qllm")    # or "q8_0", "bf16", "f32"
+    quantize_with_llama_cpp("qllm-f16.gguf", "qllm-q4_k_m.gguf", "q4_k_m")   # needs llama-cpp-python
+    modelfile("qllm-q8_0.gguf", tokenizer.chat_template, stops)   # Ollama's Modelfile text
+
+Why the `gguf` package and not llama.cpp's `convert_hf_to_gguf.py`: the converter is a script in
+llama.cpp's source tree (not installable), and it identifies a BPE tokenizer's pre-tokenizer by
+hashing how it splits a fixed text against a list of known hub tokenizers: a tokenizer trained
+here (`train_tokenizer`) is in no such list, so it refuses it. The writer is the library the
+converter itself writes with (a pure-Python wheel, NumPy only); this module does the converter's
+part for the families the pipeline trains or fine-tunes: the tensor names come from the package's
+own map (`gguf.get_tensor_name_map`), Q and K of llama-family attention are permuted as the
+converter does (llama.cpp's rotary pairs neighbouring dimensions; transformers rotates halves),
+the pre-tokenizer is read from tokenizer.json (GPT-2's byte-level regex: `gpt-2`; Llama 3's and
+Qwen2's split regexes: `llama-bpe`, `qwen2`), and the tokenizer's special tokens, merges and
+chat template go into the metadata via the package's `SpecialVocab`.
+
+Tensor types as the converter writes them: 1-D tensors (norms, biases) stay F32; 2-D ones are F16
+(`f16`), BF16, F32, or Q8_0 (`q8_0`; blocks of 32 along a row, a tensor whose rows are not a
+multiple of 32 stays F16). The file's bytes depend only on the model and tokenizer: no dates,
+paths or timings. K-quants (q4_k_m, ...) need llama.cpp's quantizer, reached through
+llama-cpp-python where it is installed (`quantize_with_llama_cpp`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipelines.core.errors import QllmError
+from pipelines.core.models.models import stop_token_ids
+
+NUMPY_TYPES = ("f16", "q8_0", "bf16", "f32")
+"""Types written here with the `gguf` package alone."""
+LLAMA_CPP_TYPES = {"q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q6_k": 18}
+"""Types made by llama.cpp's quantizer from an f16 file: `llama_ftype` values (llama.h)."""
+ARCHITECTURES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+"""transformers `model_type` -> (GGUF architecture, whether Q and K are permuted): llama.cpp runs
+Mistral's dense models as `llama`; Qwen2 uses the NeoX rotary (halves), as transformers does."""
+
+# The pre-tokenizer regexes of tokenizer.json that llama.cpp knows by name (llama-vocab.cpp).
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+PRE_TOKENIZERS = {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
+
+class ExportError(QllmError, ValueError):
+    """The model or tokenizer cannot be written as GGUF (a clear reason, what is supported)."""
+
+
+def architecture(config: Any, where: str) -> tuple[str, bool]:
+    """(GGUF architecture, permute Q/K) for a transformers config, or an `ExportError` naming
+    `where` and what is supported."""
+    kind = getattr(config, "model_type", None)
+    if kind not in ARCHITECTURES:
+        raise ExportError(f"{where}: GGUF export supports {', '.join(sorted(ARCHITECTURES))} decoder models; this one is {kind!r} "
+                          "(llama.cpp has no architecture for the pipeline's memory or diffusion models, nor an image model here)")  # fmt: skip
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ExportError(f"{where}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not written to GGUF here (default rotary only)")
+    return ARCHITECTURES[kind]
+
+
+def rope_theta(config: Any) -> float:
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+    """transformers' Q or K rows (each head's rotary halves) in llama.cpp's order (interleaved
+    pairs): `LlamaModel.permute` of llama.cpp's converter."""
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def pre_tokenizer(tokenizer_json: dict, where: str) -> str:
+    """llama.cpp's name for the pre-tokenizer of a byte-level BPE tokenizer.json."""
+    model = tokenizer_json.get("model", {}).get("type")
+    if model != "BPE":
+        raise ExportError(f"{where}: GGUF export writes byte-level BPE tokenizers (tokenizer.json model BPE); this one is {model!r}")
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
+        return "gpt-2"
+    if pre.get("type") == "Sequence":
+        splits = [p for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
+        byte_level = [p for p in pre.get("pretokenizers", []) if p.get("type") == "ByteLevel" and not p.get("use_regex", True)]
+        if len(splits) == 1 and byte_level:
+            name = PRE_TOKENIZERS.get(splits[0].get("pattern", {}).get("Regex"))
+            if name:
+                return name
+    raise ExportError(f"{where}: pre-tokenizer {json.dumps(pre)[:200]} is not one llama.cpp knows by name here "
+                      f"(GPT-2's byte-level regex, Llama 3's or Qwen2's split): use llama.cpp's convert_hf_to_gguf.py")  # fmt: skip
+
+
+def _token_types(tokenizer, n_vocab: int) -> tuple[list[str], list[int]]:
+    import gguf
+
+    vocab = tokenizer.get_vocab()
+    by_id = {i: t for t, i in vocab.items()}
+    added = {t.content: t for t in tokenizer.backend_tokenizer.get_added_tokens_decoder().values()}
+    tokens, types = [], []
+    for i in range(n_vocab):
+        token = by_id.get(i)
+        if token is None:  # embedding rows past the tokenizer (padded vocabularies), as the converter names them
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif token in added:
+            tokens.append(token)
+            types.append(gguf.TokenType.CONTROL if added[token].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(token)
+            types.append(gguf.TokenType.NORMAL)
+    return tokens, types
+
+
+def _add_tokenizer(writer, tokenizer, n_vocab: int, where: str) -> None:
+    import gguf
+
+    tokenizer_json = json.loads(tokenizer.backend_tokenizer.to_str())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_tokenizer(tokenizer_json, where))
+    if len(tokenizer.get_vocab()) > n_vocab:
+        raise ExportError(f"{where}: the tokenizer has {len(tokenizer.get_vocab())} tokens but the model's embedding only {n_vocab} rows")
+    tokens, types = _token_types(tokenizer, n_vocab)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    with tempfile.TemporaryDirectory() as tmp:  # SpecialVocab reads merges, special ids and the template from files
+        tokenizer.save_pretrained(tmp)
+        special = gguf.SpecialVocab(tmp, load_merges=True, n_vocab=n_vocab)
+    special.chat_template = tokenizer.chat_template  # what apply_chat_template renders (tokenizer_config or chat_template.jinja)
+    stops = stop_token_ids(tokenizer)  # the chat's end of turn first, as `qllm generate` and evaluate stop
+    if stops and "eos" not in special.special_token_ids:
+        special.special_token_ids["eos"] = stops[-1]
+    if stops and stops[0] != special.special_token_ids.get("eos"):
+        special.special_token_ids["eot"] = stops[0]  # llama.cpp ends generation at eos and eot (the chat's end of turn)
+    sample = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    special.add_special_token = {"bos": len(sample) > len(plain) and sample[0] != plain[0], "eos": len(sample) > len(plain) and sample[-1] != plain[-1]}
+    special.add_to_gguf(writer, quiet=True)
+
+
+def _numpy_type(data: torch.Tensor, kind: str):
+    """(array, raw GGML type or None) for one tensor of a `kind` file."""
+    import gguf
+
+    array = data.detach().to(torch.float32).cpu().numpy()
+    if array.ndim <= 1 or kind == "f32":
+        return array, None
+    if kind == "f16":
+        return array.astype(np.float16), None
+    if kind == "bf16":
+        return gguf.quants.quantize(array, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    if array.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]:
+        return array.astype(np.float16), None  # the converter's fallback for rows Q8_0 cannot block
+    return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+
+
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
+"""`general.file_type` (gguf.LlamaFileType) of each numpy-written kind."""
+
+
+def tensors(model, where: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor in llama.cpp's layout) for every weight of `model`; a tied output head is
+    left out (llama.cpp uses token_embd for it)."""
+    import gguf
+
+    config = model.config
+    arch, permuted = architecture(config, where)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for hf_name, data in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ExportError(f"{where}: no GGUF name for tensor {hf_name!r} of a {config.model_type} model")
+        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = permute(data, config.num_attention_heads)
+        elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = permute(data, config.num_key_value_heads or config.num_attention_heads)
+        yield name, data
+
+
+def write(model, tokenizer, path: Path | str, kind: str, name: str, where: str | None = None) -> dict[str, Any]:
+    """Write `model` (a transformers llama/mistral/qwen2 causal LM, adapters already merged) with
+    `tokenizer` as a GGUF file of `kind` (NUMPY_TYPES) at `path`, atomically; what was written."""
+    import gguf
+
+    if kind not in NUMPY_TYPES:
+        raise ExportError(f"GGUF type {kind!r}: written here are {', '.join(NUMPY_TYPES)}; {', '.join(LLAMA_CPP_TYPES)} need llama.cpp's quantizer")
+    where = where or name
+    config = model.config
+    arch, _ = architecture(config, where)
+    path = Path(path)
+    n_vocab = int(model.get_input_embeddings().weight.shape[0])
+    tmp = path.with_name(f".{path.name}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    writer.add_name(name)
+    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_embedding_length(int(config.hidden_size))
+    writer.add_block_count(int(config.num_hidden_layers))
+    writer.add_feed_forward_length(int(config.intermediate_size))
+    writer.add_head_count(int(config.num_attention_heads))
+    writer.add_head_count_kv(int(config.num_key_value_heads or config.num_attention_heads))
+    writer.add_rope_freq_base(rope_theta(config))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(head_dim(config))
+    if head_dim(config) != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim(config))
+        writer.add_value_length(head_dim(config))
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(FILE_TYPES[kind])
+    _add_tokenizer(writer, tokenizer, n_vocab, where)
+    counts: dict[str, int] = {}
+    with torch.no_grad():
+        for tensor_name, data in tensors(model, where):
+            array, raw = _numpy_type(data, kind)
+            writer.add_tensor(tensor_name, array, raw_dtype=raw)
+            label = raw.name if raw is not None else {np.float16: "F16", np.float32: "F32"}[array.dtype.type]
+            counts[label] = counts.get(label, 0) + 1
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    tmp.replace(path)
+    return {"file": path.name, "type": kind, "bytes": path.stat().st_size, "sha256": sha256(path), "tensor_types": dict(sorted(counts.items()))}
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def quantize_with_llama_cpp(source: Path | str, target: Path | str, kind: str) -> dict[str, Any]:
+    """`target` as llama.cpp's quantizer makes it from the f16 file `source` (K-quants:
+    LLAMA_CPP_TYPES), through llama-cpp-python's binding of `llama_model_quantize`."""
+    if kind not in LLAMA_CPP_TYPES:
+        raise ExportError(f"GGUF type {kind!r}: llama.cpp's quantizer makes {', '.join(LLAMA_CPP_TYPES)} here")
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ExportError(f"GGUF type {kind}: llama.cpp's quantizer comes with llama-cpp-python, which is not installed "
+                          "(pip install llama-cpp-python; it builds llama.cpp from source, minutes): or export f16/q8_0 only") from exc  # fmt: skip
+    target = Path(target)
+    tmp = target.with_name(f".{target.name}.tmp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_CPP_TYPES[kind]
+    params.nthread = 0  # all cores
+    code = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
+    if code != 0:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"llama.cpp's quantizer failed ({code}) making {kind} from {source}")
+    tmp.replace(target)
+    return {"file": target.name, "type": kind, "bytes": target.stat().st_size, "sha256": sha256(target)}
+
+
+CONTENT = "\x00qllm-content-{}\x00"
+"""Stand-ins for message contents when a chat template is taken apart (never in a real chat)."""
+_ROLES = ("system", "user", "assistant")
+
+
+def _go_text(text: str) -> str:
+    """Literal text in a Go template (only `{{` would be read as an action)."""
+    return text.replace("{{", '{{ "{{" }}')
+
+
+def _conversations() -> list[tuple[list[str], bool]]:
+    """(role sequence, required) a template is taken apart on and checked against: Ollama renders
+    a conversation that ends with the user's turn, then the generation prompt. Turns out of order
+    (two user turns) are not required: some templates refuse them, the others show where one
+    role's closing text ends and the next one's opening text starts."""
+    return [(["user"], True), (["user", "assistant", "user"], True), (["system", "user"], True), (["system", "user", "assistant", "user"], True),
+            (["user", "assistant", "user", "assistant", "user"], True), (["system", "user", "assistant", "user", "assistant", "user"], True),
+            (["user", "user"], False), (["user", "assistant", "assistant", "user"], False), (["system", "system", "user"], False)]  # fmt: skip
+
+
+def _split_joins(joins: dict[tuple[str, str], str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Each role's text before its content (`prefix`; "generation": the generation prompt) and
+    after it (`suffix`) from the texts between consecutive contents: a role followed by several
+    roles ends where their joins part; the rest follows from what is known, and an unknown split is
+    put in the suffix (every split that reproduces the joins renders the same text)."""
+    suffix: dict[str, str] = {}
+    for role in {first for first, _ in joins}:
+        following = {second: joined for (first, second), joined in joins.items() if first == role}
+        if len(following) > 1:
+            suffix[role] = os.path.commonprefix(list(following.values()))
+    prefix: dict[str, str] = {}
+    while True:
+        changed = False
+        for (first, second), joined in joins.items():
+            if first in suffix and second not in prefix:
+                prefix[second], changed = joined[len(suffix[first]) :], True
+            elif second in prefix and first not in suffix and joined.endswith(prefix[second]):
+                suffix[first], changed = joined[: len(joined) - len(prefix[second])], True
+        if changed:
+            continue
+        open_pairs = [(first, second) for first, second in joins if first not in suffix and second not in prefix]
+        if not open_pairs:
+            break
+        prefix[open_pairs[0][1]] = ""
+    for role in (*_ROLES, "generation"):
+        prefix.setdefault(role, "")
+    for role in _ROLES:
+        suffix.setdefault(role, "")
+    return prefix, suffix
+
+
+def ollama_template(render, where: str) -> str:
+    """The chat template as Ollama's Go template: `render(messages)` is the tokenizer's template
+    with the generation prompt (`apply_chat_template(..., add_generation_prompt=True, tokenize=False)`).
+
+    A template that wraps each message in text of its role (ChatML, Llama 3, Phi-3, the pipeline's
+    own), optionally with a default system message when none is given (Qwen2.5), is taken apart on
+    stand-in contents into: the text before the first message (with and without a system
+    message), each role's text around the content, and the generation prompt; the Go template is
+    then checked to give exactly the same text on every conversation of `_conversations`. A
+    template that folds the system prompt into the first user turn (Mistral, Gemma) gets an
+    `ExportError` (Ollama can read the GGUF's `tokenizer.chat_template` itself). Contents go in as
+    they are: a template that trims them (Llama 3's `| trim`) differs only for a message with
+    whitespace at its ends, as Ollama's own Llama 3 template does."""
+
+    def text(roles: list[str]) -> str:
+        return render([{"role": role, "content": CONTENT.format(i)} for i, role in enumerate(roles)])
+
+    def pieces(roles: list[str]) -> list[str]:  # the text before, between and after the contents
+        rendered, out = text(roles), []
+        for i in range(len(roles)):
+            before, marker, rendered = rendered.partition(CONTENT.format(i))
+            if not marker:
+                raise ExportError(f"{where}: the chat template does not write message {i} ({roles[i]}) as it is: no Ollama TEMPLATE can be derived")
+            out.append(before)
+        return [*out, rendered]
+
+    between: dict[tuple[str, str], set[str]] = {}
+    starts: dict[str, str] = {}
+    expected: dict[tuple[str, ...], str] = {}  # every conversation the template renders, and how
+    for roles, required in _conversations():
+        try:
+            expected[tuple(roles)] = text(roles)
+            parts = pieces(roles)
+        except ExportError:
+            raise
+        except Exception as exc:  # a template's own raise_exception (e.g. roles out of turn)
+            if not required:
+                continue
+            raise ExportError(f"{where}: the chat template does not render the conversations Ollama sends ({exc})") from exc
+        starts.setdefault(roles[0], parts[0])
+        for i, role in enumerate(roles):
+            between.setdefault((role, roles[i + 1] if i + 1 < len(roles) else "generation"), set()).add(parts[i + 1])
+    if any(len(found) > 1 for found in between.values()):
+        raise ExportError(f"{where}: the chat template writes the same turn differently by position (e.g. the system prompt folded into the first user turn): no Ollama TEMPLATE can be derived")  # fmt: skip
+    joins = {pair: found.pop() for pair, found in between.items()}
+    prefix, suffix = _split_joins(joins)
+    start_with_system = starts["system"].removesuffix(prefix["system"])
+    start_without = starts["user"].removesuffix(prefix["user"])
+    branches = "".join(f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{_go_text(prefix[role])}{{{{ .Content }}}}{_go_text(suffix[role])}'
+                       for i, role in enumerate(_ROLES))  # fmt: skip
+    start = (_go_text(start_with_system) if start_with_system == start_without else
+             f'{{{{ if and .Messages (eq (index .Messages 0).Role "system") }}}}{_go_text(start_with_system)}{{{{ else }}}}{_go_text(start_without)}{{{{ end }}}}')  # fmt: skip
+    template = f"{start}{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}{_go_text(prefix['generation'])}"
+    wrong = [roles for roles, rendered in expected.items() if rendered != _render_pieces(roles, start_with_system, start_without, prefix, suffix)]
+    if wrong:
+        raise ExportError(f"{where}: the chat template is not one text per message role (conversation {list(wrong[0])} differs): no Ollama TEMPLATE can be derived")  # fmt: skip
+    return template
+
+
+def _render_pieces(roles: tuple[str, ...], start_with_system: str, start_without: str, prefix: dict[str, str], suffix: dict[str, str]) -> str:
+    """What the derived Go template writes for `roles` (the check before it is returned; the
+    tests render it with Go itself)."""
+    out = start_with_system if roles[0] == "system" else start_without
+    for i, role in enumerate(roles):
+        out += prefix[role] + CONTENT.format(i) + suffix[role]
+    return out + prefix["generation"]
+
+
+def modelfile(gguf_file: str, template: str, stops: list[str], system: str | None = None) -> str:
+    """Ollama's Modelfile for `gguf_file` (next to it): its chat template, stop strings, greedy
+    decoding (as `evaluate` and `qllm generate`), and a default system prompt when given."""
+    lines = [f"FROM ./{gguf_file}", f'TEMPLATE """{template}"""']
+    if system:
+        lines.append(f'SYSTEM """{system}"""')
+    lines += [f"PARAMETER stop {json.dumps(stop)}" for stop in stops]
+    lines.append("PARAMETER temperature 0")
+    return "\n".join(lines) + "\n"

