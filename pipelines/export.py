@@ -98,9 +98,7 @@ def export(root: Path, model_dir: Path, out: Path, params, model_name: str, stag
 def body(ctx: stage.StageContext) -> dict[str, Any]:
     params = ctx.params
     if not params.enabled:
-        stage.placeholder(ctx, DISABLED_README)
-        ctx.log.info("export: disabled (export.enabled is false)")
-        return {"enabled": False}
+        return stage.switched_off(ctx, DISABLED_README)
     stage_name = params.model or ctx.param("register.model")
     if stage_name == "multimodal":
         raise QllmError("export.model: the multimodal model is not exported to GGUF here (llama.cpp needs its vision tower as a separate "

@@ -155,9 +155,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
 def body(ctx: stage.StageContext) -> dict:
     p = ctx.params
     if not p.enabled:
-        stage.placeholder(ctx, DISABLED_README)
-        ctx.log.info("grpo disabled (grpo.enabled: false): wrote only a README")
-        return {"enabled": False}
+        return stage.switched_off(ctx, DISABLED_README)
     metrics = run(ctx.root, ctx.input("models/sft"), ctx.input("chat"), ctx.output(), p, ctx.tracker, ctx.checkpoint_dir)
     rewards_text = ", ".join(f"{k.removeprefix('rewards/').removesuffix('/mean')} {v:.3f}" for k, v in metrics.items() if k.startswith("rewards/") and k.endswith("/mean"))
     ctx.log.info("grpo %s (beta %g, groups of %d): %d steps on %d questions; last generation's rewards: %s", p.loss_type, p.beta, p.group_size,

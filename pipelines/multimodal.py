@@ -149,9 +149,7 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
 def body(ctx: stage.StageContext) -> dict[str, Any]:
     params = ctx.params
     if not params.enabled:
-        stage.placeholder(ctx, DISABLED_README)
-        ctx.log.info("multimodal: disabled (multimodal.enabled is false)")
-        return {"enabled": False}
+        return stage.switched_off(ctx, DISABLED_README)
     base = ctx.root / params.base_model
     if base.exists():
         params = params.model_copy(update={"base_model": str(base)})

@@ -9,6 +9,7 @@ alive: two runs may write one shared file (the machine's `.qllm/device-probe.jso
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -93,6 +94,15 @@ def write_json(path: Path | str, data: Any) -> None:
     """Atomically write pretty, key-sorted JSON (stable bytes for DVC)."""
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+
+
+def sha256_file(path: Path | str) -> str:
+    """SHA-256 of a file's bytes, read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: Path | str) -> Any:

@@ -25,7 +25,6 @@ llama-cpp-python where it is installed (`quantize_with_llama_cpp`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -38,6 +37,7 @@ import torch
 
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import stop_token_ids
+from pipelines.core.outputs import sha256_file
 
 NUMPY_TYPES = ("f16", "q8_0", "bf16", "f32")
 """Types written here with the `gguf` package alone."""
@@ -240,15 +240,7 @@ def write(model, tokenizer, path: Path | str, kind: str, name: str, where: str |
     finally:
         writer.close()
     tmp.replace(path)
-    return {"file": path.name, "type": kind, "bytes": path.stat().st_size, "sha256": sha256(path), "tensor_types": dict(sorted(counts.items()))}
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return {"file": path.name, "type": kind, "bytes": path.stat().st_size, "sha256": sha256_file(path), "tensor_types": dict(sorted(counts.items()))}
 
 
 def quantize_with_llama_cpp(source: Path | str, target: Path | str, kind: str) -> dict[str, Any]:
@@ -271,7 +263,7 @@ def quantize_with_llama_cpp(source: Path | str, target: Path | str, kind: str) -
         tmp.unlink(missing_ok=True)
         raise ExportError(f"llama.cpp's quantizer failed ({code}) making {kind} from {source}")
     tmp.replace(target)
-    return {"file": target.name, "type": kind, "bytes": target.stat().st_size, "sha256": sha256(target)}
+    return {"file": target.name, "type": kind, "bytes": target.stat().st_size, "sha256": sha256_file(target)}
 
 
 CONTENT = "\x00qllm-content-{}\x00"

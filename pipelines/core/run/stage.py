@@ -99,6 +99,14 @@ def placeholder(ctx: StageContext, text: str) -> None:
         (tmp / "README.md").write_text(text, encoding="utf-8")
 
 
+def switched_off(ctx: StageContext, text: str) -> dict[str, Any]:
+    """For a stage its `enabled: false` switches off: the README `placeholder`, a log line, and
+    the metrics that say so."""
+    placeholder(ctx, text)
+    ctx.log.info("%s: disabled (%s.enabled is false): wrote only a README", ctx.name, ctx.name)
+    return {"enabled": False}
+
+
 def dependency_digests(root: Path, spec: dag.Stage) -> dict[str, str]:
     """DVC md5 of every dependency that exists (code and data), keyed by its dvc.yaml path."""
     return {dep: dag.dvc_md5(root / dep) for dep in spec.deps if (root / dep).exists()}

@@ -16,7 +16,6 @@ warning and the previous one is used.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,18 +27,13 @@ from typing import Any
 
 import torch
 
+from pipelines.core.outputs import sha256_file
+
 log = logging.getLogger("qllm.checkpoint")
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -97,7 +91,7 @@ class CheckpointManager:
         try:
             save_file(self.weights(model), str(tmp / MODEL_FILE))
             torch.save(state, tmp / STATE_FILE)
-            manifest = {"step": step, "files": {name: _sha256(tmp / name) for name in (MODEL_FILE, STATE_FILE)}}
+            manifest = {"step": step, "files": {name: sha256_file(tmp / name) for name in (MODEL_FILE, STATE_FILE)}}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
             if final.exists():
                 shutil.rmtree(final)
@@ -127,7 +121,7 @@ class CheckpointManager:
         """True if the manifest exists and both files match their recorded checksums."""
         try:
             manifest = json.loads((path / MANIFEST).read_text())
-            return all(_sha256(path / name) == digest for name, digest in manifest["files"].items())
+            return all(sha256_file(path / name) == digest for name, digest in manifest["files"].items())
         except (OSError, ValueError, KeyError):
             return False
 
