@@ -21,6 +21,7 @@ After a run:
     qllm generate --model data/models/sft --prompt "What is 2 plus 3?" --temperature 0.8 --seed 1
     qllm generate --model data/models/multimodal --image digit.png --prompt "Which digit is this?"
     qllm compare --last 2 [--all] [--json]               # or: qllm compare RUN_ID RUN_ID ...
+    qllm export --model models:/qllm@champion --out gguf/  # GGUF f16 + q8_0 and an Ollama Modelfile (docs/export.md)
 
 Errors the user can act on (unknown model, alias, version or run id, no mlflow.db) exit with 2.
 
@@ -285,6 +286,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    _quiet_downloads()
+    from pydantic import ValidationError
+
+    from flows import generation
+    from pipelines import export
+    from pipelines.core.config import ExportParams
+
+    root = Path(args.project_dir).resolve()
+    types = args.type or ["f16", "q8_0"]
+    try:
+        params = ExportParams(enabled=True, types=types, modelfile=not args.no_modelfile, modelfile_type=args.modelfile_type or types[-1],
+                              system=args.system)  # fmt: skip
+    except ValidationError as exc:
+        raise QllmError("; ".join(f"--type/--modelfile-type: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())) from exc
+    out = project_path(args.out, root)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / export.RECORD).exists())):
+        raise QllmError(f"{args.out}: exists and is not an export's output (no {export.RECORD}): the export replaces its --out directory; name a new one")
+    if generation.is_image_model(args.model, root):
+        raise QllmError(f"{args.model}: the multimodal model is not exported to GGUF here (llama.cpp needs its vision tower as a separate mmproj file)")
+    model, tokenizer = generation.load(args.model, root)
+    name = args.name or (args.model.removeprefix("models:/").split("@")[0].split("/")[0] if args.model.startswith("models:/") else Path(args.model).name)
+    record = export.write_files(model, tokenizer, out, params, name, args.model, args.model, shown=args.out.rstrip("/"))
+    for entry in record["files"]:
+        print(f"{args.out.rstrip('/')}/{entry['file']}  {entry['type']}  {entry['bytes'] / 1e6:.1f} MB")
+    if record["modelfile"]:
+        print(f"{args.out.rstrip('/')}/{record['modelfile']}  (ollama create {name} -f {args.out.rstrip('/')}/{record['modelfile']})")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     _quiet_downloads()
     from flows import compare
@@ -326,6 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
     generate.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
     generate.set_defaults(func=cmd_generate)
+
+    export = sub.add_parser("export", help="write a registered model or a model directory as GGUF for llama.cpp and Ollama (with a Modelfile)")
+    export.add_argument("--model", required=True, metavar="URI|PATH", help="models:/NAME@ALIAS, models:/NAME/VERSION or a model directory")
+    export.add_argument("--out", required=True, metavar="DIR", help="the directory to write (replaced whole: a new one, or an earlier export's)")
+    export.add_argument("--type", action="append", metavar="TYPE",
+                        help="f16, q8_0, bf16, f32, or q4_k_m, q4_k_s, q5_k_m, q6_k (llama.cpp's quantizer: llama-cpp-python); repeatable (default: f16 and q8_0)")
+    export.add_argument("--modelfile-type", metavar="TYPE", help="the file the Modelfile's FROM names (default: the last --type)")
+    export.add_argument("--no-modelfile", action="store_true", help="no Ollama Modelfile (Ollama then reads the chat template from the GGUF)")
+    export.add_argument("--system", help="the Modelfile's default system prompt")
+    export.add_argument("--name", help="general.name and the files' prefix (default: the registered model's name or the directory's)")
+    export.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
+    export.set_defaults(func=cmd_export)
 
     compare = sub.add_parser("compare", help="params and metrics of MLflow runs side by side (only differing keys by default)")
     compare.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="pipeline or stage run ids (or unique prefixes of at least 6 characters)")

@@ -61,6 +61,15 @@ def export(root: Path, model_dir: Path, out: Path, params, model_name: str, stag
     """Write the GGUF files (and Modelfile) of the model in `model_dir` into `out`, atomically; the record."""
     where = model_dir.relative_to(root).as_posix() if model_dir.is_relative_to(root) else model_dir.name
     model, tokenizer = load_for_inference(model_dir, root)
+    shown = out.relative_to(root).as_posix() if out.is_relative_to(root) else str(out)
+    return write_files(model, tokenizer, out, params, model_name, stage_name, where, log, shown)
+
+
+def write_files(model, tokenizer, out: Path, params, model_name: str, stage_name: str, where: str, log=None, shown: str | None = None) -> dict[str, Any]:
+    """The GGUF files of `params.types`, the Modelfile, README and `export.json` of `model` (adapters
+    merged) in `out`, atomically; the record. `where` names the model in errors and the record,
+    `shown` the output directory in the README's commands (default: its name)."""
+    shown = shown or out.name
     numpy_types = [k for k in params.types if k in gguf_export.NUMPY_TYPES]
     llama_types = [k for k in params.types if k in gguf_export.LLAMA_CPP_TYPES]
     template = None
@@ -87,8 +96,8 @@ def export(root: Path, model_dir: Path, out: Path, params, model_name: str, stag
                   "modelfile": MODELFILE if template is not None else None, "stop": stops}  # fmt: skip
         if template is not None:
             (tmp / MODELFILE).write_text(gguf_export.modelfile(file_name(model_name, params.modelfile_type), template, stops, params.system), encoding="utf-8")
-        first = f"data/export/{files[0]['file']}"
-        ollama = f"\n    ollama create {model_name} -f data/export/{MODELFILE} && ollama run {model_name}    # Ollama\n" if template else ""
+        first = f"{shown}/{files[0]['file']}"
+        ollama = f"\n    ollama create {model_name} -f {shown}/{MODELFILE} && ollama run {model_name}    # Ollama\n" if template else ""
         (tmp / "README.md").write_text(README.format(name=model_name, stage=stage_name, source=where, files=", ".join(f["file"] for f in files),
                                                      first=first, ollama=ollama), encoding="utf-8")  # fmt: skip
         write_json(tmp / RECORD, record)

@@ -599,3 +599,32 @@ def test_export_writes_gguf_of_the_registered_model_and_register_attaches_it(fir
         local = mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path=version.tags["qllm.gguf.f16"])
     assert Path(local).read_bytes() == f16.read_bytes()
     assert dvc_up_to_date(run([sys.executable, "-m", "dvc", "status"], ws).stdout)
+
+
+def test_qllm_export_writes_a_registered_version_and_refuses_to_overwrite_a_foreign_directory(first, project, capsys):
+    """`qllm export --model models:/qllm@champion --out DIR`: the champion's GGUF and Modelfile
+    from the registry; a directory that holds something else is refused and left as it was, and
+    a type that does not exist is named."""
+    import shutil
+
+    import gguf
+    import numpy as np
+
+    from flows import cli, generation
+
+    try:
+        assert cli.main(["export", "--model", "models:/qllm@champion", "--out", "exported", "--type", "f16", "--project-dir", str(project)]) == 0
+        assert sorted(p.name for p in (project / "exported").iterdir()) == ["Modelfile", "README.md", "export.json", "qllm-f16.gguf"]
+        assert "exported/qllm-f16.gguf  f16" in capsys.readouterr().out
+        model, _ = generation.load("models:/qllm@champion", project)
+        embedding = {t.name: t for t in gguf.GGUFReader(project / "exported/qllm-f16.gguf").tensors}["token_embd.weight"]
+        assert np.array_equal(np.asarray(embedding.data), model.get_input_embeddings().weight.detach().half().numpy())
+        (project / "notes").mkdir()
+        (project / "notes/keep.txt").write_text("mine")
+        assert cli.main(["export", "--model", "models:/qllm@champion", "--out", "notes", "--project-dir", str(project)]) == 2
+        assert "notes: exists and is not an export's output" in capsys.readouterr().err and (project / "notes/keep.txt").read_text() == "mine"
+        assert cli.main(["export", "--model", "models:/qllm@champion", "--out", "exported", "--type", "q3", "--project-dir", str(project)]) == 2
+        assert "--type/--modelfile-type" in capsys.readouterr().err and (project / "exported/qllm-f16.gguf").exists()
+    finally:
+        shutil.rmtree(project / "exported", ignore_errors=True)
+        shutil.rmtree(project / "notes", ignore_errors=True)
