@@ -5,6 +5,10 @@ a directory or file that looks finished. The temporary is a sibling, never insid
 DVC does not see it: `dvc status` reports the stage's output as missing (changed), and the next
 write of the same output removes the leftover first, unless the process that made it is still
 alive: two runs may write one shared file (the machine's `.qllm/device-probe.json`) at once.
+
+The finished output gets the permissions a plain write would have given it under the process's
+umask (0755 directories, 0644 files under the usual 022), not the owner-only ones of Python's
+temporaries: on a team's shared checkout the others can read what a run wrote.
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ def clean_stale_temps(parent: Path, name: str) -> None:
             _remove(candidate)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux's /proc; elsewhere the usual 022):
+    `os.umask` sets while it reads, which would race with the stages writing in other threads."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def _prefix(path: Path) -> str:
     return f"{TMP_PREFIX}{path.name}-{os.getpid()}-"
 
@@ -64,6 +80,7 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(path.parent, path.name)
     tmp = Path(tempfile.mkdtemp(prefix=_prefix(path), dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's is owner-only
     try:
         yield tmp
     except BaseException:
@@ -82,6 +99,7 @@ def atomic_file(path: Path | str) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(prefix=_prefix(path), dir=path.parent)
     os.close(fd)
     tmp = Path(name)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's is owner-only
     try:
         yield tmp
     except BaseException:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pipelines.core.outputs import atomic_dir, atomic_file, read_json, write_json
@@ -52,3 +54,22 @@ def test_atomic_file_and_json(tmp_path):
         tmp.write_text("garbage")
         raise ValueError
     assert read_json(tmp_path / "m.json") == {"a": 2, "b": 1}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_finished_outputs_have_the_permissions_of_a_plain_write(tmp_path, umask):
+    """Not the owner-only ones of Python's temporaries: on a shared checkout the team reads them."""
+    import stat
+
+    old = os.umask(umask)
+    try:
+        with atomic_dir(tmp_path / "out") as tmp:
+            (tmp / "model.txt").write_text("weights")
+        write_json(tmp_path / "out.json", {"a": 1})
+        (tmp_path / "plain").mkdir()
+        (tmp_path / "plain.json").write_text("{}")
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(tmp_path / "out") == mode(tmp_path / "plain") == 0o777 & ~umask
+    assert mode(tmp_path / "out.json") == mode(tmp_path / "plain.json") == mode(tmp_path / "out/model.txt") == 0o666 & ~umask
