@@ -307,7 +307,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / export.RECORD).exists())):
         raise QllmError(f"{args.out}: exists and is not an export's output (no {export.RECORD}): the export replaces its --out directory; name a new one")
     if generation.is_image_model(args.model, root):
-        raise QllmError(f"{args.model}: the multimodal model is not exported to GGUF here (llama.cpp needs its vision tower as a separate mmproj file)")
+        raise QllmError(f"{args.model}: {export.NO_IMAGE_MODEL}")
     model, tokenizer = generation.load(args.model, root)
     name = args.name or (args.model.removeprefix("models:/").split("@")[0].split("/")[0] if args.model.startswith("models:/") else Path(args.model).name)
     record = export.write_files(model, tokenizer, out, params, name, args.model, args.model, shown=args.out.rstrip("/"))

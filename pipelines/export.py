@@ -33,6 +33,8 @@ NAME = "export"
 RECORD = "export.json"
 MODELFILE = "Modelfile"
 
+NO_IMAGE_MODEL = "the multimodal model is not exported to GGUF here (llama.cpp needs its vision tower as a separate mmproj file)"
+
 DISABLED_README = """\
 # Export stage disabled
 
@@ -110,8 +112,7 @@ def body(ctx: stage.StageContext) -> dict[str, Any]:
         return stage.switched_off(ctx, DISABLED_README)
     stage_name = params.model or ctx.param("register.model")
     if stage_name == "multimodal":
-        raise QllmError("export.model: the multimodal model is not exported to GGUF here (llama.cpp needs its vision tower as a separate "
-                        "mmproj file): set export.model to a language model's stage (pretrain, sft, lora, dpo, grpo)")  # fmt: skip
+        raise QllmError(f"export.model: {NO_IMAGE_MODEL}: set export.model to a language model's stage (pretrain, sft, lora, dpo, grpo)")
     record = export(ctx.root, ctx.input(f"models/{stage_name}"), ctx.output(), params, ctx.param("register.model_name"), stage_name, ctx.log)
     metrics: dict[str, Any] = {"enabled": True, "files": len(record["files"])}
     for entry in record["files"]:

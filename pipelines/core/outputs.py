@@ -61,12 +61,11 @@ def _umask() -> int:
     """The process's umask, read without changing it (Linux's /proc; elsewhere the usual 022):
     `os.umask` sets while it reads, which would race with the stages writing in other threads."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
+        status = Path("/proc/self/status").read_text()
+    except OSError:  # no /proc (macOS, Windows): the usual umask
+        return 0o022
+    found = re.search(r"^Umask:\s+([0-7]+)$", status, flags=re.M)
+    return int(found.group(1), 8) if found else 0o022
 
 
 def _prefix(path: Path) -> str:
