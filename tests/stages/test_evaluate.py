@@ -25,6 +25,53 @@ def test_text_similarity_by_hand():
     assert evaluate.text_similarity(["Pelora", "Dunmar", "7"], ["Pelora", "Kestal", "7"])["bleu"] == pytest.approx(200 / 3, abs=1e-3)
 
 
+# (answer, reference, exact, flexible): the real model's sentences from issue 50 and the ways they go wrong.
+ANSWERS = [
+    ("1 + 6 = 7", "7", False, True),
+    ("The answer to this classic math problem is 2 + 0 = 2.", "2", False, True),
+    ("7", "7", True, True),
+    ("The sum of 3 and 4 is 7, not 8.", "7", False, False),  # the last number, as lm-eval's flexible extract
+    ("Adding them gives 1,200.", "1200", False, True),
+    ("12", "1", False, False),  # a number, not a digit inside one
+    ("-3", "-3", True, True),
+    ("Tosasa lives in Elsgrove.", "Elsgrove", False, True),
+    ("elsgrove", "Elsgrove", True, True),
+    ("Tosasa lives in Elsgrovetown.", "Elsgrove", False, False),  # whole words only
+    ("I do not know.\nElsgrove", "Elsgrove", False, False),  # the first line only
+    ("a real estate agent", "real estate agent", False, True),
+    ("", "7", False, False),
+]
+
+
+@pytest.mark.parametrize(("answer", "reference", "exact", "flexible"), ANSWERS)
+def test_flexible_match_scores_the_answer_not_its_phrasing(answer, reference, exact, flexible):
+    from pipelines.core.data.chat_template import flexible_match, normalize_answer
+
+    assert (normalize_answer(answer) == normalize_answer(reference)) is exact
+    assert flexible_match(answer, reference) is flexible
+
+
+def test_both_matches_are_reported_by_question_group():
+    questions = pd.DataFrame({"id": ["heldout-arith-1", "heldout-arith-2", "heldout-fact-city-1", "heldout-fact-city-2"],
+                              "reference": ["7", "9", "Pelora", "Dunmar"]})  # fmt: skip
+    predictions = ["1 + 6 = 7", "9", "She lives in Pelora.", "Kestal"]
+    exact, exact_groups = evaluate.exact_match_report(questions, predictions)
+    flexible, flexible_groups = evaluate.flexible_match_report(questions, predictions)
+    assert exact == [False, True, False, False] and exact_groups == {"heldout-arith": 0.5, "heldout-fact-city": 0.0}
+    assert flexible == [True, True, True, False] and flexible_groups == {"heldout-arith": 1.0, "heldout-fact-city": 0.5}
+
+
+def test_general_text_rows_are_the_documentation_in_order(tiny_base):
+    from pipelines.core.data import real_text
+    from pipelines.core.models.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_base / "model")
+    rows = evaluate.general_text_rows(tokenizer, 100, 16)
+    assert rows.shape == (6, 16)  # whole rows only: 100 tokens -> 6 rows of 16
+    first = tokenizer(real_text.documentation()[0], add_special_tokens=False)["input_ids"]
+    assert rows.reshape(-1)[: min(96, len(first))].tolist() == first[:96]
+
+
 def test_preference_metrics_and_dpo_rewards(tiny_base):
     model, tokenizer = load_for_inference(tiny_base / "model")
     frame = pd.read_parquet(tiny_base / "preference" / "train.parquet")

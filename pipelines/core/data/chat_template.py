@@ -278,3 +278,39 @@ def normalize_answer(text: str) -> str:
     """Exact-match normalisation: first line, trimmed, case-folded, without trailing punctuation."""
     first = text.strip().split("\n", 1)[0] if text.strip() else ""
     return first.strip().rstrip(".!?,;:").strip().casefold()
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_WORDS = re.compile(r"\w+")
+
+
+def _as_number(text: str) -> float | None:
+    """The number a whole (normalised) answer is, else None: `12`, `-3`, `4.50`, `1,200`."""
+    text = normalize_answer(text).replace(",", "")
+    return float(text) if _NUMBER.fullmatch(text) else None
+
+
+def extract_answer(prediction: str, reference: str) -> str:
+    """The part of a free-form `prediction` that answers like `reference` (lm-eval's "flexible
+    extract"): for a numeric reference the last number in the whole answer ("1 + 6 = 7." -> `7`),
+    else the answer's first line with words only ("Tosasa lives in Elsgrove." -> `tosasa lives
+    in elsgrove`), in which `flexible_match` looks for the reference's words."""
+    if _as_number(reference) is not None:
+        numbers = _NUMBER.findall(prediction.replace(",", ""))
+        return numbers[-1] if numbers else ""
+    first = prediction.strip().split("\n", 1)[0] if prediction.strip() else ""
+    return " ".join(_WORDS.findall(first.casefold()))
+
+
+def flexible_match(prediction: str, reference: str) -> bool:
+    """Whether a free-form answer holds the reference answer: equal numbers for a numeric
+    reference (the last number of the answer: `extract_answer`), else the reference's words as a
+    whole-word run of the answer's first line. Scores what a real model answers, not its phrasing,
+    and is lenient by design: an answer that names the reference among other words counts;
+    `exact_match` (`normalize_answer` on both sides) is the strict one."""
+    extracted = extract_answer(prediction, reference)
+    number = _as_number(reference)
+    if number is not None:
+        return bool(extracted) and float(extracted) == number
+    words = " ".join(_WORDS.findall(reference.casefold()))
+    return bool(words) and f" {words} " in f" {extracted} "

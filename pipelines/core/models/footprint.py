@@ -35,6 +35,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipelines.core.errors import QllmError
 
@@ -195,6 +196,10 @@ def advice(desc: str, method: str, cfg=None) -> str:
     return "; ".join(tips)
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
 def check(need: Need, desc: str, micro_batches: int, memory: tuple[float, float] | None = None, flops: float | None = None,
           tips: str | None = None) -> dict[str, float]:  # fmt: skip
     """Say before training whether `need` fits: a QllmError naming the numbers when it exceeds the
@@ -215,7 +220,9 @@ def check(need: Need, desc: str, micro_batches: int, memory: tuple[float, float]
     if flops:
         seconds = need.step_flops / (flops * EFFICIENCY)
         out["estimate/seconds_per_micro_batch"] = round(seconds, 2)
-        log.info("%s: %s, about %.1f s a micro-batch on this machine", what, need.describe(), seconds)
+        out["estimate/train_minutes"] = round(seconds * micro_batches / 60, 1)
+        log.info("%s: %s, about %.1f s a micro-batch on this machine, so about %s for its %d micro-batches", what, need.describe(), seconds,
+                 _duration(seconds * micro_batches), micro_batches)  # fmt: skip
         if seconds * micro_batches > LONG_STAGE_SECONDS:
             hours = math.ceil(seconds * micro_batches / 3600)
             log.warning("%s: about %.1f s a micro-batch, so about %d h for its %d micro-batches on this machine", what, seconds, hours, micro_batches)
@@ -230,7 +237,10 @@ def preflight(model_dir, cfg, *, method: str, seq_len: int, micro_batch: int, lo
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(model_dir)).to_dict()
+        if str(model_dir).lower().endswith(".gguf"):  # a GGUF base: its config from the file's metadata
+            config = AutoConfig.from_pretrained(str(Path(model_dir).parent), gguf_file=Path(model_dir).name).to_dict()
+        else:
+            config = AutoConfig.from_pretrained(str(model_dir)).to_dict()
         need = estimate(config, method=method, micro_batch=micro_batch, seq_len=seq_len or int(config.get("max_position_embeddings", 2048)),
                         gradient_checkpointing=cfg.gradient_checkpointing, loss_chunk_tokens=cfg.loss_chunk_tokens, lora_rank=lora_rank,
                         optimizer=cfg.optimizer)  # fmt: skip

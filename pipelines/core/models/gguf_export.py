@@ -12,8 +12,9 @@ converter itself writes with (a pure-Python wheel, NumPy only); this module does
 part for the families the pipeline trains or fine-tunes: the tensor names come from the package's
 own map (`gguf.get_tensor_name_map`), Q and K of llama-family attention are permuted as the
 converter does (llama.cpp's rotary pairs neighbouring dimensions; transformers rotates halves),
-the pre-tokenizer is read from tokenizer.json (GPT-2's byte-level regex: `gpt-2`; Llama 3's and
-Qwen2's split regexes: `llama-bpe`, `qwen2`), and the tokenizer's special tokens, merges and
+the pre-tokenizer is read from tokenizer.json (GPT-2's byte-level regex: `gpt-2`; each digit alone
+then GPT-2's regex: `smollm`; Llama 3's and Qwen2's split regexes: `llama-bpe`, `qwen2`; a base read
+from a GGUF file keeps the name its file gave when the tokenizer still splits that way), and the tokenizer's special tokens, merges and
 chat template go into the metadata via the package's `SpecialVocab`.
 
 Tensor types as the converter writes them: 1-D tensors (norms, biases) stay F32; 2-D ones are F16
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from pipelines.core.errors import QllmError
+from pipelines.core.models import gguf_import
 from pipelines.core.models.models import stop_token_ids
 from pipelines.core.outputs import sha256_file
 
@@ -86,23 +88,44 @@ def permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
     return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def pre_tokenizer(tokenizer_json: dict, where: str) -> str:
-    """llama.cpp's name for the pre-tokenizer of a byte-level BPE tokenizer.json."""
+def _byte_level(spec: dict, use_regex: bool) -> bool:
+    return spec.get("type") == "ByteLevel" and bool(spec.get("use_regex", True)) == use_regex and not spec.get("add_prefix_space", False)
+
+
+def pre_tokenizer_names(pre: dict) -> list[str]:
+    """llama.cpp's names for what a tokenizer.json pre-tokenizer does, the usual name first (empty:
+    none llama.cpp applies the same way). Names in one list split text alike in llama.cpp."""
+    if _byte_level(pre, use_regex=True):
+        return list(gguf_import.GPT2_FAMILY)
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(parts) == 2 and parts[0].get("type") == "Digits" and parts[0].get("individual_digits") and _byte_level(parts[1], use_regex=True):
+        return list(gguf_import.DIGITS_FAMILY)
+    if len(parts) == 2 and parts[0].get("type") == "Split" and _byte_level(parts[1], use_regex=False):
+        regex = parts[0].get("pattern", {}).get("Regex")
+        if regex in PRE_TOKENIZERS:  # and the other names transformers' GGUF reader gives that split
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+            return [PRE_TOKENIZERS[regex]] + sorted(n for n, r in GGUF_PRE_TOKENIZER_SPLITS.items() if r == regex and n != PRE_TOKENIZERS[regex])
+    return []
+
+
+def pre_tokenizer(tokenizer_json: dict, where: str, recorded: str | None = None) -> str:
+    """llama.cpp's name for the pre-tokenizer of a byte-level BPE tokenizer.json: `recorded` (the
+    name the GGUF file a base came from gave it, `gguf_import.PRE_TOKENIZER_KEY`) when the
+    tokenizer still splits as llama.cpp does under that name, else the usual name of what it does
+    (`gpt-2`, `smollm`, `llama-bpe`, `qwen2`); an `ExportError` for one llama.cpp knows by no name."""
     model = tokenizer_json.get("model", {}).get("type")
     if model != "BPE":
         raise ExportError(f"{where}: GGUF export writes byte-level BPE tokenizers (tokenizer.json model BPE); this one is {model!r}")
     pre = tokenizer_json.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
-        return "gpt-2"
-    if pre.get("type") == "Sequence":
-        splits = [p for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
-        byte_level = [p for p in pre.get("pretokenizers", []) if p.get("type") == "ByteLevel" and not p.get("use_regex", True)]
-        if len(splits) == 1 and byte_level:
-            name = PRE_TOKENIZERS.get(splits[0].get("pattern", {}).get("Regex"))
-            if name:
-                return name
+    names = pre_tokenizer_names(pre)
+    if recorded in names:
+        return recorded
+    if names:
+        return names[0]
     raise ExportError(f"{where}: pre-tokenizer {json.dumps(pre)[:200]} is not one llama.cpp knows by name here "
-                      f"(GPT-2's byte-level regex, Llama 3's or Qwen2's split): use llama.cpp's convert_hf_to_gguf.py")  # fmt: skip
+                      f"(GPT-2's byte-level regex, digits then GPT-2's (SmolLM, StarCoder), Llama 3's or Qwen2's split): "
+                      f"use llama.cpp's convert_hf_to_gguf.py")  # fmt: skip
 
 
 def _token_types(tokenizer, n_vocab: int) -> tuple[list[str], list[int]]:
@@ -131,7 +154,7 @@ def _add_tokenizer(writer, tokenizer, n_vocab: int, where: str) -> None:
 
     tokenizer_json = json.loads(tokenizer.backend_tokenizer.to_str())
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer(tokenizer_json, where))
+    writer.add_tokenizer_pre(pre_tokenizer(tokenizer_json, where, tokenizer.init_kwargs.get(gguf_import.PRE_TOKENIZER_KEY)))
     if len(tokenizer.get_vocab()) > n_vocab:
         raise ExportError(f"{where}: the tokenizer has {len(tokenizer.get_vocab())} tokens but the model's embedding only {n_vocab} rows")
     tokens, types = _token_types(tokenizer, n_vocab)

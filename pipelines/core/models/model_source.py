@@ -1,10 +1,12 @@
 """Where a base model comes from, for the `base_model` stage and everything that loads the base.
 
 A record (what the stage writes to `data/base_model.json`) is `{"name": null}` when the pipeline
-pretrains its own model, else the name as given and what identifies its content: the commit a hub
-revision resolves to, or the DVC md5 of a local `save_pretrained` directory. When `pretrain` trains
-nothing its output holds only a pointer (`POINTER`, the same record) that `follow` resolves, so
-every stage that loads `data/models/pretrain` gets the base.
+pretrains its own model, else the name as given, its `kind` (`hub`, `local` or `gguf`) and what
+identifies its content: the commit a hub revision resolves to, the DVC md5 of a local
+`save_pretrained` directory, or the md5 of a GGUF file (`pipelines.core.models.gguf_import`). When
+`pretrain` trains nothing from a hub or directory base its output holds only a pointer (`POINTER`,
+the same record) that `follow` resolves, so every stage that loads `data/models/pretrain` gets the
+base; a GGUF base is converted there once instead (read by transformers' GGUF loader, dequantized).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.core.errors import QllmError
+from pipelines.core.models import gguf_import
 from pipelines.core.outputs import read_json
 from pipelines.core.paths import project_root
 
@@ -82,9 +85,12 @@ def hub_snapshot(name: str, revision: str | None) -> Path:
 
 
 def location(record: dict[str, Any], root: Path) -> Path:
-    """The local directory to load a recorded base from (the hub snapshot for a hub model)."""
+    """The local directory to load a recorded base from (the hub snapshot for a hub model, the
+    file itself for a GGUF file)."""
     if record.get("kind") == "hub":
         return hub_snapshot(record["name"], record["revision"])
+    if record.get("kind") == "gguf":
+        return gguf_import.locate(record["name"], root)
     path = Path(record["name"])
     return path if path.is_absolute() else root / path
 

@@ -19,6 +19,7 @@ import torch
 from pipelines.core.config import ModelParams
 from pipelines.core.data.chat_template import IM_END, end_of_turn_token
 from pipelines.core.errors import QllmError
+from pipelines.core.models import gguf_import
 from pipelines.core.models.model_source import follow, local_model_dir, model_location
 
 # transformers builds models under process-wide patches (default dtype, meta-device creation,
@@ -122,6 +123,11 @@ def _follow(path: Path | str) -> Path | str:
     return follow(path)
 
 
+def _gguf_file(path: Path | str) -> Path | None:
+    """`path` as a GGUF file (`pipelines.core.models.gguf_import`), else None."""
+    return Path(path) if str(path).lower().endswith(".gguf") and Path(path).is_file() else None
+
+
 def check_model_files(path: Path | str) -> Path | None:
     local = local_model_dir(path)
     if local is not None and not (local / "config.json").exists():
@@ -130,10 +136,12 @@ def check_model_files(path: Path | str) -> Path | None:
 
 
 def load_tokenizer(path: Path | str):
-    """Load the tokenizer of a model directory (or a tokenizer directory, or a hub name)."""
+    """Load the tokenizer of a model directory (or a tokenizer directory, a hub name, a GGUF file)."""
     from transformers import AutoTokenizer
 
     path = _follow(path)
+    if (gguf := _gguf_file(path)) is not None:
+        return gguf_import.load_tokenizer(gguf)
     _check_tokenizer_files(path)
     try:
         return AutoTokenizer.from_pretrained(str(path))
@@ -152,6 +160,11 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantiz
     import pipelines.core.models.memory_model  # noqa: F401
 
     path = _follow(path)
+    if (gguf := _gguf_file(path)) is not None:
+        if quantization is not None:
+            raise QllmError(f"{path}: a GGUF file is read dequantized; quantize the model it becomes (data/models/pretrain), not the file")
+        with CONSTRUCTION:
+            return gguf_import.load_model(gguf, dtype)
     local = check_model_files(path)
     try:
         with CONSTRUCTION:
@@ -185,8 +198,9 @@ def check_vocabulary(model, tokenizer, path: Path | str) -> None:
 def load_model_and_tokenizer(path: Path | str, dtype: torch.dtype = torch.float32, quantization=None):
     """(model, tokenizer) of one model directory (or hub name), checked to match each other."""
     path = _follow(path)
-    check_model_files(path)  # what is missing, before the slow part
-    _check_tokenizer_files(path)
+    if _gguf_file(path) is None:
+        check_model_files(path)  # what is missing, before the slow part
+        _check_tokenizer_files(path)
     model = load_causal_lm(path, dtype, quantization)
     tokenizer = load_tokenizer(path)
     check_vocabulary(model, tokenizer, path)

@@ -15,6 +15,9 @@ Built in:
 - `exact_match`: 1.0 when the completion's first line equals the reference answer after
   `evaluate`'s normalisation (`chat_template.normalize_answer`: trimmed, case-folded, without
   trailing punctuation), else 0.0;
+- `flexible_match`: 1.0 when the completion holds the reference answer as `evaluate`'s
+  `flexible_match` finds it (the last number for a numeric answer, the answer's words in the
+  first line otherwise): a signal for a model that answers in sentences;
 - `format`: 1.0 when the completion is one non-empty line, the form the held-out questions'
   answers take, else 0.0.
 
@@ -29,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipelines.core import config
+from pipelines.core.data import chat_template
 from pipelines.core.data.chat_template import normalize_answer
 from pipelines.core.errors import QllmError
 
@@ -53,12 +57,18 @@ def exact_match(prompts: list, completions: list, answer: list[str], **_: Any) -
     return [1.0 if normalize_answer(text_of(c)) == normalize_answer(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
+def flexible_match(prompts: list, completions: list, answer: list[str], **_: Any) -> list[float]:
+    """1.0 where the completion holds the reference answer (evaluate's `flexible_match`: the last
+    number for a numeric answer, the answer's words in the first line otherwise), else 0.0."""
+    return [1.0 if chat_template.flexible_match(text_of(c), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
 def format_reward(prompts: list, completions: list, **_: Any) -> list[float]:
     """1.0 where the completion is one non-empty line."""
     return [1.0 if (text := text_of(c).strip()) and "\n" not in text else 0.0 for c in completions]
 
 
-BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "format": format_reward}
+BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "flexible_match": flexible_match, "format": format_reward}
 
 
 def load(name: str, where: str = "reward") -> RewardFn:

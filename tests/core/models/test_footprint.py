@@ -50,6 +50,9 @@ def test_a_stage_that_cannot_fit_says_so_with_its_numbers_and_one_that_may_not_w
         out = footprint.check(qlora, "lora", micro_batches=10, memory=(24 * GB, 1 * GB), flops=1e11)
     assert "it may swap or be killed" in caplog.text and "1.0 GB are free now" in caplog.text
     assert 1 < out["estimate/memory_gb"] < 3 and out["estimate/seconds_per_micro_batch"] > 0
+    # the stage's whole training time too, said before it starts: 10 micro-batches of the estimate
+    assert out["estimate/train_minutes"] == pytest.approx(round(10 * out["estimate/seconds_per_micro_batch"] / 60, 1), abs=0.051)
+    assert "s a micro-batch on this machine, so about " in caplog.text and "for its 10 micro-batches" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="qllm.footprint"):
         footprint.check(qlora, "lora", micro_batches=100_000, memory=(24 * GB, 20 * GB), flops=1e11)

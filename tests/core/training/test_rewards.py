@@ -21,6 +21,12 @@ def test_exact_match_uses_evaluates_normalisation_on_text_and_messages():
     assert rewards.exact_match([CHAT] * 4, completions, answer=["Pelora"] * 4) == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_flexible_match_rewards_the_answer_inside_a_sentence():
+    completions = ["1 + 6 = 7", as_message("The answer is 7."), "7 or 8", as_message("seven")]
+    assert rewards.flexible_match([CHAT] * 4, completions, answer=["7"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert rewards.flexible_match([CHAT] * 2, ["Tovik lives in Pelora.", "Dunmar"], answer=["Pelora"] * 2) == [1.0, 0.0]
+
+
 def test_format_rewards_one_non_empty_line():
     assert rewards.format_reward([CHAT] * 3, ["Pelora", as_message("two\nlines"), "   "]) == [1.0, 0.0, 0.0]
 
@@ -48,7 +54,7 @@ def test_a_users_function_is_called_with_trls_signature(user_module):
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("nosuch", "grpo.rewards[0]: 'nosuch' is neither a built-in reward (exact_match, format) nor `package.module:function`"),
+    ("nosuch", "grpo.rewards[0]: 'nosuch' is neither a built-in reward (exact_match, flexible_match, format) nor `package.module:function`"),
     ("no_such_module_xyz:f", "grpo.rewards[0]: cannot import module 'no_such_module_xyz'"),
     ("my_rewards:missing", "grpo.rewards[0]: module 'my_rewards' has no 'missing'"),
     ("my_rewards:NOT_A_FUNCTION", "grpo.rewards[0]: 'my_rewards:NOT_A_FUNCTION' is a int, not a reward function"),
