@@ -5,6 +5,7 @@ on validation, its runs over seeds, and the base model as it comes.
     python -m benchmarks.real_model profile --seeds 0 1 2 [--set KEY=VALUE ...] [--out real_model.json]
     python -m benchmarks.real_model base --run .qllm/runs/<hash>
     python -m benchmarks.real_model grpo --run .qllm/runs/<hash> [--steps 20] [--seeds 0 1 2]
+    python -m benchmarks.real_model prompts --run .qllm/runs/<hash>
 
 `choose`: trains the stage (`sft` or `lora`, the profile's settings with each learning rate and
 seed) from the base a finished profile run (`--run`, its run workspace) gave it
@@ -24,6 +25,10 @@ run's SFT model, with the profile's `grpo` settings and `--steps` steps, its rew
 then SFT from the same model on the same chats for the same wall time (the profile's `sft`
 settings, stopped when GRPO's training time has passed); the held-out arithmetic before (the SFT
 model), after GRPO and after the extra SFT, by exact and flexible match, per seed.
+
+`prompts`: a few general prompts (`GENERAL_PROMPTS`, none about the sample's world) answered
+greedily by the base as it comes and by each model of the run: what fine-tuning did to what the
+model could do before, verbatim.
 
 `base`: `evaluate`'s metrics of the base as it comes (the GGUF file converted, no training) on
 the same held-out questions as the run's models (`--run`): the row the profile's table starts with.
@@ -184,6 +189,41 @@ def base(args) -> int:
     return 0
 
 
+GENERAL_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Write a Python function that returns the square of a number.",
+    "What is 12 times 11?",
+]
+
+
+def prompts(args) -> int:
+    """The base and each model of the run answering `GENERAL_PROMPTS` (greedy, 48 new tokens)."""
+    from pipelines import evaluate
+    from pipelines.core import params_file
+    from pipelines.core.models import gguf_import
+    from pipelines.core.models.models import load_for_inference, save_pretrained
+
+    run = args.run.resolve()
+    params, _ = params_file.load(REPO, overlays=[PROFILE])
+    chats = [[{"role": "user", "content": p}] for p in GENERAL_PROMPTS]
+    answers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = gguf_import.locate(params.base_model.name, REPO)
+        save_pretrained(gguf_import.load_model(path), gguf_import.load_tokenizer(path), Path(tmp) / "base")
+        for name, model_dir in [("base", Path(tmp) / "base")] + [(m, run / "data/models" / m) for m in params.evaluate.models]:
+            model, tokenizer = load_for_inference(model_dir, REPO)
+            answers[name] = evaluate.generate_answers(model, tokenizer, chats, 48, len(chats))
+    print(cpu())
+    for index, prompt in enumerate(GENERAL_PROMPTS):
+        print(f"\n{prompt}")
+        for name, said in answers.items():
+            print(f"  {name:8s} {said[index]!r}")
+    if args.out:
+        args.out.write_text(json.dumps({"prompts": GENERAL_PROMPTS, "answers": answers}, indent=1) + "\n")
+    return 0
+
+
 class Recorder:
     """A tracker that keeps the metrics the loop logs (`MlflowMetrics` calls `log_metrics`)."""
 
@@ -310,8 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--steps", type=int, default=20)
     g.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     g.add_argument("--out", type=Path)
+    q = commands.add_parser("prompts")
+    q.add_argument("--run", type=Path, required=True)
+    q.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    return {"choose": choose, "profile": profile, "base": base, "grpo": grpo}[args.command](args)
+    return {"choose": choose, "profile": profile, "base": base, "grpo": grpo, "prompts": prompts}[args.command](args)
 
 
 if __name__ == "__main__":
