@@ -193,10 +193,8 @@ def run(chat_dir: Path, out: Path, params: ProbeLoraParams, tracker=None) -> dic
     cfg = params.train
     qconfig = quantize.from_params(params, params.train.precision, NAME)
     frozen = qconfig is not None or params.frozen_base
-    estimates = finetune.preflight(params, params if qconfig is not None else None, NAME, probe=frozen)
+    train_rows, _, data_metrics, estimates = finetune.rows_and_estimate(params, chat_dir, params if qconfig is not None else None, NAME, probe=frozen)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, NAME)
-    max_len = params.max_seq_len or model.config.max_position_embeddings
-    train_rows, _, data_metrics = finetune.build_rows(tokenizer, chat_dir, params, max_len)
     batches = loop.Batches(len(train_rows), cfg.micro_batch_size, cfg.seed, chat_examples.collate(train_rows, tokenizer.pad_token_id, params.packing))
     if frozen:  # gradients at the frozen base (see probe_frozen)
         if distributed.world_size() > 1:

@@ -184,6 +184,22 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantiz
         raise QllmError(f"{shown}: unreadable weights ({exc})") from None
 
 
+def context_length(path: Path | str) -> int:
+    """The context a model was built for (`max_position_embeddings` of its config), without loading it."""
+    from transformers import AutoConfig
+
+    path = _follow(path)
+    if (gguf := _gguf_file(path)) is not None:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    else:
+        check_model_files(path)
+        try:
+            config = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise QllmError(f"{path}: cannot read the model's config ({exc})") from None
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
 def check_vocabulary(model, tokenizer, path: Path | str) -> None:
     """Every token id of `tokenizer` must have a row in the model's input embedding (else the
     first lookup of a high id fails with torch's "index out of range in self")."""

@@ -22,7 +22,14 @@ from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.errors import QllmError
 from pipelines.core.models import footprint, quantize
 from pipelines.core.models.model_source import follow
-from pipelines.core.models.models import device, load_model_and_tokenizer, parameter_counts, seeded
+from pipelines.core.models.models import (
+    context_length,
+    device,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    parameter_counts,
+    seeded,
+)
 from pipelines.core.training import chunked_loss, loop, objectives, progressive
 from pipelines.core.training.checkpoint import CheckpointManager
 
@@ -70,17 +77,31 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
     return rows["train"], rows["validation"], metrics
 
 
-def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str, probe: bool = False) -> dict[str, float]:
-    """Before the base loads: what the stage will need (`footprint.preflight`). `probe`:
-    probe_lora at a frozen base (gradients recorded, no optimizer)."""
+def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str, probe: bool = False, seq_len: int = 0) -> dict[str, float]:
+    """Before the base loads: what the stage will need (`footprint.preflight`) for micro-batches of
+    rows of `seq_len` tokens (0: `max_seq_len`, else the model's context). `probe`: probe_lora at a
+    frozen base (gradients recorded, no optimizer)."""
     method = footprint.method_for(quantization is not None, getattr(quantization, "quantization", "none"), probe)
     try:
         base = follow(params.base_model)
     except (OSError, ValueError) as exc:
         log.info("%s: no memory estimate for this base (%s)", desc, exc)
         return {}
-    return footprint.preflight(base, params.train, method=method, seq_len=params.max_seq_len, micro_batch=params.train.micro_batch_size,
+    return footprint.preflight(base, params.train, method=method, seq_len=seq_len or params.max_seq_len, micro_batch=params.train.micro_batch_size,
                                lora_rank=getattr(quantization, "r", 8), desc=desc)  # fmt: skip
+
+
+def rows_and_estimate(params: FinetuneParams, chat_dir: Path, quantization: QuantizationParams | None, desc: str,
+                      probe: bool = False) -> tuple[list, list, dict[str, float], dict[str, float]]:  # fmt: skip
+    """(train rows, validation rows, their counts, the stage's estimate), before the model loads:
+    the rows are built with the base's tokenizer (`max_seq_len`, else the model's context), and
+    the estimate is for micro-batches of the longest of them, the shape training will have (not the
+    context: SmolLM2's 8,192 tokens a row would be estimated at 350 GB for rows of 40)."""
+    tokenizer = load_tokenizer(params.base_model)
+    max_len = params.max_seq_len or context_length(params.base_model)
+    train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
+    longest = max(len(row.input_ids) for row in train_rows)
+    return train_rows, val_rows, metrics, preflight(params, quantization, desc, probe, seq_len=longest)
 
 
 def run(
@@ -102,10 +123,8 @@ def run(
     `extensions(model, tracker)`: loop extensions for the wrapped model (e.g. rank allocation)."""
     cfg = params.train
     qconfig = quantize.from_params(quantization, cfg.precision, quantization_section or desc)
-    estimates = preflight(params, quantization, desc)
+    train_rows, val_rows, metrics, estimates = rows_and_estimate(params, chat_dir, quantization, desc)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
-    max_len = params.max_seq_len or model.config.max_position_embeddings
-    train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
     with seeded(cfg.seed):  # adapter initialisation is random: make it a function of the seed
         model = wrap(quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing), tokenizer)
     counts = parameter_counts(model)

@@ -113,3 +113,29 @@ def test_the_advice_names_only_what_the_stage_does_not_do_yet(tmp_path, monkeypa
     assert "more than this machine's 24.0 GB; try a smaller sft.train.micro_batch_size or max_seq_len; LoRA instead of all weights" in str(error.value)
     assert "gradient_checkpointing" not in str(error.value) and "loss_chunk_tokens" not in str(error.value)
     assert footprint.preflight(tmp_path / "missing", cfg, method="full", seq_len=256, micro_batch=1, lora_rank=8, desc="sft") == {}
+
+
+def test_the_estimate_is_for_the_rows_training_will_have_not_the_models_context(tiny_base, tmp_path, caplog):
+    """Unpacked rows are padded to the longest example of a batch: a stage estimates micro-batches of
+    its longest row, not of the model's whole context (SmolLM2's 8,192 tokens made it refuse rows of
+    40 as needing 350 GB)."""
+    import json
+
+    import pandas as pd
+
+    from pipelines import sft
+    from pipelines.core.config import SftParams, TrainParams
+    from pipelines.core.data import chat_examples
+    from pipelines.core.data.chat_template import parse_messages
+    from pipelines.core.models.models import load_tokenizer
+
+    config = json.loads((tiny_base / "model" / "config.json").read_text())
+    cfg = TrainParams(max_steps=2, micro_batch_size=2, warmup_steps=0, eval_every=0, checkpoint_every=0, precision="fp32", extensions=[])
+    params = SftParams(base_model=str(tiny_base / "model"), packing=False, max_seq_len=0, train=cfg)
+    chats = [parse_messages(m) for m in pd.read_parquet(tiny_base / "chat" / "train.parquet")["messages"]]
+    examples, _ = chat_examples.encode(load_tokenizer(tiny_base / "model"), chats, config["max_position_embeddings"])
+    longest = max(len(e.input_ids) for e in examples)
+    assert longest < config["max_position_embeddings"]
+    with caplog.at_level(logging.INFO, logger="qllm.footprint"):
+        sft.run(tiny_base / "chat", tmp_path / "out", params)
+    assert f"parameters, {2 * longest} tokens a micro-batch)" in caplog.text, caplog.text
