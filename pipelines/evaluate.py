@@ -56,6 +56,7 @@ from pipelines.core.config import EvaluateParams
 from pipelines.core.data import packed, real_text
 from pipelines.core.data.chat_template import (
     flexible_match,
+    left_padding,
     normalize_answer,
     parse_messages,
     render_prompt,
