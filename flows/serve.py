@@ -43,6 +43,7 @@ from pathlib import Path
 from flows import postgres
 from flows.local_api import free_port, wait_http
 from pipelines.core.errors import QllmError
+from pipelines.core.outputs import write_private
 
 STATE_DIR = ".qllm/serve"
 RECORD = "services.json"
@@ -98,12 +99,9 @@ def service_env(root: Path, prefect_url: str | None = None, client: dict[str, st
 
 
 def _private(path: Path, text: str) -> None:
-    """Write `text` to `path` readable by its owner only (created so, never world-readable)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.chmod(path, 0o600)
+    """Write `text` to `path` readable by its owner only: a new 0600 file renamed over it
+    (`outputs.write_private`), so an existing file with wider permissions never holds it."""
+    write_private(path, text)
 
 
 def _secrets(state: Path) -> dict[str, str]:

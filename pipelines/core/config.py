@@ -1091,9 +1091,14 @@ class ExportParams(Section):
     """The file the Modelfile's FROM names (one of `types`)."""
     system: str | None = None
     """The Modelfile's default system prompt (SYSTEM); null: none (the sample chats' is "Answer with one word or number.")."""
+    temperature: float | None = Field(None, ge=0)
+    """The Modelfile's `PARAMETER temperature`; null: what the model's generation_config.json says
+    (0 where it decodes greedily, as the pipeline's models do; else its temperature)."""
 
     @model_validator(mode="after")
     def _modelfile_type_written(self) -> ExportParams:
+        if self.temperature is not None and not self.modelfile:
+            raise ValueError("temperature is the Modelfile's, but modelfile is false: set modelfile: true or leave temperature null")
         if len(set(self.types)) != len(self.types):
             raise ValueError(f"types: each type once (got {self.types})")
         if self.modelfile and self.modelfile_type not in self.types:
@@ -1106,7 +1111,8 @@ class RegisterParams(Section):
     """Which stage's model to register (`multimodal`: the image-chat model, gated on its entry in
     evaluate.json, where `exact_match` is the held-out image questions')."""
     model_name: str = Field("qllm", min_length=1)
-    """Registered model name in the MLflow model registry."""
+    """Registered model name in the MLflow model registry (no quotes, backslashes, `/` or control
+    characters: MLflow's search filters and `models:/` URIs are built from it)."""
     alias: str = Field("champion", min_length=1)
     """Alias the new version gets when it passes the gate (at least the champion's metric + margin)."""
     challenger_alias: str = Field("challenger", min_length=1)
@@ -1117,6 +1123,14 @@ class RegisterParams(Section):
     """Whether a higher (`max`, e.g. exact_match) or lower (`min`, e.g. val_loss) metric is better."""
     margin: float = Field(0.0, ge=0)
     """How much better than the champion (in the metric's units) a new version must be."""
+
+    @field_validator("model_name")
+    @classmethod
+    def _searchable(cls, name: str) -> str:
+        if any(c in name for c in "'\"\\/") or any(ord(c) < 32 for c in name):
+            raise ValueError(f"{name!r}: a registered model's name may not hold quotes, backslashes, '/' or control characters "
+                             "(MLflow's search filters and models:/ URIs are built from it)")  # fmt: skip
+        return name
 
     @model_validator(mode="after")
     def _distinct_aliases(self) -> RegisterParams:

@@ -408,12 +408,22 @@ def _render_pieces(roles: tuple[str, ...], start_with_system: str, start_without
     return out + prefix["generation"]
 
 
-def modelfile(gguf_file: str, template: str, stops: list[str], system: str | None = None) -> str:
-    """Ollama's Modelfile for `gguf_file` (next to it): its chat template, stop strings, greedy
-    decoding (as `evaluate` and `qllm generate`), and a default system prompt when given."""
+def generation_temperature(model) -> float:
+    """The temperature the model's generation config decodes at: 0 when it is greedy (`do_sample`
+    false, as the pipeline's models and `evaluate`), else its `temperature` (1.0 when unset)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not getattr(config, "do_sample", False):
+        return 0.0
+    return float(config.temperature if config.temperature is not None else 1.0)
+
+
+def modelfile(gguf_file: str, template: str, stops: list[str], system: str | None = None, temperature: float = 0.0) -> str:
+    """Ollama's Modelfile for `gguf_file` (next to it): its chat template, stop strings, the
+    sampling temperature (0: greedy, as `evaluate` and `qllm generate`), and a default system
+    prompt when given."""
     lines = [f"FROM ./{gguf_file}", f'TEMPLATE """{template}"""']
     if system:
         lines.append(f'SYSTEM """{system}"""')
     lines += [f"PARAMETER stop {json.dumps(stop)}" for stop in stops]
-    lines.append("PARAMETER temperature 0")
+    lines.append(f"PARAMETER temperature {temperature:g}")
     return "\n".join(lines) + "\n"

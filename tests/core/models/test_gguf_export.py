@@ -315,3 +315,25 @@ def parse_modelfile(text: str) -> dict:
         else:
             found[key.lower()] = value
     return found
+
+
+def test_the_modelfile_temperature_is_the_models_or_the_setting(tmp_path):
+    """`PARAMETER temperature` follows the model's generation config (0 for greedy, the pipeline's own;
+    a sampling model's temperature) unless `export.temperature` sets it; a temperature without a
+    Modelfile is refused."""
+    from pydantic import ValidationError
+
+    from pipelines import export
+    from pipelines.core.config import ExportParams
+
+    model, tokenizer = tiny()
+    assert gguf_export.generation_temperature(model) == 0.0  # configure_generation: greedy
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.7
+    assert gguf_export.generation_temperature(model) == 0.7
+    for setting, expected in ((None, "0.7"), (0.2, "0.2")):
+        export.write_files(model, tokenizer, tmp_path / f"out-{expected}", ExportParams(enabled=True, types=["f16"], modelfile_type="f16",
+                           temperature=setting), "qllm", "dpo", "data/models/dpo")  # fmt: skip
+        parsed = parse_modelfile((tmp_path / f"out-{expected}" / "Modelfile").read_text())
+        assert ("temperature", expected) in parsed["parameters"]
+    with pytest.raises(ValidationError, match="temperature is the Modelfile's, but modelfile is false"):
+        ExportParams(enabled=True, modelfile=False, temperature=0.5)
