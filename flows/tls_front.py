@@ -48,12 +48,13 @@ async def _connection(client_reader: asyncio.StreamReader, client_writer: asynci
     except OSError:
         client_writer.close()
         return
-    await asyncio.gather(_relay(client_reader, upstream_writer), _relay(upstream_reader, client_writer))
+    with contextlib.suppress(ConnectionError, ssl.SSLError, TimeoutError, OSError):  # a peer gone without TLS's close_notify
+        await asyncio.gather(_relay(client_reader, upstream_writer), _relay(upstream_reader, client_writer))
 
 
 def _quiet(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     """A client that fails the handshake (plain HTTP, an unknown certificate) is its own business."""
-    if isinstance(context.get("exception"), (ssl.SSLError, ConnectionError)):
+    if isinstance(context.get("exception"), (ssl.SSLError, ConnectionError, TimeoutError)):
         return
     loop.default_exception_handler(context)
 
