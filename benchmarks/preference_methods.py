@@ -36,9 +36,9 @@ from pathlib import Path
 BRANCHES: dict[str, list[str]] = {
     "dpo": ["dpo.method=dpo", "dpo.loss_type=sigmoid", "dpo.beta=0.1"],
     "ipo": ["dpo.method=dpo", "dpo.loss_type=ipo_sum", "dpo.beta=1.0"],
-    "kto": ["dpo.method=kto", "dpo.beta=0.1"],
-    "simpo": ["dpo.method=simpo", "dpo.beta=2.0", "dpo.simpo_gamma=0.5"],
-    "orpo": ["dpo.method=orpo", "dpo.start=base", "dpo.beta=0.1", "dpo.adapter=none"],
+    "kto": ["dpo.method=kto", "dpo.loss_type=null", "dpo.beta=0.1"],
+    "simpo": ["dpo.method=simpo", "dpo.loss_type=null", "dpo.beta=2.0", "dpo.simpo_gamma=0.5"],
+    "orpo": ["dpo.method=orpo", "dpo.loss_type=null", "dpo.start=base", "dpo.beta=0.1", "dpo.adapter=none"],
 }
 
 

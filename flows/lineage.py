@@ -61,7 +61,7 @@ def model_version(client: Any, uri: str) -> Any:
     try:
         return client.get_model_version(name, match["version"])
     except MlflowException:
-        versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name = {tracking.filter_value(name, 'model name')}"))
         raise QllmError(
             f"{uri}: model {name!r} has no version {match['version']} (versions: {', '.join(map(str, versions)) or 'none'})"
         ) from None

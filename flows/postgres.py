@@ -28,7 +28,8 @@ from urllib.parse import quote
 from pipelines.core.errors import QllmError
 
 USER = "qllm"
-"""The cluster's superuser, which the servers connect as."""
+"""The cluster's superuser: `flows.serve` administers the cluster as it; the servers connect as
+roles of their own (`Cluster.own`)."""
 
 
 def bin_dir() -> Path:
@@ -82,10 +83,12 @@ class Cluster:
         return [*_as_postgres(), str(bin_dir() / "postgres"), "-D", str(self.data), "-p", str(self.port),
                 "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories="]  # fmt: skip
 
-    def url(self, database: str, driver: str = "psycopg") -> str:
-        """SQLAlchemy's URL of `database` (`driver`: psycopg for MLflow, asyncpg for Prefect)."""
-        secret = f":{quote(self.password, safe='')}" if self.password is not None else ""
-        return f"postgresql+{driver}://{USER}{secret}@127.0.0.1:{self.port}/{database}"
+    def url(self, database: str, driver: str = "psycopg", user: str = USER, password: str | None = None) -> str:
+        """SQLAlchemy's URL of `database` (`driver`: psycopg for MLflow, asyncpg for Prefect), as
+        `user` (default the cluster's superuser, with its password)."""
+        password = self.password if user == USER else password
+        secret = f":{quote(password, safe='')}" if password is not None else ""
+        return f"postgresql+{driver}://{user}{secret}@127.0.0.1:{self.port}/{database}"
 
     def _connect(self, database: str = "postgres"):
         import psycopg
@@ -120,3 +123,32 @@ class Cluster:
                 return False
             connection.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
             return True
+
+    def own(self, role: str, password: str, databases: tuple[str, ...]) -> None:
+        """`role` logs in with `password` (set again each time: the secrets file holds the truth),
+        owns `databases` and what is in their `public` schema (tables an older version made as
+        the superuser included), and may connect to them only: not a superuser, no role or
+        database creation, every database of the cluster closed to PUBLIC; so a server's role
+        reads its own data and nothing else."""
+        from psycopg import sql
+
+        with self._connect() as connection:
+            exists = connection.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            verb = "ALTER" if exists else "CREATE"  # INHERIT: a database's owner acts as pg_database_owner, who owns `public`
+            connection.execute(sql.SQL(verb + " ROLE {} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE INHERIT PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(password)))  # fmt: skip
+            for database in databases:
+                connection.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(role)))
+            for (database,) in connection.execute("SELECT datname FROM pg_database WHERE NOT datistemplate").fetchall():
+                connection.execute(sql.SQL("REVOKE ALL ON DATABASE {} FROM PUBLIC").format(sql.Identifier(database)))
+        for database in databases:
+            with self._connect(database) as connection:
+                owned = connection.execute(
+                    "SELECT CASE c.relkind WHEN 'S' THEN 'SEQUENCE' WHEN 'v' THEN 'VIEW' WHEN 'm' THEN 'MATERIALIZED VIEW' ELSE 'TABLE' END, c.relname"
+                    " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_roles r ON r.oid = c.relowner"
+                    " WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm', 'S') AND r.rolname <> %s"
+                    " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = c.oid AND c.relkind = 'S' AND d.deptype IN ('a', 'i'))"
+                    " UNION ALL SELECT 'TYPE', t.typname FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace JOIN pg_roles r ON r.oid = t.typowner"
+                    " WHERE n.nspname = 'public' AND t.typtype IN ('e', 'd') AND r.rolname <> %s", (role, role)).fetchall()  # fmt: skip
+                for kind, name in owned:
+                    connection.execute(sql.SQL(f"ALTER {kind} {{}} OWNER TO {{}}").format(sql.Identifier("public", name), sql.Identifier(role)))

@@ -23,7 +23,10 @@ directory, `--dvc-remote` for another URL; set in `.dvc/config.local`) unless th
 The passwords are generated once and kept in `.qllm/serve/secrets.json`; what a client or worker
 needs (server URLs, user and password) is written to `.qllm/serve/team.env` (both readable by
 the owner only; nothing prints them): `set -a; . .qllm/serve/team.env; set +a`.
-Every server binds 127.0.0.1 unless `--host` says otherwise (PostgreSQL always does).
+Every server binds 127.0.0.1 unless `--host` says otherwise (PostgreSQL always does): the local
+profile refuses any other host, the team profile asks for TLS (`--tls-cert/--tls-key`: a TLS front
+before each server, `flows.tls_front`) or `--insecure` (`check_host`). Clients get an MLflow user
+of their own (`CLIENT`), not the admin; each server a PostgreSQL role owning its own database only.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from pathlib import Path
 from flows import postgres
 from flows.local_api import free_port, wait_http
 from pipelines.core.errors import QllmError
+from pipelines.core.outputs import write_private
 
 STATE_DIR = ".qllm/serve"
 RECORD = "services.json"
@@ -54,7 +58,14 @@ TEAM_ENV = "team.env"
 SECRETS = "secrets.json"
 """In STATE_DIR (team profile): the generated passwords, kept across restarts."""
 USER = postgres.USER
-"""The team profile's user on every server (MLflow's admin, Prefect's basic auth, PostgreSQL)."""
+"""The team profile's administrator: MLflow's admin and PostgreSQL's superuser (its passwords stay
+in `SECRETS`, never in `TEAM_ENV`), and Prefect's basic-auth user."""
+CLIENT = "qllm-client"
+"""The MLflow user of the team's clients and workers (`TEAM_ENV`): EDIT on the project's experiment
+and registered model, READ on the rest (`default_permission`), no administration."""
+DATABASE_ROLES = {"mlflow": ("qllm_mlflow", ("mlflow", "mlflow_auth")), "prefect": ("qllm_prefect", ("prefect",))}
+"""Each server's PostgreSQL role and the databases it owns (and may connect to: no other)."""
+PASSWORDS = ("postgres", "postgres_mlflow", "postgres_prefect", "mlflow", "mlflow_client", "prefect", "mlflow_flask")
 
 
 def _free(port: int) -> bool:
@@ -98,21 +109,19 @@ def service_env(root: Path, prefect_url: str | None = None, client: dict[str, st
 
 
 def _private(path: Path, text: str) -> None:
-    """Write `text` to `path` readable by its owner only (created so, never world-readable)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.chmod(path, 0o600)
+    """Write `text` to `path` readable by its owner only: a new 0600 file renamed over it
+    (`outputs.write_private`), so an existing file with wider permissions never holds it."""
+    write_private(path, text)
 
 
 def _secrets(state: Path) -> dict[str, str]:
-    """The team profile's passwords: generated on its first start, then read back."""
+    """The team profile's passwords (`PASSWORDS`): generated on its first start, then read back;
+    one a newer version needs is added to an older file."""
     path = state / SECRETS
-    if path.exists():
-        return json.loads(path.read_text())
-    made = {name: secrets.token_urlsafe(24) for name in ("postgres", "mlflow", "prefect", "mlflow_flask")}
-    _private(path, json.dumps(made, indent=2) + "\n")
+    known = json.loads(path.read_text()) if path.exists() else {}
+    made = known | {name: secrets.token_urlsafe(24) for name in PASSWORDS if name not in known}
+    if made != known:
+        _private(path, json.dumps(made, indent=2) + "\n")
     return made
 
 
@@ -126,14 +135,74 @@ def postgres_dir(root: Path) -> Path:
 
 
 def team_env(mlflow_url: str, prefect_url: str, passwords: dict[str, str]) -> dict[str, str]:
-    """What a client or worker of the team servers sets (`.qllm/serve/team.env`)."""
+    """What a client or worker of the team servers sets (`.qllm/serve/team.env`): MLflow's client
+    user (`CLIENT`, not the admin) and Prefect's auth string."""
     return {
         "MLFLOW_TRACKING_URI": mlflow_url,
-        "MLFLOW_TRACKING_USERNAME": USER,
-        "MLFLOW_TRACKING_PASSWORD": passwords["mlflow"],
+        "MLFLOW_TRACKING_USERNAME": CLIENT,
+        "MLFLOW_TRACKING_PASSWORD": passwords["mlflow_client"],
         "PREFECT_API_URL": prefect_url,
         "PREFECT_API_AUTH_STRING": f"{USER}:{passwords['prefect']}",
     }
+
+
+def _mlflow_admin(url: str, password: str, method: str, path: str, body: dict | None = None, version: str = "2.0") -> dict:
+    """One REST call to the MLflow server as its admin; the answer, or `{"error_code": ...}` for an
+    error MLflow names (an existing user or experiment: the caller decides)."""
+    import base64
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None and method != "GET" else None
+    query = f"?{urllib.parse.urlencode(body)}" if body is not None and method == "GET" else ""
+    request = urllib.request.Request(f"{url}/api/{version}/mlflow/{path}{query}", data=data, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": "Basic " + base64.b64encode(f"{USER}:{password}".encode()).decode()})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        answer = exc.read()
+        try:
+            parsed = json.loads(answer or b"{}")
+        except ValueError:
+            parsed = {}
+        if parsed.get("error_code") in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
+            return parsed
+        raise QllmError(f"MLflow server {method} {path}: HTTP {exc.code} {answer[:300]!r}") from None
+
+
+def grant_client(url: str, passwords: dict[str, str], experiment: str, model_name: str) -> None:
+    """Least privilege for the team's clients and workers: the MLflow user `CLIENT` (made, or its
+    password set again), with EDIT on `experiment` and on the registered model `model_name` (both
+    made by the admin when missing): what runs, stages and `register` need (create runs and model
+    versions, log, tag, set aliases), nothing that deletes, grants or administers."""
+    from pipelines.core.run import tracking
+
+    password = passwords["mlflow"]
+    user = {"username": CLIENT, "password": passwords["mlflow_client"]}
+    if _mlflow_admin(url, password, "POST", "users/create", user).get("error_code") == "RESOURCE_ALREADY_EXISTS":
+        _mlflow_admin(url, password, "PATCH", "users/update-password", user)
+    found = _mlflow_admin(url, password, "GET", "experiments/get-by-name", {"experiment_name": experiment})
+    if "experiment" in found:
+        experiment_id = found["experiment"]["experiment_id"]
+    else:
+        tags = [{"key": tracking.EXPERIMENT_KIND_TAG, "value": tracking.EXPERIMENT_KIND}]
+        experiment_id = _mlflow_admin(url, password, "POST", "experiments/create", {"name": experiment, "tags": tags})["experiment_id"]
+    _mlflow_admin(url, password, "POST", "registered-models/create", {"name": model_name})
+    for resource_type, resource_id in (("experiment", experiment_id), ("registered_model", model_name)):
+        _mlflow_admin(url, password, "POST", "users/permissions/grant",
+                      {"username": CLIENT, "resource_type": resource_type, "resource_id": resource_id, "permission": "EDIT"}, version="3.0")  # fmt: skip
+
+
+def _model_name(root: Path) -> str:
+    """`register.model_name` of the project's params.yaml (default `qllm`)."""
+    import yaml
+
+    path = root / "params.yaml"
+    data = yaml.safe_load(path.read_text()) if path.exists() else {}
+    return str(((data or {}).get("register") or {}).get("model_name") or "qllm")
 
 
 def worker_command(limit: int | None = None, name: str | None = None) -> list[str]:
@@ -160,6 +229,77 @@ def _default_dvc_remote(root: Path, url: str, env: dict[str, str]) -> str:
     return f"team -> {url} (default, in .dvc/config.local)"
 
 
+def _without(env: dict[str, str], prefix: str) -> dict[str, str]:
+    """`env` without the variables starting with `prefix` (a server does not need a client's credentials)."""
+    return {key: value for key, value in env.items() if not key.startswith(prefix)}
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+"""Hosts that bind every address of the machine."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) reaches this machine only."""
+    import ipaddress
+
+    if host in WILDCARDS:
+        return False
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        try:
+            found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+        return bool(found) and all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in found)
+
+
+def check_host(profile: str, host: str, tls: tuple[str, str] | None, insecure: bool) -> None:
+    """Refuse what would expose a server unsafely: the local profile beyond this host (an
+    unauthenticated Prefect API whose worker runs flow code: anyone reaching the port runs code
+    here); the team profile beyond this host without TLS (its passwords would cross the network
+    in clear) unless `insecure`; options that would do nothing."""
+    if profile not in PROFILES:
+        raise QllmError(f"serve: unknown profile {profile!r}; one of {', '.join(PROFILES)}")
+    if tls and insecure:
+        raise QllmError("serve: --insecure is for serving without TLS; with --tls-cert it would do nothing")
+    if profile == "local":
+        if tls or insecure:
+            raise QllmError(f"serve: {'--tls-cert/--tls-key' if tls else '--insecure'} is for the team profile (--profile team); "
+                            "the local profile serves this host only")  # fmt: skip
+        if not is_loopback(host):
+            raise QllmError(f"serve: --host {host!r} with the local profile would expose a Prefect API without authentication whose worker "
+                            "runs flow code: anyone who reaches the port could run code on this machine. Serve 127.0.0.1 and reach it "
+                            "through an SSH tunnel (ssh -L 4200:127.0.0.1:4200 ...), or use --profile team (authentication, TLS)")  # fmt: skip
+    elif not is_loopback(host) and not tls and not insecure:
+        raise QllmError(f"serve: --host {host!r} without TLS would send the team's passwords over the network in clear: give "
+                        "--tls-cert CERT.pem --tls-key KEY.pem (docs/deployments.md), or --insecure on a network you trust")  # fmt: skip
+    for path in tls or ():
+        if not Path(path).is_file():
+            raise QllmError(f"serve: --tls-cert/--tls-key {path}: no such file")
+
+
+def tls_client_env(cert: str) -> dict[str, str]:
+    """What a client verifies the TLS fronts with: the certificate itself (self-signed; for one a
+    CA your clients trust already signed, drop these)."""
+    path = str(Path(cert).resolve())
+    return {"PREFECT_API_SSL_CERT_FILE": path, "MLFLOW_TRACKING_SERVER_CERT_PATH": path}
+
+
+def wait_port(host: str, port: int, process: subprocess.Popen, what: str, timeout: float | None = None, hint: str = "") -> None:
+    """Return once `host:port` accepts a TCP connection; a clear error if `process` exits first."""
+    deadline = time.monotonic() + (timeout or 60.0)
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise QllmError(f"{what} exited with code {process.returncode}{hint}")
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise QllmError(f"{what} did not listen on {host}:{port} within {timeout or 60.0:.0f} s{hint}")
+
+
 def _spawn(command: list[str], root: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:  # the child keeps its own handle
@@ -168,32 +308,43 @@ def _spawn(command: list[str], root: Path, env: dict[str, str], log: Path) -> su
 
 def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port: int = DEFAULT_PORTS["mlflow"], timeout: float | None = None,
           profile: str = "local", host: str = "127.0.0.1", postgres_port: int = DEFAULT_PORTS["postgres"], dvc_remote: str | None = None,
-          worker_limit: int | None = None) -> dict:  # fmt: skip
+          worker_limit: int | None = None, tls: tuple[str, str] | None = None, insecure: bool = False) -> dict:  # fmt: skip
     """Start the services of `profile` (refuses if a recorded set is still running); returns the
-    record. `worker_limit`: flow runs the worker takes at once (None: no limit)."""
+    record. `worker_limit`: flow runs the worker takes at once (None: no limit). `tls`: (cert,
+    key) PEM files: the team servers listen on 127.0.0.1 only, behind a TLS front each
+    (`flows.tls_front`) on `host` and their ports. `check_host` says which hosts are allowed."""
     root = root.resolve()
     state = root / STATE_DIR
-    if profile not in PROFILES:
-        raise QllmError(f"serve: unknown profile {profile!r}; one of {', '.join(PROFILES)}")
+    check_host(profile, host, tls, insecure)
     if (state / RECORD).exists():
         running = {name: s["pid"] for name, s in read_record(root)["services"].items() if _alive(s["pid"])}
         if running:
             raise QllmError(f"services already running ({', '.join(f'{n} pid {p}' for n, p in running.items())}); run `make stop` first")
     prefect_port = _port(prefect_port)
     mlflow_port = _port(mlflow_port, taken=(prefect_port,))
-    local = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # what clients on this host call
-    prefect_url, mlflow_url = f"http://{local}:{prefect_port}/api", f"http://{local}:{mlflow_port}"
+    local = host if host not in WILDCARDS else "127.0.0.1"  # what clients on this host call
+    scheme = "https" if tls else "http"
+    prefect_url, mlflow_url = f"{scheme}://{local}:{prefect_port}/api", f"{scheme}://{local}:{mlflow_port}"
+    # Behind TLS the servers listen on loopback ports of their own; the fronts take the named ones.
+    bind, inner = host, {"prefect": prefect_port, "mlflow": mlflow_port}
+    if tls:
+        bind, inner = "127.0.0.1", {"prefect": _port(0, taken=(prefect_port, mlflow_port))}
+        inner["mlflow"] = _port(0, taken=(prefect_port, mlflow_port, inner["prefect"]))
+    inner_prefect, inner_mlflow = f"http://127.0.0.1:{inner['prefect']}/api", f"http://127.0.0.1:{inner['mlflow']}"
+    if not tls:
+        inner_prefect, inner_mlflow = prefect_url, mlflow_url
     bin_dir = Path(sys.executable).parent
     services: dict[str, dict] = {}
     record: dict = {"profile": profile, "prefect_api_url": prefect_url, "services": services}
-    server_env: dict[str, str] = {}
+    prefect_env: dict[str, str] = {}  # each server's own settings: neither sees the other's database URL
+    mlflow_env: dict[str, str] = {}
     mlflow_server = [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
     client = None
     try:
         if profile == "team":
             passwords = _secrets(state)
-            client = team_env(mlflow_url, prefect_url, passwords)
-            cluster = postgres.Cluster(postgres_dir(root), _port(postgres_port, taken=(prefect_port, mlflow_port)), passwords["postgres"])
+            client = team_env(mlflow_url, prefect_url, passwords) | (tls_client_env(tls[0]) if tls else {})
+            cluster = postgres.Cluster(postgres_dir(root), _port(postgres_port, taken=(prefect_port, mlflow_port, *inner.values())), passwords["postgres"])
             cluster.init()
             log = state / "postgres.log"
             process = _spawn(cluster.command(), cluster.data.parent, service_env(root), log)  # a directory its user may enter
@@ -201,27 +352,39 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
             cluster.wait(process, timeout or 60.0, log)
             for database in ("mlflow", "mlflow_auth", "prefect"):
                 cluster.create_database(database)
+            mlflow_role, prefect_role = DATABASE_ROLES["mlflow"][0], DATABASE_ROLES["prefect"][0]
+            for server, (role, databases) in DATABASE_ROLES.items():
+                cluster.own(role, passwords[f"postgres_{server}"], databases)
+            mlflow_db = {"user": mlflow_role, "password": passwords["postgres_mlflow"]}
             auth = state / "mlflow-auth.ini"
             _private(auth, "[mlflow]\ndefault_permission = READ\n"
-                           f"database_uri = {cluster.url('mlflow_auth')}\nadmin_username = {USER}\nadmin_password = {passwords['mlflow']}\n"
+                           f"database_uri = {cluster.url('mlflow_auth', **mlflow_db)}\nadmin_username = {USER}\nadmin_password = {passwords['mlflow']}\n"
                            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")  # fmt: skip
-            server_env = {"PREFECT_API_DATABASE_CONNECTION_URL": cluster.url("prefect", driver="asyncpg"),
-                          "PREFECT_SERVER_API_AUTH_STRING": client["PREFECT_API_AUTH_STRING"], "MLFLOW_AUTH_CONFIG_PATH": str(auth),
-                          "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"],  # the auth app's CSRF key
-                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow")}  # in the environment: a command line shows in `ps`  # fmt: skip
+            prefect_env = {"PREFECT_API_DATABASE_CONNECTION_URL": cluster.url("prefect", driver="asyncpg", user=prefect_role,
+                                                                              password=passwords["postgres_prefect"]),
+                           "PREFECT_SERVER_API_AUTH_STRING": client["PREFECT_API_AUTH_STRING"]}  # fmt: skip
+            mlflow_env = {"MLFLOW_AUTH_CONFIG_PATH": str(auth), "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"],  # the auth app's CSRF key
+                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow", **mlflow_db)}  # in the environment: a command line shows in `ps`  # fmt: skip
             mlflow_server = [str(bin_dir / "mlflow"), "server", "--serve-artifacts", "--artifacts-destination", str(state / "mlartifacts"),
                              "--app-name", "basic-auth", "--workers", "1"]  # fmt: skip
         env = service_env(root, prefect_url, client)
         # The two servers boot side by side (each takes seconds); the worker needs the Prefect one first.
         log = state / "prefect-server.log"
-        server = _spawn([str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], root,
-                        env | server_env | {"PREFECT_SERVER_API_HOST": host}, log)  # fmt: skip
-        services["prefect-server"] = {"pid": server.pid, "url": f"http://{local}:{prefect_port}", "log": str(log)}
+        server = _spawn([str(bin_dir / "prefect"), "server", "start", "--host", bind, "--port", str(inner["prefect"])], root,
+                        env | prefect_env | {"PREFECT_SERVER_API_HOST": bind}, log)  # fmt: skip
+        services["prefect-server"] = {"pid": server.pid, "url": prefect_url.removesuffix("/api"), "port": inner["prefect"], "log": str(log)}
         name = "mlflow-server" if profile == "team" else "mlflow-ui"
         ui_log = state / f"{name}.log"
-        ui = _spawn([*mlflow_server, "--host", host, "--port", str(mlflow_port)], root, env | server_env, ui_log)
-        services[name] = {"pid": ui.pid, "url": mlflow_url, "log": str(ui_log)}
-        wait_http(f"{prefect_url}/health", server, "the Prefect server", timeout, hint=f"; see {log}")
+        ui = _spawn([*mlflow_server, "--host", bind, "--port", str(inner["mlflow"])], root, _without(env, "MLFLOW_TRACKING_") | mlflow_env, ui_log)
+        services[name] = {"pid": ui.pid, "url": mlflow_url, "port": inner["mlflow"], "log": str(ui_log)}
+        if tls:
+            for server_name, port in (("prefect", prefect_port), ("mlflow", mlflow_port)):
+                front_log = state / f"{server_name}-tls.log"
+                front = _spawn([sys.executable, "-m", "flows.tls_front", "--listen", f"{host}:{port}", "--to", str(inner[server_name]),
+                                "--cert", tls[0], "--key", tls[1]], root, service_env(root), front_log)  # fmt: skip
+                services[f"{server_name}-tls"] = {"pid": front.pid, "port": port, "log": str(front_log)}
+                wait_port(local, port, front, f"the TLS front of {server_name}", timeout, hint=f"; see {front_log}")
+        wait_http(f"{inner_prefect}/health", server, "the Prefect server", timeout, hint=f"; see {log}")
         created = subprocess.run([str(bin_dir / "prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
                                  cwd=root, env=env, capture_output=True, text=True)  # fmt: skip
         if created.returncode != 0:
@@ -229,8 +392,11 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
         log = state / "prefect-worker.log"
         worker = _spawn(worker_command(worker_limit), root, env, log)
         services["prefect-worker"] = {"pid": worker.pid, "pool": POOL, "log": str(log)}
-        wait_http(f"{mlflow_url}/health", ui, f"the MLflow {'server' if profile == 'team' else 'UI'}", timeout, hint=f"; see {ui_log}")
+        wait_http(f"{inner_mlflow}/health", ui, f"the MLflow {'server' if profile == 'team' else 'UI'}", timeout, hint=f"; see {ui_log}")
         if profile == "team":
+            from pipelines.core.run import tracking
+
+            grant_client(inner_mlflow, passwords, tracking.experiment_name(), _model_name(root))
             record["dvc_remote"] = _default_dvc_remote(root, dvc_remote or str(state / "dvc-remote"), env)
             record["env_file"] = str(state / TEAM_ENV)
             _private(state / TEAM_ENV, "# `make serve PROFILE=team`: what a client or worker of these servers sets (set -a; . THIS; set +a)\n"
@@ -316,20 +482,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="the address the Prefect and MLflow servers bind (default 127.0.0.1: this host only)")
     parser.add_argument("--postgres-port", type=int, default=DEFAULT_PORTS["postgres"], help="team profile: PostgreSQL's port (127.0.0.1)")
     parser.add_argument("--worker-limit", type=int, help="flow runs the worker takes at once (default: no limit)")
+    parser.add_argument("--tls-cert", help="team profile: PEM certificate of a TLS front before each server (the servers then listen on 127.0.0.1 only)")
+    parser.add_argument("--tls-key", help="team profile: the PEM private key of --tls-cert")
+    parser.add_argument("--insecure", action="store_true", help="team profile: serve a non-loopback --host without TLS (a network you trust)")
     parser.add_argument("--dvc-remote", help="team profile: the DVC remote's URL when the project has no default one (default .qllm/serve/dvc-remote)")
     args = parser.parse_args(argv)
     try:
         if args.action == "start":
-            if args.host not in ("127.0.0.1", "localhost"):
-                print(f"warning: the servers bind {args.host}: reachable from other machines"
-                      + ("" if args.profile == "team" else " with no authentication (the team profile has it)"), file=sys.stderr)  # fmt: skip
+            if bool(args.tls_cert) != bool(args.tls_key):
+                raise QllmError("serve: --tls-cert and --tls-key go together")
+            tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
             record = start(args.project_dir, args.prefect_port, args.mlflow_port, profile=args.profile, host=args.host,
-                           postgres_port=args.postgres_port, dvc_remote=args.dvc_remote, worker_limit=args.worker_limit)  # fmt: skip
+                           postgres_port=args.postgres_port, dvc_remote=args.dvc_remote, worker_limit=args.worker_limit, tls=tls,
+                           insecure=args.insecure)  # fmt: skip
+            if not is_loopback(args.host) and not tls:
+                print(f"warning: the servers listen on {args.host} without TLS (--insecure)", file=sys.stderr)
             services = record["services"]
             print(f"Prefect UI/API  {services['prefect-server']['url']}   (export PREFECT_API_URL={record['prefect_api_url']})")
             print(f"Prefect worker  pool {POOL!r} (process), pid {services['prefect-worker']['pid']}")
             if args.profile == "team":
-                print(f"MLflow server   {services['mlflow-server']['url']}   (basic auth, user {USER!r}; artifacts proxied)")
+                print(f"MLflow server   {services['mlflow-server']['url']}   (basic auth: clients {CLIENT!r}, admin {USER!r}; artifacts proxied)")
                 print(f"PostgreSQL      127.0.0.1:{services['postgres']['port']}   (data {services['postgres']['data']})")
                 print(f"DVC remote      {record['dvc_remote']}")
                 print(f"credentials     {record['env_file']} (owner-only): set -a; . {record['env_file']}; set +a")

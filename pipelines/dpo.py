@@ -82,7 +82,7 @@ def dpo_loss(params: DpoParams, reference: Reference | None = None):
                 with torch.no_grad():
                     ref_chosen, ref_rejected = reference(batch)
             losses, chosen_rewards, rejected_rewards = preference_loss(
-                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=params.beta, loss_type=params.loss_type,
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=params.beta, loss_type=params.dpo_loss_type,
                 label_smoothing=params.label_smoothing, chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens,
                 discopop_tau=params.discopop_tau,
             )  # fmt: skip
@@ -226,18 +226,27 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         else:
             save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
         # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)
-        write_json(tmp / preference_data.PREFERENCE_CONFIG, {"method": params.method, "beta": params.beta, "loss_type": params.loss_type,
-                                                              "reference": meta["reference"]})  # fmt: skip
+        write_json(tmp / preference_data.PREFERENCE_CONFIG, preference_config(params, meta["reference"]))
 
     result = loop.finish(result, out, save)
     sizes = {"train_examples": len(train)} if params.method == "kto" else {"train_pairs": len(train)}
     return {**result, **counts, **heldout_metrics, "reference": meta["reference"], "start": start, **sizes, **estimates}
 
 
+def preference_config(params: DpoParams, reference: str | None) -> dict:
+    """What `preference_data.PREFERENCE_CONFIG` records of how the policy was trained: the method,
+    its beta and reference, and only the settings the method read (`evaluate` reports the implicit
+    rewards β·(π − ref) from it)."""
+    read = {"dpo": {"loss_type": params.dpo_loss_type, "label_smoothing": params.label_smoothing, "sft_weight": params.sft_weight},
+            "kto": {"desirable_weight": params.desirable_weight, "undesirable_weight": params.undesirable_weight},
+            "orpo": {}, "simpo": {"simpo_gamma": params.simpo_gamma, "label_smoothing": params.label_smoothing, "sft_weight": params.sft_weight}}  # fmt: skip
+    return {"method": params.method, "beta": params.beta, **read[params.method], "reference": reference}
+
+
 def body(ctx: stage.StageContext) -> dict:
     metrics = run(ctx.root, ctx.input("ref_logprobs"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir, ctx.log)
     p = ctx.params
-    what = {"dpo": f"dpo {p.loss_type}", "kto": "kto", "orpo": "orpo", "simpo": f"simpo gamma {p.simpo_gamma:g}"}[p.method]
+    what = {"dpo": f"dpo {p.dpo_loss_type}", "kto": "kto", "orpo": "orpo", "simpo": f"simpo gamma {p.simpo_gamma:g}"}[p.method]
     heldout = ", ".join(f"{k.removeprefix('heldout/')} {v:.3f}" for k, v in metrics.items() if k in HEADLINE) or "no held-out data"
     ctx.log.info("%s (beta %.3g, from %s): %d steps; held-out %s", what, p.beta, metrics["start"], metrics["steps"], heldout)
     return metrics

@@ -56,6 +56,7 @@ from pipelines.core.config import EvaluateParams
 from pipelines.core.data import packed, real_text
 from pipelines.core.data.chat_template import (
     flexible_match,
+    left_padding,
     normalize_answer,
     parse_messages,
     render_prompt,
@@ -122,8 +123,8 @@ def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy answers to chat prompts, batched with left padding, cut at `<|im_end|>`/EOS."""
-    tokenizer.padding_side = "left"
+    """Greedy answers to chat prompts, batched with left padding (the tokenizer's side as it was
+    after), cut at `<|im_end|>`/EOS."""
     texts = [render_prompt(tokenizer, p) for p in prompts]  # with the chat's tools, if any
     # Similar lengths together: less padding per batch. Answers are put back in input order.
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -132,7 +133,8 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     model.eval()
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        encoded = tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        with left_padding(tokenizer):
+            encoded = tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
         encoded = {k: v.to(model.device) for k, v in encoded.items()}
         output = model.generate(
             **encoded,

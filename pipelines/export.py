@@ -97,7 +97,9 @@ def write_files(model, tokenizer, out: Path, params, model_name: str, stage_name
         record = {"stage": stage_name, "model_name": model_name, "source": where, "files": files,
                   "modelfile": MODELFILE if template is not None else None, "stop": stops}  # fmt: skip
         if template is not None:
-            (tmp / MODELFILE).write_text(gguf_export.modelfile(file_name(model_name, params.modelfile_type), template, stops, params.system), encoding="utf-8")
+            temperature = params.temperature if params.temperature is not None else gguf_export.generation_temperature(model)
+            (tmp / MODELFILE).write_text(gguf_export.modelfile(file_name(model_name, params.modelfile_type), template, stops, params.system, temperature),
+                                         encoding="utf-8")  # fmt: skip
         first = f"{shown}/{files[0]['file']}"
         ollama = f"\n    ollama create {model_name} -f {shown}/{MODELFILE} && ollama run {model_name}    # Ollama\n" if template else ""
         (tmp / "README.md").write_text(README.format(name=model_name, stage=stage_name, source=where, files=", ".join(f["file"] for f in files),

@@ -26,6 +26,7 @@ mean_terminated_length`, `kl` (beta > 0), `clip_ratio/low_mean|high_mean|region_
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pandas as pd
@@ -47,6 +48,7 @@ from pipelines.core.training import diffusion, grpo, loop, rewards, rollouts
 from pipelines.core.training.checkpoint import CheckpointManager
 
 NAME = "grpo"
+log = logging.getLogger(f"qllm.{NAME}")
 
 DISABLED_README = """\
 # GRPO stage disabled
@@ -56,19 +58,34 @@ DISABLED_README = """\
 """
 
 
-def questions(chat_dir: Path, split: str = "train") -> list[rollouts.Question]:
+class Questions(list):
+    """GRPO's questions, and `tool_calls`: how many records were left out for ending with a tool
+    call (no text answer to score)."""
+
+    def __init__(self, items=(), tool_calls: int = 0):
+        super().__init__(items)
+        self.tool_calls = tool_calls
+
+
+def questions(chat_dir: Path, split: str = "train") -> Questions:
     """The chat records of `split` that end with an assistant's text answer, as prompts and
     reference answers (the others have nothing to check a completion against)."""
     path = chat_dir / f"{split}.parquet"
-    found = []
+    found, tool_calls = [], 0
     for record in pd.read_parquet(path).itertuples(index=False):
         messages = parse_messages(record.messages)
-        if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1] and len(messages) > 1:
+        if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+            tool_calls += 1  # an answer that is a tool call has no text to check; multi-turn tool rollouts are not here yet
+        elif messages and messages[-1]["role"] == "assistant" and len(messages) > 1:
             prompt, answer = split_last_answer(messages)
-            found.append(rollouts.Question(str(record.id), prompt, answer))
+            columns = {k: v for k, v in record._asdict().items() if k not in ("id", "messages")}  # source, split: reward functions get them
+            found.append(rollouts.Question(str(record.id), prompt, answer, columns))
+    if tool_calls:
+        log.warning("%s: %d of the chat records end with a tool call, not a text answer: not GRPO questions (no reference to score)", path, tool_calls)
     if not found:
-        raise QllmError(f"{path}: no chat record ends with an assistant's text answer, so GRPO has no questions with a reference answer")
-    return found
+        raise QllmError(f"{path}: no chat record ends with an assistant's text answer, so GRPO has no questions with a reference answer"
+                        + (f" ({tool_calls} end with a tool call)" if tool_calls else ""))  # fmt: skip
+    return Questions(found, tool_calls)
 
 
 def longest_prompt(tokenizer, found: list[rollouts.Question]) -> int:
@@ -82,7 +99,7 @@ def grpo_loss(params: GrpoParams):
     def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
         mask = batch["completion_mask"]
         logps, entropy = rollouts.completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask,
-                                                   int(batch["group_size"]), entropy=True)  # fmt: skip
+                                                   int(batch["group_size"]), entropy=True, temperature=params.temperature)  # fmt: skip
         loss, metrics = grpo.policy_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask, loss_type=params.loss_type,
                                          beta=params.beta, epsilon_low=params.epsilon, epsilon_high=params.epsilon_high,
                                          max_completion_length=params.max_completion_length, num_items=float(batch["num_items"]))  # fmt: skip
@@ -133,7 +150,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     settings = rollouts.Settings(group_size=params.group_size, max_completion_length=params.max_completion_length, temperature=params.temperature,
                                  top_p=params.top_p, scale_rewards=params.scale_rewards, num_iterations=params.num_iterations,
                                  mask_truncated_completions=params.mask_truncated_completions, micro_batch_size=cfg.micro_batch_size,
-                                 grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, precision=cfg.precision)  # fmt: skip
+                                 grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, precision=cfg.precision, max_steps=cfg.max_steps)  # fmt: skip
     batches = rollouts.RolloutBatches(model, tokenizer, train, settings, reward_fns, reference=reference,
                                       on_generation=completions_logger(tracker, params.log_completions_every))  # fmt: skip
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
@@ -149,7 +166,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
 
     result = loop.finish(result, out, save)
     final = {k: v for k, v in last.items() if k in ("reward", "frac_reward_zero_std", "completions/mean_length") or k.startswith("rewards/")}
-    return {**result, **counts, **final, "questions": len(train), "start": start, **estimates}
+    return {**result, **counts, **final, "questions": len(train), "questions_skipped_tool_call": train.tool_calls, "start": start, **estimates}
 
 
 def body(ctx: stage.StageContext) -> dict:

@@ -158,7 +158,7 @@ def settle(client, params: RegisterParams, against: str, rounds: int = 10) -> st
     best = None
     for _ in range(rounds):
         holder = _alias_version(client, name, params.alias)
-        candidates = [v for v in client.search_model_versions(f"name='{name}'") if f"metric.{metric}" in v.tags
+        candidates = [v for v in client.search_model_versions(f"name = {tracking.filter_value(name, 'register.model_name')}") if f"metric.{metric}" in v.tags
                       and ((v.tags.get("gate.decision") == params.alias and v.tags.get("gate.champion") == against) or str(v.version) == holder)]  # fmt: skip
         if not candidates:
             return holder

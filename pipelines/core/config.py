@@ -808,13 +808,14 @@ class DpoParams(Section):
     beta: float = Field(0.1, gt=0)
     """dpo/kto: strength of the implicit KL penalty (higher: stay closer to the reference); simpo:
     the reward scale (the paper uses 2-2.5); orpo: lambda, the odds-ratio term's weight."""
-    loss_type: DPO_LOSS_TYPES = "sigmoid"
+    loss_type: DPO_LOSS_TYPES | None = None
     """method dpo's loss, TRL's names: sigmoid (DPO), hinge, ipo (TRL 1.16's, per-token), ipo_sum
     (IPO on summed log-ratios), robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down,
-    discopop (docs/preference.md)."""
+    discopop (docs/preference.md); null: sigmoid. kto, orpo and simpo have their own loss: with them it
+    must be null (as TRL's KTO, ORPO and CPO configs take none of these)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """The assumed share of flipped preference labels: sigmoid (conservative DPO), robust, exo_pair
-    (needs > 0) and simpo."""
+    """The assumed share of flipped preference labels: dpo's sigmoid (conservative DPO), robust and
+    exo_pair (needs > 0), and simpo; kto and orpo have none (it must be 0)."""
     discopop_tau: float = Field(0.05, gt=0)
     """loss_type discopop: the temperature of its log-ratio modulation (TRL's default)."""
     simpo_gamma: float = Field(0.5, ge=0)
@@ -826,7 +827,8 @@ class DpoParams(Section):
     sft_weight: float = Field(0.0, ge=0)
     """dpo and simpo: add this times the per-token NLL of the chosen answers to the loss (RPO; TRL's
     `rpo_alpha`, or CPO's `cpo_alpha` for simpo): keeps the policy generating what it is rewarded
-    for, limiting drift. orpo always adds the NLL (weight 1)."""
+    for, limiting drift. orpo's loss has the NLL itself (weight 1, its odds-ratio term weighted by
+    `beta`) and kto none: with them it must be 0."""
     adapter: Literal["none", "lora"] = "none"
     """Train all weights of the policy, or a LoRA adapter on it (`dpo.lora`)."""
     lora: LoraAdapterParams = LoraAdapterParams()
@@ -840,14 +842,30 @@ class DpoParams(Section):
 
     @model_validator(mode="after")
     def _method_settings(self) -> DpoParams:
-        # A key of another method is left alone (as TRL's configs do), so `--set dpo.method=simpo`
-        # works on any params file; within method dpo a smoothing the loss would ignore is an error.
+        # Every setting acts or is refused: a loss type, smoothing or NLL weight the method would not
+        # read is an error naming what to set (the neutral values, null and 0, are what other methods take).
         if self.method == "dpo":
-            if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "exo_pair"):
-                raise ValueError(f"label_smoothing applies to loss_type sigmoid, robust or exo_pair, not {self.loss_type}")
-            if self.loss_type == "exo_pair" and not self.label_smoothing:
+            loss = self.dpo_loss_type
+            if self.label_smoothing and loss not in ("sigmoid", "robust", "exo_pair"):
+                raise ValueError(f"label_smoothing applies to loss_type sigmoid, robust or exo_pair, not {loss}")
+            if loss == "exo_pair" and not self.label_smoothing:
                 raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper uses 1e-3)")
+            return self
+        if self.loss_type is not None:
+            raise ValueError(f"loss_type {self.loss_type} is a loss of method dpo; method {self.method} has its own loss: set "
+                             f"dpo.loss_type=null (e.g. qllm run --set dpo.method={self.method} --set dpo.loss_type=null)")  # fmt: skip
+        if self.label_smoothing and self.method in ("kto", "orpo"):
+            raise ValueError(f"label_smoothing applies to methods dpo and simpo; {self.method}'s loss has no label smoothing: set it to 0")
+        if self.sft_weight and self.method in ("kto", "orpo"):
+            why = "its loss already holds the NLL of the chosen answers with weight 1 (beta weighs the odds ratio)" if self.method == "orpo" \
+                else "its loss has no NLL term (TRL's KTO has none)"  # fmt: skip
+            raise ValueError(f"sft_weight applies to methods dpo (RPO) and simpo (CPO-SimPO); {self.method}: {why}; set it to 0")
         return self
+
+    @property
+    def dpo_loss_type(self) -> str:
+        """Method dpo's loss type (`loss_type`, null: sigmoid)."""
+        return self.loss_type or "sigmoid"
 
     @property
     def needs_reference(self) -> bool:
@@ -856,8 +874,9 @@ class DpoParams(Section):
 
 BUILT_IN_REWARDS = ("exact_match", "flexible_match", "format")
 """The reward functions `pipelines.core.training.rewards` has built in."""
-REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "answer")
-"""What a reward function is called with: TRL's arguments and the records' columns."""
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "answer", "id", "source", "split")
+"""What a reward function is called with: TRL's arguments and the records' columns (the prepared
+chat records' `id`, `source`, `split`, and `answer`, the reference)."""
 
 
 def user_reward(name: str, where: str):
@@ -867,8 +886,15 @@ def user_reward(name: str, where: str):
     if name in BUILT_IN_REWARDS:
         return None
     if ":" not in name:
+        if Path(name).is_dir() or name.count("/") == 1:
+            raise QllmError(f"{where}: {name!r} looks like a reward model (a directory or hub id): grpo takes reward functions only, not TRL's "
+                            "reward models; load the model in a `package.module:function` of your own and return its scores")  # fmt: skip
         raise QllmError(f"{where}: {name!r} is neither a built-in reward ({', '.join(BUILT_IN_REWARDS)}) nor `package.module:function`")
-    return extensions.user_function(name, where, required=("prompts", "completions"), given=REWARD_ARGUMENTS, what="reward function")
+    fn = extensions.user_function(name, where, required=("prompts", "completions"), given=REWARD_ARGUMENTS, what="reward function")
+    if any(c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(fn).__mro__):
+        raise QllmError(f"{where}: {name!r} is a torch module (a reward model): grpo takes reward functions only, not TRL's reward models; "
+                        "call the model in a function of your own and return its scores")  # fmt: skip
+    return fn
 
 
 class RewardParams(Section):
@@ -876,8 +902,9 @@ class RewardParams(Section):
 
     function: str = Field(min_length=1)
     """A built-in reward (`exact_match`, `flexible_match`, `format`) or a user's `package.module:function` (importable
-    from the project, e.g. a module next to params.yaml), called with TRL's reward signature
-    (`prompts`, `completions`, `**kwargs` with the records' columns: `answer`)."""
+    from the project, e.g. a module next to params.yaml; plain or `async def`), called as TRL calls one
+    (`prompts`, `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric`, and the
+    records' columns `answer`, `id`, `source`, `split`). Reward models are refused."""
     weight: float = 1.0
     """The function's weight in the summed reward (TRL's `reward_weights`)."""
 
@@ -1064,9 +1091,14 @@ class ExportParams(Section):
     """The file the Modelfile's FROM names (one of `types`)."""
     system: str | None = None
     """The Modelfile's default system prompt (SYSTEM); null: none (the sample chats' is "Answer with one word or number.")."""
+    temperature: float | None = Field(None, ge=0)
+    """The Modelfile's `PARAMETER temperature`; null: what the model's generation_config.json says
+    (0 where it decodes greedily, as the pipeline's models do; else its temperature)."""
 
     @model_validator(mode="after")
     def _modelfile_type_written(self) -> ExportParams:
+        if self.temperature is not None and not self.modelfile:
+            raise ValueError("temperature is the Modelfile's, but modelfile is false: set modelfile: true or leave temperature null")
         if len(set(self.types)) != len(self.types):
             raise ValueError(f"types: each type once (got {self.types})")
         if self.modelfile and self.modelfile_type not in self.types:
@@ -1079,7 +1111,8 @@ class RegisterParams(Section):
     """Which stage's model to register (`multimodal`: the image-chat model, gated on its entry in
     evaluate.json, where `exact_match` is the held-out image questions')."""
     model_name: str = Field("qllm", min_length=1)
-    """Registered model name in the MLflow model registry."""
+    """Registered model name in the MLflow model registry (no quotes, backslashes, `/` or control
+    characters: MLflow's search filters and `models:/` URIs are built from it)."""
     alias: str = Field("champion", min_length=1)
     """Alias the new version gets when it passes the gate (at least the champion's metric + margin)."""
     challenger_alias: str = Field("challenger", min_length=1)
@@ -1090,6 +1123,14 @@ class RegisterParams(Section):
     """Whether a higher (`max`, e.g. exact_match) or lower (`min`, e.g. val_loss) metric is better."""
     margin: float = Field(0.0, ge=0)
     """How much better than the champion (in the metric's units) a new version must be."""
+
+    @field_validator("model_name")
+    @classmethod
+    def _searchable(cls, name: str) -> str:
+        if any(c in name for c in "'\"\\/") or any(ord(c) < 32 for c in name):
+            raise ValueError(f"{name!r}: a registered model's name may not hold quotes, backslashes, '/' or control characters "
+                             "(MLflow's search filters and models:/ URIs are built from it)")  # fmt: skip
+        return name
 
     @model_validator(mode="after")
     def _distinct_aliases(self) -> RegisterParams:

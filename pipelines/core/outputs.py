@@ -107,6 +107,23 @@ def atomic_file(path: Path | str) -> Iterator[Path]:
     os.replace(tmp, path)
 
 
+def write_private(path: Path | str, text: str) -> None:
+    """Write `text` (a secret: passwords, a remote's credentials) to `path` readable by its owner
+    only, whatever the umask: into a new file created 0600 beside it, then renamed over `path`, so
+    neither an existing file with wider permissions nor a half-written one ever holds it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path))  # created 0600, O_EXCL
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.chmod(name, 0o600)
+        os.replace(name, path)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
 def write_json(path: Path | str, data: Any) -> None:
     """Atomically write pretty, key-sorted JSON (stable bytes for DVC)."""
     with atomic_file(path) as tmp:

@@ -24,7 +24,7 @@ import yaml
 
 from pipelines.core import config, dag, dvc_api, params_file
 from pipelines.core.errors import QllmError
-from pipelines.core.outputs import write_json
+from pipelines.core.outputs import write_json, write_private
 from pipelines.core.paths import MARKER, project_root
 
 log = logging.getLogger("qllm.workspace")
@@ -86,6 +86,9 @@ def _sync(root: Path, ws: Path, params_data: dict[str, Any]) -> None:
         path = ws / ".dvc" / name
         if name not in configs:
             path.unlink(missing_ok=True)
+        elif name == "config.local":  # the remotes' credentials: owner-only, as in the project (never through the umask)
+            if not path.exists() or path.read_text() != configs[name] or path.stat().st_mode & 0o077:
+                write_private(path, configs[name])
         elif not path.exists() or path.read_text() != configs[name]:
             path.write_text(configs[name])
     for name in (dag.DVC_FILE, ".dvcignore"):

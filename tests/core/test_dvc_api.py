@@ -10,6 +10,7 @@ import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 from packaging.specifiers import SpecifierSet
 
 from pipelines.core import dvc_api
@@ -61,3 +62,31 @@ def test_a_run_workspace_gets_the_projects_remotes_at_their_levels_with_absolute
     (tmp_path / ".dvc" / "config").write_text("")
     (tmp_path / ".dvc" / "config.local").unlink()
     assert dvc_api.workspace_config(tmp_path, tmp_path / "cache") == {"config": f"[core]\n    no_scm = true\n[cache]\n    dir = {tmp_path / 'cache'}\n"}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_a_run_workspace_keeps_the_remotes_credentials_owner_only(project, tmp_path, umask):
+    """Outputs follow the umask (a shared checkout reads them), but config.local holds a remote's
+    password: copied into a run workspace it stays 0600 whatever the umask, also when it replaces
+    a copy that had wider permissions."""
+    import os
+    import sys
+
+    from pipelines.core import workspace
+    from tests.conftest import run
+
+    run([sys.executable, "-m", "dvc", "remote", "add", "-d", "team", "ssh://dvc.example.com/srv/dvc"], project)
+    run([sys.executable, "-m", "dvc", "remote", "modify", "--local", "team", "password", "s3cret"], project)
+    os.chmod(project / ".dvc" / "config.local", 0o600)
+    ws = tmp_path / "ws"
+    old = os.umask(umask)
+    try:
+        workspace._sync(project, ws, {"x": 1})
+        assert (ws / ".dvc" / "config.local").stat().st_mode & 0o777 == 0o600
+        assert (ws / ".dvc" / "config").stat().st_mode & 0o777 == 0o666 & ~umask  # no secret: as a plain write
+        os.chmod(ws / ".dvc" / "config.local", 0o644)  # an older copy, readable by others
+        workspace._sync(project, ws, {"x": 1})
+        assert (ws / ".dvc" / "config.local").stat().st_mode & 0o777 == 0o600
+        assert "s3cret" in (ws / ".dvc" / "config.local").read_text()
+    finally:
+        os.umask(old)

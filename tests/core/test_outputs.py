@@ -73,3 +73,33 @@ def test_finished_outputs_have_the_permissions_of_a_plain_write(tmp_path, umask)
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     assert mode(tmp_path / "out") == mode(tmp_path / "plain") == 0o777 & ~umask
     assert mode(tmp_path / "out.json") == mode(tmp_path / "plain.json") == mode(tmp_path / "out/model.txt") == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_a_secret_file_is_owner_only_from_its_first_byte(tmp_path, umask, monkeypatch):
+    """`write_private` (the team profile's passwords, a workspace's remote credentials): the new
+    text lands in a file created 0600 and renamed over the old one, so an existing file readable
+    by others never holds it, not even while it is written (the old way opened it with O_TRUNC and
+    chmodded after)."""
+    import stat
+
+    from pipelines.core.outputs import write_private
+
+    path = tmp_path / "secrets.json"
+    path.write_text("old")
+    os.chmod(path, 0o644)
+    seen = []
+    real_write = os.fdopen
+
+    def spying_fdopen(fd, *args, **kwargs):  # the mode of the file the secret is written into, while it is written
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        return real_write(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", spying_fdopen)
+    old = os.umask(umask)
+    try:
+        write_private(path, '{"password": "s3cret"}')
+    finally:
+        os.umask(old)
+    assert seen == [0o600] and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text() == '{"password": "s3cret"}' and sorted(p.name for p in tmp_path.iterdir()) == ["secrets.json"]

@@ -47,7 +47,7 @@ def metrics(root: Path, stage: str) -> dict:
 
 
 def test_simpo_encodes_without_a_reference_pass(project):
-    ran, workspace = method_run(project, "dpo.method=simpo", "dpo.beta=2.0")
+    ran, workspace = method_run(project, "dpo.method=simpo", "dpo.loss_type=null", "dpo.beta=2.0")
     assert ran == [*ALWAYS, "ref_logprobs", "dpo", "export", "evaluate", "register"]
     ref = metrics(workspace, "ref_logprobs")
     assert ref["method"] == "simpo" and "tokens_per_second" not in ref  # no model ran
@@ -57,7 +57,7 @@ def test_simpo_encodes_without_a_reference_pass(project):
 
 
 def test_kto_runs_its_reference_pass_on_the_split_pairs(project):
-    ran, workspace = method_run(project, "dpo.method=kto", "dpo.beta=0.1")
+    ran, workspace = method_run(project, "dpo.method=kto", "dpo.loss_type=null", "dpo.beta=0.1")
     assert ran == [*ALWAYS, "ref_logprobs", "dpo", "export", "evaluate", "register"]
     ref = metrics(workspace, "ref_logprobs")
     assert ref["train"]["desirable"] == ref["train"]["undesirable"] == ref["train"]["pairs"] > 0
@@ -67,7 +67,7 @@ def test_kto_runs_its_reference_pass_on_the_split_pairs(project):
 
 
 def test_orpo_from_the_base(project):
-    ran, workspace = method_run(project, "dpo.method=orpo", "dpo.start=base", "dpo.adapter=none")
+    ran, workspace = method_run(project, "dpo.method=orpo", "dpo.loss_type=null", "dpo.start=base", "dpo.adapter=none")
     assert ran == [*ALWAYS, "ref_logprobs", "dpo", "export", "evaluate", "register"]
     assert json.loads((workspace / "data/ref_logprobs/meta.json").read_text())["start"] == "data/models/pretrain"
     dpo = metrics(workspace, "dpo")
@@ -83,7 +83,7 @@ def test_a_loss_change_restores_the_reference_pass_from_the_run_cache(project):
 def test_dvc_exp_run_switches_the_method_rerunning_only_what_it_must(project):
     """The project itself to SimPO at another beta: ref_logprobs' SimPO encoding comes back from the
     run-cache (the workspace run above made it), dpo and what follows run, nothing before them."""
-    result = run([sys.executable, "-m", "dvc", "exp", "run", "-S", "dpo.method=simpo", "-S", "dpo.beta=2.5"], project, check=False)
+    result = run([sys.executable, "-m", "dvc", "exp", "run", "-S", "dpo.method=simpo", "-S", "dpo.loss_type=null", "-S", "dpo.beta=2.5"], project, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert [n for n in STAGES if f"Running stage '{n}'" in output] == [*ALWAYS, "dpo", "export", "evaluate", "register"], output

@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -41,7 +43,9 @@ def team(tmp_path_factory, mlflow_template_db):
     run(["git", "commit", "-qm", "deployments"], one)
     two = base / "two"
     run(["git", "clone", "-q", str(one), str(two)], base)
-    record = serve.start(one, prefect_port=0, mlflow_port=0, postgres_port=0, profile="team", worker_limit=2)  # each worker: the sweep (whichever takes it) and a set, or two sets
+    cert, key = self_signed(base / "tls")
+    # each worker: the sweep (whichever takes it) and a set, or two sets; every client speaks TLS to the fronts
+    record = serve.start(one, prefect_port=0, mlflow_port=0, postgres_port=0, profile="team", worker_limit=2, tls=(str(cert), str(key)))
     worker = None
     try:
         client = serve.read_env_file(record["env_file"])
@@ -53,14 +57,27 @@ def team(tmp_path_factory, mlflow_template_db):
                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=one, env=env, capture_output=True, text=True, timeout=180)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        yield {"one": one, "two": two, "record": record, "env": env, "client": client}
+        yield {"one": one, "two": two, "record": record, "env": env, "client": client, "cert": cert}
     finally:
         if worker is not None:
             serve.stop_processes({SECOND: {"pid": worker.pid}})  # SIGTERM, SIGKILL after 15 s
             worker.wait()
         stopped = serve.stop(one)
-        assert len(stopped) == 4 and all(not serve._alive(s["pid"]) for s in record["services"].values())
+        assert len(stopped) == 6 and all(not serve._alive(s["pid"]) for s in record["services"].values())
         shutil.rmtree(record["services"]["postgres"]["data"], ignore_errors=True)
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and localhost (OpenSSL), and its key."""
+    directory.mkdir()
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost", "-keyout", str(key),
+         "-out", str(cert), "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], directory)  # fmt: skip
+    return cert, key
+
+
+TRUST: ssl.SSLContext | None = None
+"""The test's self-signed certificate as the one trusted CA (set by the first test that needs it)."""
 
 
 def _status(url: str, auth: str | None = None, body: bytes | None = None) -> int:
@@ -68,7 +85,7 @@ def _status(url: str, auth: str | None = None, body: bytes | None = None) -> int
     if auth is not None:
         request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=30, context=TRUST) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -85,6 +102,31 @@ def _listening(port: int) -> set[str]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def _trust(team):
+    global TRUST
+    TRUST = ssl.create_default_context(cafile=str(team["cert"]))
+
+
+def test_the_servers_speak_tls_only_and_clients_verify_the_certificate(team):
+    """Behind `tls`, every URL a client gets is https, the servers themselves listen on other
+    loopback ports, plain HTTP to a front gets no answer, and a client that does not trust the
+    certificate is refused by its own TLS check."""
+    record, client = team["record"], team["client"]
+    services = record["services"]
+    assert record["prefect_api_url"].startswith("https://127.0.0.1:") and client["MLFLOW_TRACKING_URI"].startswith("https://127.0.0.1:")
+    assert client["PREFECT_API_SSL_CERT_FILE"] == client["MLFLOW_TRACKING_SERVER_CERT_PATH"] == str(team["cert"].resolve())
+    mlflow_port = int(client["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1])
+    assert _status(f"{client['MLFLOW_TRACKING_URI']}/health") == 200
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(f"{client['MLFLOW_TRACKING_URI']}/health", timeout=30, context=ssl.create_default_context())
+    with socket.create_connection(("127.0.0.1", mlflow_port), timeout=30) as plain:
+        plain.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert b"HTTP/1.1 200" not in plain.recv(4096)  # the TLS front expected a handshake
+    fronts = {services["prefect-tls"]["port"], services["mlflow-tls"]["port"]}
+    assert fronts == {mlflow_port, int(record["prefect_api_url"].removesuffix("/api").rsplit(":", 1)[1])}
+
+
 def test_requests_without_credentials_are_refused_and_everything_listens_on_localhost(team):
     record, client = team["record"], team["client"]
     services = record["services"]
@@ -95,8 +137,8 @@ def test_requests_without_credentials_are_refused_and_everything_listens_on_loca
     assert _status(f"{prefect}/flows/filter", auth=client["PREFECT_API_AUTH_STRING"], body=b"{}") == 200
     assert _status(search) == 401
     assert _status(search, auth="qllm:wrong") == 401
-    assert _status(search, auth=f"qllm:{client['MLFLOW_TRACKING_PASSWORD']}") == 200
-    ports = [int(services[name]["url"].rsplit(":", 1)[1]) for name in ("prefect-server", "mlflow-server")] + [services["postgres"]["port"]]
+    assert _status(search, auth=f"{client['MLFLOW_TRACKING_USERNAME']}:{client['MLFLOW_TRACKING_PASSWORD']}") == 200
+    ports = [services[name]["port"] for name in ("prefect-tls", "mlflow-tls", "prefect-server", "mlflow-server", "postgres")]
     for port in ports:
         assert _listening(port) == {"0100007F"}, f"port {port} listens beyond 127.0.0.1"
     state = team["one"] / serve.STATE_DIR
@@ -112,6 +154,93 @@ def test_requests_without_credentials_are_refused_and_everything_listens_on_loca
         except OSError:  # a process that ended meanwhile
             continue
     assert not any(secret in line for line in command_lines for secret in passwords.values())
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode(errors="replace").split("=", 1) for entry in entries if b"=" in entry)
+
+
+def test_clients_are_not_the_admin_and_each_server_reaches_only_its_own_database(team):
+    """The team's clients hold an MLflow user that runs and registers but administers nothing;
+    each server connects to PostgreSQL as a role owning only its own databases, and its
+    environment holds its own database URL only."""
+    import psycopg
+
+    record, client = team["record"], team["client"]
+    services, state = record["services"], team["one"] / serve.STATE_DIR
+    passwords = json.loads((state / serve.SECRETS).read_text())
+    assert client["MLFLOW_TRACKING_USERNAME"] == "qllm-client" and client["MLFLOW_TRACKING_PASSWORD"] == passwords["mlflow_client"]
+    team_env = (state / serve.TEAM_ENV).read_text()
+    assert all(passwords[name] not in team_env for name in ("mlflow", "postgres", "postgres_mlflow", "postgres_prefect"))
+
+    api, auth = f"{services['mlflow-server']['url']}/api", f"qllm-client:{passwords['mlflow_client']}"
+    admin = f"{serve.USER}:{passwords['mlflow']}"
+
+    def call(path: str, body: dict, who: str = auth) -> int:
+        return _status(f"{api}/{path}", auth=who, body=json.dumps(body).encode())
+
+    user = {"username": "intruder", "password": "a-long-enough-password"}
+    assert call("2.0/mlflow/users/create", user) == 403
+    assert call("2.0/mlflow/users/update-admin", {"username": "qllm-client", "is_admin": True}) == 403
+    grant = {"username": "qllm-client", "resource_type": "experiment", "resource_id": "0", "permission": "MANAGE"}
+    assert call("3.0/mlflow/users/permissions/grant", grant) == 403
+    def answer(path: str, body: dict | None = None) -> dict:
+        request = urllib.request.Request(f"{api}/{path}", data=json.dumps(body).encode() if body is not None else None,
+                                         headers={"Content-Type": "application/json", "Authorization": "Basic " + base64.b64encode(auth.encode()).decode()})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30, context=TRUST) as response:
+            return json.loads(response.read())
+
+    experiment = answer("2.0/mlflow/experiments/get-by-name?experiment_name=qllm")["experiment"]["experiment_id"]
+    made = answer("2.0/mlflow/runs/create", {"experiment_id": experiment})["run"]["info"]  # EDIT: runs and logs
+    assert call("2.0/mlflow/experiments/delete", {"experiment_id": experiment}) == 403
+    assert call("2.0/mlflow/registered-models/delete", {"name": "qllm"}) == 403
+    version = answer("2.0/mlflow/model-versions/create", {"name": "qllm", "source": f"{made['artifact_uri']}/model", "run_id": made["run_id"]})
+    assert call("2.0/mlflow/registered-models/alias", {"name": "qllm", "alias": "probe", "version": version["model_version"]["version"]}) == 200
+    removal = urllib.request.Request(f"{api}/2.0/mlflow/model-versions/delete", method="DELETE", data=json.dumps({"name": "qllm", "version": version["model_version"]["version"]}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": "Basic " + base64.b64encode(admin.encode()).decode()})  # fmt: skip
+    with urllib.request.urlopen(removal, timeout=30, context=TRUST) as response:  # the admin may; the sweep then counts its own versions
+        assert response.status == 200
+    assert call("2.0/mlflow/users/create", user | {"password": "another-long-password"}, who=admin) == 200  # the admin still may
+
+    port = services["postgres"]["port"]
+    roles = {server: role for server, (role, _) in serve.DATABASE_ROLES.items()}
+    with psycopg.connect(host="127.0.0.1", port=port, dbname="mlflow", user=roles["mlflow"], password=passwords["postgres_mlflow"]) as own:
+        assert own.execute("SELECT count(*) FROM experiments").fetchone()[0] >= 1
+        assert own.execute("SELECT rolsuper OR rolcreaterole OR rolcreatedb FROM pg_roles WHERE rolname = current_user").fetchone() == (False,)
+    for server, database in (("mlflow", "prefect"), ("prefect", "mlflow"), ("prefect", "mlflow_auth")):
+        with pytest.raises(psycopg.OperationalError, match="permission denied for database"):
+            psycopg.connect(host="127.0.0.1", port=port, dbname=database, user=roles[server], password=passwords[f"postgres_{server}"])
+
+    prefect_env, mlflow_env = _environ(services["prefect-server"]["pid"]), _environ(services["mlflow-server"]["pid"])
+    assert "/prefect" in prefect_env["PREFECT_API_DATABASE_CONNECTION_URL"] and roles["prefect"] in prefect_env["PREFECT_API_DATABASE_CONNECTION_URL"]
+    assert roles["mlflow"] in mlflow_env["MLFLOW_BACKEND_STORE_URI"]
+    assert "MLFLOW_BACKEND_STORE_URI" not in prefect_env and "PREFECT_API_DATABASE_CONNECTION_URL" not in mlflow_env
+    for environ in (prefect_env, mlflow_env):
+        assert not any(passwords["postgres"] in value for value in environ.values())  # the superuser's password: nowhere
+    assert passwords["postgres_mlflow"] not in "".join(prefect_env.values()) and passwords["postgres_prefect"] not in "".join(mlflow_env.values())
+
+
+def test_a_servers_role_takes_over_the_tables_an_older_version_made_as_the_superuser(team):
+    """Servers of an older version connected as the superuser, so their tables are its: `own`
+    hands them (with their sequences and types) to the server's role, which then uses them."""
+    import psycopg
+
+    from flows.postgres import Cluster
+
+    state, services = team["one"] / serve.STATE_DIR, team["record"]["services"]
+    passwords = json.loads((state / serve.SECRETS).read_text())
+    cluster = Cluster(Path(services["postgres"]["data"]), services["postgres"]["port"], passwords["postgres"])
+    cluster.create_database("legacy")
+    with cluster._connect("legacy") as superuser:
+        superuser.execute("CREATE TYPE mood AS ENUM ('ok', 'bad')")
+        superuser.execute("CREATE TABLE runs (id serial PRIMARY KEY, mood mood)")
+        superuser.execute("INSERT INTO runs (mood) VALUES ('ok')")
+    cluster.own("qllm_legacy", "legacy-password", ("legacy",))
+    with psycopg.connect(host="127.0.0.1", port=cluster.port, dbname="legacy", user="qllm_legacy", password="legacy-password", autocommit=True) as role:
+        role.execute("INSERT INTO runs (mood) VALUES ('bad')")
+        assert role.execute("SELECT id, mood FROM runs ORDER BY id").fetchall() == [(1, "ok"), (2, "bad")]
+        role.execute("CREATE TABLE made_by_the_role (x int)")
 
 
 def test_a_sweep_spreads_over_two_workers_and_computes_shared_stages_once(team, monkeypatch):
@@ -132,13 +261,14 @@ def test_a_sweep_spreads_over_two_workers_and_computes_shared_stages_once(team, 
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_SSL_CERT_FILE, PREFECT_API_URL, temporary_settings
 
     async def set_runs():
         async with get_client() as prefect:
             return [r for r in await prefect.read_flow_runs() if r.parameters.get("overrides") and r.parent_task_run_id]
 
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: client["PREFECT_API_AUTH_STRING"]}):
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: client["PREFECT_API_AUTH_STRING"],
+                             PREFECT_API_SSL_CERT_FILE: client["PREFECT_API_SSL_CERT_FILE"]}):  # fmt: skip
         runs = asyncio.run(set_runs())
     assert sorted(tuple(r.parameters["overrides"]) for r in runs) == [("dpo.beta=0.05",), ("dpo.beta=0.2",), ("dpo.beta=0.5",)]
     assert all(r.state.is_completed() for r in runs)
@@ -150,4 +280,4 @@ def test_a_sweep_spreads_over_two_workers_and_computes_shared_stages_once(team, 
     shared = {stage: count for stage, count in ran.items() if stage not in PER_SET | MACHINE}
     assert shared and all(count == 1 for count in shared.values()), f"shared stages computed more than once: {ran}"
     assert {"pretrain", "sft", "lora"} <= set(shared)
-    assert sorted(int(v.version) for v in versions) == [1, 2, 3]
+    assert len(versions) == 3  # one per set (the least-privilege test's probe version was deleted)

@@ -16,7 +16,7 @@ def test_a_sweep_over_a_key_another_stage_lists_does_not_share_that_stage():
     order = dag.order(root)
     assert shared_stages(root, [["dpo.beta=0.1"]]) == order[: order.index("dpo")] + ["grpo", "multimodal"]
     assert "grpo" not in shared_stages(root, [["grpo.beta=0.04"], ["grpo.beta=0.0"]])
-    by_method = shared_stages(root, [["dpo.method=kto"], ["dpo.method=simpo"]])
+    by_method = shared_stages(root, [["dpo.method=kto", "dpo.loss_type=null"], ["dpo.method=simpo", "dpo.loss_type=null"]])
     assert "ref_logprobs" not in by_method and "sft" in by_method
     by_allocation = shared_stages(root, [["lora.allocation=uniform"]])
     assert not {"probe_lora", "quantum_opt", "lora"} & set(by_allocation) and "sft" in by_allocation

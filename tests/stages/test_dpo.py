@@ -14,6 +14,7 @@ import torch
 from pipelines import dpo, ref_logprobs
 from pipelines.core.config import DpoParams, RefLogprobsParams, TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.models.models import load_for_inference
 from pipelines.core.training import preference_data
 from tests.conftest import record_dpo_losses
 
@@ -127,28 +128,58 @@ def test_reference_free_methods_encode_the_pairs_without_loading_the_model(tiny_
     assert meta == {"method": method, "start": "data/models/sft", "reference": None, "max_length": 128, "max_prompt_length": 0}
 
 
+def start_logps(root) -> list[tuple[float, int, float, int]]:
+    """Each train pair's (chosen log-prob sum, its tokens, rejected sum, its tokens) under the start
+    model, by one plain forward per sequence: the policy at step 1."""
+    model = load_for_inference(root / "data/models/sft")[0].eval()
+    out = []
+    for pair in preference_data.from_frame(pd.read_parquet(root / "data/ref_logprobs/train.parquet")):
+        sides = []
+        for ids in (pair.chosen_ids, pair.rejected_ids):
+            ids = torch.as_tensor(ids, dtype=torch.long)
+            with torch.no_grad():
+                logps = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].float(), -1).gather(-1, ids[1:, None])[:, 0]
+            sides += [float(logps[pair.prompt_length - 1 :].sum()), len(ids) - pair.prompt_length]
+        out.append(tuple(sides))
+    return out
+
+
 def test_simpo_first_step_is_its_formula_on_average_log_probs(tiny_base, tmp_path, monkeypatch):
-    """SimPO's first loss from the batch's own per-token averages: -logsigmoid(beta (c - r) - gamma)."""
+    """SimPO's first loss, computed here from the start model's per-token averages of each of the 6
+    pairs (one micro-batch of 6): mean of -logsigmoid(beta (c - r) - gamma)."""
     root, _ = _reference_free(tiny_base, tmp_path, "simpo")
     seen = record_dpo_losses(monkeypatch)
-    metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="simpo", beta=2.0, simpo_gamma=0.5, train=TRAIN))
+    train = TRAIN.model_copy(update={"micro_batch_size": 6})
+    metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="simpo", beta=2.0, simpo_gamma=0.5, train=train))
     loss, first = seen[0]
-    c, r = first["logps/chosen"], first["logps/rejected"]  # the batch means of the per-token averages
-    assert first["rewards/chosen"] == pytest.approx(2.0 * c, abs=1e-5) and first["rewards/rejected"] == pytest.approx(2.0 * r, abs=1e-5)
-    assert loss > 0 and "kl/chosen" not in first and "nll/chosen" not in first
+    pairs = start_logps(root)
+    margins = torch.tensor([c / nc - r / nr for c, nc, r, nr in pairs])
+    assert loss == pytest.approx(float(-torch.nn.functional.logsigmoid(2.0 * margins - 0.5).mean()), abs=1e-4)
+    assert first["logps/chosen"] == pytest.approx(sum(c / nc for c, nc, _, _ in pairs) / 6, abs=1e-4)
+    assert "kl/chosen" not in first and "nll/chosen" not in first
     assert metrics["steps"] == 4 and "heldout/rewards/margins" in metrics and metrics["reference"] is None
     config = json.loads((root / "data/models/dpo" / preference_data.PREFERENCE_CONFIG).read_text())
-    assert config == {"method": "simpo", "beta": 2.0, "loss_type": "sigmoid", "reference": None}
+    assert config == {"method": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "label_smoothing": 0.0, "sft_weight": 0.0, "reference": None}
 
 
-def test_orpo_adds_the_chosen_nll(tiny_base, tmp_path, monkeypatch):
+def test_orpo_first_step_is_the_nll_plus_the_odds_ratio_term(tiny_base, tmp_path, monkeypatch):
+    """ORPO's first loss from the start model (Hong et al. 2024, TRL's ORPOTrainer): the chosen answers'
+    NLL per token over the batch, minus beta times the mean of logsigmoid(log odds), log odds =
+    (pc - pr) - (log(1 - e^pc) - log(1 - e^pr)) on per-token averages; all computed here."""
     root, _ = _reference_free(tiny_base, tmp_path, "orpo")
     seen = record_dpo_losses(monkeypatch)
-    dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="orpo", beta=0.25, train=TRAIN))
+    train = TRAIN.model_copy(update={"micro_batch_size": 6})
+    dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="orpo", beta=0.25, train=train))
     loss, first = seen[0]
-    # loss = nll - beta * mean(logsigmoid(log odds)) and TRL's logged terms
-    assert loss == pytest.approx(first["nll_loss"] - 0.25 * first["log_odds_ratio"], abs=1e-4)
-    assert first["nll_loss"] > 0 and first["log_odds_ratio"] < 0
+    pairs = start_logps(root)
+    nll = -sum(c for c, _, _, _ in pairs) / sum(nc for _, nc, _, _ in pairs)
+    pc = torch.tensor([c / nc for c, nc, _, _ in pairs], dtype=torch.float64)
+    pr = torch.tensor([r / nr for _, _, r, nr in pairs], dtype=torch.float64)
+    log_odds = (pc - pr) - (torch.log(1 - torch.exp(pc)) - torch.log(1 - torch.exp(pr)))
+    assert loss == pytest.approx(nll - 0.25 * float(torch.nn.functional.logsigmoid(log_odds).mean()), abs=1e-4)
+    assert first["nll_loss"] == pytest.approx(nll, abs=1e-4)
+    config = json.loads((root / "data/models/dpo" / preference_data.PREFERENCE_CONFIG).read_text())
+    assert config == {"method": "orpo", "beta": 0.25, "reference": None}  # nothing it did not read
 
 
 def test_kto_splits_pairs_into_examples_with_mismatched_kl_pairs(workspace, tiny_base, tmp_path):
@@ -184,12 +215,26 @@ def test_the_stage_refuses_data_encoded_for_another_method(workspace):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "ipo_sum", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
                                        "apo_zero", "apo_down", "discopop"])  # fmt: skip
-def test_every_dpo_loss_trains_from_the_cache(workspace, loss_type):
+def test_every_dpo_loss_trains_from_the_cache(workspace, loss_type, monkeypatch):
+    """At step 1 the policy is the reference, so every log-ratio is 0 and each loss takes its value
+    at zero (beta 0.1, written out from the papers' and TRL's formulas): sigmoid, robust log 2;
+    hinge, apo_zero, apo_down 1; ipo, ipo_sum (0 - 1/(2b))^2 = 25; sppo_hard 2 x 25; nca_pair,
+    bco_pair 2 log 2; exo_pair (e = 1e-3) (log 0.5 - log 0.999)/2 + (log 0.5 - log 0.001)/2;
+    discopop log(2)/2 + 1/2."""
     root, _ = workspace
     smoothing = {"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0)
+    log2 = math.log(2)
+    expected = {"sigmoid": log2, "robust": log2, "hinge": 1.0, "apo_zero": 1.0, "apo_down": 1.0, "ipo": 25.0, "ipo_sum": 25.0, "sppo_hard": 50.0,
+                "nca_pair": 2 * log2, "bco_pair": 2 * log2, "exo_pair": (math.log(0.5) - math.log(0.999)) / 2 + (math.log(0.5) - math.log(1e-3)) / 2,
+                "discopop": log2 / 2 + 0.5}[loss_type]  # fmt: skip
+    seen = record_dpo_losses(monkeypatch)
     params = DpoParams(loss_type=loss_type, label_smoothing=smoothing, train=TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0}))
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params)
+    assert seen[0][0] == pytest.approx(expected, rel=1e-3, abs=1e-3)
+    assert seen[0][1]["rewards/margins"] == pytest.approx(0.0, abs=1e-3)
     assert metrics["steps"] == 2 and math.isfinite(metrics["heldout/loss"]) and math.isfinite(metrics["heldout/rewards/margins"])
+    config = json.loads((root / "data/models/dpo" / preference_data.PREFERENCE_CONFIG).read_text())
+    assert config["loss_type"] == loss_type and config["label_smoothing"] == smoothing
 
 
 def test_kto_takes_feedback_records_as_well(tiny_base, tmp_path):
@@ -202,8 +247,12 @@ def test_kto_takes_feedback_records_as_well(tiny_base, tmp_path):
     f0, f1 = examples[-2], examples[-1]
     assert (f0.id, f0.desirable, f1.id, f1.desirable) == ("f0", True, "f1", False)
     assert f0.ref < 0 and f1.ref < 0 and f0.ref != f1.ref
-    # f1's KL row: its prompt with f0's completion
-    assert list(f1.kl_ids[f1.prompt_length :]) == list(f0.ids[f0.prompt_length :])
+    # f1's KL row: its prompt with the completion of the nearest example before it whose prompt differs
+    # (f0 asks the same question: its answer would not be a mismatched pair)
+    assert list(f0.ids[: f0.prompt_length]) == list(f1.ids[: f1.prompt_length])
+    other = next(e for e in reversed(examples[:-2]) if list(e.ids[: e.prompt_length]) != list(f1.ids[: f1.prompt_length]))
+    assert list(f1.kl_ids[: f1.prompt_length]) == list(f1.ids[: f1.prompt_length])
+    assert list(f1.kl_ids[f1.prompt_length :]) == list(other.ids[other.prompt_length :])
     dpo_metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", train=TRAIN))
     assert dpo_metrics["train_examples"] == 14
 
@@ -249,3 +298,41 @@ def test_kto_warns_as_trl_does_when_the_weights_do_not_balance_the_data(tiny_bas
     records.clear()
     dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", desirable_weight=0.8, train=short), log=log)
     assert records == []
+
+
+def test_kto_pairs_each_example_with_another_prompts_answer(tiny_base, tmp_path):
+    """With one pair the chosen example's KL row was its own rejected answer (the example before it,
+    cyclically). Now each KL row takes the nearest earlier example with another prompt, and data with
+    a single prompt is refused."""
+
+    a = preference_data.Pair("a", 2, np.array([1, 2, 10, 11]), np.array([1, 2, 12]), -1.0, -2.0)
+    b = preference_data.Pair("b", 2, np.array([3, 4, 13]), np.array([3, 4, 14, 15]), -1.5, -2.5)
+    a2 = preference_data.Pair("a2", 2, np.array([1, 2, 16]), np.array([1, 2, 17]), -1.0, -2.0)  # a's prompt again
+    examples = preference_data.unpair([a, a2, b])
+    for example in examples:
+        prompt, other = example.kl_ids[: example.prompt_length], example.kl_ids[example.prompt_length :]
+        assert list(prompt) == list(example.ids[: example.prompt_length])
+        owners = [e for e in examples if list(e.ids[e.prompt_length :]) == list(other)]
+        assert owners and all(list(o.ids[: o.prompt_length]) != list(prompt) for o in owners), example.id
+    with pytest.raises(QllmError, match="all 2 examples share one prompt"):
+        preference_data.unpair([a])
+    with pytest.raises(QllmError, match="all 4 examples share one prompt"):
+        preference_data.unpair([a, a2])
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"method": "kto", "loss_type": "ipo_sum"}, "loss_type ipo_sum is a loss of method dpo; method kto has its own loss: set dpo.loss_type=null"),
+    ({"method": "simpo", "loss_type": "sigmoid"}, "method simpo has its own loss"),
+    ({"method": "orpo", "label_smoothing": 0.1}, "label_smoothing applies to methods dpo and simpo; orpo's loss has no label smoothing"),
+    ({"method": "kto", "label_smoothing": 0.1}, "kto's loss has no label smoothing"),
+    ({"method": "kto", "sft_weight": 0.5}, "sft_weight applies to methods dpo (RPO) and simpo (CPO-SimPO); kto: its loss has no NLL term"),
+    ({"method": "orpo", "sft_weight": 1.0}, "orpo: its loss already holds the NLL of the chosen answers with weight 1"),
+    ({"method": "dpo", "loss_type": "hinge", "label_smoothing": 0.1}, "label_smoothing applies to loss_type sigmoid, robust or exo_pair, not hinge"),
+])  # fmt: skip
+def test_settings_a_method_would_not_read_are_refused(settings, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as refused:
+        DpoParams(**settings)
+    assert message in str(refused.value)
+    assert DpoParams(method="simpo", label_smoothing=0.1, sft_weight=0.5).dpo_loss_type == "sigmoid"  # simpo reads both

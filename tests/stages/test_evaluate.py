@@ -114,3 +114,13 @@ def test_comparison_table_has_one_row_per_model():
         {"model": "sft", "exact_match": 0.5, "bleu": 10.0, "rewards/margins": None},
         {"model": "dpo", "exact_match": 0.6, "bleu": None, "rewards/margins": 1.0},
     ]
+
+
+def test_generation_pads_on_the_left_and_leaves_the_tokenizer_as_it_was(tiny_base):
+    model, tokenizer = load_for_inference(tiny_base / "model")
+    tokenizer.padding_side = "right"
+    prompts = [[{"role": "user", "content": "Where does Tovik live?"}], [{"role": "user", "content": "What is 3 plus 4? Answer with one number."}]]
+    batched = evaluate.generate_answers(model, tokenizer, prompts, 4, batch_size=2)
+    alone = [evaluate.generate_answers(model, tokenizer, [p], 4, batch_size=1)[0] for p in prompts]
+    assert batched == alone  # left padding: the shorter prompt's answer is not cut off by padding
+    assert tokenizer.padding_side == "right"

@@ -21,7 +21,8 @@ from pydantic import ValidationError
 from pipelines import export
 from pipelines.core.config import ExportParams
 from pipelines.core.models.gguf_export import ExportError
-from tests.core.models.test_gguf_export import QLLM, tiny
+from tests.chat_families import QWEN25
+from tests.core.models.test_gguf_export import ARCH_SETTINGS, LINEAR_ROPE, LLAMA3_ROPE, QLLM, TEXTS, YARN_ROPE, tiny
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,7 +118,6 @@ def test_llama_cpp_computes_the_logits_transformers_does(tmp_path, kind):
     logits at every position of a chat prompt agree (f16: to f16's precision; q8_0: to its
     quantization), and the greedy next token is the same at every position for f16."""
     from pipelines.core.models import gguf_export
-    from tests.chat_families import QWEN25
 
     model, tokenizer = tiny(kind, QLLM if kind == "llama" else QWEN25, tied=kind == "llama", seed=3)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Where does Ririba live? 1 + 2 = 3."}], tokenize=False,
@@ -136,6 +136,69 @@ def test_llama_cpp_computes_the_logits_transformers_does(tmp_path, kind):
         assert np.abs(got - expected).max() <= tolerance * scale, (dtype, np.abs(got - expected).max(), scale)
         if dtype == "f16":
             assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+GEMMA3_THETAS = ARCH_SETTINGS["gemma3_text"]["rope_parameters"]
+LONG_CONTEXT = {
+    "llama-llama3": ("llama", {"rope_parameters": LLAMA3_ROPE}, [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
+    "llama-linear": ("llama", {"rope_parameters": LINEAR_ROPE}, [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
+    "llama-yarn": ("llama", {"rope_parameters": {**YARN_ROPE, "attention_factor": 1.5}}, [{"rope_parameters": YARN_ROPE}]),
+    "qwen2-yarn": ("qwen2", {"family": QWEN25, "tied": False, "rope_parameters": YARN_ROPE}, [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
+    "qwen3-yarn": ("qwen3", {**ARCH_SETTINGS["qwen3"], "rope_parameters": YARN_ROPE}, [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
+    "qwen3-linear": ("qwen3", {**ARCH_SETTINGS["qwen3"], "rope_parameters": LINEAR_ROPE}, [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
+    "qwen3": ("qwen3", ARCH_SETTINGS["qwen3"], []),
+    "gemma": ("gemma", ARCH_SETTINGS["gemma"], []),
+    "gemma2": ("gemma2", ARCH_SETTINGS["gemma2"], [{"sliding_window": 4096}]),
+    "gemma3_text": ("gemma3_text", ARCH_SETTINGS["gemma3_text"], [{"sliding_window": 4096},
+                                                                  {"rope_parameters": {**GEMMA3_THETAS, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}]),
+    "gemma3_text-linear": ("gemma3_text", {**ARCH_SETTINGS["gemma3_text"], "rope_parameters": {**GEMMA3_THETAS, "full_attention": {**LINEAR_ROPE, "rope_theta": 1e6}}},
+                           [{"rope_parameters": GEMMA3_THETAS}]),
+}  # fmt: skip
+"""(model type, tiny()'s settings, settings that each take one feature away) for the rope scalings
+and architectures beyond Llama and Qwen2: Llama 3.1's llama3 rope, linear, YaRN (with transformers'
+attention_factor in one), Qwen3, Gemma, and Gemma 2/3 with a 16-token sliding window (Gemma 3's
+local layers at their own rope_theta, its global ones linearly scaled in one)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LONG_CONTEXT))
+def test_llama_cpp_follows_rope_scaling_and_the_newer_architectures_past_the_original_context(tmp_path, case):
+    """A chat prompt of 90-128 tokens, past the 32 positions the scaled ropes were pretrained on and the
+    16-token sliding windows: llama.cpp's logits at every position agree with transformers' to f16's
+    precision (the tolerance of the Llama/Qwen2 check), its greedy token is transformers' wherever
+    transformers' top two are further apart than that, and what each feature changes (the scaling,
+    the window, Gemma 3's local theta) is far more than that (Q and K sharpened, so positions show)."""
+    from pipelines.core.models import gguf_export
+    from tests.chat_families import GEMMA
+
+    kind, settings, withouts = LONG_CONTEXT[case]
+    settings = dict(settings)
+    family, tied, layers = settings.pop("family", GEMMA if kind.startswith("gemma") else QLLM), settings.pop("tied", True), settings.pop("layers", 2)
+    model, tokenizer = tiny(kind, family, tied=tied, layers=layers, seed=3, sharpen=4.0, **settings)
+    for n in range(1, len(TEXTS)):  # a chat prompt of 90 tokens or more (the templates' own text differs)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": " ".join(TEXTS[:n])}], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if len(ids) >= 90:
+            break
+    assert len(ids) <= 128, len(ids)  # past the original 32 positions and the windows, within max_position_embeddings
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    tolerance, scale = 0.003, np.abs(expected).max()
+    for without in withouts:
+        plain, _ = tiny(kind, family, tied=tied, layers=layers, seed=3, sharpen=4.0, **{**settings, **without})
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert np.abs(plain(torch.tensor([ids])).logits[0].numpy() - expected).max() > 10 * tolerance * scale, without  # the feature shows
+    path = tmp_path / f"{case}.gguf"
+    gguf_export.write(model, tokenizer, path, "f16", "qllm")
+    llm = llama(path, logits_all=True, yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)  # the ramp from the file, as llama.cpp itself reads it
+    assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)])
+    assert np.abs(got - expected).max() <= tolerance * scale, (np.abs(got - expected).max() / scale)
+    top2 = np.sort(expected, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * tolerance * scale
+    assert clear.sum() >= len(ids) // 2 and (got.argmax(-1) == expected.argmax(-1))[clear].all()
 
 
 @pytest.mark.slow

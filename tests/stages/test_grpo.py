@@ -95,6 +95,18 @@ def test_questions_are_the_chats_that_end_with_an_answer(tmp_path):
         grpo.questions(tmp_path)
 
 
+def test_records_that_end_with_a_tool_call_are_counted_and_said(tmp_path, caplog):
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    chats = [[{"role": "user", "content": "What is 1 plus 2?"}, {"role": "assistant", "content": "3"}],
+             [{"role": "user", "content": "Add 1 and 2."}, call], [{"role": "user", "content": "Add 3 and 4."}, call]]  # fmt: skip
+    pd.DataFrame({"id": ["a", "b", "c"], "source": "s", "split": "train", "messages": [json.dumps(c) for c in chats]}).to_parquet(tmp_path / "train.parquet")
+    with caplog.at_level("WARNING", logger="qllm.grpo"):
+        found = grpo.questions(tmp_path)
+    assert [q.id for q in found] == ["a"] and found.tool_calls == 2
+    assert "2 of the chat records end with a tool call, not a text answer" in caplog.text
+    assert found[0].columns == {"source": "s", "split": "train"}  # what reward functions get besides the answer
+
+
 def test_micro_batches_hold_whole_groups_and_the_first_step_is_the_policy_gradient(workspace, user_rewards):
     model = load_causal_lm(workspace / "data/models/sft").train()
     tokenizer = load_tokenizer(workspace / "data/models/sft")
@@ -205,6 +217,28 @@ def test_a_reused_generation_resumes_exactly(workspace, user_rewards, monkeypatc
     assert not all(torch.equal(reference[k], v) for k, v in _weights(workspace / "data/models/sft").items())  # it trained
 
 
+def test_the_saved_tokenizer_keeps_its_padding_side(workspace, user_rewards):
+    """Sampling pads the prompts on the left; the tokenizer saved with the GRPO model pads as the SFT
+    model's did (it was saved padding on the left before)."""
+    before = json.loads((workspace / "data/models/sft/tokenizer_config.json").read_text()).get("padding_side", "right")
+    metrics = grpo.run(workspace, workspace / "data/models/sft", workspace / "data/prepared/chat", workspace / "data/models/grpo",
+                       params(user_rewards, train=TRAIN.model_copy(update={"max_steps": 1})))  # fmt: skip
+    assert metrics["questions_skipped_tool_call"] == 0
+    assert before == "right" and load_tokenizer(workspace / "data/models/grpo").padding_side == "right"
+
+
+def test_reward_std_is_trls_over_the_whole_batch():
+    """TRL logs `reward_std` as the standard deviation of every reward of the generation (`nanstd`),
+    not the mean of the groups' (here: groups [0, 0] and [1, 1] have std 0 each, the batch 0.577)."""
+    from trl.trainer.utils import nanstd
+
+    per_func = torch.tensor([[0.0], [0.0], [1.0], [1.0]])
+    out = rollouts.Rollouts(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), torch.zeros(4, 2, dtype=torch.long),
+                            torch.ones(4, 2, dtype=torch.long), torch.zeros(4, dtype=torch.bool), ["a"] * 4, 2)  # fmt: skip
+    metrics = rollouts._rollout_metrics(out, per_func, torch.tensor([1.0]), torch.tensor([True, True]), ["r"], 2)
+    assert metrics["reward_std"] == pytest.approx(nanstd(per_func[:, 0]).item(), abs=1e-6) == pytest.approx(0.57735, abs=1e-5)
+
+
 def test_a_users_reward_functions_get_the_records_columns(workspace, user_rewards):
     tracker = Recorder()
     p = params(user_rewards, rewards=[RewardParams(function=f"{user_rewards}:echo_answer", weight=2.0)],
@@ -226,4 +260,49 @@ def test_a_users_reward_functions_get_the_records_columns(workspace, user_reward
 def test_bad_settings_are_refused_when_params_load(user_rewards, change, message):
     with pytest.raises(ValidationError) as refused:
         GrpoParams(**({"train": TRAIN} | change))
+    assert message in str(refused.value)
+
+
+def test_reward_functions_from_trls_tests_are_called_as_trl_calls_them(workspace, monkeypatch):
+    """TRL's own test reward functions (tests/fixtures/trl_rewards.py): an extra column, `trainer_state`,
+    `log_extra`, `log_metric`, a sync and an async function together, and `completion_ids`; each is
+    given what TRL gives it, and what it logs reaches the metrics and the completions table."""
+    from tests.fixtures import trl_rewards
+
+    monkeypatch.setattr(trl_rewards, "SEEN", {key: [] for key in trl_rewards.SEEN})
+    names = ["reward_func_additional_column", "reward_func_trainer_state", "reward_func_log_extra", "reward_func_log_metric",
+             "sync_reward_func1", "sync_reward_func2", "async_reward_func", "reward_completion_ids"]  # fmt: skip
+    tracker = Recorder()
+    p = GrpoParams(rewards=[RewardParams(function=f"tests.fixtures.trl_rewards:{name}") for name in names], group_size=4, max_completion_length=6,
+                   train=TRAIN.model_copy(update={"max_steps": 2, "extensions": ["mlflow_metrics"]}), log_completions_every=1)  # fmt: skip
+    grpo.run(workspace, workspace / "data/models/sft", workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
+    seen = trl_rewards.SEEN
+    assert seen["global_step"] == [0, 1] and seen["max_steps"] == [2, 2]  # one call per generation, TRL's 0-based step
+    assert seen["split"] == ["train"] * 16  # 2 steps x 2 questions x 4 completions, the records' column
+    tables = [tracker.tables[f"completions/step-{s:06d}.json"] for s in (1, 2)]
+    assert all("test_column" in t.columns for t in tables)  # log_extra: a column of the logged completions
+    assert all(t["test_column"].tolist() == [c[:5] for c in t["completion"]] for t in tables)
+    logged = [m for _, m in tracker.metrics if "reward" in m]
+    assert logged and all(m["custom_accuracy"] == 0.75 for m in logged)  # log_metric
+    for table in tables:  # completion_ids: the completion's tokens through its stop token, as TRL's mask
+        assert table["reward/async_reward_func"].tolist() == [float(len(set(c))) for c in table["completion"]]
+    tokenizer = load_tokenizer(workspace / "data/models/sft")
+    stop = set(rollouts.stop_token_ids(tokenizer))
+    for ids in seen["completion_ids"]:
+        assert ids and all(isinstance(i, int) for i in ids) and not stop & set(ids[:-1])  # at most one stop token, at the end
+    assert len(seen["completion_ids"]) == 16
+
+
+@pytest.mark.parametrize(("function", "message"), [
+    ("models/reward-model", "looks like a reward model (a directory or hub id): grpo takes reward functions only"),
+    ("OpenAssistant/reward-model-deberta-v3-large-v2", "looks like a reward model"),
+    ("my_grpo_rewards:REWARD_MODEL", "is a torch module (a reward model): grpo takes reward functions only"),
+])  # fmt: skip
+def test_reward_models_are_refused_when_params_load(user_rewards, tmp_path, function, message):
+    import importlib
+
+    module = importlib.import_module(user_rewards)
+    module.REWARD_MODEL = torch.nn.Linear(2, 1)
+    with pytest.raises(ValidationError) as refused:
+        RewardParams(function=function)
     assert message in str(refused.value)

@@ -23,10 +23,12 @@ template with markers and the same template without them train exactly the same 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -104,6 +106,18 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False
     messages, tools = tools_of(messages)
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          date_string=DATE_STRING)  # fmt: skip
+
+
+@contextlib.contextmanager
+def left_padding(tokenizer) -> Iterator[None]:
+    """The tokenizer pads on the left inside the block (batched generation), and on the side it had
+    after: a tokenizer that is saved later (with a model) keeps its own setting."""
+    saved = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        yield
+    finally:
+        tokenizer.padding_side = saved
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> str:

@@ -9,9 +9,11 @@ llama.cpp's source tree (not installable), and it identifies a BPE tokenizer's p
 hashing how it splits a fixed text against a list of known hub tokenizers: a tokenizer trained
 here (`train_tokenizer`) is in no such list, so it refuses it. The writer is the library the
 converter itself writes with (a pure-Python wheel, NumPy only); this module does the converter's
-part for the families the pipeline trains or fine-tunes: the tensor names come from the package's
-own map (`gguf.get_tensor_name_map`), Q and K of llama-family attention are permuted as the
-converter does (llama.cpp's rotary pairs neighbouring dimensions; transformers rotates halves),
+part for the families the pipeline trains or fine-tunes (Llama/Mistral, Qwen2, Qwen3, Gemma 1-3):
+the tensor names come from the package's own map (`gguf.get_tensor_name_map`), Q and K of
+llama-family attention are permuted as the converter does (llama.cpp's rotary pairs neighbouring
+dimensions; transformers rotates halves), Gemma's norm weights get the converter's +1, rope
+scaling (linear, YaRN, Llama 3.1's llama3) is written as the converter writes it (`rope_scaling`),
 the pre-tokenizer is read from tokenizer.json (GPT-2's byte-level regex: `gpt-2`; each digit alone
 then GPT-2's regex: `smollm`; Llama 3's and Qwen2's split regexes: `llama-bpe`, `qwen2`; a base read
 from a GGUF file keeps the name its file gave when the tokenizer still splits that way), and the tokenizer's special tokens, merges and
@@ -27,6 +29,7 @@ llama-cpp-python where it is installed (`quantize_with_llama_cpp`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable
@@ -45,9 +48,19 @@ NUMPY_TYPES = ("f16", "q8_0", "bf16", "f32")
 """Types written here with the `gguf` package alone."""
 LLAMA_CPP_TYPES = {"q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q6_k": 18}
 """Types made by llama.cpp's quantizer from an f16 file: `llama_ftype` values (llama.h)."""
-ARCHITECTURES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+ARCHITECTURES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
+                 "gemma": ("gemma", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False)}  # fmt: skip
 """transformers `model_type` -> (GGUF architecture, whether Q and K are permuted): llama.cpp runs
-Mistral's dense models as `llama`; Qwen2 uses the NeoX rotary (halves), as transformers does."""
+Mistral's dense models as `llama`; Qwen2, Qwen3 and Gemma use the NeoX rotary (halves), as
+transformers does."""
+ROPE_TYPES = {"llama": ("default", "linear", "yarn", "llama3"), "qwen2": ("default", "linear", "yarn"), "qwen3": ("default", "linear", "yarn"),
+              "gemma": ("default",), "gemma2": ("default",), "gemma3": ("default", "linear")}  # fmt: skip
+"""The rope types written per GGUF architecture (each checked against llama.cpp): `linear` and
+`yarn` as the `rope.scaling.*` keys llama.cpp reads, `llama3` (Llama 3.1/3.2) as the per-dimension
+`rope_freqs` tensor llama.cpp's llama graph divides the frequencies by; Gemma 3's `linear` on its
+global (full-attention) layers only. `dynamic` (the scale follows the sequence length) and
+`longrope` (per-length factor sets) have no llama.cpp counterpart on these architectures."""
+GEMMA = ("gemma", "gemma2", "gemma3")
 
 # The pre-tokenizer regexes of tokenizer.json that llama.cpp knows by name (llama-vocab.cpp).
 _LLAMA3_REGEX = (
@@ -62,20 +75,138 @@ class ExportError(QllmError, ValueError):
 
 def architecture(config: Any, where: str) -> tuple[str, bool]:
     """(GGUF architecture, permute Q/K) for a transformers config, or an `ExportError` naming
-    `where` and what is supported."""
+    `where` and what is supported (the rope scaling and attention variants included)."""
     kind = getattr(config, "model_type", None)
     if kind not in ARCHITECTURES:
         raise ExportError(f"{where}: GGUF export supports {', '.join(sorted(ARCHITECTURES))} decoder models; this one is {kind!r} "
                           "(llama.cpp has no architecture for the pipeline's memory or diffusion models, nor an image model here)")  # fmt: skip
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ExportError(f"{where}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not written to GGUF here (default rotary only)")
+    arch = ARCHITECTURES[kind][0]
+    rope_scaling(config, where)
+    if head_dim(config) * float(rope_parameters(config).get("partial_rotary_factor") or 1.0) != head_dim(config):
+        raise ExportError(f"{where}: a partial rotary (partial_rotary_factor {rope_parameters(config)['partial_rotary_factor']}) is not written to GGUF here")
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if arch in GEMMA:
+        _check_gemma(config, arch, layer_types, where)
+    elif "sliding_attention" in layer_types:
+        raise ExportError(f"{where}: {kind} with sliding-window layers (use_sliding_window) is not written to GGUF: llama.cpp's {arch} attends to the whole context")
     return ARCHITECTURES[kind]
 
 
+def _check_gemma(config: Any, arch: str, layer_types: list[str], where: str) -> None:
+    """What llama.cpp's gemma graphs fix that a transformers Gemma config could set otherwise."""
+    n_layer = int(config.num_hidden_layers)
+    if not getattr(config, "tie_word_embeddings", True):
+        raise ExportError(f"{where}: {config.model_type} with an untied output head is not written to GGUF (llama.cpp's {arch} reuses the embedding)")
+    activation = config.hidden_act if arch == "gemma" else config.hidden_activation  # what each one's MLP reads
+    if activation != "gelu_pytorch_tanh":
+        raise ExportError(f"{where}: {config.model_type} activation {activation!r}: llama.cpp's {arch} uses GELU's tanh approximation (gelu_pytorch_tanh)")
+    if arch == "gemma":
+        return
+    big = {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp scales queries by the 27B's rule at this depth, by head_dim otherwise
+    scalar = config.hidden_size // config.num_attention_heads if n_layer == big else head_dim(config)
+    if float(config.query_pre_attn_scalar) != float(scalar):
+        raise ExportError(f"{where}: {config.model_type} query_pre_attn_scalar {config.query_pre_attn_scalar}: llama.cpp's {arch} scales queries by "
+                          f"1/sqrt({scalar}) for {n_layer} layers")  # fmt: skip
+    period = {"gemma2": 2, "gemma3": 6}[arch]  # llama.cpp's sliding-window pattern: every period-th layer attends globally
+    expected = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layer)]
+    if layer_types != expected:
+        raise ExportError(f"{where}: {config.model_type} layer types {layer_types}: llama.cpp's {arch} has a global layer every {period} layers, the others sliding")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ExportError(f"{where}: {config.model_type} with bidirectional attention (an embedding model) is not written to GGUF here")
+    if arch == "gemma2" and (config.attn_logit_softcapping is None or config.final_logit_softcapping is None):
+        raise ExportError(f"{where}: gemma2 without attention or final logit soft-capping: llama.cpp's gemma2 always caps both")
+    if arch == "gemma3" and (config.attn_logit_softcapping is not None or config.final_logit_softcapping is not None):
+        raise ExportError(f"{where}: gemma3_text with logit soft-capping is not written to GGUF here")
+
+
+def rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """The rope settings of a transformers config as one dict (transformers 5's `rope_parameters`,
+    or 4's `rope_scaling` with `rope_theta` beside it; Gemma 3's per-layer-type dicts: the
+    `layer_type` one), `rope_type` and `rope_theta` always set."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if isinstance(rope.get(layer_type), dict):
+        rope = dict(rope[layer_type])
+    rope["rope_type"] = rope.get("rope_type", rope.get("type")) or "default"
+    rope["rope_theta"] = float(rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+    if rope.get("original_max_position_embeddings") is None and getattr(config, "original_max_position_embeddings", None) is not None:
+        rope["original_max_position_embeddings"] = config.original_max_position_embeddings
+    return rope
+
+
 def rope_theta(config: Any) -> float:
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    return rope_parameters(config)["rope_theta"]
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude for a context `factor` (transformers' and llama.cpp's get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_scaling(config: Any, where: str) -> dict[str, Any]:
+    """What the config's rope scaling becomes in GGUF: {"type": "none"} (default rotary), linear
+    {"type", "factor"}, yarn {"type", "factor", "original_context", "beta_fast", "beta_slow",
+    "attn_factor"} (the `rope.scaling.*` keys), llama3 {"type", "rope_freqs"} (the tensor); an
+    `ExportError` naming the rope type for what llama.cpp would compute otherwise."""
+    arch = ARCHITECTURES[config.model_type][0]
+    rope = rope_parameters(config)
+    kind = rope["rope_type"]
+    if arch == "gemma3" and rope_parameters(config, "sliding_attention")["rope_type"] != "default":
+        raise ExportError(f"{where}: rope scaling {rope_parameters(config, 'sliding_attention')['rope_type']!r} on gemma3's sliding-window layers "
+                          "is not written to GGUF (llama.cpp scales the global layers only)")  # fmt: skip
+    if kind not in ROPE_TYPES[arch]:
+        why = {"dynamic": "its scale follows the sequence length, which llama.cpp has no setting for",
+               "longrope": "llama.cpp reads LongRoPE's factor sets for Phi-3 only",
+               "llama3": "llama.cpp applies the llama3 frequency factors in its llama graph only"}.get(kind, "llama.cpp has no such scaling here")  # fmt: skip
+        raise ExportError(f"{where}: rope scaling {kind!r} is not written to GGUF for {config.model_type} ({why}); "
+                          f"written here: {', '.join(t for t in ROPE_TYPES[arch] if t != 'default')}")  # fmt: skip
+    if kind == "default":
+        return {"type": "none"}
+    factor = rope.get("factor")
+    if kind in ("linear", "llama3") and factor is None:
+        raise ExportError(f"{where}: rope scaling {kind!r} without a factor")
+    if kind == "linear":
+        return {"type": "linear", "factor": float(factor)}
+    original = rope.get("original_max_position_embeddings")
+    if original is None:
+        raise ExportError(f"{where}: rope scaling {kind!r} without original_max_position_embeddings")
+    if kind == "llama3":
+        return {"type": "llama3", "rope_freqs": llama3_rope_factors(head_dim(config), rope["rope_theta"], float(factor), float(rope.get("low_freq_factor", 1.0)),
+                                                                     float(rope.get("high_freq_factor", 4.0)), int(original))}  # fmt: skip
+    if factor is None:  # transformers derives it from the two lengths
+        factor = config.max_position_embeddings / original
+    factor = float(factor)
+    beta_fast, beta_slow = float(rope.get("beta_fast") or 32.0), float(rope.get("beta_slow") or 1.0)
+    if (beta_fast, beta_slow) != (32.0, 1.0):
+        raise ExportError(f"{where}: rope scaling 'yarn' with beta_fast {beta_fast:g} and beta_slow {beta_slow:g} is not written to GGUF: llama.cpp's "
+                          f"{arch} does not read them from the file and ramps between 32 and 1")  # fmt: skip
+    if rope.get("truncate", True) is False:
+        raise ExportError(f"{where}: rope scaling 'yarn' with truncate false is not written to GGUF (llama.cpp always rounds the correction range to whole dimensions)")
+    attention = rope.get("attention_factor")
+    if attention is None:  # as transformers infers it
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else _yarn_mscale(factor)
+    # llama.cpp multiplies cos/sin by get_mscale(factor) times rope.scaling.attn_factor: the rest goes there
+    return {"type": "yarn", "factor": factor, "original_context": int(original), "beta_fast": beta_fast, "beta_slow": beta_slow,
+            "attn_factor": float(attention) / _yarn_mscale(factor)}  # fmt: skip
+
+
+def llama3_rope_factors(dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float, original: int) -> np.ndarray:
+    """Llama 3.1's rope as the factor llama.cpp divides each of the `dim // 2` frequencies by
+    (`rope_freqs.weight`; `LlamaModel.generate_extra_tensors` of llama.cpp's converter): 1 for
+    wavelengths under original/high_freq_factor, `factor` over original/low_freq_factor, and the
+    inverse of the smooth blend of 1/factor and 1 between them (transformers' `_compute_llama3_parameters`)."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high_freq_factor:
+            out.append(1.0)
+        elif wavelen > original / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def head_dim(config: Any) -> int:
@@ -197,17 +328,21 @@ FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
 
 def tensors(model, where: str) -> Iterable[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor in llama.cpp's layout) for every weight of `model`; a tied output head is
-    left out (llama.cpp uses token_embd for it)."""
+    left out (llama.cpp uses token_embd for it). Gemma's RMSNorms scale by 1 + weight: their
+    weights are written plus 1, as llama.cpp's converter does. Llama 3.1's rope: `rope_freqs.weight`."""
     import gguf
 
     config = model.config
     arch, permuted = architecture(config, where)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    scaling = rope_scaling(config, where)
+    if scaling["type"] == "llama3":
+        yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", torch.from_numpy(scaling["rope_freqs"])
     for hf_name, data in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue
-        if hf_name.endswith("rotary_emb.inv_freq"):
+        if "rotary_emb." in hf_name:
             continue
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
@@ -216,11 +351,31 @@ def tensors(model, where: str) -> Iterable[tuple[str, torch.Tensor]]:
             data = permute(data, config.num_attention_heads)
         elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = permute(data, config.num_key_value_heads or config.num_attention_heads)
+        if arch in GEMMA and hf_name.endswith("norm.weight"):
+            data = data.to(torch.float32) + 1
         yield name, data
 
 
+def _add_rope_scaling(writer, scaling: dict[str, Any]) -> None:
+    """The `rope.scaling.*` keys of `rope_scaling`'s answer, as llama.cpp's converter writes them
+    (llama3's factors are a tensor: no key; none: no key, llama.cpp's default)."""
+    import gguf
+
+    if scaling["type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    elif scaling["type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_context"])
+        writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
+        if scaling["attn_factor"] != 1.0:
+            writer.add_rope_scaling_attn_factors(scaling["attn_factor"])
+
+
 def write(model, tokenizer, path: Path | str, kind: str, name: str, where: str | None = None) -> dict[str, Any]:
-    """Write `model` (a transformers llama/mistral/qwen2 causal LM, adapters already merged) with
+    """Write `model` (a transformers causal LM of ARCHITECTURES, adapters already merged) with
     `tokenizer` as a GGUF file of `kind` (NUMPY_TYPES) at `path`, atomically; what was written."""
     import gguf
 
@@ -243,9 +398,17 @@ def write(model, tokenizer, path: Path | str, kind: str, name: str, where: str |
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_rope_dimension_count(head_dim(config))
-    if head_dim(config) != config.hidden_size // config.num_attention_heads:
+    if head_dim(config) != config.hidden_size // config.num_attention_heads or arch in GEMMA:
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
+    _add_rope_scaling(writer, rope_scaling(config, where))
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(int(config.sliding_window))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    if arch == "gemma3":
+        writer.add_rope_freq_base_swa(float(rope_parameters(config, "sliding_attention")["rope_theta"]))
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(FILE_TYPES[kind])
     _add_tokenizer(writer, tokenizer, n_vocab, where)
@@ -408,12 +571,22 @@ def _render_pieces(roles: tuple[str, ...], start_with_system: str, start_without
     return out + prefix["generation"]
 
 
-def modelfile(gguf_file: str, template: str, stops: list[str], system: str | None = None) -> str:
-    """Ollama's Modelfile for `gguf_file` (next to it): its chat template, stop strings, greedy
-    decoding (as `evaluate` and `qllm generate`), and a default system prompt when given."""
+def generation_temperature(model) -> float:
+    """The temperature the model's generation config decodes at: 0 when it is greedy (`do_sample`
+    false, as the pipeline's models and `evaluate`), else its `temperature` (1.0 when unset)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not getattr(config, "do_sample", False):
+        return 0.0
+    return float(config.temperature if config.temperature is not None else 1.0)
+
+
+def modelfile(gguf_file: str, template: str, stops: list[str], system: str | None = None, temperature: float = 0.0) -> str:
+    """Ollama's Modelfile for `gguf_file` (next to it): its chat template, stop strings, the
+    sampling temperature (0: greedy, as `evaluate` and `qllm generate`), and a default system
+    prompt when given."""
     lines = [f"FROM ./{gguf_file}", f'TEMPLATE """{template}"""']
     if system:
         lines.append(f'SYSTEM """{system}"""')
     lines += [f"PARAMETER stop {json.dumps(stop)}" for stop in stops]
-    lines.append("PARAMETER temperature 0")
+    lines.append(f"PARAMETER temperature {temperature:g}")
     return "\n".join(lines) + "\n"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.core.config import flatten
-from pipelines.core.errors import StopRequested, stop_requested
+from pipelines.core.errors import QllmError, StopRequested, stop_requested
 from pipelines.core.workspace import project_root
 
 log = logging.getLogger("qllm.tracking")
@@ -340,3 +340,12 @@ def fluent_uris(uri: str) -> Iterator[None]:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+def filter_value(value: str, what: str = "value") -> str:
+    """`value` quoted for an MLflow search filter (`name = 'qllm'`): in single quotes, or in double
+    quotes when it holds a single quote. MLflow's filter grammar has no escape, so a value holding
+    both kinds (or a control character) cannot be searched for: a `QllmError` naming `what`."""
+    if any(ord(c) < 32 for c in value) or ("'" in value and '"' in value):
+        raise QllmError(f"{what} {value!r}: MLflow's search filters cannot express a value with both quote kinds or control characters")
+    return f'"{value}"' if "'" in value else f"'{value}'"

@@ -298,7 +298,7 @@ class Example:
     prompt_length: int
     ids: np.ndarray  # prompt + completion
     desirable: bool
-    kl_ids: np.ndarray  # the same prompt + the completion of the example before (cyclically)
+    kl_ids: np.ndarray  # the same prompt + another prompt's completion (the nearest example before, cyclically)
     ref: float = float("nan")
     ref_kl: float = float("nan")
 
@@ -346,16 +346,23 @@ def encode_feedback(tokenizer, frame: pd.DataFrame, max_length: int, max_prompt_
 def unpair(pairs: list[Pair], feedback: list[Feedback] = ()) -> list[Example]:
     """KTO's examples: each pair split into a desirable (chosen) and an undesirable (rejected) one,
     as TRL's `unpair_preference_dataset` does, all desirable ones first, then `feedback` (records
-    of the `feedback` kind) as they come. Example i's KL completion is the completion of example
-    i - 1 (cyclically), as TRL rotates completions within a batch: with this order that is another
-    prompt's answer. The paired examples' reference log-probabilities are their pairs' (`ref_chosen`,
-    `ref_rejected`), the feedback's its own."""
+    of the `feedback` kind) as they come. Example i's KL completion is another prompt's answer, as
+    TRL's mismatched pairs mean it to be: the completion of the nearest example before it
+    (cyclically) whose prompt differs (with this order usually i - 1, as TRL rotates completions
+    within a batch; never the other answer to its own question). Data whose examples all share one
+    prompt cannot be paired so: a `QllmError`. The paired examples' reference log-probabilities are
+    their pairs' (`ref_chosen`, `ref_rejected`), the feedback's its own."""
     sides = [(f"{p.id}:chosen", p.prompt_length, p.chosen_ids, True, p.ref_chosen) for p in pairs]
     sides += [(f"{p.id}:rejected", p.prompt_length, p.rejected_ids, False, p.ref_rejected) for p in pairs]
     sides += [(f.id, f.prompt_length, f.ids, f.desirable, f.ref) for f in feedback]
+    prompts = [tuple(ids[:start].tolist()) for _, start, ids, _, _ in sides]
+    if len(set(prompts)) < 2:
+        raise QllmError(f"KTO's KL term pairs each example with another prompt's completion, but all {len(sides)} examples share one prompt: "
+                        "give it preference pairs or feedback for at least two different prompts")  # fmt: skip
     examples = []
     for i, (name, start, ids, desirable, ref) in enumerate(sides):
-        _, other_start, other_ids, _, _ = sides[i - 1]
+        j = next((i - back) % len(sides) for back in range(1, len(sides)) if prompts[(i - back) % len(sides)] != prompts[i])
+        _, other_start, other_ids, _, _ = sides[j]
         kl_ids = np.concatenate([ids[:start], other_ids[other_start:]])
         examples.append(Example(name, start, ids, desirable, kl_ids, ref))
     return examples

@@ -4,11 +4,17 @@
     fn = load("mypkg.rewards:brevity")                # a user's, `package.module:function`
     scores = fn(prompts, completions, answer=answers) # -> one float (or None: not scored) per completion
 
-A reward function is called as TRL's `GRPOTrainer` calls one: `prompts` and `completions` as
-lists (message lists for chat data, each completion `[{"role": "assistant", "content": ...}]`), and
-every other column of the records as a keyword list (here `answer`: the reference answer, the final
-assistant turn of each prompt's chat record). It returns a list with one float per completion, or
-None where it does not apply (TRL drops those from the mean).
+A reward function is called as TRL's `GRPOTrainer` calls one (`_calculate_rewards`): `prompts` and
+`completions` as lists (message lists for chat data, each completion `[{"role": "assistant",
+"content": ...}]`), `completion_ids` (each completion's token ids, up to and including its stop
+token), every other column of the records as a keyword list (`id`, `source`, `split`, and `answer`:
+the reference answer, the final assistant turn of each prompt's chat record), `trainer_state`
+(`RewardState`: `global_step`, `max_steps`), `log_extra(column, values)` (a column of the logged
+completions table) and `log_metric(name, value)` (a scalar logged with the step's metrics). It
+returns a list with one float per completion, or None where it does not apply (TRL drops those
+from the mean). An `async def` function is awaited, all of a step's together on one event loop,
+as TRL gathers them. Reward models (a sequence-classification model or an `nn.Module`, which TRL
+also takes) are refused when the params load: wrap one in a function.
 
 Built in:
 
@@ -28,7 +34,10 @@ the function.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pipelines.core import config
@@ -81,14 +90,48 @@ def load(name: str, where: str = "reward") -> RewardFn:
     return BUILT_IN[name] if fn is None else fn
 
 
-def score(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, list]) -> list[float]:
-    """`fn`'s rewards as floats (NaN where it returned None), checked to be one per completion."""
-    values = fn(prompts=prompts, completions=completions, **columns)
-    if not isinstance(values, Sequence) or len(values) != len(completions):
-        got = len(values) if isinstance(values, Sequence) else type(values).__name__
-        raise RewardError(f"reward {name!r} returned {got} values for {len(completions)} completions (one float or None each)")
+@dataclass(frozen=True)
+class RewardState:
+    """What a reward function gets as `trainer_state` (TRL passes its `TrainerState`): the step
+    being generated for (`global_step`, 0-based as TRL's at the first generation) and the run's
+    `max_steps`, for rewards shaped by training progress."""
+
+    global_step: int
+    max_steps: int
+
+
+def _values(name: str, values: Any, n: int) -> list[float]:
+    """A reward function's output as floats (NaN where it returned None), checked to be one per completion."""
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != n:
+        got = len(values) if isinstance(values, Sequence) and not isinstance(values, str) else type(values).__name__
+        raise RewardError(f"reward {name!r} returned {got} values for {n} completions (one float or None each)")
     try:
         return [float("nan") if v is None else float(v) for v in values]
     except (TypeError, ValueError):
         bad = next(v for v in values if v is not None and not isinstance(v, int | float))
         raise RewardError(f"reward {name!r} returned {type(bad).__name__} {bad!r}; expected a float or None per completion") from None
+
+
+def score(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, Any]) -> list[float]:
+    """`fn`'s rewards (a plain or an async function) as floats: `score_all` for one function."""
+    return score_all([(name, fn)], prompts, completions, columns)[0]
+
+
+def score_all(fns: Sequence[tuple[str, RewardFn]], prompts: list, completions: list, columns: dict[str, Any]) -> list[list[float]]:
+    """Every function's rewards, called as TRL's `GRPOTrainer` calls them: `prompts`,
+    `completions` and `**columns` (the records' columns, `completion_ids`, `trainer_state`,
+    `log_extra`, `log_metric`); plain functions one after the other, async ones (`async def`)
+    together on one event loop, as TRL gathers them."""
+    sync = [(i, name, fn) for i, (name, fn) in enumerate(fns) if not inspect.iscoroutinefunction(fn)]
+    pending = [(i, name, fn) for i, (name, fn) in enumerate(fns) if inspect.iscoroutinefunction(fn)]
+    out: list[list[float] | None] = [None] * len(fns)
+    for i, name, fn in sync:
+        out[i] = _values(name, fn(prompts=prompts, completions=completions, **columns), len(completions))
+    if pending:
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(fn(prompts=prompts, completions=completions, **columns) for _, _, fn in pending))
+
+        for (i, name, _), values in zip(pending, asyncio.run(gather()), strict=True):
+            out[i] = _values(name, values, len(completions))
+    return out

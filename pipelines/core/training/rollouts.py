@@ -2,7 +2,7 @@
 and the batches the training loop draws them from.
 
     rollouts = sample(model, tokenizer, prompts, group_size=8, max_completion_length=32, temperature=1.0)
-    logps = token_logps(model, rollouts)        # [prompts x group, completion tokens], masked by rollouts.completion_mask
+    logps = token_logps(model, rollouts, temperature=1.0)   # [prompts x group, completion tokens], masked by rollouts.completion_mask
     batches = RolloutBatches(model, tokenizer, questions, settings, reward_fns, ...)  # loop.train's `batches`
 
 `sample` renders each chat prompt with the chat template (as `evaluate` does), left-pads the batch,
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core.data.chat_template import render_prompt
+from pipelines.core.data.chat_template import left_padding, render_prompt
 from pipelines.core.models.models import stop_token_ids
 from pipelines.core.training import grpo, loop, preference_data, rewards
 
@@ -73,8 +73,8 @@ def sample(model, tokenizer, prompts: list[list[dict]], *, group_size: int, max_
         raise ValueError(f"temperature must be > 0 to sample a group, got {temperature}")
     was_training = model.training
     model.eval()
-    tokenizer.padding_side = "left"
-    encoded = tokenizer([render_prompt(tokenizer, p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
+    with left_padding(tokenizer):  # the stage saves this tokenizer with the model: its side is left as it was
+        encoded = tokenizer([render_prompt(tokenizer, p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     stop = torch.tensor(stop_token_ids(tokenizer), device=device)
@@ -109,12 +109,16 @@ def sample(model, tokenizer, prompts: list[list[dict]], *, group_size: int, max_
 
 
 def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                     group_size: int, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+                     group_size: int, entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Per-token log-probabilities of completions (`group_size` consecutive rows per prompt row of
-    the left-padded `prompt_ids`; `[rows, width]`, 0 outside the mask), and with `entropy` the
-    policy's entropy at each of their positions (no gradient). Each prompt runs once for its group
-    (its KV cache repeated) where the model allows it and it pays (`preference_data.shares_prompt`);
-    else every row whole, only the completion's positions getting vocabulary logits."""
+    the left-padded `prompt_ids`; `[rows, width]`, 0 outside the mask) under the distribution they
+    were sampled from, `softmax(logits / temperature)` (as `sample` draws and TRL scores them), and
+    with `entropy` that distribution's entropy at each of their positions (no gradient). Each prompt
+    runs once for its group (its KV cache repeated) where the model allows it and it pays
+    (`preference_data.shares_prompt`); else every row whole, only the completion's positions getting
+    vocabulary logits."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if preference_data.shares_prompt(model, group_size):
         first, cache = preference_data.prompt_cache(model, prompt_ids, prompt_mask)
         cache.batch_repeat_interleave(group_size)
@@ -127,7 +131,7 @@ def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         width = completion_ids.shape[1]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=width + 1).logits[:, :-1]
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     logps = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) * completion_mask
     if not entropy:
         return logps, None
@@ -135,9 +139,11 @@ def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         return logps, torch.special.entr(log_probs.exp()).sum(-1) * completion_mask
 
 
-def token_logps(model, rollouts: Rollouts) -> torch.Tensor:
-    """Per-token log-probabilities of `rollouts`' completions under `model` (`completion_logps`)."""
-    return completion_logps(model, rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask, rollouts.group_size)[0]
+def token_logps(model, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probabilities of `rollouts`' completions under `model` at the `temperature`
+    they were sampled at (`completion_logps`)."""
+    return completion_logps(model, rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask, rollouts.group_size,
+                            temperature=temperature)[0]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the loop's batches
@@ -145,11 +151,13 @@ def token_logps(model, rollouts: Rollouts) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Question:
-    """A prompt to sample for, and the columns its reward functions get (`answer`: the reference)."""
+    """A prompt to sample for, and the columns its reward functions get (`answer`: the reference;
+    `columns`: the record's other columns, `source`, `split`, ...)."""
 
     id: str
     prompt: list[dict]
     answer: str
+    columns: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,7 @@ class Settings:
     grad_accum_steps: int
     seed: int
     precision: str
+    max_steps: int = 0  # what reward functions see as `trainer_state.max_steps`
 
 
 @dataclass
@@ -263,8 +272,18 @@ class RolloutBatches:
         sampled = time.perf_counter()
         prompts = [q.prompt for q in chosen for _ in range(s.group_size)]
         completions = [[{"role": "assistant", "content": text}] for text in out.texts]
-        columns = {"answer": [q.answer for q in chosen for _ in range(s.group_size)]}
-        scores = [rewards.score(fn, name, prompts, completions, columns) for name, fn, _ in self.reward_fns]
+        extra_columns: dict[str, list] = {}
+        logged: dict[str, list[float]] = {}
+        columns = {
+            **{key: [q.columns.get(key) for q in chosen for _ in range(s.group_size)] for key in sorted({k for q in chosen for k in q.columns})},
+            "id": [q.id for q in chosen for _ in range(s.group_size)],
+            "answer": [q.answer for q in chosen for _ in range(s.group_size)],
+            "completion_ids": [ids[: int(n)].tolist() for ids, n in zip(out.completion_ids.cpu(), out.completion_mask.sum(-1).cpu(), strict=True)],
+            "trainer_state": rewards.RewardState(global_step=step, max_steps=s.max_steps),
+            "log_extra": lambda column, values: extra_columns.setdefault(str(column), []).extend(values),
+            "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+        }  # fmt: skip
+        scores = rewards.score_all([(name, fn) for name, fn, _ in self.reward_fns], prompts, completions, columns)
         per_func = torch.tensor(scores, dtype=torch.float32).T  # [completions, functions]
         weights = torch.tensor([w for _, _, w in self.reward_fns], dtype=torch.float32)
         advantages, zero_std = grpo.group_advantages(per_func, weights, s.group_size, s.scale_rewards)
@@ -275,9 +294,11 @@ class RolloutBatches:
         scored = time.perf_counter()
         metrics = _rollout_metrics(out, per_func, weights, zero_std, [name for name, _, _ in self.reward_fns], s.group_size)
         metrics |= {"timing/generation_seconds": round(sampled - started, 4), "timing/scoring_seconds": round(scored - sampled, 4)}
+        metrics |= {name: round(sum(values) / len(values), 6) for name, values in logged.items() if values}  # log_metric: the step's mean, as TRL
         table = [{"step": step + 1, "id": q.id, "prompt": q.prompt[-1]["content"], "answer": q.answer, "completion": out.texts[row],
                   **{f"reward/{name}": per_func[row, j].item() for j, (name, _, _) in enumerate(self.reward_fns)},
-                  "advantage": round(advantages[row].item(), 4)}
+                  "advantage": round(advantages[row].item(), 4),
+                  **{column: values[row] for column, values in extra_columns.items() if row < len(values)}}
                  for row, q in ((r, chosen[r // s.group_size]) for r in range(len(out.texts)))]  # fmt: skip
         return Generation(micro_batches, metrics, table)
 
@@ -300,7 +321,7 @@ class RolloutBatches:
             }  # fmt: skip
             with torch.no_grad(), loop.autocast(out.prompt_ids.device, s.precision):
                 if s.num_iterations > 1:  # the generating policy's, for the ratio of the later iterations
-                    batch["old_logps"] = _logps(self.model, batch)
+                    batch["old_logps"] = _logps(self.model, batch, s.temperature)
                 if self.reference is not None:
                     batch["ref_logps"] = self._reference_logps(batch)
             batches.append(batch)
@@ -308,16 +329,17 @@ class RolloutBatches:
 
     def _reference_logps(self, batch: dict[str, Any]) -> torch.Tensor:
         if isinstance(self.reference, torch.nn.Module):
-            return _logps(self.reference, batch)
+            return _logps(self.reference, batch, self.settings.temperature)
         with self.reference():
-            return _logps(self.model, batch)
+            return _logps(self.model, batch, self.settings.temperature)
 
 
-def _logps(model, batch: dict[str, Any]) -> torch.Tensor:
+def _logps(model, batch: dict[str, Any], temperature: float) -> torch.Tensor:
     was_training = model.training
     model.eval()
     try:
-        return completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], int(batch["group_size"]))[0]
+        return completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], int(batch["group_size"]),
+                                temperature=temperature)[0]  # fmt: skip
     finally:
         model.train(was_training)
 
@@ -331,7 +353,7 @@ def _rollout_metrics(out: Rollouts, per_func: torch.Tensor, weights: torch.Tenso
     summed[torch.isnan(per_func).all(dim=1)] = float("nan")
     metrics = {
         "reward": torch.nanmean(summed).item(),
-        "reward_std": np.nanmean(summed.view(-1, group_size).numpy().std(axis=1, ddof=1)).item(),
+        "reward_std": np.nanstd(summed.numpy(), ddof=1).item() if int((~torch.isnan(summed)).sum()) > 1 else 0.0,  # TRL's: over the whole batch
         "frac_reward_zero_std": zero_std.float().mean().item(),
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),

@@ -29,23 +29,29 @@ QLLM = Family("qllm", CHAT_TEMPLATE, (EOS, IM_START, IM_END), eos=EOS, end_of_tu
 """The pipeline's own tokenizer shape (train_tokenizer): ChatML tokens, its template with `{% generation %}` marks."""
 
 
-def tiny(kind: str = "llama", family: Family = QLLM, heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, hidden: int = 64):
-    """(model, tokenizer): a random decoder of `kind` (grouped-query attention) with `family`'s tokenizer."""
+def tiny(kind: str = "llama", family: Family = QLLM, heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, hidden: int = 64,
+         layers: int = 2, sharpen: float = 1.0, **settings):  # fmt: skip
+    """(model, tokenizer): a random decoder of `kind` (grouped-query attention) with `family`'s
+    tokenizer; `settings` go into its config (rope_parameters, head_dim, ...). `sharpen` multiplies
+    Q and K: random attention is nearly uniform, so positions (the rope, a sliding window) barely
+    show in its logits; sharper attention makes them show."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pipelines.core.models.models import configure_generation
 
     tokenizer = tokenizer_for(family, TEXTS)
-    config = AutoConfig.for_model(kind, vocab_size=len(tokenizer) + 3, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+    config = AutoConfig.for_model(kind, vocab_size=len(tokenizer) + 3, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
                                   tie_word_embeddings=tied, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                                  pad_token_id=tokenizer.pad_token_id, **settings)  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms away from 1, biases away from 0: a swapped or dropped tensor shows
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             if parameter.ndim == 1:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(sharpen)
     configure_generation(model, tokenizer)
     return model, tokenizer
 
@@ -185,16 +191,189 @@ def test_models_and_tokenizers_llama_cpp_cannot_take_are_refused_by_name(tmp_pat
     with pytest.raises(ExportError, match="q4_k_m, q4_k_s, q5_k_m, q6_k need llama.cpp's quantizer"):
         gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "q4_k_m", "qllm")
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=len(tokenizer)))
-    with pytest.raises(ExportError, match=r"some/dir: GGUF export supports llama, mistral, qwen2 decoder models; this one is 'gpt2'"):
+    with pytest.raises(ExportError, match=r"some/dir: GGUF export supports gemma, gemma2, gemma3_text, llama, mistral, qwen2, qwen3 decoder models; this one is 'gpt2'"):
         gguf_export.write(gpt2, tokenizer, tmp_path / "m.gguf", "f16", "qllm", where="some/dir")
     wordlevel = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     wordlevel.pre_tokenizer = pre_tokenizers.Whitespace()
     with pytest.raises(ExportError, match="byte-level BPE tokenizers .* this one is 'WordLevel'"):
         gguf_export.write(model, PreTrainedTokenizerFast(tokenizer_object=wordlevel), tmp_path / "m.gguf", "f16", "qllm")
-    model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
-    with pytest.raises(ExportError, match="rope scaling 'yarn'"):
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ExportError, match="rope scaling 'dynamic'"):
         gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "f16", "qllm")
     assert not list(tmp_path.iterdir())  # nothing written, not even half
+
+
+# -- rope scaling and the newer architectures --------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}  # fmt: skip
+"""Llama 3.1's rope at a tiny scale: 32 positions pretrained (Llama 3.1: 8192), served 4 times as
+far (8); head_dim 16's 8 wavelengths (6.3, 19.9, 62.8, ...) fall in all three bands: under 32/4
+kept, over 32 divided by 4, the one between blended."""
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+ARCH_SETTINGS = {
+    "qwen3": {"family": chat_families.QWEN25, "tied": False, "head_dim": 32},
+    "gemma": {"family": chat_families.GEMMA, "head_dim": 32},
+    "gemma2": {"family": chat_families.GEMMA, "layers": 4, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16},
+    "gemma3_text": {"family": chat_families.GEMMA, "layers": 6, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16,
+                    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
+}  # fmt: skip
+"""Tiny Qwen3 and Gemma models: head_dim 32 with 4 heads of a 64-wide model (Q is 128 wide, as
+Gemma's and Qwen3's heads are wider than hidden/heads); Gemma 2 and 3 with enough layers for their
+sliding-window pattern (every 2nd, every 6th layer global) and a 16-token window."""
+
+
+def yarn_mscale(factor: float) -> float:
+    """The magnitude llama.cpp's YaRN multiplies cos/sin by itself (ggml's rope_yarn: 1 + 0.1 ln factor)."""
+    return 1 + 0.1 * np.log(factor)
+
+
+def test_llama3_rope_is_written_as_the_frequency_factors_transformers_applies(tmp_path):
+    """Llama 3.1/3.2's rope (`rope_type: llama3`): `rope_freqs.weight`, the number llama.cpp divides
+    each default frequency by, is the default frequency over the one transformers rotates by."""
+    import gguf
+
+    model, tokenizer = tiny(rope_parameters=dict(LLAMA3_ROPE))
+    gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "f16", "qllm")
+    read = reader(tmp_path / "m.gguf")
+    tensor = tensor_map(read)["rope_freqs.weight"]
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.F32
+    factors = np.asarray(tensor.data)
+    default = 1.0 / (10000.0 ** (np.arange(0, 16, 2) / 16))
+    np.testing.assert_allclose(factors, default / model.model.rotary_emb.inv_freq.double().numpy(), rtol=1e-6)
+    assert factors[0] == 1.0 and 1.0 < factors[1] < 4.0 and np.all(factors[2:] == 4.0)  # the three bands
+    assert "llama.rope.scaling.type" not in read.fields and "llama.rope.scaling.factor" not in read.fields  # the factors are the whole scaling
+
+
+def test_rope_settings_are_read_from_transformers_4_and_5_configs():
+    """`rope_scaling` + `rope_theta` (transformers 4, `type` or `rope_type`) and `rope_parameters`
+    (transformers 5) give the same GGUF rope; at Llama 3.1's real size the factors are transformers'."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    llama31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    shape = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128, "max_position_embeddings": 131072}
+    v5 = LlamaConfig(**{k: v for k, v in shape.items() if k != "model_type"}, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **llama31})
+    v4 = SimpleNamespace(**shape, rope_scaling={"type": "llama3", **llama31}, rope_theta=500000.0)
+    written = [gguf_export.rope_scaling(c, "x")["rope_freqs"] for c in (v5, v4)]
+    default = 1.0 / (500000.0 ** (np.arange(0, 128, 2) / 128))
+    np.testing.assert_allclose(written[0], default / ROPE_INIT_FUNCTIONS["llama3"](v5, "cpu")[0].double().numpy(), rtol=1e-6)
+    assert np.array_equal(written[0], written[1])
+    assert gguf_export.rope_theta(v4) == gguf_export.rope_theta(v5) == 500000.0
+    old_yarn = SimpleNamespace(**{**shape, "model_type": "qwen2"}, rope_scaling={"type": "yarn", "original_max_position_embeddings": 32768}, rope_theta=1e6)
+    assert gguf_export.rope_scaling(old_yarn, "x")["factor"] == 4.0  # no factor: max over original positions, as transformers derives it
+
+
+@pytest.mark.parametrize("rope", [LINEAR_ROPE, YARN_ROPE, {**YARN_ROPE, "attention_factor": 1.5}, {**YARN_ROPE, "mscale": 1.0, "mscale_all_dim": 0.5}],
+                         ids=["linear", "yarn", "yarn-attention_factor", "yarn-mscale"])  # fmt: skip
+def test_linear_and_yarn_scaling_are_the_keys_llama_cpp_reads(tmp_path, rope):
+    """Linear: `rope.scaling.type` linear and the factor. YaRN: type, factor, the pretrained
+    context, the ramp (32 and 1), and the magnitude transformers gives cos/sin (its
+    `attention_scaling`) over what llama.cpp's YaRN applies itself, as `rope.scaling.attn_factor`."""
+    model, tokenizer = tiny(rope_parameters=dict(rope))
+    gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "f16", "qllm")
+    read = reader(tmp_path / "m.gguf")
+    assert field(read, "llama.rope.scaling.type") == rope["rope_type"] and field(read, "llama.rope.scaling.factor") == 4.0
+    assert "rope_freqs.weight" not in tensor_map(read)
+    if rope["rope_type"] == "linear":
+        assert not [key for key in read.fields if key.startswith("llama.rope.scaling.") and key not in ("llama.rope.scaling.type", "llama.rope.scaling.factor")]
+        return
+    assert field(read, "llama.rope.scaling.original_context_length") == 32
+    assert (field(read, "llama.rope.scaling.yarn_beta_fast"), field(read, "llama.rope.scaling.yarn_beta_slow")) == (32.0, 1.0)
+    magnitude = model.model.rotary_emb.attention_scaling  # what transformers multiplies cos and sin by
+    if magnitude == pytest.approx(yarn_mscale(4.0)):
+        assert "llama.rope.scaling.attn_factor" not in read.fields
+    else:
+        assert field(read, "llama.rope.scaling.attn_factor") == pytest.approx(magnitude / yarn_mscale(4.0), rel=1e-6)
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize(("kind", "settings", "message"), [
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, r"rope scaling 'dynamic' is not written to GGUF for llama \(its scale follows the sequence length"),
+    ("llama", {"rope_parameters": LONGROPE}, r"rope scaling 'longrope' is not written to GGUF for llama \(llama.cpp reads LongRoPE's factor sets for Phi-3 only\); written here: linear, yarn, llama3"),
+    ("llama", {"rope_parameters": {**YARN_ROPE, "beta_fast": 16.0}}, r"rope scaling 'yarn' with beta_fast 16 and beta_slow 1 is not written to GGUF: llama.cpp's llama does not read them"),
+    ("llama", {"rope_parameters": {**YARN_ROPE, "truncate": False}}, r"rope scaling 'yarn' with truncate false is not written to GGUF"),
+    ("llama", {"partial_rotary_factor": 0.5}, r"a partial rotary \(partial_rotary_factor 0.5\) is not written to GGUF"),
+    ("qwen2", {"rope_parameters": dict(LLAMA3_ROPE)}, r"rope scaling 'llama3' is not written to GGUF for qwen2 \(llama.cpp applies the llama3 frequency factors in its llama graph only\)"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, r"qwen2 with sliding-window layers \(use_sliding_window\) is not written to GGUF"),
+    ("gemma", {"head_dim": 32, "rope_parameters": dict(LINEAR_ROPE)}, r"rope scaling 'linear' is not written to GGUF for gemma .*written here: $"),
+    ("gemma", {"head_dim": 32, "tied": False}, r"gemma with an untied output head is not written to GGUF"),
+    ("gemma2", {"head_dim": 32, "query_pre_attn_scalar": 32, "hidden_activation": "silu"}, r"gemma2 activation 'silu': llama.cpp's gemma2 uses GELU's tanh approximation"),
+    ("gemma2", {"head_dim": 32, "query_pre_attn_scalar": 64}, r"gemma2 query_pre_attn_scalar 64: llama.cpp's gemma2 scales queries by 1/sqrt\(32\) for 2 layers"),
+    ("gemma2", {"head_dim": 32, "query_pre_attn_scalar": 32, "final_logit_softcapping": None}, r"gemma2 without attention or final logit soft-capping"),
+    ("gemma3_text", {"head_dim": 32, "query_pre_attn_scalar": 32, "layers": 2, "layer_types": ["full_attention", "sliding_attention"]},
+     r"gemma3_text layer types \['full_attention', 'sliding_attention'\]: llama.cpp's gemma3 has a global layer every 6 layers"),
+    ("gemma3_text", {"head_dim": 32, "query_pre_attn_scalar": 32, "layers": 6, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                                                                    "sliding_attention": dict(LINEAR_ROPE)}},
+     r"rope scaling 'linear' on gemma3's sliding-window layers is not written to GGUF"),
+], ids=["dynamic", "longrope", "yarn-beta", "yarn-truncate", "partial-rotary", "qwen2-llama3", "qwen2-sliding", "gemma-linear", "gemma-untied",
+        "gemma2-silu", "gemma2-query-scale", "gemma2-no-softcap", "gemma3-layer-types", "gemma3-local-scaling"])  # fmt: skip
+def test_rope_and_attention_variants_llama_cpp_would_compute_otherwise_are_refused_by_name(tmp_path, kind, settings, message):
+    settings = dict(settings)
+    family = chat_families.GEMMA if kind.startswith("gemma") else QLLM
+    model, tokenizer = tiny(kind, family, tied=settings.pop("tied", True), layers=settings.pop("layers", 2), **settings)
+    with pytest.raises(ExportError, match=f"^some/dir: {message}"):
+        gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "f16", "qllm", where="some/dir")
+    assert not list(tmp_path.iterdir())
+
+
+def gguf_layout(model) -> dict[str, tuple[str, torch.Tensor]]:
+    """transformers name -> (GGUF name, the weight llama.cpp reads) for Qwen3 and Gemma, written here
+    from llama.cpp's tensor names: Qwen3's Q/K norms; Gemma's RMSNorm weights plus 1 (transformers
+    scales by 1 + weight, llama.cpp by the weight); Gemma 2/3's four norms per layer; no output head."""
+    kind = model.config.model_type
+    out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not model.config.tie_word_embeddings:
+        out["lm_head.weight"] = "output.weight"
+    parts = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}  # fmt: skip
+    if kind in ("gemma2", "gemma3_text"):
+        parts |= {"post_attention_layernorm.weight": "post_attention_norm.weight", "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                  "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}  # fmt: skip
+    else:
+        parts["post_attention_layernorm.weight"] = "ffn_norm.weight"
+    if kind in ("qwen3", "gemma3_text"):
+        parts |= {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+    state = model.state_dict()
+    for layer in range(model.config.num_hidden_layers):
+        out |= {f"model.layers.{layer}.{hf}": f"blk.{layer}.{gg}" for hf, gg in parts.items()}
+    shift = 1.0 if kind.startswith("gemma") else 0.0
+    return {hf: (gg, state[hf] + shift if hf.endswith("norm.weight") else state[hf]) for hf, gg in out.items()}
+
+
+@pytest.mark.parametrize("kind", list(ARCH_SETTINGS))
+def test_qwen3_and_gemma_files_hold_llama_cpps_tensors_and_settings(tmp_path, kind):
+    import gguf
+
+    settings = dict(ARCH_SETTINGS[kind])
+    model, tokenizer = tiny(kind, settings.pop("family"), tied=settings.pop("tied", True), layers=settings.pop("layers", 2), **settings)
+    gguf_export.write(model, tokenizer, tmp_path / "m.gguf", "f16", "qllm")
+    read = reader(tmp_path / "m.gguf")
+    arch = gguf_export.ARCHITECTURES[kind][0]
+    assert field(read, "general.architecture") == arch == {"gemma3_text": "gemma3"}.get(kind, kind)
+    assert (field(read, f"{arch}.attention.key_length"), field(read, f"{arch}.attention.value_length"), field(read, f"{arch}.rope.dimension_count")) == (32, 32, 32)
+    tensors = tensor_map(read)
+    expected = gguf_layout(model)
+    assert set(tensors) == {gg for gg, _ in expected.values()}
+    for hf_name, (gg_name, weight) in expected.items():
+        array = np.asarray(tensors[gg_name].data).reshape(weight.shape)
+        if weight.ndim == 1:
+            assert tensors[gg_name].tensor_type == gguf.GGMLQuantizationType.F32 and np.array_equal(array, weight.numpy()), hf_name
+        else:  # NeoX rotary (halves) in llama.cpp too: Q and K as they are
+            assert np.array_equal(array, weight.half().numpy()), hf_name
+    if kind in ("gemma2", "gemma3_text"):
+        assert field(read, f"{arch}.attention.sliding_window") == 16
+    if kind == "gemma2":
+        assert (field(read, "gemma2.attn_logit_softcapping"), field(read, "gemma2.final_logit_softcapping")) == (50.0, 30.0)
+    if kind == "gemma3_text":
+        assert (field(read, "gemma3.rope.freq_base"), field(read, "gemma3.rope.freq_base_swa")) == (1e6, 1000.0)
 
 
 # -- Ollama ------------------------------------------------------------------------------------
@@ -315,3 +494,25 @@ def parse_modelfile(text: str) -> dict:
         else:
             found[key.lower()] = value
     return found
+
+
+def test_the_modelfile_temperature_is_the_models_or_the_setting(tmp_path):
+    """`PARAMETER temperature` follows the model's generation config (0 for greedy, the pipeline's own;
+    a sampling model's temperature) unless `export.temperature` sets it; a temperature without a
+    Modelfile is refused."""
+    from pydantic import ValidationError
+
+    from pipelines import export
+    from pipelines.core.config import ExportParams
+
+    model, tokenizer = tiny()
+    assert gguf_export.generation_temperature(model) == 0.0  # configure_generation: greedy
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.7
+    assert gguf_export.generation_temperature(model) == 0.7
+    for setting, expected in ((None, "0.7"), (0.2, "0.2")):
+        export.write_files(model, tokenizer, tmp_path / f"out-{expected}", ExportParams(enabled=True, types=["f16"], modelfile_type="f16",
+                           temperature=setting), "qllm", "dpo", "data/models/dpo")  # fmt: skip
+        parsed = parse_modelfile((tmp_path / f"out-{expected}" / "Modelfile").read_text())
+        assert ("temperature", expected) in parsed["parameters"]
+    with pytest.raises(ValidationError, match="temperature is the Modelfile's, but modelfile is false"):
+        ExportParams(enabled=True, modelfile=False, temperature=0.5)

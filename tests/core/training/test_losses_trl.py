@@ -120,6 +120,60 @@ def test_dpo_losses_equal_trls(loss_type, beta, eps, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("beta", "eps"), [(0.1, 0.1), (0.3, 0.25), (0.5, 0.0)])
+def test_conservative_dpo_equals_trls_cpo_sigmoid_on_the_log_ratios(beta, eps, seed):
+    """`sigmoid` with label smoothing e > 0 is conservative DPO (cDPO, Mitchell 2023):
+    -(1-e) logsig(b d) - e logsig(-b d). TRL 1.16's `DPOTrainer` sigmoid ignores `label_smoothing`
+    (its docs give it to robust and exo_pair only); TRL's CPO `sigmoid` is the same formula on a
+    reference-free margin, so it is checked on the log-ratios c and r (d = c - r), by TRL's code."""
+    rng = np.random.default_rng(300 + seed)
+    policy = -torch.from_numpy(rng.exponential(6.0, size=12)).float().requires_grad_()
+    ref = -torch.from_numpy(rng.exponential(6.0, size=12)).float()
+    c, r = policy[:6] - ref[:6], policy[6:] - ref[6:]
+    stub = types.SimpleNamespace(alpha=0.0, loss_type="sigmoid", beta=beta, label_smoothing=eps, simpo_gamma=0.5, accelerator=_Accelerator())
+    trl_losses, _, _ = CPOTrainer.cpo_loss(stub, c, r)
+    ours, _, _ = losses.preference_loss(policy[:6], policy[6:], ref[:6], ref[6:], beta=beta, loss_type="sigmoid", label_smoothing=eps)
+    torch.testing.assert_close(ours, trl_losses, atol=1e-6, rtol=1e-6)
+    (trl_grad,) = torch.autograd.grad(trl_losses.mean(), policy)
+    (our_grad,) = torch.autograd.grad(ours.mean(), policy)
+    torch.testing.assert_close(our_grad, trl_grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("beta", [0.1, 1.0])
+def test_ipo_sum_is_trls_ipo_on_one_token_answers_and_its_formula(beta, seed):
+    """The project's default loss, `ipo_sum`: IPO (Azar et al. 2023) on the summed log-ratios,
+    (h - 1/(2 beta))^2 with h = (pi_c - ref_c) - (pi_r - ref_r). TRL has no such loss type; its `ipo`
+    divides each log-ratio by the answer's token count, so on answers of one token the two agree,
+    and TRL's code then checks ours (the formula is checked on longer answers too)."""
+    rng = np.random.default_rng(200 + seed)
+    pairs, width = 6, 8
+    input_ids = torch.from_numpy(rng.integers(5, 50, size=(2 * pairs, width)))
+    attention = torch.zeros(2 * pairs, width, dtype=torch.long)
+    completion = torch.zeros(2 * pairs, width, dtype=torch.long)
+    for i in range(2 * pairs):  # a prompt of 2-5 tokens, then one answer token
+        start = int(rng.integers(2, 6))
+        attention[i, : start + 1] = 1
+        completion[i, start] = 1
+    token_logps = (-torch.from_numpy(rng.exponential(1.5, size=(2 * pairs, width - 1))).float() * completion[:, 1:]).requires_grad_()
+    ref = -torch.from_numpy(rng.exponential(2.0, size=2 * pairs)).float()
+    model = _Model()
+    model.register(input_ids, token_logps)
+    stub = _dpo_stub("ipo", beta, 0.0, 0.05, model)
+    inputs = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion,
+              "ref_chosen_logps": ref[:pairs], "ref_rejected_logps": ref[pairs:]}  # fmt: skip
+    trl_loss = DPOTrainer._compute_loss(stub, model, inputs, False)
+    summed = token_logps.sum(1)
+    ours, _, _ = losses.preference_loss(summed[:pairs], summed[pairs:], ref[:pairs], ref[pairs:], beta=beta, loss_type="ipo_sum")
+    assert ours.mean().item() == pytest.approx(trl_loss.item(), abs=1e-6, rel=1e-6)
+    # longer answers: the formula written out
+    pc, pr, rc, rr = (-torch.from_numpy(rng.exponential(6.0, size=pairs)).float() for _ in range(4))
+    expected = (((pc - rc) - (pr - rr)) - 1 / (2 * beta)) ** 2
+    got, _, _ = losses.preference_loss(pc, pr, rc, rr, beta=beta, loss_type="ipo_sum")
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(("beta", "desirable_weight", "undesirable_weight", "labels"), [
     (0.1, 1.0, 1.0, [1, 0, 1, 0, 1, 1, 0]), (0.5, 1.33, 1.0, [1, 1, 1, 0, 0, 1, 1]), (0.2, 1.0, 0.7, [0, 0, 0, 0, 0, 0, 0]),
     (0.2, 1.0, 1.0, [1, 1, 1, 1, 1, 1, 1]),

@@ -84,3 +84,36 @@ def test_top_p_samples_only_from_the_nucleus():
     share = (drawn == 0).float().mean().item()
     assert abs(share - 0.5 / 0.8) < 0.04  # renormalised over the nucleus
     assert set(rollouts._draw(logits, temperature=1.0, top_p=1.0).tolist()) == {0, 1, 2, 3}
+
+
+def test_log_probabilities_are_of_the_distribution_sampled_at_the_temperature(tiny_base):
+    """At temperature 1.7 the whole path agrees: the frequency of the likeliest first token over 4,000
+    samples is exp of the log-probability `completion_logps` gives it (which the importance ratio,
+    the KL and the entropy use), and every sampled token's log-probability and entropy equal TRL's
+    `selective_log_softmax_and_entropy(logits, temperature=1.7)` on the full logits. At temperature 1
+    (what the stage computed before) the frequency does not match."""
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+
+    tokenizer = load_tokenizer(tiny_base / "model")
+    model = load_causal_lm(tiny_base / "model").eval()
+    with torch.no_grad():  # logits x 12 (the final norm's scale): a peaked distribution the temperature visibly flattens
+        model.model.norm.weight.mul_(12.0)
+    temperature, group = 1.7, 4000
+    torch.manual_seed(3)
+    out = rollouts.sample(model, tokenizer, PROMPTS[:1], group_size=group, max_completion_length=1, temperature=temperature)
+    logps, entropy = rollouts.completion_logps(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, group,
+                                               entropy=True, temperature=temperature)  # fmt: skip
+    first = out.completion_ids[:, 0]
+    top = int(torch.bincount(first).argmax())
+    frequency = float((first == top).float().mean())
+    expected = float(logps[first == top, 0][0].exp())
+    assert 0.1 < expected < 0.3 and abs(frequency - expected) < 0.02, (frequency, expected)  # 3 standard errors: 0.017
+    at_one, _ = rollouts.completion_logps(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, group)
+    assert float(at_one[first == top, 0][0].exp()) > 0.5  # the temperature-1 probability: not what was sampled
+    # TRL's formula on the prompt's full logits
+    ids = out.prompt_ids[0][out.prompt_mask[0].bool()].unsqueeze(0)
+    with torch.no_grad():
+        last = model(input_ids=ids).logits[:, -1].float().expand(group, -1)
+    trl_logps, trl_entropy = selective_log_softmax_and_entropy(last, first, temperature=temperature)
+    torch.testing.assert_close(logps[:, 0], trl_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy[:, 0], trl_entropy, atol=1e-4, rtol=1e-4)

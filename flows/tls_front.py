@@ -1,0 +1,91 @@
+"""A TLS front for a server that listens on 127.0.0.1 only: what `flows.serve` starts before each
+team server when it is served beyond this host with `--tls-cert/--tls-key`.
+
+    python -m flows.tls_front --listen HOST:PORT --to PORT --cert CERT.pem --key KEY.pem
+
+It accepts TLS (1.2 or newer) on HOST:PORT and relays each connection's bytes both ways to
+127.0.0.1:PORT, so the server itself never listens beyond this host and every password that
+crosses the network is encrypted. It is a byte relay, as stunnel or `nginx stream { ssl }` is:
+the servers see plain HTTP from 127.0.0.1. A reverse proxy of your own (nginx, Caddy) in front of
+the same loopback ports does the same job (docs/deployments.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import ssl
+import sys
+
+CHUNK = 1 << 16
+
+
+def server_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server-side context with `cert` (its chain) and `key`; TLS 1.2 at least."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    return context
+
+
+async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            writer.close()
+
+
+async def _connection(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter, port: int) -> None:
+    try:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        client_writer.close()
+        return
+    with contextlib.suppress(ConnectionError, ssl.SSLError, TimeoutError, OSError):  # a peer gone without TLS's close_notify
+        await asyncio.gather(_relay(client_reader, upstream_writer), _relay(upstream_reader, client_writer))
+
+
+def _quiet(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """A client that fails the handshake (plain HTTP, an unknown certificate) is its own business."""
+    if isinstance(context.get("exception"), (ssl.SSLError, ConnectionError, TimeoutError)):
+        return
+    loop.default_exception_handler(context)
+
+
+async def serve(host: str, port: int, target: int, context: ssl.SSLContext) -> None:
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(_quiet)
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    server = await asyncio.start_server(lambda r, w: _connection(r, w, target), host, port, ssl=context)
+    async with server:
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.tls_front", description=__doc__.split("\n")[0])
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT")
+    parser.add_argument("--to", required=True, type=int, metavar="PORT", help="the server's port on 127.0.0.1")
+    parser.add_argument("--cert", required=True, help="PEM certificate (chain) the front presents")
+    parser.add_argument("--key", required=True, help="PEM private key of --cert")
+    args = parser.parse_args(argv)
+    host, _, port = args.listen.rpartition(":")
+    try:
+        context = server_context(args.cert, args.key)
+    except (OSError, ssl.SSLError) as exc:
+        print(f"tls_front: cannot load --cert {args.cert} / --key {args.key}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(host.strip("[]"), int(port), args.to, context))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

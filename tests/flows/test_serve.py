@@ -1,0 +1,64 @@
+"""flows/serve.py's own helpers, without starting servers (the servers themselves: tests/e2e/test_team.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from flows import serve
+
+
+def test_the_team_profiles_secrets_file_never_holds_them_readable_by_others(tmp_path, monkeypatch):
+    """A secrets file left with wider permissions (0644) is replaced by a new 0600 file: the passwords
+    are written into that file only, never into the old one (opened with O_TRUNC and chmodded after)."""
+    path = tmp_path / "secrets.json"
+    path.write_text("{}")
+    os.chmod(path, 0o644)
+    seen = []
+    real = os.fdopen
+
+    def spying_fdopen(fd, *args, **kwargs):
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        return real(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", spying_fdopen)
+    serve._private(path, '{"mlflow": "s3cret"}')
+    assert seen == [0o600] and stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == '{"mlflow": "s3cret"}'
+
+
+def test_serving_beyond_this_host_is_refused_without_authentication_or_tls(tmp_path):
+    """The local profile's Prefect API has no authentication and its worker runs flow code: it
+    serves loopback only. The team profile beyond this host needs TLS, or --insecure said."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from pipelines.core.errors import QllmError
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("x"), key.write_text("x")
+    tls = (str(cert), str(key))
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        serve.check_host("local", host, None, False)
+        serve.check_host("team", host, None, False)
+    for host in ("0.0.0.0", "::", "10.1.2.3"):
+        with pytest.raises(QllmError, match=rf"--host '{host}' with the local profile would expose a Prefect API without authentication"):
+            serve.check_host("local", host, None, False)
+        with pytest.raises(QllmError, match=rf"--host '{host}' without TLS would send the team's passwords over the network in clear"):
+            serve.check_host("team", host, None, False)
+        serve.check_host("team", host, tls, False)
+        serve.check_host("team", host, None, True)
+    with pytest.raises(QllmError, match="--tls-cert/--tls-key is for the team profile"):
+        serve.check_host("local", "127.0.0.1", tls, False)
+    with pytest.raises(QllmError, match="--insecure is for the team profile"):
+        serve.check_host("local", "127.0.0.1", None, True)
+    with pytest.raises(QllmError, match="with --tls-cert it would do nothing"):
+        serve.check_host("team", "0.0.0.0", tls, True)
+    with pytest.raises(QllmError, match="missing.pem: no such file"):
+        serve.check_host("team", "0.0.0.0", (str(tmp_path / "missing.pem"), str(key)), False)
+    # the command line: refused before anything starts, nothing recorded
+    done = subprocess.run([sys.executable, "-m", "flows.serve", "start", "--project-dir", str(tmp_path), "--host", "0.0.0.0"],
+                          capture_output=True, text=True, cwd=serve.Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode != 0 and "would expose a Prefect API without authentication" in done.stderr, done.stderr
+    assert not (tmp_path / serve.STATE_DIR).exists()
