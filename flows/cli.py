@@ -159,9 +159,9 @@ def _api_lost(returncode: int, pid: int) -> None:
         ask_stop("the Prefect API exited")
     grace = seconds(STOP_GRACE_ENV, 30.0)  # a training step and its checkpoint (other stages ignore the stop)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(name != "pipeline" for name in tracking.open_runs().values()):
+    while time.monotonic() < deadline and tracking.open_runs(stages_only=True):
         time.sleep(0.1)
-    if still := sorted(name for name in tracking.open_runs().values() if name != "pipeline"):
+    if still := sorted(tracking.open_runs(stages_only=True).values()):
         print(f"warning: {', '.join(still)} still running {grace:g} s after the stop request; the newest checkpoint stays "
               f"(a step that takes longer needs a larger ${STOP_GRACE_ENV})", file=sys.stderr, flush=True)  # fmt: skip
     ended = tracking.end_open_runs("FAILED")
