@@ -17,7 +17,8 @@ the same weights, in fp32, and trains with:
   the answer's tokens and `<|im_end|>` (TRL's conversational form would also train the template's
   newline after it, one more near-certain token per answer that lowers its mean loss);
 - the same batch (`--batch` rows), steps, learning rate, linear decay to 0 without warmup (TRL's
-  default schedule), AdamW betas (0.9, 0.999), no weight decay, clipping at 1.0;
+  default schedule), AdamW betas (0.9, 0.999), no weight decay, clipping at 1.0, and no
+  activation checkpointing (`SFTConfig` turns it on by default; ours trains without it here);
 - packing off (each row one example, padded) or on (`--packing`: examples packed into rows of at
   most `--max-length` tokens with position ids restarting: our first-fit decreasing, TRL's
   best-fit decreasing `bfd`; transformers builds the block-diagonal attention from the positions
@@ -94,7 +95,7 @@ def trl_trainer(model, tokenizer, chats: list[list[dict]], args, seed: int, outp
                        adam_beta2=0.999, max_grad_norm=1.0, seed=seed, data_seed=seed, logging_steps=1, save_strategy="no",
                        report_to=[], bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), packing=args.packing,
                        max_length=args.max_length or None, completion_only_loss=True, dataloader_drop_last=True,
-                       eos_token=end_of_turn(tokenizer), disable_tqdm=True)  # fmt: skip
+                       eos_token=end_of_turn(tokenizer), disable_tqdm=True, gradient_checkpointing=False)  # fmt: skip
     return SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(trl_records(tokenizer, examples(chats))),
                       processing_class=tokenizer, callbacks=list(callbacks))  # fmt: skip
 
@@ -239,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                 arms[name].append(result | {"seed": seed})
                 print(f"{name} seed {seed}: {result['seconds']} s, {len(result['loss'])} steps logged, loss at 1/last "
                       f"{result['loss'][0]:.3f}/{result['loss'][-1]:.3f}", flush=True)  # fmt: skip
+                if args.out:  # after every arm: a long comparison cut short keeps what it measured
+                    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "arms": arms}, indent=1) + "\n")
     print("\n".join(summary(arms, args.checkpoints)))
-    if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "arms": arms}, indent=1) + "\n")
     return 0
 
 
