@@ -459,6 +459,31 @@ def test_no_key_no_authorization_needed_and_the_default_temperature_is_the_model
         assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == expected(reference, user(PROMPTS[4]), 8)[0]
 
 
+def test_a_cancelled_generation_stops_at_the_next_token(reference, answers):
+    """What a streaming client's disconnect does (the stream sets the event): generation ends at
+    the next token instead of running on to its limit."""
+    model, tokenizer = reference
+    prompt = next(p for p in PROMPTS if answers[p][1] == "length")
+    engine = openai_api.Engine(model, tokenizer, NAME)
+    try:
+        request = openai_api.parse_request({"messages": user(prompt), "max_tokens": 60, "temperature": 0}, NAME, 0.0)
+        prepared = engine.prepare(request)
+        whole = engine.generate(request, prepared)
+        assert whole.completion_tokens >= MAX_TOKENS and whole.content.startswith(answers[prompt][0])
+        cancelled, seen = threading.Event(), []
+
+        def first_piece(piece: str) -> None:
+            seen.append(piece)
+            cancelled.set()
+
+        stopped = engine.generate(request, prepared, first_piece, cancelled)
+        assert len(seen) >= 1 and stopped.content.startswith(seen[0]) and stopped.completion_tokens < whole.completion_tokens
+        assert whole.content.startswith(stopped.content)
+        assert engine.generate(request, prepared, None, cancelled).completion_tokens == 1  # cancelled before it started: one token
+    finally:
+        engine.close()
+
+
 def test_serving_beyond_this_host_needs_a_key(tmp_path, monkeypatch, capsys):
     """Refused before the model loads (here: a model that does not exist), exit code 2."""
 
