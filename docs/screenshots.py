@@ -9,14 +9,17 @@ on free ports, or the ones `make serve` already runs), runs `qllm run` against t
 server (stages DVC has cached are restored, so after `make run` this takes seconds, and the Prefect
 UI has a real flow run to show), starts TensorBoard on the run's event files, and photographs:
 
-    mlflow-runs.png       the experiment's runs table, where the runs link of `make serve` lands
+    mlflow-runs.png       the experiment's runs table, where the runs link of `make serve` lands,
+                          with held-out metric columns ticked (Source and Models unticked)
     mlflow-metrics.png    the pretrain stage run's metric charts
     mlflow-registry.png   the registered model's versions and aliases
+    mlflow-compare.png    MLflow's compare view of the last two pipeline runs: the first, and a
+                          second with one override (`--compare-set`, default dpo.beta=0.5)
     prefect-flow-run.png  the flow run: its task runs on the timeline
     tensorboard.png       TensorBoard's scalars of the training stages
 
 Next to the images, `screenshots.json` records each page's final URL and the texts the script
-waited for. The browser is Chromium driven by Playwright: `QLLM_CHROMIUM` names its executable,
+waited for, and for the compare view the page's visible text (what the test reads). The browser is Chromium driven by Playwright: `QLLM_CHROMIUM` names its executable,
 else the first of chromium / chromium-browser / google-chrome on PATH (Debian: `apt-get install
 chromium`), else Playwright's own (`playwright install chromium`). Everything binds 127.0.0.1 and
 is stopped afterwards, also on errors.
@@ -122,11 +125,38 @@ def mlflow_targets(root: Path) -> dict:
     uri = f"sqlite:///{root / 'mlflow.db'}"
     experiment = tracking.experiment_id(root, uri=uri)
     client = tracking.client(root, uri=uri)
-    runs = client.search_runs([experiment], "tags.`mlflow.runName` = 'pretrain'", max_results=1, order_by=["attributes.start_time DESC"])
+    runs = client.search_runs([experiment], "tags.`qllm.stage` = 'pretrain'", max_results=1, order_by=["attributes.start_time DESC"])
     if not runs:
         raise QllmError(f"{root / 'mlflow.db'} has no pretrain run in experiment {tracking.experiment_name()!r}; run `make run` first")
     models = client.search_registered_models(max_results=1)
-    return {"experiment": experiment, "pretrain_run": runs[0].info.run_id, "model": models[0].name if models else None}
+    pipelines = client.search_runs([experiment], "tags.`qllm.kind` = 'pipeline'", max_results=2, order_by=["attributes.start_time DESC"])
+    return {"experiment": experiment, "pretrain_run": runs[0].info.run_id, "model": models[0].name if models else None,
+            "pipeline_runs": [(r.info.run_id, r.info.run_name) for r in reversed(pipelines)]}  # fmt: skip
+
+
+def compare_url(ui: str, experiment: str, run_ids: list[str]) -> str:
+    """MLflow's compare view of `run_ids` (MLflow 3: `#/compare-runs?runs=[...]&experiments=[...]`)."""
+    from urllib.parse import quote
+
+    return f"{ui}/#/compare-runs?runs={quote(json.dumps(run_ids))}&experiments={quote(json.dumps([experiment]))}&workflowType=machine_learning"
+
+
+GRIDS_JS = """() => Array.from(document.querySelectorAll('[role=grid]')).map(grid =>
+    Array.from(grid.querySelectorAll('[role=rowgroup] > div')).map(cell => [cell.style.top, cell.style.left, cell.innerText]))"""
+"""The cells MLflow's virtualised grids (the compare view's metrics: one grid of names, one of
+values) have rendered, as [top, left, text]: rows line up by `top`."""
+
+
+def grid_rows(grids: list[list[list[str]]]) -> dict[str, list[str]]:
+    """The compare view's metrics table from `GRIDS_JS`: name -> the values shown, one per run (the
+    names grid and the values grid joined on their rows' positions)."""
+    if len(grids) < 2:
+        return {}
+    names = {top: text for top, _, text in grids[0]}
+    values: dict[str, list[tuple[float, str]]] = {}
+    for top, left, text in grids[1]:
+        values.setdefault(top, []).append((float(left.removesuffix("px") or 0), text))
+    return {names[top]: [text for _, text in sorted(cells)] for top, cells in values.items() if top in names}
 
 
 def shoot(shots: list[dict], out: Path) -> list[dict]:
@@ -154,9 +184,22 @@ def shoot(shots: list[dict], out: Path) -> list[dict]:
                     button = page.get_by_role("button", name=label)
                     if button.count():
                         button.first.click()
+                if shot.get("columns"):  # the runs table's Columns menu: tick (or untick) each by its name
+                    page.get_by_role("button", name="Columns").first.click()
+                    search = page.get_by_placeholder("Search columns")
+                    for name in shot["columns"]:
+                        search.fill(name)
+                        page.get_by_text(name, exact=True).last.click()
+                    page.keyboard.press("Escape")
+                for role, name in shot.get("click", []):  # switches to turn on, sections to fold (the compare view's)
+                    page.get_by_role(role, name=name).first.click()
+                if shot.get("scroll_to"):
+                    page.get_by_text(shot["scroll_to"], exact=True).first.scroll_into_view_if_needed()
+                    page.mouse.wheel(0, 0)
                 page.wait_for_timeout(shot.get("settle_ms", 1000))  # charts draw after their data arrives
                 page.screenshot(path=out / shot["file"])
-                taken.append({"file": shot["file"], "url": page.url, "found": shot["wait_for"]})
+                taken.append({"file": shot["file"], "url": page.url, "found": shot["wait_for"]}
+                             | ({"text": page.inner_text("body"), "grids": page.evaluate(GRIDS_JS)} if shot.get("read") else {}))  # fmt: skip
         finally:
             browser.close()
     return taken
@@ -167,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", type=Path, default=REPO, help="a project where `make run` has run (default: this checkout)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "images")
     parser.add_argument("--run-args", default="", help="extra arguments for `qllm run` (e.g. '--set train.max_steps=2')")
+    parser.add_argument("--compare-set", default="dpo.beta=0.5", metavar="KEY=VALUE",
+                        help="the override of the second run, compared with the first (default dpo.beta=0.5)")
     args = parser.parse_args(argv)
     root, out = args.project.resolve(), args.out.resolve()
     try:
@@ -176,14 +221,21 @@ def main(argv: list[str] | None = None) -> int:
             record = stack.enter_context(services(root))
             started = time.monotonic()
             run_pipeline(root, record, args.run_args.split())
-            print(f"qllm run against the served Prefect API: {time.monotonic() - started:.0f} s")
+            run_pipeline(root, record, [*args.run_args.split(), "--set", args.compare_set])
+            print(f"qllm run, and again with {args.compare_set}, against the served Prefect API: {time.monotonic() - started:.0f} s")
             board = stack.enter_context(tensorboard(root))
             targets = mlflow_targets(root)
             ui = record["services"]["mlflow-ui"]["url"]
             prefect_ui = record["services"]["prefect-server"]["url"]
             flow_run = latest_flow_run(record["prefect_api_url"])
             shots = [
-                {"file": "mlflow-runs.png", "url": tracking.ui_runs_url(ui, targets["experiment"]), "wait_for": ["matching runs", "pipeline"], "close": ["Close"]},
+                {"file": "mlflow-runs.png", "url": tracking.ui_runs_url(ui, targets["experiment"]), "wait_for": ["matching runs", targets["pipeline_runs"][-1][1]],
+                 "close": ["Close"], "columns": ["Source", "Models", "heldout/exact_match/sft", "heldout/exact_match/dpo", "heldout/val_loss/dpo"],
+                 "read": True},
+                {"file": "mlflow-compare.png", "url": compare_url(ui, targets["experiment"], [run_id for run_id, _ in targets["pipeline_runs"]]),
+                 "wait_for": [name for _, name in targets["pipeline_runs"]] + [args.compare_set.split("=", 1)[0]], "close": ["Close"], "read": True,
+                 "click": [("switch", "Parameters - Show diff only"), ("switch", "Metrics - Show diff only"), ("button", "Visualizations")],
+                 "scroll_to": "Parameters", "settle_ms": 2000},
                 {"file": "mlflow-metrics.png", "url": f"{ui}/#/experiments/{targets['experiment']}/runs/{targets['pretrain_run']}/model-metrics?workflowType=machine_learning",
                  "wait_for": ["train/loss"], "close": ["Close"], "settle_ms": 3000},
                 {"file": "prefect-flow-run.png", "url": f"{prefect_ui}/runs/flow-run/{flow_run['id']}", "wait_for": [flow_run["name"], "Completed"], "settle_ms": 3000},

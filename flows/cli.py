@@ -22,6 +22,7 @@ After a run:
     qllm generate --model data/models/multimodal --image digit.png --prompt "Which digit is this?"
     qllm compare --last 2 [--all] [--json]               # or: qllm compare RUN_ID RUN_ID ...
     qllm export --model models:/qllm@champion --out gguf/  # GGUF f16 + q8_0 and an Ollama Modelfile (docs/export.md)
+    qllm serve-openai --model models:/qllm@champion      # OpenAI's chat completions API on 127.0.0.1:8000 (flows/openai_api.py)
 
 Errors the user can act on (unknown model, alias, version or run id, no mlflow.db) exit with 2.
 
@@ -159,9 +160,9 @@ def _api_lost(returncode: int, pid: int) -> None:
         ask_stop("the Prefect API exited")
     grace = seconds(STOP_GRACE_ENV, 30.0)  # a training step and its checkpoint (other stages ignore the stop)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(name != "pipeline" for name in tracking.open_runs().values()):
+    while time.monotonic() < deadline and tracking.open_runs(stages_only=True):
         time.sleep(0.1)
-    if still := sorted(name for name in tracking.open_runs().values() if name != "pipeline"):
+    if still := sorted(tracking.open_runs(stages_only=True).values()):
         print(f"warning: {', '.join(still)} still running {grace:g} s after the stop request; the newest checkpoint stays "
               f"(a step that takes longer needs a larger ${STOP_GRACE_ENV})", file=sys.stderr, flush=True)  # fmt: skip
     ended = tracking.end_open_runs("FAILED")
@@ -318,6 +319,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_openai(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    _quiet_downloads()
+    from flows import openai_api
+
+    root = Path(args.project_dir).resolve()
+    key = openai_api.read_key(args.api_key_env, args.api_key_file, root)
+    openai_api.check_host(args.host, key)  # before the model loads: a refusal takes no time
+    return openai_api.serve(args.model, root, args.host, args.port, key, args.model_name)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     _quiet_downloads()
     from flows import compare
@@ -371,6 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--name", help="general.name and the files' prefix (default: the registered model's name or the directory's)")
     export.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
     export.set_defaults(func=cmd_export)
+
+    serve_openai = sub.add_parser("serve-openai", help="serve a registered model or a model directory with OpenAI's chat completions API (docs/evaluation.md)")
+    serve_openai.add_argument("--model", required=True, metavar="URI|PATH", help="models:/NAME@ALIAS, models:/NAME/VERSION or a model directory")
+    serve_openai.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; any other needs an API key)")
+    serve_openai.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    keys = serve_openai.add_mutually_exclusive_group()
+    keys.add_argument("--api-key-env", metavar="VAR", help="require Authorization: Bearer KEY, KEY read from the environment variable VAR")
+    keys.add_argument("--api-key-file", metavar="FILE", help="the same, KEY read from FILE (readable by its owner only)")
+    serve_openai.add_argument("--model-name", metavar="NAME", help="the model's id in /v1/models and answers (default: NAME@ALIAS, NAME/VERSION or the directory's name)")
+    serve_openai.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
+    serve_openai.set_defaults(func=cmd_serve_openai)
 
     compare = sub.add_parser("compare", help="params and metrics of MLflow runs side by side (only differing keys by default)")
     compare.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="pipeline or stage run ids (or unique prefixes of at least 6 characters)")

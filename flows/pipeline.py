@@ -76,6 +76,7 @@ def pipeline(
     force: list[str] | None = None,
     project_dir: str = ".",
     from_stage: str | None = None,
+    parent_run_id: str | None = None,
 ) -> dict:
     """Run the pipeline up to `until` (default: every stage) and return its summary.
 
@@ -88,18 +89,22 @@ def pipeline(
         from_stage: run this stage and everything downstream of it; the stages before it must
             come from DVC's caches (up to date or in the run-cache), else the run fails before
             training anything.
+        parent_run_id: the MLflow run this run's own run nests under (a sweep's).
     """
     root = Path(project_dir).resolve()
     preflight.check_tracking(root)  # an unreachable MLflow server fails the run before any stage starts
     logger = get_run_logger()
     logging.getLogger("qllm").setLevel(logging.INFO)  # stage logs (shown via PREFECT_LOGGING_EXTRA_LOGGERS=qllm)
-    _, data = params_file.load(root, params_files or [], overrides or [])
+    params, data = params_file.load(root, params_files or [], overrides or [])
     ws = workspace.prepare(root, data)
     if ws != root:
         logger.info("overrides given: running in workspace %s (params.yaml untouched)", ws.relative_to(root))
     started = time.perf_counter()
-    with workspace.locked(ws), tracking.run("pipeline", root, tags=_run_tags(ws, root)) as parent:
-        parent.log_params({"overrides": " ".join(overrides or []), "params_files": " ".join(params_files or []), "until": until or ""})
+    name = run_name(root, overrides, params_files, until)
+    with workspace.locked(ws), tracking.run(name, root, tags=_run_tags(ws, root), parent_run_id=parent_run_id) as parent:
+        # the effective params, flattened (dpo.beta, lora.r, ...): MLflow's compare view shows the keys that differ
+        parent.log_params({"overrides": " ".join(overrides or []), "params_files": " ".join(params_files or []), "until": until or "",
+                           **config.flatten(params)})  # fmt: skip
         parent.log_artifact(ws / config.PARAMS_FILE)  # the effective params of this run
         futures = {}
         try:
@@ -126,13 +131,70 @@ def pipeline(
         if (ws / "dvc.lock").exists():
             parent.log_artifact(ws / "dvc.lock")  # hashes of every input and output after the run
         parent.log_metrics({f"stage_seconds/{s['name']}": s["seconds"] for s in stages if s["seconds"] is not None})
+        rows = evaluation_rows(ws) if "evaluate" in futures else []
+        parent.log_metrics(headline_metrics(rows, registered))
+        for path, digest in datasets(ws).items():  # the Datasets column: the data this run trained on, by DVC md5
+            parent.log_dataset(path, context="training", digest=digest, name=path)
         if errors.stop_requested() is None:  # a stopped run publishes no results (and its Prefect API may be gone)
-            _publish_artifacts(summary, evaluation_rows(ws) if "evaluate" in futures else [], registered)
+            _publish_artifacts(summary, rows, registered)
         failed = [s for s in stages if s["status"] not in ("ran", "cached")]
         if failed:
             # Re-raise the first failure so the flow run (and the MLflow parent run) fail with it.
             states[failed[0]["name"]].result()
     return summary
+
+
+NAME_LIMIT = 200
+"""Characters of a run name kept (MLflow's limit is 250)."""
+DATA_STAGES = ("sample_data", "ingest", "prepare_data", "tokenize")
+"""Stages whose outputs are the run's data sets (the parent run's Datasets column)."""
+
+
+def run_name(root: Path, overrides: list[str] | None = None, params_files: list[str] | None = None, until: str | None = None) -> str:
+    """What a pipeline run is, for a list of runs: its profile (the params files, by stem) and
+    overrides, or `default`; `until` when it stops early; and the project's short commit.
+
+    `smollm2 + lora.adapter.r=16 @ 1a2b3c4`, `dpo.beta=0.5 @ 1a2b3c4`, `default (until sft) @ 1a2b3c4`."""
+    what = " + ".join(part for part in (" + ".join(Path(f).stem for f in params_files or []), " ".join(overrides or [])) if part) or "default"
+    if until:
+        what += f" (until {until})"
+    commit = short_commit(root)
+    name = f"{what} @ {commit}" if commit else what
+    return name if len(name) <= NAME_LIMIT else name[: NAME_LIMIT - 1] + "…"
+
+
+def short_commit(root: Path) -> str | None:
+    """The checkout's commit, abbreviated as git does; None outside a git repository."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def headline_metrics(rows: list[dict], registered: dict | None) -> dict[str, float]:
+    """The results on the parent run, under names that sort by metric, then model
+    (`heldout/exact_match/dpo`), and the registered version's gate metric (`registered/<metric>`)."""
+    metrics = {f"heldout/{column}/{row['model']}": float(value) for row in rows for column, value in row.items()
+               if column != "model" and isinstance(value, (int, float)) and not isinstance(value, bool)}  # fmt: skip
+    if registered and registered.get("value") is not None:
+        metrics[f"registered/{registered['metric']}"] = float(registered["value"])
+        metrics["registered/version"] = float(registered["version"])
+    return metrics
+
+
+def datasets(ws: Path) -> dict[str, str]:
+    """The data stages' output directories and their DVC md5, from the run's dvc.lock."""
+    import yaml
+
+    lock = ws / "dvc.lock"
+    if not lock.exists():
+        return {}
+    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {})
+    return {out["path"]: out["md5"] for name in DATA_STAGES for out in stages.get(name, {}).get("outs", [])
+            if out.get("md5", "").endswith(".dir")}  # fmt: skip
 
 
 def _run_tags(ws: Path, root: Path) -> dict[str, str]:

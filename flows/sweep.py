@@ -86,25 +86,30 @@ def sweep(
     for item in runs:  # every set is validated before any work starts
         params_file.load(root, params_files or [], item)
     shared = shared_stages(root, sweep)
-    if shared:
-        logger.info("shared stages, brought up to date once: %s", ", ".join(shared))
-        feeds = {up for name in shared for up in dag.upstream(root, name)}
-        for sink in [name for name in shared if name not in feeds]:  # `until` takes one stage and its ancestors
-            pipeline(overrides=overrides, params_files=params_files, until=sink, project_dir=str(root))
+    keys = swept_keys(sweep)
+    tags = {"qllm.kind": "sweep", "qllm.swept": ", ".join(keys)}
+    with tracking.run(sweep_name(root, sweep, overrides, params_files), root, tags=tags) as parent:  # the sets' runs nest under it
+        parent.log_params({"swept": ", ".join(keys), "sets": " | ".join(" ".join(item) for item in sweep), "overrides": " ".join(overrides or []),
+                           "params_files": " ".join(params_files or []), "deployment": deployment or ""})  # fmt: skip
+        if shared:
+            logger.info("shared stages, brought up to date once: %s", ", ".join(shared))
+            feeds = {up for name in shared for up in dag.upstream(root, name)}
+            for sink in [name for name in shared if name not in feeds]:  # `until` takes one stage and its ancestors
+                pipeline(overrides=overrides, params_files=params_files, until=sink, project_dir=str(root), parent_run_id=parent.run_id)
 
-    def one(item: list[str]) -> dict:
-        if deployment:
-            return on_workers(root, deployment, item, params_files)
-        return pipeline(overrides=item, params_files=params_files, project_dir=str(root))
+        def one(item: list[str]) -> dict:
+            if deployment:
+                return on_workers(root, deployment, item, params_files, parent.run_id)
+            return pipeline(overrides=item, params_files=params_files, project_dir=str(root), parent_run_id=parent.run_id)
 
-    if deployment and shared and _default_remote(root) is None:
-        logger.warning("sweep: the sets run on %s's workers but this project has no default DVC remote: a worker in another checkout "
-                       "computes the shared stages again (`dvc remote add -d NAME URL`; docs/deployments.md)", deployment)  # fmt: skip
+        if deployment and shared and _default_remote(root) is None:
+            logger.warning("sweep: the sets run on %s's workers but this project has no default DVC remote: a worker in another checkout "
+                           "computes the shared stages again (`dvc remote add -d NAME URL`; docs/deployments.md)", deployment)  # fmt: skip
 
-    with ThreadPoolExecutor(max_workers=max_parallel) as pool:  # each thread keeps this flow as parent
-        futures = [pool.submit(contextvars.copy_context().run, one, item) for item in runs]
-        with stop_stages_on_termination(lambda: concurrent.futures.wait(futures)):  # SIGTERM: the subflows' stages stop first
-            summaries = [future.result() for future in futures]
+        with ThreadPoolExecutor(max_workers=max_parallel) as pool:  # each thread keeps this flow as parent
+            futures = [pool.submit(contextvars.copy_context().run, one, item) for item in runs]
+            with stop_stages_on_termination(lambda: concurrent.futures.wait(futures)):  # SIGTERM: the subflows' stages stop first
+                summaries = [future.result() for future in futures]
     for item, summary in zip(sweep, summaries, strict=True):
         ran = [s["name"] for s in summary["stages"] if s["status"] == "ran"]
         where = f" on {summary['worker']}" if summary.get("worker") else ""
@@ -117,13 +122,36 @@ def _default_remote(root: Path) -> str | None:
         return dvc_api.default_remote(repo)
 
 
-def on_workers(root: Path, deployment: str, overrides: list[str], params_files: list[str] | None) -> dict:
+def swept_keys(sets: list[list[str]]) -> list[str]:
+    """The keys the sets set, in first-seen order (`dpo.beta`)."""
+    return list(dict.fromkeys(item.split("=", 1)[0].strip() for items in sets for item in items))
+
+
+def sweep_name(root: Path, sets: list[list[str]], overrides: list[str] | None, params_files: list[str] | None) -> str:
+    """The sweep's own run: which key it swept over which values, the common profile and
+    overrides, the commit: `sweep dpo.beta=0.05|0.2|0.5 @ 1a2b3c4`."""
+    from flows.pipeline import NAME_LIMIT, short_commit
+
+    keys = swept_keys(sets)
+    if len(keys) == 1:
+        what = f"{keys[0]}=" + "|".join(item.split("=", 1)[1] for items in sets for item in items if "=" in item)
+    else:
+        what = " | ".join(" ".join(items) for items in sets)
+    common = " + ".join(part for part in (" + ".join(Path(f).stem for f in params_files or []), " ".join(overrides or [])) if part)
+    name = f"sweep {what}" + (f" on {common}" if common else "")
+    commit = short_commit(root)
+    name = f"{name} @ {commit}" if commit else name
+    return name if len(name) <= NAME_LIMIT else name[: NAME_LIMIT - 1] + "…"
+
+
+def on_workers(root: Path, deployment: str, overrides: list[str], params_files: list[str] | None, parent_run_id: str | None = None) -> dict:
     """One override set as a run of `deployment` (a subflow of the calling flow run), waited for;
     its summary from the tracking server: the stages' statuses (the pipeline run's `qllm.stage.*`
     tags), the MLflow run, the model version and the worker that ran it."""
     from prefect.deployments import run_deployment
 
-    run = run_deployment(deployment, parameters={"overrides": overrides, "params_files": params_files or []}, timeout=None, poll_interval=2)
+    parameters = {"overrides": overrides, "params_files": params_files or []} | ({"parent_run_id": parent_run_id} if parent_run_id else {})
+    run = run_deployment(deployment, parameters=parameters, timeout=None, poll_interval=2)
     worker = (run.labels or {}).get(WORKER_LABEL)
     what = f"sweep: {' '.join(overrides)}: flow run {run.name} ({run.id}) of {deployment}" + (f" on worker {worker}" if worker else "")
     if run.state is None or not run.state.is_completed():

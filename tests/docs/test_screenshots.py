@@ -22,7 +22,7 @@ import screenshots  # noqa: E402
 
 from pipelines.core.run import tracking  # noqa: E402
 
-SHOTS = ["mlflow-runs.png", "mlflow-metrics.png", "mlflow-registry.png", "prefect-flow-run.png", "tensorboard.png"]
+SHOTS = ["mlflow-runs.png", "mlflow-compare.png", "mlflow-metrics.png", "mlflow-registry.png", "prefect-flow-run.png", "tensorboard.png"]
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -67,5 +67,24 @@ def test_screenshots_of_a_real_tiny_run(tmp_path, mlflow_template_db):
     assert "overview" not in taken["mlflow-runs.png"]["url"]
     assert taken["mlflow-registry.png"]["found"] == ["champion"]
     assert "/runs/flow-run/" in taken["prefect-flow-run.png"]["url"]
+    # the compare view, read as a user reads it: the two pipeline runs by name, the param that differs
+    # with both values, and the metrics that differ (the dpo model's held-out ones among them) as MLflow's store holds them
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("qllm").experiment_id
+    first, second = client.search_runs([experiment], "tags.`qllm.kind` = 'pipeline'", order_by=["attributes.start_time DESC"], max_results=2)[::-1]
+    assert second.info.run_name.startswith("dpo.beta=0.5 @ ") and first.info.run_name.split(" @ ")[0] == "default"
+    text = taken["mlflow-compare.png"]["text"]
+    assert first.info.run_name in text and second.info.run_name in text
+    beta = [line.split("\t") for line in text.splitlines() if line.startswith("dpo.beta\t")]  # the params table, diff only
+    assert beta == [["dpo.beta", first.data.params["dpo.beta"], "0.5"]] and first.data.params["dpo.beta"] != "0.5", beta
+    shown = screenshots.grid_rows(taken["mlflow-compare.png"]["grids"])  # the metrics table, diff only: name -> value per run
+    differing = {name: values for name, values in shown.items() if name.startswith("heldout/") and name.endswith("/dpo")}
+    assert differing, shown  # the dpo model was retrained with another beta: some of its held-out metrics differ
+    for name, values in shown.items():
+        stored = [run.data.metrics[name] for run in (first, second)]
+        assert stored[0] != stored[1], (name, stored)  # diff only
+        assert [float(v) for v in values] == pytest.approx(stored, rel=5e-3, abs=1e-6), (name, values, stored)
     # everything the script started is stopped again
     assert not (project / ".qllm" / "serve" / "services.json").exists()

@@ -125,7 +125,11 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["qllm.kind"] == "pipeline"
     children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(r.data.tags["qllm.stage"] for r in children) == sorted(n for n in STAGES if n not in ALWAYS_CHANGED)  # untracked
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    switched_off = {n for n in STAGES if (params.get(n) or {}).get("enabled") is False}
+    assert "multimodal" in switched_off  # the profile switches some off: their README only, and no run
+    assert all(json.loads((project / dag.metrics_file(n)).read_text())["enabled"] is False for n in switched_off)
+    assert sorted(r.data.tags["qllm.stage"] for r in children) == sorted(n for n in STAGES if n not in {*ALWAYS_CHANGED, *switched_off})  # untracked
     by_stage = {r.data.tags["qllm.stage"]: r for r in children}
     pretrain = by_stage["pretrain"]
     assert pretrain.data.params["pretrain.train.lr"] == "0.003" and pretrain.data.params["pretrain.model.hidden_size"] == "32"
@@ -142,13 +146,41 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     # metrics keep their bytes while the world does (so dvc.lock does too); a training stage's run has the loggers' output
     with_metrics = {n: json.loads((project / dag.metrics_file(n)).read_text()) for n, spec in dag.stages(project).items()
                     if dag.metrics_file(n) in spec.metrics}  # fmt: skip
-    peaks = {n: m.get("peak_rss_mb") for n, m in with_metrics.items() if n not in ALWAYS_CHANGED}
+    peaks = {n: m.get("peak_rss_mb") for n, m in with_metrics.items() if n not in {*ALWAYS_CHANGED, *switched_off}}
     assert all(peak is not None and peak > 10 for peak in peaks.values()), peaks  # MB; a Python process holds more
     assert all(not {"seconds", "peak_rss_mb"} & set(with_metrics[n]) for n in ALWAYS_CHANGED)
     assert "system/process_rss_megabytes" in pretrain.data.metrics and "system/cpu_utilization_percentage" in pretrain.data.metrics
     events = project / "tensorboard" / "pretrain" / pretrain.info.run_id
     assert list(events.glob("events.out.tfevents.*")) and client.list_artifacts(pretrain.info.run_id, "tensorboard")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on the runs
+
+
+def test_the_pipeline_run_says_what_it_ran_and_what_came_of_it(first, project):
+    """The parent run's name (profile and overrides, the commit), its effective params flattened,
+    the evaluation's entries per model and the registered version's gate metric, and the data
+    sets by DVC md5: what MLflow's runs table and compare view show."""
+    import csv
+
+    client = mlflow_client(project)
+    parent = client.get_run(first["mlflow_run_id"])
+    commit = run(["git", "rev-parse", "--short", "HEAD"], project).stdout.strip()
+    assert parent.info.run_name == f"default @ {commit}"
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    logged = parent.data.params
+    assert logged["dpo.beta"] == str(params["dpo"]["beta"]) and logged["pretrain.train.lr"] == str(params["pretrain"]["train"]["lr"])
+    assert logged["lora.allocation"] == str(params["lora"]["allocation"]) and logged["evaluate.max_new_tokens"] == str(params["evaluate"]["max_new_tokens"])
+    assert logged["train_tokenizer.vocab_size"] == str(params["train_tokenizer"]["vocab_size"]) and len(logged) > 150
+    with open(project / "data/evaluate/comparison.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    for row in rows:
+        assert parent.data.metrics[f"heldout/exact_match/{row['model']}"] == pytest.approx(float(row["exact_match"]))
+        assert parent.data.metrics[f"heldout/val_loss/{row['model']}"] == pytest.approx(float(row["val_loss"]))
+    registered = json.loads((project / "data/register/registered.json").read_text())
+    assert parent.data.metrics[f"registered/{registered['metric']}"] == pytest.approx(registered["value"])
+    assert parent.data.metrics["registered/version"] == int(registered["version"])
+    outs = lock_outs(project)
+    datasets = {d.dataset.name: d.dataset.digest for d in parent.inputs.dataset_inputs}
+    assert datasets == {path: outs[path] for path in ("data/sample", "data/ingested", "data/prepared", "data/tokenized")}
 
 
 def test_registered_model_is_champion_with_lineage_and_loads(first, project):
@@ -543,6 +575,16 @@ def test_sweep_runs_each_override_set_sharing_upstream(first, project):
     assert shared_stages(project, [["dpo.beta=0.1"]]) == [n for n in STAGES if n not in ("dpo", "export", "evaluate", "register")]
     summaries = sweep(sweep=[["dpo.beta=0.11"], ["dpo.beta=0.12"]], project_dir=str(project))
     assert len(summaries) == 2 and summaries[0]["workspace"] != summaries[1]["workspace"]
+    client, commit = mlflow_client(project), run(["git", "rev-parse", "--short", "HEAD"], project).stdout.strip()
+    experiment = client.get_experiment_by_name("qllm").experiment_id
+    (own,) = client.search_runs([experiment], "tags.`qllm.kind` = 'sweep'", order_by=["attributes.start_time DESC"], max_results=1)
+    assert own.info.run_name == f"sweep dpo.beta=0.11|0.12 @ {commit}" and own.data.tags["qllm.swept"] == "dpo.beta"
+    assert own.data.params["sets"] == "dpo.beta=0.11 | dpo.beta=0.12"
+    nested = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{own.info.run_id}'")
+    sets = {r.info.run_name for r in nested if not r.data.params["until"]}
+    assert sets == {f"dpo.beta=0.11 @ {commit}", f"dpo.beta=0.12 @ {commit}"}
+    assert {r.info.run_id for r in nested} >= {s["mlflow_run_id"] for s in summaries}
+    assert all(client.get_run(s["mlflow_run_id"]).data.params["dpo.beta"] in ("0.11", "0.12") for s in summaries)
     for summary in summaries:
         status = {s["name"]: s["status"] for s in summary["stages"]}
         assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "export", "evaluate", "register"], status

@@ -189,6 +189,12 @@ def _execute(
     digests = dependency_digests(root, spec)
     key = fingerprint(name, params, digests, listed)
     tags = {"qllm.stage": name, "qllm.fingerprint": key}
+    if getattr(params, "enabled", True) is False:  # switched off: its README only, and no MLflow run to say so
+        ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=key, log=log, listed=listed)
+        metrics = {**(body(ctx) or {}), "seconds": round(time.perf_counter() - started, 3)}
+        if dag.metrics_file(name) in ctx.spec.metrics:
+            write_json(root / dag.metrics_file(name), metrics)
+        return metrics
     with contextlib.ExitStack() as stack:
         checkpoints = workspace.checkpoint_dir(root, name, key) if _trains(params) else None
         resume_run_id = None

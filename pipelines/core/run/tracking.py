@@ -255,7 +255,7 @@ def run(
         tracker = Tracker(mlflow_client, created.info.run_id)
     tracker.root = project_root(root)
     with _open_lock:
-        _open[tracker.run_id] = (mlflow_client, name)
+        _open[tracker.run_id] = (mlflow_client, name, "qllm.stage" in all_tags)
     try:
         yield tracker
     except BaseException as exc:
@@ -269,8 +269,8 @@ def run(
     mlflow_client.set_terminated(tracker.run_id, "FINISHED")
 
 
-_open: dict[str, tuple[Any, str]] = {}
-"""Runs of this process that `run` has started and not ended yet: run id -> (client, name)."""
+_open: dict[str, tuple[Any, str, bool]] = {}
+"""Runs of this process that `run` has started and not ended yet: run id -> (client, name, a stage's)."""
 _open_lock = threading.Lock()
 
 
@@ -281,10 +281,11 @@ def _failed_status(exc: BaseException) -> str:
     return "KILLED" if stopped or (stop_requested() is not None and not isinstance(exc, Exception)) else "FAILED"
 
 
-def open_runs() -> dict[str, str]:
-    """The MLflow runs this process has open: run id -> run name ("pipeline" or a stage)."""
+def open_runs(stages_only: bool = False) -> dict[str, str]:
+    """The MLflow runs this process has open (`stages_only`: the stages', not a pipeline's or a
+    sweep's): run id -> run name."""
     with _open_lock:
-        return {run_id: name for run_id, (_, name) in _open.items()}
+        return {run_id: name for run_id, (_, name, stage) in _open.items() if stage or not stages_only}
 
 
 def end_open_runs(status: str = "FAILED") -> list[str]:
@@ -293,7 +294,7 @@ def end_open_runs(status: str = "FAILED") -> list[str]:
     with _open_lock:
         runs = list(_open.items())
         _open.clear()
-    for run_id, (mlflow_client, _) in runs:
+    for run_id, (mlflow_client, _, _) in runs:
         mlflow_client.set_terminated(run_id, status)
     return [run_id for run_id, _ in runs]
 

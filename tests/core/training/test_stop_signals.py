@@ -137,12 +137,12 @@ def checkpoint_steps(root: Path) -> list[int]:
 
 
 def run_statuses(root: Path) -> dict[str, str]:
-    """The newest MLflow run's status per run name (stage or "pipeline")."""
+    """The newest MLflow run's status per stage, and the pipeline's under "pipeline"."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("qllm").experiment_id], order_by=["attributes.start_time ASC"])
-    return {run.info.run_name: run.info.status for run in runs}
+    return {run.data.tags.get("qllm.stage", run.data.tags.get("qllm.kind")): run.info.status for run in runs}
 
 
 def test_sigterm_to_qllm_run_checkpoints_stops_and_the_rerun_resumes(base, tmp_path):
