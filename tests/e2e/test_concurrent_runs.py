@@ -172,10 +172,13 @@ def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypat
     for result in results:
         assert parents[result["mlflow_run_id"]].info.status == "FINISHED"
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == result["mlflow_run_id"]]
-        ran = sorted(s["name"] for s in result["stages"] if s["status"] == "ran" and s["name"] not in ALWAYS_CHANGED)
+        metrics = {n: Path(result["workspace"]) / dag.metrics_file(n) for n in statuses}
+        switched_off = {n for n, path in metrics.items() if path.exists() and json.loads(path.read_text()).get("enabled") is False}
+        ran = sorted(s["name"] for s in result["stages"] if s["status"] == "ran" and s["name"] not in {*ALWAYS_CHANGED, *switched_off})
         assert sorted(r.data.tags["qllm.stage"] for r in children) == ran
         assert {r.info.status for r in children} == {"FINISHED"}
-    assert len(runs) == 2 + len(statuses) - len(ALWAYS_CHANGED) + 2  # parents + one run per shared stage (the always-changed ones have none) + evaluate/register twice
+    # parents + one run per shared stage (the always-changed and switched-off ones have none) + evaluate/register twice
+    assert len(runs) == 2 + len(statuses) - len(ALWAYS_CHANGED) - len(switched_off) + 2
 
     # The registry: one version per run, each with the alias its gate decided.
     versions = sorted(r["model_version"] for r in results)

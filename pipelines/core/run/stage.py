@@ -191,7 +191,7 @@ def _execute(
     tags = {"qllm.stage": name, "qllm.fingerprint": key}
     if getattr(params, "enabled", True) is False:  # switched off: its README only, and no MLflow run to say so
         ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=key, log=log, listed=listed)
-        metrics = {**(body(ctx) or {}), "seconds": round(time.perf_counter() - started, 3)}
+        metrics = {**(body(ctx) or {}), "seconds": round(time.perf_counter() - started, 3), "mlflow_run_id": None}
         if dag.metrics_file(name) in ctx.spec.metrics:
             write_json(root / dag.metrics_file(name), metrics)
         return metrics
