@@ -230,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
             flow_run = latest_flow_run(record["prefect_api_url"])
             shots = [
                 {"file": "mlflow-runs.png", "url": tracking.ui_runs_url(ui, targets["experiment"]), "wait_for": ["matching runs", targets["pipeline_runs"][-1][1]],
-                 "close": ["Close"], "columns": ["Source", "Models", "heldout/exact_match/sft", "heldout/exact_match/dpo", "heldout/val_loss/dpo"],
+                 "close": ["Close"], "columns": ["Source", "Models", "heldout/exact_match/sft", "heldout/exact_match/dpo", "val/loss/dpo"],
                  "read": True},
                 {"file": "mlflow-compare.png", "url": compare_url(ui, targets["experiment"], [run_id for run_id, _ in targets["pipeline_runs"]]),
                  "wait_for": [name for _, name in targets["pipeline_runs"]] + [args.compare_set.split("=", 1)[0]], "close": ["Close"], "read": True,
-                 "click": [("switch", "Parameters - Show diff only"), ("switch", "Metrics - Show diff only"), ("button", "Visualizations")],
+                 "click": [("switch", "Parameters - Show diff only"), ("button", "Visualizations")],
                  "scroll_to": "Parameters", "settle_ms": 2000},
                 {"file": "mlflow-metrics.png", "url": f"{ui}/#/experiments/{targets['experiment']}/runs/{targets['pretrain_run']}/model-metrics?workflowType=machine_learning",
                  "wait_for": ["train/loss"], "close": ["Close"], "settle_ms": 3000},

@@ -174,10 +174,20 @@ def short_commit(root: Path) -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
+HEADLINE_GROUPS = {"exact_match": "heldout/exact_match", "flexible_match": "heldout/flexible_match",
+                   "preference_accuracy": "preference/accuracy", "rewards/accuracies": "preference/reward_accuracy",
+                   "rewards/margins": "preference/reward_margin", "val_loss": "val/loss", "val_perplexity": "val/perplexity",
+                   "general_loss": "general_text/loss", "general_perplexity": "general_text/perplexity"}  # fmt: skip
+"""evaluate's comparison columns -> the parent run's metric names (then `/<model>`): the held-out
+answers first in MLflow's sorted lists (its compare view shows the first rows), other text scores
+under `text/`."""
+
+
 def headline_metrics(rows: list[dict], registered: dict | None) -> dict[str, float]:
     """The results on the parent run, under names that sort by metric, then model
-    (`heldout/exact_match/dpo`), and the registered version's gate metric (`registered/<metric>`)."""
-    metrics = {f"heldout/{column}/{row['model']}": float(value) for row in rows for column, value in row.items()
+    (`heldout/exact_match/dpo`, `val/loss/sft`, `text/bleu/lora`; `HEADLINE_GROUPS`), and the
+    registered version's gate metric (`registered/<metric>`) and number."""
+    metrics = {f"{HEADLINE_GROUPS.get(column, f'text/{column}')}/{row['model']}": float(value) for row in rows for column, value in row.items()
                if column != "model" and isinstance(value, (int, float)) and not isinstance(value, bool)}  # fmt: skip
     if registered and registered.get("value") is not None:
         metrics[f"registered/{registered['metric']}"] = float(registered["value"])

@@ -68,7 +68,7 @@ def test_screenshots_of_a_real_tiny_run(tmp_path, mlflow_template_db):
     assert taken["mlflow-registry.png"]["found"] == ["champion"]
     assert "/runs/flow-run/" in taken["prefect-flow-run.png"]["url"]
     # the compare view, read as a user reads it: the two pipeline runs by name, the param that differs
-    # with both values, and the metrics that differ (the dpo model's held-out ones among them) as MLflow's store holds them
+    # with both values, and each model's held-out exact match as MLflow's store holds it
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
@@ -79,12 +79,13 @@ def test_screenshots_of_a_real_tiny_run(tmp_path, mlflow_template_db):
     assert first.info.run_name in text and second.info.run_name in text
     beta = [line.split("\t") for line in text.splitlines() if line.startswith("dpo.beta\t")]  # the params table, diff only
     assert beta == [["dpo.beta", first.data.params["dpo.beta"], "0.5"]] and first.data.params["dpo.beta"] != "0.5", beta
-    shown = screenshots.grid_rows(taken["mlflow-compare.png"]["grids"])  # the metrics table, diff only: name -> value per run
-    differing = {name: values for name, values in shown.items() if name.startswith("heldout/") and name.endswith("/dpo")}
-    assert differing, shown  # the dpo model was retrained with another beta: some of its held-out metrics differ
+    shown = screenshots.grid_rows(taken["mlflow-compare.png"]["grids"])  # the metrics table's first rows: name -> value per run
+    models = [line.split(",")[0] for line in (project / "data/evaluate/comparison.csv").read_text().splitlines()[1:]]
+    assert {f"heldout/exact_match/{model}" for model in models} <= set(shown), shown  # each model's exact match, in view
     for name, values in shown.items():
         stored = [run.data.metrics[name] for run in (first, second)]
-        assert stored[0] != stored[1], (name, stored)  # diff only
         assert [float(v) for v in values] == pytest.approx(stored, rel=5e-3, abs=1e-6), (name, values, stored)
+    runs_table = taken["mlflow-runs.png"]["text"]  # the new names and the ticked metric columns
+    assert second.info.run_name in runs_table and "heldout/exact_match/dpo" in runs_table
     # everything the script started is stopped again
     assert not (project / ".qllm" / "serve" / "services.json").exists()

@@ -174,7 +174,8 @@ def test_the_pipeline_run_says_what_it_ran_and_what_came_of_it(first, project):
         rows = list(csv.DictReader(handle))
     for row in rows:
         assert parent.data.metrics[f"heldout/exact_match/{row['model']}"] == pytest.approx(float(row["exact_match"]))
-        assert parent.data.metrics[f"heldout/val_loss/{row['model']}"] == pytest.approx(float(row["val_loss"]))
+        assert parent.data.metrics[f"val/loss/{row['model']}"] == pytest.approx(float(row["val_loss"]))
+        assert parent.data.metrics[f"text/bleu/{row['model']}"] == pytest.approx(float(row["bleu"]))
     registered = json.loads((project / "data/register/registered.json").read_text())
     assert parent.data.metrics[f"registered/{registered['metric']}"] == pytest.approx(registered["value"])
     assert parent.data.metrics["registered/version"] == int(registered["version"])

@@ -85,6 +85,10 @@ def architecture(config: Any, where: str) -> tuple[str, bool]:
     if head_dim(config) * float(rope_parameters(config).get("partial_rotary_factor") or 1.0) != head_dim(config):
         raise ExportError(f"{where}: a partial rotary (partial_rotary_factor {rope_parameters(config)['partial_rotary_factor']}) is not written to GGUF here")
     layer_types = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None) if kind == "mistral" else None
+    if window and int(window) < int(getattr(config, "max_position_embeddings", 0) or 0):  # Mistral 7B v0.1: 4096 of 32768
+        raise ExportError(f"{where}: mistral with a {window}-token sliding window (sliding_window) is not written to GGUF: llama.cpp's llama "
+                          "attends to the whole context, so answers past the window would differ (a model trained without one has sliding_window: null)")  # fmt: skip
     if arch in GEMMA:
         _check_gemma(config, arch, layer_types, where)
     elif "sliding_attention" in layer_types:

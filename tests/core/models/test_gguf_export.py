@@ -302,6 +302,7 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0
     ("llama", {"partial_rotary_factor": 0.5}, r"a partial rotary \(partial_rotary_factor 0.5\) is not written to GGUF"),
     ("qwen2", {"rope_parameters": dict(LLAMA3_ROPE)}, r"rope scaling 'llama3' is not written to GGUF for qwen2 \(llama.cpp applies the llama3 frequency factors in its llama graph only\)"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, r"qwen2 with sliding-window layers \(use_sliding_window\) is not written to GGUF"),
+    ("mistral", {"sliding_window": 16}, r"mistral with a 16-token sliding window \(sliding_window\) is not written to GGUF: llama.cpp's llama attends to the whole context"),
     ("gemma", {"head_dim": 32, "rope_parameters": dict(LINEAR_ROPE)}, r"rope scaling 'linear' is not written to GGUF for gemma .*written here: $"),
     ("gemma", {"head_dim": 32, "tied": False}, r"gemma with an untied output head is not written to GGUF"),
     ("gemma2", {"head_dim": 32, "query_pre_attn_scalar": 32, "hidden_activation": "silu"}, r"gemma2 activation 'silu': llama.cpp's gemma2 uses GELU's tanh approximation"),
@@ -312,7 +313,7 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0
     ("gemma3_text", {"head_dim": 32, "query_pre_attn_scalar": 32, "layers": 6, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                                                                                     "sliding_attention": dict(LINEAR_ROPE)}},
      r"rope scaling 'linear' on gemma3's sliding-window layers is not written to GGUF"),
-], ids=["dynamic", "longrope", "yarn-beta", "yarn-truncate", "partial-rotary", "qwen2-llama3", "qwen2-sliding", "gemma-linear", "gemma-untied",
+], ids=["dynamic", "longrope", "yarn-beta", "yarn-truncate", "partial-rotary", "qwen2-llama3", "qwen2-sliding", "mistral-sliding", "gemma-linear", "gemma-untied",
         "gemma2-silu", "gemma2-query-scale", "gemma2-no-softcap", "gemma3-layer-types", "gemma3-local-scaling"])  # fmt: skip
 def test_rope_and_attention_variants_llama_cpp_would_compute_otherwise_are_refused_by_name(tmp_path, kind, settings, message):
     settings = dict(settings)
