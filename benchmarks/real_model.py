@@ -212,7 +212,7 @@ def prompts(args) -> int:
         path = gguf_import.locate(params.base_model.name, REPO)
         save_pretrained(gguf_import.load_model(path), gguf_import.load_tokenizer(path), Path(tmp) / "base")
         for name, model_dir in [("base", Path(tmp) / "base")] + [(m, run / "data/models" / m) for m in params.evaluate.models]:
-            model, tokenizer = load_for_inference(model_dir, REPO)
+            model, tokenizer = load_for_inference(model_dir, run)  # an adapter names its base relative to the run workspace
             answers[name] = evaluate.generate_answers(model, tokenizer, chats, 48, len(chats))
     print(cpu())
     for index, prompt in enumerate(GENERAL_PROMPTS):
