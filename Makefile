@@ -98,7 +98,7 @@ servers:
 	  || { echo "the suite needs PostgreSQL's server (Debian: apt-get install postgresql)" >&2; exit 1; }
 
 test: install $(VENV)/.installed-peers browser servers
-	$(PYTEST) $(ARGS)
+	$(PYTEST) --durations=25 $(ARGS)
 
 test-all: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check $(VENV)/.installed-smollm2 browser servers
 	$(PYTEST) -m "slow or real or not (slow or real)" $(ARGS)

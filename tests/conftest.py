@@ -63,6 +63,33 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: rank.get(Path(item.path).relative_to(config.rootpath).as_posix(), len(rank)))  # stable: the rest keep their order
 
 
+MODULE_SECONDS: dict[str, float] = {}
+"""Each test module's time (its tests' setup, call and teardown: its worker's wall time under
+`--dist loadscope`), summed from the reports the controller receives."""
+SUITE_TIMES_ENV = "QLLM_SUITE_TIMES"
+"""A path: the session writes each module's and test's seconds there as JSON (benchmarks/suite_time.py)."""
+TEST_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # on an xdist worker: the controller sums the reports it receives
+    module = report.nodeid.split("::", 1)[0]
+    MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration
+    TEST_SECONDS[report.nodeid] = TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The modules by time, slowest first (`--durations` lists the tests)."""
+    if not MODULE_SECONDS or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    terminalreporter.write_sep("=", f"the {min(25, len(MODULE_SECONDS))} slowest of {len(MODULE_SECONDS)} modules (setup, tests, teardown)")
+    for module, seconds in sorted(MODULE_SECONDS.items(), key=lambda item: -item[1])[:25]:
+        terminalreporter.write_line(f"{seconds:9.1f}s {module}")
+    if os.environ.get(SUITE_TIMES_ENV):
+        Path(os.environ[SUITE_TIMES_ENV]).write_text(json.dumps({"modules": MODULE_SECONDS, "tests": TEST_SECONDS}, indent=1, sort_keys=True) + "\n")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_env(tmp_path_factory):
     """No telemetry, no network lookups, and Prefect/MLflow state in a temporary home."""
