@@ -60,6 +60,18 @@ def _ask(url: str, question: str, max_tokens: int) -> tuple[str, int]:
     return completion["choices"][0]["message"]["content"], completion["usage"]["completion_tokens"]
 
 
+def _timed_clients(ask, questions: list, clients: int) -> tuple[list, float]:
+    """Every question through `ask` by `clients` clients at once (1: one after another); the
+    answers in question order and the wall seconds."""
+    started = time.perf_counter()
+    if clients == 1:
+        answers = [ask(q) for q in questions]
+    else:
+        with ThreadPoolExecutor(clients) as pool:
+            answers = list(pool.map(ask, questions))
+    return answers, time.perf_counter() - started
+
+
 def _ask_openai(base: str, question: str, max_tokens: int) -> tuple[str, int, float]:
     """(answer, completion tokens, seconds to the answer's first piece) of a streamed chat completion."""
     import urllib.request
@@ -204,29 +216,16 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 local = [generation.generate(model, tokenizer, q, max_new_tokens=args.max_tokens) for q in questions]
                 local_seconds = time.perf_counter() - started
-                started = time.perf_counter()
-                one = [_ask(url, q, args.max_tokens) for q in questions]
-                one_seconds = time.perf_counter() - started
-                started = time.perf_counter()
-                with ThreadPoolExecutor(4) as pool:
-                    four = list(pool.map(lambda q: _ask(url, q, args.max_tokens), questions))
-                four_seconds = time.perf_counter() - started
-                started = time.perf_counter()
-                with ThreadPoolExecutor(8) as pool:
-                    eight = list(pool.map(lambda q: _ask(url, q, args.max_tokens), questions))
-                eight_seconds = time.perf_counter() - started
+                one, one_seconds = _timed_clients(lambda q: _ask(url, q, args.max_tokens), questions, 1)
+                four, four_seconds = _timed_clients(lambda q: _ask(url, q, args.max_tokens), questions, 4)
+                eight, eight_seconds = _timed_clients(lambda q: _ask(url, q, args.max_tokens), questions, 8)
                 first_token = []  # in-process: the prompt's forward pass and one token
                 for q in questions:
                     started = time.perf_counter()
                     generation.generate(model, tokenizer, q, max_new_tokens=1)
                     first_token.append(time.perf_counter() - started)
-                started = time.perf_counter()
-                openai_one = [_ask_openai(base, q, args.max_tokens) for q in questions]
-                openai_one_seconds = time.perf_counter() - started
-                started = time.perf_counter()
-                with ThreadPoolExecutor(8) as pool:
-                    openai_eight = list(pool.map(lambda q: _ask_openai(base, q, args.max_tokens), questions))
-                openai_eight_seconds = time.perf_counter() - started
+                openai_one, openai_one_seconds = _timed_clients(lambda q: _ask_openai(base, q, args.max_tokens), questions, 1)
+                openai_eight, openai_eight_seconds = _timed_clients(lambda q: _ask_openai(base, q, args.max_tokens), questions, 8)
                 count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731  answer tokens, every way alike
                 tokens = sum(count(a) for a, _ in one)
                 same = sum(a == b.strip() for a, (b, _) in zip(local, one, strict=True))

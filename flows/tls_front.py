@@ -32,11 +32,10 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
 
 async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
-        while data := await reader.read(CHUNK):
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
-        pass
+        with contextlib.suppress(ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):  # the peer went away
+            while data := await reader.read(CHUNK):
+                writer.write(data)
+                await writer.drain()
     finally:
         with contextlib.suppress(Exception):
             writer.close()
