@@ -197,12 +197,10 @@ def grant_client(url: str, passwords: dict[str, str], experiment: str, model_nam
 
 
 def _model_name(root: Path) -> str:
-    """`register.model_name` of the project's params.yaml (default `qllm`)."""
-    import yaml
+    """`register.model_name` of the project's params (validated as a run loads them)."""
+    from pipelines.core import params_file
 
-    path = root / "params.yaml"
-    data = yaml.safe_load(path.read_text()) if path.exists() else {}
-    return str(((data or {}).get("register") or {}).get("model_name") or "qllm")
+    return params_file.load(root)[0].register.model_name
 
 
 def worker_command(limit: int | None = None, name: str | None = None) -> list[str]:
