@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,23 +40,26 @@ TESTED = (">=3.50", "<3.68")
 def md5(path: Path | str) -> str:
     """The md5 DVC records for a file or directory (`<md5>.dir` for directories).
 
-    A file's is the md5 of its bytes (DVC 3's `hash: md5`), computed here without importing
-    dvc_data (a tenth of a second in every stage process); a directory's is DVC's own tree hash."""
-    path = str(path)
-    if not Path(path).is_dir():
-        digest = hashlib.md5()
-        with open(path, "rb") as file:
-            for block in iter(lambda: file.read(1 << 20), b""):
-                digest.update(block)
-        return digest.hexdigest()
-    from dvc_data.hashfile.build import build  # DVC's tree hash: only for directories
-    from dvc_data.hashfile.db import HashFileDB
-    from dvc_objects.fs.local import LocalFileSystem
+    Computed here without importing dvc_data (a tenth of a second in every stage process, and
+    absent where the stages run without DVC: `benchmarks.gpu_check core`). A file's is the md5 of
+    its bytes (DVC 3's `hash: md5`); a directory's is DVC's tree hash: the md5 of the JSON list of
+    its files' `{"md5", "relpath"}`, sorted by relative path (dvc_data's `Tree.as_bytes`), plus
+    `.dir`. tests/core/test_dvc_api.py checks both against dvc_data's `build`."""
+    path = Path(path)
+    if not path.is_dir():
+        return _file_md5(path)
+    entries = [{"md5": _file_md5(Path(folder) / name), "relpath": (Path(folder) / name).relative_to(path).as_posix()}
+               for folder, _, names in os.walk(path) for name in names]  # fmt: skip
+    entries.sort(key=lambda entry: entry["relpath"])
+    return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"
 
-    fs = LocalFileSystem()
-    with tempfile.TemporaryDirectory() as tmp:
-        _, _, obj = build(HashFileDB(fs, tmp), path, fs, "md5", dry_run=True)
-    return obj.hash_info.value
+
+def _file_md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def open_repo(root: Path | str):
