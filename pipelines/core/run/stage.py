@@ -222,6 +222,29 @@ def _execute(
     return metrics
 
 
+def execute_untracked(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path | str = ".") -> dict[str, Any]:
+    """Run one stage's body with no MLflow run and no DVC hashing: the stage code alone, on a
+    machine that has neither (the device check's core, `benchmarks.gpu_check core`). Params are
+    validated and `precision: auto` resolved as in `execute`; the metrics file is written, with
+    `mlflow_run_id` null. The fingerprint covers the params only, so checkpoints are not for
+    resuming here (the core runs with `checkpoint_every: 0`)."""
+    root = Path(root).resolve()
+    everything, _ = params_file.load(root)
+    params, listed = getattr(everything, name), listed_params(everything, dag.stages(root)[name])
+    if _trains(params):
+        params = resolve_precision(name, params)
+    started = time.perf_counter()
+    ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=fingerprint(name, params, {}, listed),
+                       log=logging.getLogger(f"qllm.{name}"), listed=listed)  # fmt: skip
+    with resources.PeakMemory() as peak:
+        metrics = body(ctx) or {}
+    metrics = {**metrics, **({"precision": params.train.precision} if _trains(params) else {}),
+               "seconds": round(time.perf_counter() - started, 3), **peak.metrics(), "mlflow_run_id": None}  # fmt: skip
+    if dag.metrics_file(name) in ctx.spec.metrics:
+        write_json(root / dag.metrics_file(name), metrics)
+    return metrics
+
+
 def resolve_precision(name: str, params: Any) -> Any:
     """`train.precision: auto` -> the precision this device trains in (`pipelines.core.training.precision`); an
     explicit one is kept (bf16 on a CPU that emulates it warns once). The stage then runs, logs and
