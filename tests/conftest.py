@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,11 @@ MODULE_SECONDS: dict[str, float] = {}
 SUITE_TIMES_ENV = "QLLM_SUITE_TIMES"
 """A path: the session writes each module's and test's seconds there as JSON (benchmarks/suite_time.py)."""
 TEST_SECONDS: dict[str, float] = {}
+SESSION_STARTED = [0.0]
+
+
+def pytest_sessionstart(session) -> None:
+    SESSION_STARTED[0] = time.perf_counter()
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -87,7 +93,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     for module, seconds in sorted(MODULE_SECONDS.items(), key=lambda item: -item[1])[:25]:
         terminalreporter.write_line(f"{seconds:9.1f}s {module}")
     if os.environ.get(SUITE_TIMES_ENV):
-        Path(os.environ[SUITE_TIMES_ENV]).write_text(json.dumps({"modules": MODULE_SECONDS, "tests": TEST_SECONDS}, indent=1, sort_keys=True) + "\n")
+        from benchmarks.real_model import cpu
+
+        outcomes = {kind: len(terminalreporter.stats.get(kind, [])) for kind in ("passed", "failed", "error", "skipped")}
+        record = {"cpu": cpu(), "isa_cap": os.environ.get("ONEDNN_MAX_CPU_ISA"), "workers": getattr(config.option, "numprocesses", None) or 0,
+                  "wall_seconds": round(time.perf_counter() - SESSION_STARTED[0], 1), "outcomes": outcomes,
+                  "modules": MODULE_SECONDS, "tests": TEST_SECONDS}  # fmt: skip
+        Path(os.environ[SUITE_TIMES_ENV]).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,55 @@
+"""benchmarks.suite_time and the times tests/conftest.py records (QLLM_SUITE_TIMES)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import suite_time
+from tests.conftest import REPO
+
+
+def test_a_session_records_its_modules_tests_wall_time_and_cpu(tmp_path):
+    times = tmp_path / "times.json"
+    module = "tests/core/test_outputs.py"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "QLLM_SUITE_TIMES": str(times)})  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    record = json.loads(times.read_text())
+    passed = int(done.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
+    assert record["outcomes"]["passed"] == passed and record["outcomes"]["failed"] == 0
+    assert set(record["modules"]) == {module} and len(record["tests"]) == passed
+    assert record["modules"][module] == pytest.approx(sum(record["tests"].values()))
+    assert 0 < record["modules"][module] <= record["wall_seconds"]
+    assert record["cpu"] and record["workers"] == 0  # no xdist here
+
+
+def _record(wall: float, modules: dict, tests: dict, cap=None) -> dict:
+    return {"cpu": "AMD EPYC, AVX2 only", "isa_cap": cap, "workers": 2, "wall_seconds": wall, "outcomes": {"passed": 3, "failed": 0},
+            "modules": modules, "tests": tests}  # fmt: skip
+
+
+def test_the_report_ranks_shares_and_compares():
+    before = _record(1800.0, {"a.py": 900.0, "b.py": 100.0}, {"a.py::t": 900.0, "b.py::u": 100.0})
+    after = _record(900.0, {"a.py": 300.0, "c.py": 100.0}, {"a.py::t": 300.0, "c.py::v": 100.0}, cap="AVX2")
+    alone = suite_time.report(after, top=1)
+    assert "- 15 min 00.0 s on AMD EPYC, AVX2 only, capped to AVX2 (imitated), 2 workers; 3 passed" in alone
+    assert "| 300.0 | 75.0% | `a.py` |" in alone and "c.py`" not in alone  # top 1 of 2; 300 of 400 s
+    both = suite_time.report(after, before, top=2)
+    assert "(**0.50x** the wall time)" in both
+    assert "| 900.0 | 300.0 | 0.33 | `a.py` |" in both
+    assert "| - | 100.0 | - | `c.py` |" in both and "| 100.0 | gone | - | `b.py` |" in both
+
+
+def test_a_file_that_is_not_a_record_is_named(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"modules": {}}))
+    with pytest.raises(SystemExit, match=r"x.json: missing cpu, wall_seconds, tests \(written by QLLM_SUITE_TIMES=FILE make test\)"):
+        suite_time.load(bad)
+    bad.write_text("{")
+    with pytest.raises(SystemExit, match="x.json: not a suite-times file"):
+        suite_time.load(bad)
