@@ -362,7 +362,10 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
                                                                               password=passwords["postgres_prefect"]),
                            "PREFECT_SERVER_API_AUTH_STRING": client["PREFECT_API_AUTH_STRING"]}  # fmt: skip
             mlflow_env = {"MLFLOW_AUTH_CONFIG_PATH": str(auth), "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"],  # the auth app's CSRF key
-                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow", **mlflow_db)}  # in the environment: a command line shows in `ps`  # fmt: skip
+                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow", **mlflow_db),  # in the environment: a command line shows in `ps`
+                          # MLflow's job runner (huey consumers: GenAI scorers, prompt optimisation, trace
+                          # rollups) is off unless the environment asks for it: the pipeline starts no jobs
+                          "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}  # fmt: skip
             mlflow_server = [str(bin_dir / "mlflow"), "server", "--serve-artifacts", "--artifacts-destination", str(state / "mlartifacts"),
                              "--app-name", "basic-auth", "--workers", "1"]  # fmt: skip
         env = service_env(root, prefect_url, client)

@@ -127,6 +127,18 @@ def test_the_servers_speak_tls_only_and_clients_verify_the_certificate(team):
     assert fronts == {mlflow_port, int(record["prefect_api_url"].removesuffix("/api").rsplit(":", 1)[1])}
 
 
+
+def test_the_mlflow_server_runs_no_job_consumers(team):
+    """MLflow 3 starts a job runner (huey consumers) beside a server on a database; the team's server
+    runs without it: the pipeline submits no MLflow jobs, and each consumer is a process importing
+    MLflow on the team's host."""
+    import psutil
+
+    server = psutil.Process(team["record"]["services"]["mlflow-server"]["pid"])
+    commands = [" ".join(child.cmdline()) for child in server.children(recursive=True)]
+    assert commands and not [c for c in commands if "huey" in c], commands
+
+
 def test_requests_without_credentials_are_refused_and_everything_listens_on_localhost(team):
     record, client = team["record"], team["client"]
     services = record["services"]
