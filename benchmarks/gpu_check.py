@@ -432,10 +432,10 @@ def _real_base(args, work: Path) -> tuple[Path, str]:
             "SmolLM2-135M-Instruct's config and tokenizer",
         )
     elif args.tiny:
-        from benchmarks.real_sizes import _sample_texts
+        from benchmarks.real_sizes import sample_texts
         from benchmarks.real_sizes import tokenizer as bpe
 
-        tokenizer, what = bpe(_sample_texts(), vocab_size=512), "a small BPE tokenizer (no SmolLM2 shape here)"
+        tokenizer, what = bpe(sample_texts(), vocab_size=512), "a small BPE tokenizer (no SmolLM2 shape here)"
         config = LlamaConfig(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
                              max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
     else:

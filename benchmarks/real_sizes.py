@@ -72,7 +72,7 @@ QWEN25_TEMPLATE = (
 )
 
 
-def _sample_texts() -> list[str]:
+def sample_texts() -> list[str]:
     """English text to train the BPE on: the Python docs' topics that ship with the standard library."""
     from pydoc_data.topics import topics
 
@@ -102,7 +102,7 @@ def make_base(shape: str, out: Path, seed: int = 0, max_positions: int = 32768) 
 
     if shape not in SHAPES:
         raise SystemExit(f"--shape: {shape!r} is not one of {', '.join(SHAPES)}")
-    tok = tokenizer(_sample_texts())
+    tok = tokenizer(sample_texts())
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=max_positions, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
                          dtype="bfloat16")  # fmt: skip
