@@ -130,10 +130,7 @@ def execute(name: str, body: Callable[[StageContext], dict[str, Any]], root: Pat
     `pipelines.core.data.world`.
     """
     root = Path(root).resolve()
-    everything, _ = params_file.load(root)
-    params, listed = getattr(everything, name), listed_params(everything, dag.stages(root)[name])
-    if _trains(params):
-        params = resolve_precision(name, params)
+    params, listed = stage_params(name, root)
     if _trains(params) and (params.train.nproc > 1 or "WORLD_SIZE" in os.environ):  # see pipelines.core.training.distributed
         return _execute_distributed(name, body, root, params, listed, parent_run_id)
     return _execute(name, body, root, params, listed, parent_run_id)
@@ -222,6 +219,14 @@ def _execute(
     return metrics
 
 
+def stage_params(name: str, root: Path) -> tuple[Any, dict[str, Any]]:
+    """The stage's validated params section, `precision: auto` resolved for a training stage, and
+    the values of the other keys it lists (`listed_params`)."""
+    everything, _ = params_file.load(root)
+    params, listed = getattr(everything, name), listed_params(everything, dag.stages(root)[name])
+    return (resolve_precision(name, params) if _trains(params) else params), listed
+
+
 def execute_untracked(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path | str = ".") -> dict[str, Any]:
     """Run one stage's body with no MLflow run and no DVC hashing: the stage code alone, on a
     machine that has neither (the device check's core, `benchmarks.gpu_check core`). Params are
@@ -229,10 +234,7 @@ def execute_untracked(name: str, body: Callable[[StageContext], dict[str, Any]],
     `mlflow_run_id` null. The fingerprint covers the params only, so checkpoints are not for
     resuming here (the core runs with `checkpoint_every: 0`)."""
     root = Path(root).resolve()
-    everything, _ = params_file.load(root)
-    params, listed = getattr(everything, name), listed_params(everything, dag.stages(root)[name])
-    if _trains(params):
-        params = resolve_precision(name, params)
+    params, listed = stage_params(name, root)
     started = time.perf_counter()
     ctx = StageContext(name=name, root=root, params=params, tracker=tracking.Tracker(None, None), fingerprint=fingerprint(name, params, {}, listed),
                        log=logging.getLogger(f"qllm.{name}"), listed=listed)  # fmt: skip
