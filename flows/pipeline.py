@@ -72,7 +72,7 @@ def signal_name(signum: int) -> str:
 def pipeline(
     overrides: list[str] | None = None,
     params_files: list[str] | None = None,
-    until: str | None = None,
+    until: str | list[str] | None = None,
     force: list[str] | None = None,
     project_dir: str = ".",
     from_stage: str | None = None,
@@ -83,7 +83,8 @@ def pipeline(
     Args:
         overrides: `section.key=value` params overrides (never written to params.yaml).
         params_files: YAML files merged over params.yaml, in order (e.g. params/tiny.yaml).
-        until: last stage to run (with everything it depends on).
+        until: last stage to run (with everything it depends on), or several (a sweep's shared
+            stages in one run, independent ones at once).
         force: stages to rerun even if DVC finds them up to date.
         project_dir: the project root (holds dvc.yaml, params.yaml, mlflow.db).
         from_stage: run this stage and everything downstream of it; the stages before it must
@@ -103,7 +104,7 @@ def pipeline(
     name = run_name(root, overrides, params_files, until)
     with workspace.locked(ws), tracking.run(name, root, tags=_run_tags(ws, root), parent_run_id=parent_run_id) as parent:
         # the effective params, flattened (dpo.beta, lora.r, ...): MLflow's compare view shows the keys that differ
-        parent.log_params({"overrides": " ".join(overrides or []), "params_files": " ".join(params_files or []), "until": until or "",
+        parent.log_params({"overrides": " ".join(overrides or []), "params_files": " ".join(params_files or []), "until": _stages_text(until),
                            **config.flatten(params)})  # fmt: skip
         parent.log_artifact(ws / config.PARAMS_FILE)  # the effective params of this run
         futures = {}
@@ -150,14 +151,18 @@ DATA_STAGES = ("sample_data", "ingest", "prepare_data", "tokenize")
 """Stages whose outputs are the run's data sets (the parent run's Datasets column)."""
 
 
-def run_name(root: Path, overrides: list[str] | None = None, params_files: list[str] | None = None, until: str | None = None) -> str:
+def _stages_text(until: str | list[str] | None) -> str:
+    return ", ".join([until] if isinstance(until, str) else until or [])
+
+
+def run_name(root: Path, overrides: list[str] | None = None, params_files: list[str] | None = None, until: str | list[str] | None = None) -> str:
     """What a pipeline run is, for a list of runs: its profile (the params files, by stem) and
     overrides, or `default`; `until` when it stops early; and the project's short commit.
 
     `smollm2 + lora.adapter.r=16 @ 1a2b3c4`, `dpo.beta=0.5 @ 1a2b3c4`, `default (until sft) @ 1a2b3c4`."""
     what = " + ".join(part for part in (" + ".join(Path(f).stem for f in params_files or []), " ".join(overrides or [])) if part) or "default"
     if until:
-        what += f" (until {until})"
+        what += f" (until {_stages_text(until)})"
     commit = short_commit(root)
     name = f"{what} @ {commit}" if commit else what
     return name if len(name) <= NAME_LIMIT else name[: NAME_LIMIT - 1] + "…"

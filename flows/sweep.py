@@ -94,8 +94,8 @@ def sweep(
         if shared:
             logger.info("shared stages, brought up to date once: %s", ", ".join(shared))
             feeds = {up for name in shared for up in dag.upstream(root, name)}
-            for sink in [name for name in shared if name not in feeds]:  # `until` takes one stage and its ancestors
-                pipeline(overrides=overrides, params_files=params_files, until=sink, project_dir=str(root), parent_run_id=parent.run_id)
+            sinks = [name for name in shared if name not in feeds]  # with their ancestors: every shared stage, in one run
+            pipeline(overrides=overrides, params_files=params_files, until=sinks, project_dir=str(root), parent_run_id=parent.run_id)
 
         def one(item: list[str]) -> dict:
             if deployment:

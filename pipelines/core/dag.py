@@ -153,16 +153,18 @@ def downstream(root: Path | str, name: str) -> set[str]:
     return found
 
 
-def order(root: Path | str = ".", until: str | None = None) -> list[str]:
-    """Stages in a topological order (file order among independent ones), optionally only the
-    ancestors of `until` and `until` itself."""
+def order(root: Path | str = ".", until: str | list[str] | None = None) -> list[str]:
+    """Stages in a topological order (file order among independent ones), optionally only
+    `until` (a stage, or several, as `dvc repro A B` takes targets) and their ancestors."""
     graph = stages(root)
-    if until is not None and until not in graph:
-        raise DagError(f"unknown stage {until!r}; stages are: {', '.join(graph)}")
+    targets = [until] if isinstance(until, str) else list(until or [])
+    for target in targets:
+        if target not in graph:
+            raise DagError(f"unknown stage {target!r}; stages are: {', '.join(graph)}")
     parents = {name: upstream(root, name) for name in graph}
     wanted = set(graph)
-    if until is not None:
-        wanted, todo = set(), [until]
+    if targets:
+        wanted, todo = set(), list(targets)
         while todo:
             name = todo.pop()
             if name not in wanted:

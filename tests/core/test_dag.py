@@ -216,6 +216,11 @@ def test_order_until_and_sources():
     assert "data/sources" in dag.source_paths(REPO) and "data/sample" not in dag.source_paths(REPO)
     with pytest.raises(dag.DagError, match="unknown stage 'nope'"):
         dag.order(REPO, until="nope")
+    # several targets, as `dvc repro A B`: each with its ancestors, once, in one topological order
+    assert dag.order(REPO, until=["probe_device", "prepare_data"]) == ["sample_data", "ingest", "prepare_data", "probe_device"]
+    assert dag.order(REPO, until=["tokenize", "train_tokenizer"]) == dag.order(REPO, until="tokenize")
+    with pytest.raises(dag.DagError, match="unknown stage 'nope'"):
+        dag.order(REPO, until=["tokenize", "nope"])
 
 
 def _dvc_data_tree_md5(path) -> str:
@@ -240,7 +245,7 @@ def test_dvc_md5_matches_dvc(tmp_path):
 
     tree = tmp_path / "d"
     for name, content in {"x.txt": b"hello\r\nworld\n", "a/b/z": b"", "A/q": b"q", "a-b": b"dash", "a/c": os.urandom(3000),
-                          "\u00e9 \u00fc.json": "{}".encode(), "sub dir/\u4e2d.txt": b"x" * (1 << 20) + b"y"}.items():  # fmt: skip
+                          "\u00e9 \u00fc.json": b"{}", "sub dir/\u4e2d.txt": b"x" * (1 << 20) + b"y"}.items():  # fmt: skip
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         (tree / name).write_bytes(content)
     (tree / "empty").mkdir()
