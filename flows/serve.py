@@ -203,11 +203,14 @@ def _model_name(root: Path) -> str:
     return params_file.load(root)[0].register.model_name
 
 
-def worker_command(limit: int | None = None, name: str | None = None) -> list[str]:
+def worker_command(limit: int | None = None, name: str | None = None, queues: list[str] | None = None) -> list[str]:
     """A process worker on the pool (`limit`: flow runs it takes at once; `name`: Prefect's label
-    `prefect.worker.name` on each flow run it takes). Run it in the checkout its flows run in."""
+    `prefect.worker.name` on each flow run it takes; `queues`: the pool's work queues it serves,
+    default all, e.g. `["default"]` for a worker that takes pipeline runs but no sweep's own run).
+    Run it in the checkout its flows run in."""
     return [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", POOL, "--type", "process",
-            *(["--limit", str(limit)] if limit else []), *(["--name", name] if name else [])]  # fmt: skip
+            *(["--limit", str(limit)] if limit else []), *(["--name", name] if name else []),
+            *[arg for queue in queues or [] for arg in ("--work-queue", queue)]]  # fmt: skip
 
 
 def read_env_file(path: Path) -> dict[str, str]:

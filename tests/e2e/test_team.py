@@ -4,9 +4,11 @@
 a Prefect server asking for an auth string and an MLflow tracking server with basic auth and
 proxied artifacts, a worker in the first checkout and a DVC remote (a directory). A second worker
 runs in a clone of the project (its own checkout, DVC cache and PREFECT_HOME: another machine,
-sharing only the servers and the DVC remote). The sweep deployment `qllm-sweep/dpo-beta-workers`
-then spreads its three DPO betas over both workers, and every stage outside dpo, export, evaluate and
-register is computed once in all: the second checkout restores them from the remote.
+sharing only the servers and the DVC remote), serving the pool's `default` queue only, so the
+sweep's own run (queue `sweeps`) always lands on the first worker. The sweep deployment
+`qllm-sweep/dpo-beta-workers` then spreads two DPO betas over both workers (one slot free on each),
+and every stage outside dpo, export, evaluate and register is computed once in all: the second
+checkout restores them from the remote.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def team(tmp_path_factory, mlflow_template_db):
     two = base / "two"
     run(["git", "clone", "-q", str(one), str(two)], base)
     cert, key = self_signed(base / "tls")
-    # each worker: the sweep (whichever takes it) and a set, or two sets; every client speaks TLS to the fronts
+    # the first worker: the sweep's own run and a set; the second (queue `default`): the other set; every client speaks TLS to the fronts
     record = serve.start(one, prefect_port=0, mlflow_port=0, postgres_port=0, profile="team", worker_limit=2, tls=(str(cert), str(key)))
     worker = None
     try:
@@ -53,7 +55,7 @@ def team(tmp_path_factory, mlflow_template_db):
         assert record["dvc_remote"].startswith("team -> ")  # the profile's remote: a directory a worker on this host reaches
         run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "team", record["dvc_remote"].split(" ")[2]], two)
         log = open(base / "worker-two.log", "wb")  # noqa: SIM115 - closed below
-        worker = subprocess.Popen(serve.worker_command(limit=2, name=SECOND), cwd=two, env=env | {"PREFECT_HOME": str(two / serve.STATE_DIR / "prefect")}, stdout=log,
+        worker = subprocess.Popen(serve.worker_command(limit=1, name=SECOND, queues=["default"]), cwd=two, env=env | {"PREFECT_HOME": str(two / serve.STATE_DIR / "prefect")}, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=one, env=env, capture_output=True, text=True, timeout=180)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
@@ -259,7 +261,8 @@ def test_a_sweep_spreads_over_two_workers_and_computes_shared_stages_once(team, 
     from mlflow import MlflowClient
 
     one, two, env, client = team["one"], team["two"], team["env"], team["client"]
-    done = subprocess.run([PREFECT, "deployment", "run", "qllm-sweep/dpo-beta-workers", "--watch", "--watch-timeout", "900"],
+    betas = {"sweep": [["dpo.beta=0.05"], ["dpo.beta=0.5"]]}
+    done = subprocess.run([PREFECT, "deployment", "run", "qllm-sweep/dpo-beta-workers", "--params", json.dumps(betas), "--watch", "--watch-timeout", "900"],
                           cwd=one, env=env, capture_output=True, text=True, timeout=960)  # fmt: skip
     worker_logs = (team["record"]["services"]["prefect-worker"]["log"], Path(two).parent / "worker-two.log")
     assert done.returncode == 0, done.stdout + done.stderr + "".join(Path(p).read_text()[-4000:] for p in worker_logs)
@@ -275,21 +278,24 @@ def test_a_sweep_spreads_over_two_workers_and_computes_shared_stages_once(team, 
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_SSL_CERT_FILE, PREFECT_API_URL, temporary_settings
 
-    async def set_runs():
+    async def flow_runs():
         async with get_client() as prefect:
-            return [r for r in await prefect.read_flow_runs() if r.parameters.get("overrides") and r.parent_task_run_id]
+            return await prefect.read_flow_runs()
 
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: client["PREFECT_API_AUTH_STRING"],
                              PREFECT_API_SSL_CERT_FILE: client["PREFECT_API_SSL_CERT_FILE"]}):  # fmt: skip
-        runs = asyncio.run(set_runs())
-    assert sorted(tuple(r.parameters["overrides"]) for r in runs) == [("dpo.beta=0.05",), ("dpo.beta=0.2",), ("dpo.beta=0.5",)]
+        every = asyncio.run(flow_runs())
+    runs = [r for r in every if r.parameters.get("overrides") and r.parent_task_run_id]
+    assert sorted(tuple(r.parameters["overrides"]) for r in runs) == [("dpo.beta=0.05",), ("dpo.beta=0.5",)]
     assert all(r.state.is_completed() for r in runs)
     workers = {r.labels.get("prefect.worker.name") for r in runs}
     assert SECOND in workers and len(workers) == 2, f"the sets ran on {workers}: not spread over both workers"
+    (parent,) = [r for r in every if r.parameters.get("sweep")]
+    assert parent.work_queue_name == "sweeps" and parent.labels.get("prefect.worker.name") not in (None, SECOND), parent.labels
 
     per_set = {stage: ran.get(stage, 0) for stage in PER_SET}
-    assert per_set == dict.fromkeys(PER_SET, 3), ran
+    assert per_set == dict.fromkeys(PER_SET, 2), ran
     shared = {stage: count for stage, count in ran.items() if stage not in PER_SET | MACHINE}
     assert shared and all(count == 1 for count in shared.values()), f"shared stages computed more than once: {ran}"
     assert {"pretrain", "sft", "lora"} <= set(shared)
-    assert len(versions) == 3  # one per set (the least-privilege test's probe version was deleted)
+    assert len(versions) == 2  # one per set (the least-privilege test's probe version was deleted)
