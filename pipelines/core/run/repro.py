@@ -209,7 +209,7 @@ def check(root: Path | str, names: list[str]) -> tuple[list[StageOutcome], str |
     if (lock.stat().st_mtime_ns if lock.exists() else None) != before:
         close(root)  # a new Repo object reads the dvc.lock those stages rewrote
         repo, stages = parsed()
-    with _repo_lock, contextlib.chdir(root), repo.lock, dvc_api.params_read_once():
+    with _repo_lock, contextlib.chdir(root), repo.lock:
         started = time.perf_counter()
         for name in names:
             if name not in done:
@@ -272,7 +272,7 @@ def _commit(root: Path, repo, stage, ran: bool = False) -> None:
         stage.commit()  # moves outputs into the DVC cache (links them back)
         with _run_cache_lock(root):  # the run-cache entry, published once the objects it names are cached
             repo.stage_cache.save(stage)
-        stage.dump(update_pipeline=False)  # dvc.lock
+        dvc_api.dump_lock(stage)  # dvc.lock
         remote = _remote(repo) if ran and stage.outs else None
     if remote is not None:
         with _repo_lock, contextlib.chdir(root):  # `push` takes the repo's lock itself

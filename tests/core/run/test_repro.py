@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.core import workspace
+from pipelines.core import dvc_api, workspace
 from pipelines.core.run import repro
 from tests.conftest import run
 
@@ -61,6 +61,45 @@ def test_ran_then_up_to_date_then_run_cache(toy):
     assert (toy / "data/metrics/b.json").read_text() == '{"len": 2}'  # uncached metrics restored too
     assert stages.calls == ["a", "b", "a", "b"]
     assert "up to date" in dvc_status(toy)
+
+
+def test_dvc_lock_has_the_bytes_dvc_itself_writes(toy):
+    """`dvc_api.dump_lock` reads dvc.lock with the safe parser, not DVC's round-trip one: the file
+    it writes is the one DVC's own `stage.dump` writes, from no file, and over a stale entry."""
+    from dvc.repo import Repo
+
+    reproduce_all(toy, Toy())
+    ours = (toy / "dvc.lock").read_bytes()
+    stale = yaml.safe_load(ours)
+    stale["stages"]["a"]["outs"][0]["md5"] = "0" * 32 + ".dir"
+    with Repo(str(toy)) as repo:
+        stages = {stage.name: stage for stage in repo.index.stages}
+        (toy / "dvc.lock").unlink()
+        for name in ("a", "b"):
+            stages[name].dump(update_pipeline=False)  # DVC's own writer
+        assert (toy / "dvc.lock").read_bytes() == ours
+        for writer in (lambda stage: stage.dump(update_pipeline=False), dvc_api.dump_lock):
+            (toy / "dvc.lock").write_text(yaml.safe_dump(stale, sort_keys=False))
+            writer(stages["a"])
+            assert (toy / "dvc.lock").read_bytes() == ours
+
+
+def test_a_params_file_is_parsed_once_per_text_and_each_caller_gets_its_own_copy(toy):
+    from dvc.dependency import param
+    from dvc.repo import Repo
+
+    reproduce_all(toy, Toy())  # opens the project's Repo: the reader is in place from then on
+    assert getattr(param.load_path, "qllm_once_per_content", False)
+    with Repo(str(toy)) as repo:
+        path = str(toy / "params.yaml")
+        first = param.load_path(path, repo.fs)
+        first["a"]["n"] = 99  # a caller's change stays its own
+        assert param.load_path(path, repo.fs) == {"a": {"n": 2}, "b": {"m": 1}}
+        (toy / "params.yaml").write_text("a:\n  n: 5\nb:\n  m: 1\n")  # new text, same size and perhaps the same mtime
+        assert param.load_path(path, repo.fs) == {"a": {"n": 5}, "b": {"m": 1}}
+        (toy / "params.yaml").write_text("a:\n  n: [1\n")
+        with pytest.raises(Exception, match="params.yaml"):  # a parse error names the file, as DVC's reader does
+            param.load_path(path, repo.fs)
 
 
 def test_failed_stage_leaves_no_lock_entry_and_no_output(toy):
