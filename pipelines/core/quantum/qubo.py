@@ -57,6 +57,9 @@ PENALTY_MARGIN = 2.0
 SA_READS = 1000
 SA_SWEEPS = 1000
 SA_CHUNK = 100
+REPAIR_BATCH = 64
+"""Allocations repaired at once, between checks of the deadline (every row's repair is its own:
+the same result in any batch)."""
 TABU_READS = 300
 TABU_READ_MS = 2
 QAOA_REPS = 2
@@ -641,7 +644,14 @@ def _solve_bqm(sample: Callable[[dimod.BinaryQuadraticModel, float, _Options], d
     k, clean = _decode(p, list(samples.variables), samples.record.sample[order])
     _, first = np.unique(k, axis=0, return_index=True)  # the same allocation with other slack: once
     first = np.sort(first)
-    repaired = _repair(p, k[first])
+    repaired: list[np.ndarray] = []
+    for start in range(0, len(first), REPAIR_BATCH):  # lowest energy first; each row's repair is its own
+        if repaired and time.monotonic() > o.deadline:
+            log.warning("%s: repaired %d of %d distinct allocations by the time limit (the lowest-energy ones); raise %s to repair every one",
+                        name, len(repaired), len(first), o.setting)  # fmt: skip
+            first = first[: len(repaired)]
+            break
+        repaired.extend(_repair(p, k[first[start : start + REPAIR_BATCH]]))
     best = None
     for n, fixed in zip(first, repaired, strict=True):
         broken = not clean[n] or _cost(p, k[n]) > p.budget

@@ -421,3 +421,16 @@ def test_timeout_is_honoured(solver, caplog):
     if solver == "sa":  # fewer reads than asked: still an allocation, but this machine's speed chose it; said so
         assert "sa: stopped at its time limit after" in caplog.text and "of 100000 reads" in caplog.text
         assert "raise lora.adaptive.timeout" in caplog.text
+        # and the repair of what it read stops at the limit too (once the lowest-energy batch is done)
+        assert "distinct allocations by the time limit (the lowest-energy ones); raise lora.adaptive.timeout" in caplog.text
+
+
+def test_repairing_in_batches_gives_the_allocation_of_repairing_all_at_once(monkeypatch):
+    """Each allocation's repair is its own, so the batches the deadline is checked between change nothing."""
+    values, costs, budget, red = large_instance(24)
+    found = []
+    for batch in (1, 7, 100_000):
+        monkeypatch.setattr(qubo, "REPAIR_BATCH", batch)
+        alloc = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", timeout=120, num_reads=300)
+        found.append((dict(alloc), alloc.objective))
+    assert found[0] == found[1] == found[2]
