@@ -15,6 +15,7 @@ every run would compile its imports again: 20 s a run on an AVX2-only EPYC, all 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -69,8 +70,6 @@ def one_run(checkout: Path, work: Path, env: dict[str, str]) -> tuple[float, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", type=Path, help="a checkout with its .venv: the baseline")
     parser.add_argument("after", type=Path, help="a checkout with its .venv")

@@ -162,9 +162,10 @@ PARSED_PARAMS_KEPT = 16
 def _read_params_once_per_content() -> None:
     """DVC parses params.yaml anew for every stage that lists params and for every check of one
     (status, the run-cache key, `save`), 14 ms a parse of the tiny profile's 12 kB on an AVX2-only
-    EPYC: a tenth of a tiny `qllm run`'s working samples under py-spy. From the first Repo opened on, a YAML params file is parsed once per text
-    (by DVC's own parser: the same values), and each caller gets its own copy. Other files, and
-    a DVC whose reader is not where this expects it, are read as before."""
+    EPYC: a tenth of a tiny `qllm run`'s working samples under py-spy. From the first Repo opened
+    on, a YAML params file is parsed once per text (by DVC's own parser: the same values), and
+    each caller gets its own copy. Other files, and a DVC whose reader is not where this expects
+    it, are read as before."""
     from dvc.dependency import param
     from dvc.utils.serialize import LOADERS, load_yaml
     from dvc.utils.serialize._yaml import parse_yaml
