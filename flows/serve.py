@@ -67,8 +67,8 @@ MLFLOW_AUTH_CACHE_SECONDS = 60
 """How long the MLflow server trusts a username and password it has verified: its basic-auth app's
 `auth_cache_ttl_seconds` (MLflow from spring 2026; 3.17.2 in the lock; older ones ignore the key).
 Without it MLflow hashes the password with scrypt at every check, three checks a request: 0.36 s
-of server CPU a request on an AVX2-only EPYC, nine tenths of the server's time, against 0.03 s with
-it. The passwords are generated (`secrets.token_urlsafe(24)`, 192 bits): a slow hash guards
+of server CPU a request on an AVX2-only EPYC, nine tenths of the server's time, against 0.01-0.03 s
+with it. The passwords are generated (`secrets.token_urlsafe(24)`, 192 bits): a slow hash guards
 guessable ones and buys nothing here. The server runs one worker, so a password change or a
 deletion through MLflow's API drops the entry at once; only a change made in the database
 directly waits out these seconds."""
