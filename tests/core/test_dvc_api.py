@@ -97,3 +97,31 @@ def test_a_run_workspace_keeps_the_remotes_credentials_owner_only(project, tmp_p
         assert "s3cret" in (ws / ".dvc" / "config.local").read_text()
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("analytics_off", [True, False])
+def test_the_suites_in_process_dvc_init_makes_what_the_cli_makes(tmp_path, analytics_off):
+    """tests/conftest.py `init_dvc` (every test project's `dvc init`, in the test's process) writes
+    the files `dvc init` and `dvc config core.analytics false` write, byte for byte, staged alike."""
+    import subprocess
+    import sys
+
+    from tests.conftest import init_dvc, run
+
+    by_cli, in_process = tmp_path / "cli", tmp_path / "in_process"
+    for root in (by_cli, in_process):
+        root.mkdir()
+        run(["git", "init", "-q"], root)
+    run([sys.executable, "-m", "dvc", "init", "-q"], by_cli)
+    if analytics_off:
+        run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], by_cli)
+    init_dvc(in_process, analytics_off=analytics_off)
+
+    def made(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and ".git" not in p.parts and p.name != "btime"}
+
+    def staged(root: Path) -> str:
+        return subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True).stdout
+
+    assert made(in_process) == made(by_cli) and ".dvc/config" in made(by_cli)
+    assert staged(in_process) == staged(by_cli)
