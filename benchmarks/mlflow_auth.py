@@ -18,14 +18,11 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from flows import serve
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def server_cpu(pid: int) -> float:
@@ -40,13 +37,10 @@ def one_arm(work: Path, cache_seconds: int, requests: int) -> tuple[float, float
     """(seconds a request, server CPU seconds a request) with the cache set to `cache_seconds`."""
     from mlflow import MlflowClient
 
-    sys.path.insert(0, str(REPO))
-    from tests.conftest import make_project
+    from tests.conftest import make_project, migrated_mlflow_db
 
-    store = work / "store"
-    store.mkdir(parents=True)
-    MlflowClient(f"sqlite:///{store / 'mlflow.db'}").search_experiments()  # an empty store, its tables made
-    project = make_project(work / "project", store / "mlflow.db")
+    (work / "store").mkdir(parents=True)
+    project = make_project(work / "project", migrated_mlflow_db(work / "store" / "mlflow.db"))
     saved, serve.MLFLOW_AUTH_CACHE_SECONDS = serve.MLFLOW_AUTH_CACHE_SECONDS, cache_seconds
     record = None
     try:

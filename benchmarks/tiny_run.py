@@ -26,6 +26,7 @@ from pathlib import Path
 
 from benchmarks.real_model import cpu
 
+# Run by each checkout's own Python and code, so it uses only what older checkouts' tests/conftest.py has too
 MAKE_PROJECT = """
 import sys
 from pathlib import Path

@@ -137,9 +137,13 @@ def no_leaked_tracking_uri():
 @pytest.fixture(scope="session")
 def mlflow_template_db(tmp_path_factory) -> Path:
     """An MLflow SQLite database with every migration applied (done once: it takes seconds)."""
+    return migrated_mlflow_db(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
+
+
+def migrated_mlflow_db(path: Path) -> Path:
+    """An empty MLflow SQLite store at `path`, its tables made (MLflow migrates on first use)."""
     from mlflow import MlflowClient
 
-    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
     MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
     return path
 

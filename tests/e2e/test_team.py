@@ -83,8 +83,8 @@ TRUST: ssl.SSLContext | None = None
 """The test's self-signed certificate as the one trusted CA (set by the first test that needs it)."""
 
 
-def _status(url: str, auth: str | None = None, body: bytes | None = None) -> int:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+def _status(url: str, auth: str | None = None, body: bytes | None = None, method: str | None = None) -> int:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method=method)
     if auth is not None:
         request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
@@ -142,24 +142,14 @@ def test_the_mlflow_server_runs_no_job_consumers(team):
     assert commands and not [c for c in commands if "huey" in c], commands
 
 
-def _call(url: str, auth: str, body: dict | None = None, method: str | None = None) -> int:
-    """The status of a JSON request to the MLflow server as `auth` ("user:password")."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, method=method,
-                                     headers={"Content-Type": "application/json", "Authorization": "Basic " + base64.b64encode(auth.encode()).decode()})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=30, context=TRUST) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
 def test_the_mlflow_server_checks_a_password_once_and_a_change_takes_effect_at_once(team):
     """MLflow's basic auth hashes the password (scrypt) at every check, three checks a request. The
     team's server keeps a verified password for `serve.MLFLOW_AUTH_CACHE_SECONDS`, so 30 requests
     cost it less CPU than 15 checks made here (without it: 90). A password changed or a user
     deleted through MLflow's API is refused at the very next request all the same."""
-    import psutil
     from werkzeug.security import check_password_hash, generate_password_hash
+
+    from benchmarks.mlflow_auth import server_cpu
 
     services, state = team["record"]["services"], team["one"] / serve.STATE_DIR
     passwords = json.loads((state / serve.SECRETS).read_text())
@@ -172,26 +162,22 @@ def test_the_mlflow_server_checks_a_password_once_and_a_change_takes_effect_at_o
     for _ in range(3):
         assert check_password_hash(hashed, passwords["mlflow_client"])
     one_check = (time.process_time() - started) / 3
-    server = psutil.Process(services["mlflow-server"]["pid"])
-
-    def server_cpu() -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in (server, *server.children(recursive=True)))
-
+    pid = services["mlflow-server"]["pid"]
     client = f"qllm-client:{passwords['mlflow_client']}"
-    before = server_cpu()
+    before = server_cpu(pid)
     for _ in range(30):
-        assert _call(search, client) == 200
-    spent = server_cpu() - before
+        assert _status(search, auth=client) == 200
+    spent = server_cpu(pid) - before
     assert spent < 15 * one_check, f"30 requests took the server {spent:.2f} s of CPU; one password check takes {one_check:.3f} s here"
 
     old, new = "rotating-password-one-" + "x" * 16, "rotating-password-two-" + "y" * 16
-    assert _call(f"{api}/users/create", admin, {"username": "rotating", "password": old}) == 200
-    assert _call(search, f"rotating:{old}") == 200  # verified, and now kept
-    assert _call(f"{api}/users/update-password", admin, {"username": "rotating", "password": new}, method="PATCH") == 200
-    assert _call(search, f"rotating:{old}") == 401
-    assert _call(search, f"rotating:{new}") == 200
-    assert _call(f"{api}/users/delete", admin, {"username": "rotating"}, method="DELETE") == 200
-    assert _call(search, f"rotating:{new}") == 401
+    assert _status(f"{api}/users/create", auth=admin, body=json.dumps({"username": "rotating", "password": old}).encode()) == 200
+    assert _status(search, auth=f"rotating:{old}") == 200  # verified, and now kept
+    assert _status(f"{api}/users/update-password", auth=admin, body=json.dumps({"username": "rotating", "password": new}).encode(), method="PATCH") == 200
+    assert _status(search, auth=f"rotating:{old}") == 401
+    assert _status(search, auth=f"rotating:{new}") == 200
+    assert _status(f"{api}/users/delete", auth=admin, body=json.dumps({"username": "rotating"}).encode(), method="DELETE") == 200
+    assert _status(search, auth=f"rotating:{new}") == 401
 
 
 def test_requests_without_credentials_are_refused_and_everything_listens_on_localhost(team):
