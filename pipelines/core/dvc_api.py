@@ -14,9 +14,10 @@
 
 `pipelines/core/run/repro.py` reproduces stages with these and the `Stage` objects DVC's public
 API hands out (`changed`, `save`, `commit`, `dump`). Two needs have no public API: the run-cache
-key (`dvc.stage.cache._can_hash`, `_get_stage_hash`); and two of DVC's YAML helpers, to read
-params files once per content (`dvc.dependency.param.load_path`) and dvc.lock without the
-round-trip parser (`dvc.utils.serialize._common._modify_data`, `_yaml.parse_yaml`, `_yaml._dump`).
+key (`dvc.stage.cache._can_hash`, `_get_stage_hash`); and DVC's YAML readers and writer, to parse
+params files, dvc.yaml and dvc.lock once per content (`dvc.dependency.param.load_path`,
+`dvc.utils.strictyaml.load`) and to write dvc.lock without the round-trip parser and a stage's
+entry rendered once (`dvc.utils.serialize._yaml.parse_yaml`, `_yaml._dump`).
 They are used only on the DVC versions tested (`TESTED`, the range `pyproject.toml` pins), and
 tests/core/test_dvc_api.py checks that the installed DVC is one of them and still has those names
 with the signatures used here.
@@ -26,10 +27,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +71,7 @@ def open_repo(root: Path | str):
     from dvc.repo import Repo
 
     logging.getLogger("dvc").setLevel(logging.WARNING)
-    _read_params_once_per_content()
+    _read_yaml_once_per_content()
     return Repo(str(root))
 
 
@@ -153,63 +157,164 @@ def push(repo, stage, target: str) -> int:
     return sent
 
 
-_PARSED_PARAMS: dict[str, Any] = {}
-_PARSED_PARAMS_LOCK = threading.Lock()
-PARSED_PARAMS_KEPT = 16
-"""Params files' texts whose parse is kept (the newest; a run reads one or two)."""
+class _Kept:
+    """The newest `size` results of a costly, pure function of a key, shared by threads (a result
+    is computed outside the lock: two threads may compute the same one, and either is kept)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key in self._items:
+                return self._items[key]
+        value = compute()
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.size:
+                del self._items[next(iter(self._items))]
+        return value
 
 
-def _read_params_once_per_content() -> None:
+_PARSED_PARAMS = _Kept(16)
+"""Params files' parses by text (the newest; a run reads one or two)."""
+_PARSED_DVC_FILES = _Kept(16)
+"""dvc.yaml's and dvc.lock's validated parses by (text, schema): a run's dvc.yaml, and dvc.lock
+as it grows by one stage at a time."""
+
+
+def _read_yaml_once_per_content() -> None:
     """DVC parses params.yaml anew for every stage that lists params and for every check of one
     (status, the run-cache key, `save`), 14 ms a parse of the tiny profile's 12 kB on an AVX2-only
-    EPYC: a tenth of a tiny `qllm run`'s working samples under py-spy. From the first Repo opened
-    on, a YAML params file is parsed once per text (by DVC's own parser: the same values), and
-    each caller gets its own copy. Other files, and a DVC whose reader is not where this expects
-    it, are read as before."""
+    EPYC: a tenth of a tiny `qllm run`'s working samples under py-spy. It parses and validates
+    dvc.yaml and dvc.lock anew for every stage it collects, 0.15 s a collection of one stage there
+    (the 58 kB dvc.lock most of it): with the lock written once per stage, a fifth of the tiny
+    pipeline's CPU in tests/e2e/test_pipeline_e2e.py under py-spy. From the first Repo opened on,
+    each of those files is parsed (and validated) once per text, by DVC's own parser and schema,
+    and each caller gets its own copy. A text that fails to parse or validate, other files, the
+    round-trip parse, and a DVC whose readers are not where this expects them go DVC's own way."""
     from dvc.dependency import param
+    from dvc.utils import strictyaml
     from dvc.utils.serialize import LOADERS, load_yaml
-    from dvc.utils.serialize._yaml import parse_yaml
+    from dvc.utils.serialize._yaml import YAMLFileCorruptedError, parse_yaml
+    from voluptuous import MultipleInvalid
 
-    original = getattr(param, "load_path", None)
-    if original is None or getattr(original, "qllm_once_per_content", False):
-        return
+    original_params = getattr(param, "load_path", None)
+    if original_params is not None and not getattr(original_params, "qllm_once_per_content", False):
 
-    def load_path(fs_path, fs, **kwargs):
-        if kwargs or LOADERS.get(fs.suffix(fs_path).lower()) is not load_yaml:
-            return original(fs_path, fs, **kwargs)
-        with fs.open(fs_path, encoding="utf-8") as file:  # as DVC's load_yaml reads it
-            text = file.read()
-        with _PARSED_PARAMS_LOCK:
-            parsed = _PARSED_PARAMS.get(text)
-        if parsed is None:
-            parsed = parse_yaml(text, fs_path)
-            with _PARSED_PARAMS_LOCK:
-                _PARSED_PARAMS[text] = parsed
-                while len(_PARSED_PARAMS) > PARSED_PARAMS_KEPT:
-                    del _PARSED_PARAMS[next(iter(_PARSED_PARAMS))]
-        return copy.deepcopy(parsed)
+        def load_path(fs_path, fs, **kwargs):
+            if kwargs or LOADERS.get(fs.suffix(fs_path).lower()) is not load_yaml:
+                return original_params(fs_path, fs, **kwargs)
+            with fs.open(fs_path, encoding="utf-8") as file:  # as DVC's load_yaml reads it
+                text = file.read()
+            return copy.deepcopy(_PARSED_PARAMS.get(text, lambda: parse_yaml(text, fs_path)))
 
-    load_path.qllm_once_per_content = True
-    param.load_path = load_path
+        load_path.qllm_once_per_content = True
+        load_path.__wrapped__ = original_params  # inspect.signature shows DVC's (tests/core/test_dvc_api.py)
+        param.load_path = load_path
+
+    original_load = getattr(strictyaml, "load", None)
+    if original_load is not None and not getattr(original_load, "qllm_once_per_content", False):
+
+        def load(path, schema=None, fs=None, encoding="utf-8", round_trip=False):
+            if round_trip or fs is None:
+                return original_load(path, schema, fs, encoding, round_trip)
+            try:
+                with fs.open(path, encoding=encoding) as file:  # as DVC's strictyaml.load reads it
+                    text = file.read()
+
+                def parse():
+                    data = parse_yaml(text, path)
+                    if schema:
+                        schema(data)  # voluptuous: raises on an invalid file
+                    return data
+
+                data = _PARSED_DVC_FILES.get((text, id(schema)), parse)  # DVC's schemas are class constants
+            except (OSError, UnicodeDecodeError, YAMLFileCorruptedError, MultipleInvalid):  # DVC's reader raises its own error for it
+                return original_load(path, schema, fs, encoding, round_trip)
+            return copy.deepcopy(data), text
+
+        load.qllm_once_per_content = True
+        load.__wrapped__ = original_load
+        strictyaml.load = load
 
 
 def dump_lock(stage) -> None:
     """The stage's entry in dvc.lock: what `stage.dump(update_pipeline=False)` writes, byte for
-    byte, but with dvc.lock read by the safe YAML parser. DVC reads it with the round-trip one,
-    which keeps a file's comments and formatting for the next write: dvc.lock has none (DVC writes
-    it whole), and that parse is 6x slower (0.32 s against 0.05 s for the tiny profile's 58 kB
-    dvc.lock on an AVX2-only EPYC, once per stage of every run, under the repo's lock)."""
+    byte, at a fraction of the cost.
+
+    DVC reads dvc.lock with the round-trip parser (to keep comments: dvc.lock has none, DVC writes
+    it whole) and dumps the whole file with the pure-Python round-trip emitter: 0.32 s and 0.20 s
+    for the tiny profile's 58 kB dvc.lock on an AVX2-only EPYC, once per stage of every run, under
+    the repo's lock. Here it is read with the safe parser (`_read_yaml_once_per_content` keeps the
+    parse of a text it has seen), and written as DVC's dumper writes it stage by stage: a stage's
+    block of the file is DVC's dump of that stage alone (the file is a header and the blocks in
+    order; tests/core/run/test_repro.py checks the bytes against DVC's whole dump), so a block is
+    rendered once per entry (`_lock_block`) and the others are reused. The file is replaced
+    atomically (DVC truncates and rewrites it in place)."""
     from dvc.stage import serialize
-    from dvc.utils.serialize._common import _modify_data
-    from dvc.utils.serialize._yaml import _dump, parse_yaml
+    from dvc.utils.serialize._yaml import parse_yaml
 
     repo, lockfile = stage.repo, stage.dvcfile._lockfile
     entry = serialize.to_lockfile(stage)
-    with _modify_data(lockfile.path, parse_yaml, _dump, fs=repo.fs) as data:  # DVC's `modify_yaml`, another parser
-        if not data:
-            data.update({"schema": "2.0"})  # first, as DVC writes it
-        data["stages"] = data.get("stages", {})
-        modified = data["stages"].get(stage.name, {}) != entry[stage.name]
-        data["stages"].update(entry)
+    path = lockfile.path
+    data = {}
+    if repo.fs.exists(path):
+        with repo.fs.open(path, encoding="utf-8") as file:
+            text = file.read()
+        data = copy.deepcopy(_PARSED_DVC_FILES.get((text, None), lambda: parse_yaml(text, path))) or {}
+    if not data:
+        data = {"schema": "2.0"}  # first, as DVC writes it
+    data["stages"] = data.get("stages") or {}
+    modified = data["stages"].get(stage.name, {}) != entry[stage.name]
+    data["stages"].update(entry)
+    tmp = Path(f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(_lock_text(data), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     if modified:
         repo.scm_context.track_file(lockfile.relpath)
+
+
+_LOCK_BLOCKS = _Kept(256)
+"""Rendered dvc.lock blocks by (name, entry): a few runs' worth of every stage's entries."""
+
+
+def _lock_text(data: dict) -> str:
+    """dvc.lock's text for `data` as DVC's dumper writes it: the header, then each stage's block
+    (rendered once per entry). Anything but DVC's two top-level keys is dumped whole, DVC's way."""
+    from dvc.utils.serialize._yaml import _dump
+
+    def dumps(value: dict) -> str:
+        stream = io.StringIO()
+        _dump(value, stream)
+        return stream.getvalue()
+
+    if list(data) != ["schema", "stages"] or not data["stages"] or _shared(data):
+        return dumps(data)
+    return dumps({"schema": data["schema"]}) + "stages:\n" + "".join(_lock_block(name, entry, dumps) for name, entry in data["stages"].items())
+
+
+def _shared(data) -> bool:
+    """Whether a list or mapping is met twice in `data`: DVC's dumper writes it once with an
+    anchor (`&id001`), numbered across the whole file, which a stage's block alone would not."""
+    seen, todo = set(), [data]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict | list):
+            if id(item) in seen:
+                return True
+            seen.add(id(item))
+            todo.extend(item.values() if isinstance(item, dict) else item)
+    return False
+
+
+def _lock_block(name: str, entry: dict, dumps) -> str:
+    """A stage's lines in dvc.lock (`stages:`'s `  name:` and what it holds): DVC's dump of the
+    stage alone under `stages:`, kept per (name, entry): pickled, so types and order count."""
+    key = pickle.dumps((name, entry), protocol=pickle.HIGHEST_PROTOCOL)
+    return _LOCK_BLOCKS.get(key, lambda: dumps({"stages": {name: entry}}).removeprefix("stages:\n"))

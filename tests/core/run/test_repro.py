@@ -84,6 +84,72 @@ def test_dvc_lock_has_the_bytes_dvc_itself_writes(toy):
             assert (toy / "dvc.lock").read_bytes() == ours
 
 
+def test_dvc_lock_written_stage_by_stage_is_dvcs_whole_dump_on_awkward_values():
+    """`dump_lock` renders each stage's block alone and joins them: DVC's dumper, given the whole
+    file, writes the same bytes, here on values its YAML writes in odd ways (nulls, floats a YAML
+    1.1 reader takes for strings, a date-like string, quotes, unicode, a key that needs quoting, a
+    line long enough to fold), in an order that is not sorted."""
+    import copy
+    import io
+
+    from dvc.utils.serialize._yaml import _dump
+
+    entry = {"cmd": "python -m pipelines.x --flag 'quoted' \"double\"", "deps": [{"path": "data/a b.txt", "hash": "md5", "md5": "0" * 32, "size": 3}],
+             "params": {"params.yaml": {"x": {"lr": 3e-05, "none": None, "date": "2026-11-28", "on": "on", "yes": True, "big": 10**20,
+                                              "text": "é ü " + "word " * 40, "nested": [[1, 2], {"k": None}], "empty": {}, "colon: key": "a: b"}}},
+             "outs": [{"path": "data/x", "hash": "md5", "md5": "f" * 32 + ".dir", "size": 10, "nfiles": 2}]}  # fmt: skip
+    data = {"schema": "2.0", "stages": {"zeta": entry, "alpha@1": {**copy.deepcopy(entry), "cmd": "echo 1"}, "mid": {"cmd": "echo", "outs": []}}}
+    shared = {"schema": "2.0", "stages": {"zeta": entry, "alpha@1": {**entry, "cmd": "echo 1"}}}  # one deps list twice: an anchor
+    odd = {"schema": "2.0", "stages": {"a": entry}, "extra": 1}  # not DVC's layout
+    for lock in (data, data, shared, odd):  # data twice: the second time from the kept blocks
+        whole = io.StringIO()
+        _dump(lock, whole)
+        assert dvc_api._lock_text(lock) == whole.getvalue()
+    assert "&id001" in dvc_api._lock_text(shared)
+
+
+def test_a_new_stage_is_appended_to_dvc_lock_as_dvc_appends_it(toy):
+    """Over a dvc.lock that holds only `b`, `a`'s entry goes after it (DVC updates the mapping),
+    byte for byte what DVC's `stage.dump` writes; and no temporary file is left beside it."""
+    from dvc.repo import Repo
+
+    reproduce_all(toy, Toy())
+    written = {}
+    for writer in (lambda stage: stage.dump(update_pipeline=False), dvc_api.dump_lock):
+        with Repo(str(toy)) as repo:
+            stages = {stage.name: stage for stage in repo.index.stages}
+            (toy / "dvc.lock").unlink()
+            with repo.lock:
+                writer(stages["b"])
+                writer(stages["a"])
+        written[writer] = (toy / "dvc.lock").read_bytes()
+    assert len(set(written.values())) == 1 and list(yaml.safe_load(next(iter(written.values())))["stages"]) == ["b", "a"]
+    assert sorted(p.name for p in toy.iterdir() if p.name.startswith("dvc.lock")) == ["dvc.lock"]
+
+
+def test_dvc_yaml_and_dvc_lock_are_parsed_once_per_text_and_each_caller_gets_its_own_copy(toy):
+    from dvc.dvcfile import Lockfile, ProjectFile
+    from dvc.repo import Repo
+    from dvc.utils import strictyaml
+
+    reproduce_all(toy, Toy())  # opens the project's Repo: the reader is in place from then on
+    assert getattr(strictyaml.load, "qllm_once_per_content", False)
+    with Repo(str(toy)) as repo:
+        lock = str(toy / "dvc.lock")
+        first, text = strictyaml.load(lock, Lockfile.SCHEMA, repo.fs)
+        assert text == (toy / "dvc.lock").read_text() and (text, id(Lockfile.SCHEMA)) in dvc_api._PARSED_DVC_FILES._items  # kept by its text
+        first["stages"]["a"]["cmd"] = "changed"  # a caller's change stays its own
+        assert strictyaml.load(lock, Lockfile.SCHEMA, repo.fs)[0] == yaml.safe_load(text)
+        stages, _ = strictyaml.load(str(toy / "dvc.yaml"), ProjectFile.SCHEMA, repo.fs)
+        assert list(stages["stages"]) == ["a", "b"]
+        (toy / "dvc.lock").write_text(text.replace("schema: '2.0'", "schema: '2.0'\nunknown: 1"))  # fails DVC's lock schema
+        with pytest.raises(strictyaml.YAMLValidationError, match="dvc.lock"):
+            strictyaml.load(lock, Lockfile.SCHEMA, repo.fs)
+        (toy / "dvc.lock").write_text("stages: [1\n")  # not YAML
+        with pytest.raises(strictyaml.YAMLSyntaxError, match="dvc.lock"):
+            strictyaml.load(lock, Lockfile.SCHEMA, repo.fs)
+
+
 def test_a_params_file_is_parsed_once_per_text_and_each_caller_gets_its_own_copy(toy):
     from dvc.dependency import param
     from dvc.repo import Repo
