@@ -181,8 +181,10 @@ class _Kept:
 _PARSED_PARAMS = _Kept(16)
 """Params files' parses by text (the newest; a run reads one or two)."""
 _PARSED_DVC_FILES = _Kept(16)
-"""dvc.yaml's and dvc.lock's validated parses by (text, schema): a run's dvc.yaml, and dvc.lock
-as it grows by one stage at a time."""
+"""dvc.yaml's and dvc.lock's parses by text: a run's dvc.yaml, and dvc.lock as it grows by one
+stage at a time (`dump_lock` reads the text the stage's collection read)."""
+_VALID_DVC_FILES = _Kept(16)
+"""(text, schema) pairs that passed DVC's validation."""
 
 
 def _read_yaml_once_per_content() -> None:
@@ -225,13 +227,14 @@ def _read_yaml_once_per_content() -> None:
                 with fs.open(path, encoding=encoding) as file:  # as DVC's strictyaml.load reads it
                     text = file.read()
 
-                def parse():
-                    data = parse_yaml(text, path)
-                    if schema:
-                        schema(data)  # voluptuous: raises on an invalid file
-                    return data
+                data = _PARSED_DVC_FILES.get(text, lambda: parse_yaml(text, path))
 
-                data = _PARSED_DVC_FILES.get((text, id(schema)), parse)  # DVC's schemas are class constants
+                def valid() -> bool:
+                    schema(data)  # voluptuous: raises on an invalid file
+                    return True
+
+                if schema:  # DVC's schemas are class constants
+                    _VALID_DVC_FILES.get((text, id(schema)), valid)
             except (OSError, UnicodeDecodeError, YAMLFileCorruptedError, MultipleInvalid):  # DVC's reader raises its own error for it
                 return original_load(path, schema, fs, encoding, round_trip)
             return copy.deepcopy(data), text
@@ -264,7 +267,7 @@ def dump_lock(stage) -> None:
     if repo.fs.exists(path):
         with repo.fs.open(path, encoding="utf-8") as file:
             text = file.read()
-        data = copy.deepcopy(_PARSED_DVC_FILES.get((text, None), lambda: parse_yaml(text, path))) or {}
+        data = copy.deepcopy(_PARSED_DVC_FILES.get(text, lambda: parse_yaml(text, path))) or {}
     if not data:
         data = {"schema": "2.0"}  # first, as DVC writes it
     data["stages"] = data.get("stages") or {}

@@ -137,7 +137,7 @@ def test_dvc_yaml_and_dvc_lock_are_parsed_once_per_text_and_each_caller_gets_its
     with Repo(str(toy)) as repo:
         lock = str(toy / "dvc.lock")
         first, text = strictyaml.load(lock, Lockfile.SCHEMA, repo.fs)
-        assert text == (toy / "dvc.lock").read_text() and (text, id(Lockfile.SCHEMA)) in dvc_api._PARSED_DVC_FILES._items  # kept by its text
+        assert text == (toy / "dvc.lock").read_text() and text in dvc_api._PARSED_DVC_FILES._items and (text, id(Lockfile.SCHEMA)) in dvc_api._VALID_DVC_FILES._items  # kept by its text
         first["stages"]["a"]["cmd"] = "changed"  # a caller's change stays its own
         assert strictyaml.load(lock, Lockfile.SCHEMA, repo.fs)[0] == yaml.safe_load(text)
         stages, _ = strictyaml.load(str(toy / "dvc.yaml"), ProjectFile.SCHEMA, repo.fs)
