@@ -31,7 +31,6 @@ import io
 import json
 import logging
 import os
-import pickle
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -318,6 +317,6 @@ def _shared(data) -> bool:
 
 def _lock_block(name: str, entry: dict, dumps) -> str:
     """A stage's lines in dvc.lock (`stages:`'s `  name:` and what it holds): DVC's dump of the
-    stage alone under `stages:`, kept per (name, entry): pickled, so types and order count."""
-    key = pickle.dumps((name, entry), protocol=pickle.HIGHEST_PROTOCOL)
+    stage alone under `stages:`, kept per (name, entry) by its repr, so types and order count."""
+    key = repr((name, entry))  # for YAML's plain values and containers, their types and order
     return _LOCK_BLOCKS.get(key, lambda: dumps({"stages": {name: entry}}).removeprefix("stages:\n"))
