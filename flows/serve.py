@@ -347,7 +347,10 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
     services: dict[str, dict] = {}
     record: dict = {"profile": profile, "prefect_api_url": prefect_url, "services": services}
     prefect_env: dict[str, str] = {}  # each server's own settings: neither sees the other's database URL
-    mlflow_env: dict[str, str] = {}
+    # MLflow 3's job runner (huey consumers: GenAI scorers, prompt optimisation, trace rollups) is off
+    # unless the environment asks for it: the pipeline submits no jobs, and the runner is a process
+    # tree of its own (six processes, each importing MLflow: 6-7 s of CPU apiece on an AVX2-only EPYC)
+    mlflow_env: dict[str, str] = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
     mlflow_server = [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
     client = None
     try:
@@ -374,11 +377,8 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
             prefect_env = {"PREFECT_API_DATABASE_CONNECTION_URL": cluster.url("prefect", driver="asyncpg", user=prefect_role,
                                                                               password=passwords["postgres_prefect"]),
                            "PREFECT_SERVER_API_AUTH_STRING": client["PREFECT_API_AUTH_STRING"]}  # fmt: skip
-            mlflow_env = {"MLFLOW_AUTH_CONFIG_PATH": str(auth), "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"],  # the auth app's CSRF key
-                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow", **mlflow_db),  # in the environment: a command line shows in `ps`
-                          # MLflow's job runner (huey consumers: GenAI scorers, prompt optimisation, trace
-                          # rollups) is off unless the environment asks for it: the pipeline starts no jobs
-                          "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}  # fmt: skip
+            mlflow_env |= {"MLFLOW_AUTH_CONFIG_PATH": str(auth), "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"],  # the auth app's CSRF key
+                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow", **mlflow_db)}  # in the environment: a command line shows in `ps`
             mlflow_server = [str(bin_dir / "mlflow"), "server", "--serve-artifacts", "--artifacts-destination", str(state / "mlartifacts"),
                              "--app-name", "basic-auth", "--workers", "1"]  # fmt: skip
         env = service_env(root, prefect_url, client)
