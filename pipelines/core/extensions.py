@@ -238,10 +238,8 @@ def build(entries: Sequence[Any], context: ExtensionContext, where: str = "train
     return built
 
 
-def user_function(name: str, where: str, required: Sequence[str], given: Sequence[str], what: str = "function") -> Callable[..., Any]:
-    """`package.module:function` imported, callable, taking every name of `required` and
-    `**kwargs` (it is called with keywords), and requiring nothing outside `given`; each failure a
-    `QllmError` naming `where` and what was expected."""
+def import_callable(name: str, where: str, what: str = "function") -> Callable[..., Any]:
+    """`package.module:function` imported and callable; each failure a `QllmError` naming `where`."""
     module_name, sep, attribute = name.partition(":")
     if not sep or not module_name or not attribute:
         raise QllmError(f"{where}: {name!r} is not `package.module:function`")
@@ -254,6 +252,14 @@ def user_function(name: str, where: str, required: Sequence[str], given: Sequenc
         raise QllmError(f"{where}: module {module_name!r} has no {attribute!r}")
     if not callable(fn):
         raise QllmError(f"{where}: {name!r} is a {type(fn).__name__}, not a {what}")
+    return fn
+
+
+def user_function(name: str, where: str, required: Sequence[str], given: Sequence[str], what: str = "function") -> Callable[..., Any]:
+    """`package.module:function` imported, callable, taking every name of `required` and
+    `**kwargs` (it is called with keywords), and requiring nothing outside `given`; each failure a
+    `QllmError` naming `where` and what was expected."""
+    fn = import_callable(name, where, what)
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
