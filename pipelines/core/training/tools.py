@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pipelines.core import extensions
 from pipelines.core.errors import QllmError
 
 
@@ -198,8 +199,6 @@ BUILT_IN = ("calculator", "lookup")
 
 def load(spec: str, where: str = "tools", table: Mapping[str, str] | None = None) -> Tool:
     """A built-in tool by name (`lookup` needs `table`), or a user's `package.module:function`."""
-    from pipelines.core import extensions
-
     if spec == "calculator":
         return Tool.from_function(calculator, where)
     if spec == "lookup":
