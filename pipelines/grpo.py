@@ -97,9 +97,10 @@ def grpo_loss(params: GrpoParams):
     """`loss_fn(model, batch)` for the loop over `RolloutBatches`' micro-batches."""
 
     def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-        mask = batch["completion_mask"]
-        logps, entropy = rollouts.completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask,
-                                                   int(batch["group_size"]), entropy=True, temperature=params.temperature)  # fmt: skip
+        mask = batch.get("loss_mask", batch["completion_mask"])  # a multi-turn episode's tool and template tokens are read, never scored
+        logps, entropy = rollouts.completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
+                                                   int(batch["group_size"]), entropy=True, temperature=params.temperature,
+                                                   loss_mask=batch.get("loss_mask"))  # fmt: skip
         loss, metrics = grpo.policy_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask, loss_type=params.loss_type,
                                          beta=params.beta, epsilon_low=params.epsilon, epsilon_high=params.epsilon_high,
                                          max_completion_length=params.max_completion_length, num_items=float(batch["num_items"]))  # fmt: skip

@@ -48,6 +48,7 @@ class Rollouts:
     truncated: torch.Tensor  # bool [prompts x group]: no stop token within max_completion_length
     texts: list[str]  # the completions decoded, special tokens dropped
     group_size: int
+    loss_mask: torch.Tensor | None = None  # multi-turn episodes: the model's own tokens (None: every completion token is)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -109,14 +110,19 @@ def sample(model, tokenizer, prompts: list[list[dict]], *, group_size: int, max_
 
 
 def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                     group_size: int, entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+                     group_size: int, entropy: bool = False, temperature: float = 1.0,
+                     loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Per-token log-probabilities of completions (`group_size` consecutive rows per prompt row of
     the left-padded `prompt_ids`; `[rows, width]`, 0 outside the mask) under the distribution they
     were sampled from, `softmax(logits / temperature)` (as `sample` draws and TRL scores them), and
     with `entropy` that distribution's entropy at each of their positions (no gradient). Each prompt
     runs once for its group (its KV cache repeated) where the model allows it and it pays
     (`preference_data.shares_prompt`); else every row whole, only the completion's positions getting
-    vocabulary logits."""
+    vocabulary logits.
+
+    `completion_mask` marks the completion's tokens the model reads (right-padded); `loss_mask`,
+    where given, the ones it wrote: in a multi-turn episode the tool's and the template's tokens
+    between the model's turns are read but never scored, so they reach neither the loss nor the KL."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if preference_data.shares_prompt(model, group_size):
@@ -131,12 +137,13 @@ def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         width = completion_ids.shape[1]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=width + 1).logits[:, :-1]
+    scored = completion_mask if loss_mask is None else loss_mask * completion_mask
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    logps = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) * completion_mask
+    logps = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) * scored
     if not entropy:
         return logps, None
     with torch.no_grad():
-        return logps, torch.special.entr(log_probs.exp()).sum(-1) * completion_mask
+        return logps, torch.special.entr(log_probs.exp()).sum(-1) * scored
 
 
 def token_logps(model, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:
@@ -287,7 +294,7 @@ class RolloutBatches:
         per_func = torch.tensor(scores, dtype=torch.float32).T  # [completions, functions]
         weights = torch.tensor([w for _, _, w in self.reward_fns], dtype=torch.float32)
         advantages, zero_std = grpo.group_advantages(per_func, weights, s.group_size, s.scale_rewards)
-        mask = out.completion_mask
+        mask = out.completion_mask if out.loss_mask is None else out.loss_mask  # what the loss scores: the model's own tokens
         if s.mask_truncated_completions:
             mask = mask * (~out.truncated).long().unsqueeze(1)
         micro_batches = self._micro_batches(out, mask, advantages.to(device))
@@ -315,7 +322,9 @@ class RolloutBatches:
             width = max(int(out.completion_mask[rows].sum(-1).max()), 1)
             batch = {
                 "prompt_ids": out.prompt_ids[start : start + prompts_per_micro, keep:], "prompt_mask": prompt_mask[:, keep:],
-                "completion_ids": out.completion_ids[rows, :width], "completion_mask": mask[rows, :width],
+                "completion_ids": out.completion_ids[rows, :width],
+                **({"completion_mask": mask[rows, :width]} if out.loss_mask is None else
+                   {"completion_mask": out.completion_mask[rows, :width], "loss_mask": mask[rows, :width]}),
                 "advantages": advantages[rows], "num_items": torch.tensor(num_items), "group_size": torch.tensor(s.group_size),
                 "num_tokens": torch.tensor(int(prompt_mask.sum()) * s.group_size + int(out.completion_mask[rows].sum())),
             }  # fmt: skip
@@ -339,7 +348,7 @@ def _logps(model, batch: dict[str, Any], temperature: float) -> torch.Tensor:
     model.eval()
     try:
         return completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], int(batch["group_size"]),
-                                temperature=temperature)[0]  # fmt: skip
+                                temperature=temperature, loss_mask=batch.get("loss_mask"))[0]  # fmt: skip
     finally:
         model.train(was_training)
 

@@ -1,0 +1,116 @@
+"""Multi-turn episodes (issue 55): the tool's and the template's tokens between the model's turns are
+read by the model but reach neither GRPO's loss nor its KL. The gradient and the KL are computed
+here independently, by a plain forward pass over each row's real tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipelines import grpo
+from pipelines.core.config import GrpoParams
+from pipelines.core.training import rollouts
+
+GROUP = 2
+
+
+def tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=64, attention_dropout=0.0)  # fmt: skip
+    return LlamaForCausalLM(config).train()
+
+
+def episode_batch() -> dict[str, torch.Tensor]:
+    """Two prompts (left-padded) x a group of 2 episodes. Each episode: the model's first turn, the
+    tool's answer rendered by the template (read, not the model's), the model's final answer; then
+    right padding."""
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, 48, (2, 5), generator=g)
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    completion_ids = torch.randint(3, 48, (4, 12), generator=g)
+    real = [12, 9, 11, 7]  # each episode's tokens; the rest is padding
+    model_spans = [[(0, 3), (8, 12)], [(0, 2), (6, 9)], [(0, 4), (9, 11)], [(0, 3), (5, 7)]]  # the model's turns; between them, the tool's
+    completion_mask = torch.zeros(4, 12, dtype=torch.long)
+    loss_mask = torch.zeros(4, 12, dtype=torch.long)
+    for row, (n, spans) in enumerate(zip(real, model_spans, strict=True)):
+        completion_mask[row, :n] = 1
+        for a, b in spans:
+            loss_mask[row, a:b] = 1
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask,
+            "loss_mask": loss_mask, "advantages": advantages, "num_items": loss_mask.sum().float(), "group_size": torch.tensor(GROUP)}  # fmt: skip
+
+
+def plain_logps(model, batch, row: int) -> torch.Tensor:
+    """The row's completion tokens' log-probabilities from one forward pass over its real tokens."""
+    prompt = batch["prompt_ids"][row // GROUP][batch["prompt_mask"][row // GROUP].bool()]
+    completion = batch["completion_ids"][row][batch["completion_mask"][row].bool()]
+    ids = torch.cat([prompt, completion])[None]
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, completion[:, None])[:, 0]
+
+
+def gradients(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def surrogate_gradients(model, batch, mask_key: str) -> list[torch.Tensor]:
+    """The first step's policy gradient (every ratio 1): -sum_i A_i sum_{t in mask} grad log p_t / N."""
+    model.zero_grad()
+    total = 0.0
+    for row in range(4):
+        mask = batch[mask_key][row][batch["completion_mask"][row].bool()].float()
+        total = total - batch["advantages"][row] * (plain_logps(model, batch, row) * mask).sum()
+    (total / batch[mask_key].sum()).backward()
+    return gradients(model)
+
+
+def test_the_tools_tokens_reach_neither_the_loss_nor_its_gradient():
+    model, batch = tiny_llama(0), episode_batch()
+    model.zero_grad()
+    loss, metrics = grpo.grpo_loss(GrpoParams(loss_type="dapo"))(model, batch)
+    loss.backward()
+    got = gradients(model)
+    want = surrogate_gradients(model, batch, "loss_mask")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    assert float(loss.detach()) == pytest.approx(-float((batch["advantages"] * batch["loss_mask"].sum(-1)).sum() / batch["num_items"]), abs=1e-6)
+    # the check can tell: had the tool's tokens been scored, the gradient would differ
+    leaked = surrogate_gradients(model, batch | {"num_items": batch["completion_mask"].sum().float()}, "completion_mask")
+    assert max(float((g - w).abs().max()) for g, w in zip(got, leaked, strict=True)) > 1e-3
+
+
+def test_the_kl_to_the_reference_counts_the_models_tokens_only():
+    model, reference, batch = tiny_llama(0), tiny_llama(1).eval(), episode_batch()
+    with torch.no_grad():
+        ref = rollouts.completion_logps(reference, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], GROUP,
+                                        loss_mask=batch["loss_mask"])[0]  # fmt: skip
+    assert bool((ref[batch["loss_mask"] == 0] == 0).all())  # nothing scored outside the model's turns
+    _, metrics = grpo.grpo_loss(GrpoParams(loss_type="dapo", beta=0.1))(model, batch | {"ref_logps": ref})
+    terms = []
+    with torch.no_grad():
+        for row in range(4):
+            mask = batch["loss_mask"][row][batch["completion_mask"][row].bool()].bool()
+            mine, theirs = plain_logps(model, batch, row)[mask], plain_logps(reference, batch, row)[mask]
+            terms.append(torch.exp(theirs - mine) - (theirs - mine) - 1)
+    assert metrics["kl"] == pytest.approx(float(torch.cat(terms).mean()), rel=1e-4)
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_micro_batches_of_episodes_carry_what_the_model_reads_and_what_it_wrote(mask_truncated):
+    batch = episode_batch()
+    truncated = torch.tensor([False, True, False, False])
+    out = rollouts.Rollouts(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], truncated,
+                            ["a", "b", "c", "d"], GROUP, loss_mask=batch["loss_mask"])  # fmt: skip
+    settings = rollouts.Settings(group_size=GROUP, max_completion_length=12, temperature=1.0, top_p=1.0, scale_rewards="group", num_iterations=2,
+                                 mask_truncated_completions=mask_truncated, micro_batch_size=4, grad_accum_steps=1, seed=0, precision="fp32")  # fmt: skip
+    model = tiny_llama(0)
+    batches = rollouts.RolloutBatches(model, None, [rollouts.Question("q", [{"role": "user", "content": "q"}], "a")] * 2, settings, [])
+    scored = batch["loss_mask"] * (~truncated).long()[:, None] if mask_truncated else batch["loss_mask"]
+    (micro,) = batches._micro_batches(out, scored, batch["advantages"])
+    assert torch.equal(micro["completion_mask"], batch["completion_mask"]) and torch.equal(micro["loss_mask"], scored)
+    assert float(micro["num_items"]) == float(scored.sum())  # dapo normalises by the model's own tokens
+    assert bool((micro["old_logps"][scored == 0] == 0).all()) and bool((micro["old_logps"][scored == 1] < 0).all())
