@@ -100,7 +100,8 @@ def check_tool_support(tokenizer, messages: list[dict]) -> None:
         )
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """`messages` as text through the chat template, with the chat's tools (`tools_of`)."""
     if not messages:
         return ""
     messages, tools = tools_of(messages)
@@ -123,7 +124,7 @@ def left_padding(tokenizer) -> Iterator[None]:
 def render_prompt(tokenizer, messages: list[dict]) -> str:
     """A prompt (the turns before the answer) as the model sees it at generation: the chat
     template with its generation prompt, and the chat's tools."""
-    return _render(tokenizer, messages, add_generation_prompt=True)
+    return render_chat(tokenizer, messages, add_generation_prompt=True)
 
 
 _NEXT_TURN = {"role": "user", "content": "\x00"}  # what follows a turn, to see where the turn ends
@@ -154,14 +155,14 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     writes only after the last turn, e.g. Phi-3's closing `<|endoftext|>`, is not an answer),
     trailing whitespace left out.
     """
-    full = _render(tokenizer, messages)
+    full = render_chat(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        after = _render(tokenizer, messages[: i + 1])
-        end = _token_boundary(tokenizer, after, _common_prefix(after, _render(tokenizer, [*messages[: i + 1], _NEXT_TURN])))
+        before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        after = render_chat(tokenizer, messages[: i + 1])
+        end = _token_boundary(tokenizer, after, _common_prefix(after, render_chat(tokenizer, [*messages[: i + 1], _NEXT_TURN])))
         if end <= len(before) and i == len(messages) - 1:
             end = len(after)  # the template rewrites a turn once another follows: the last one is whole
         end = len(after[:end].rstrip())

@@ -70,14 +70,27 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tenso
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[list[dict]], *, group_size: int, max_completion_length: int, temperature: float = 1.0, top_p: float = 1.0) -> Rollouts:
     """`group_size` completions of each chat prompt; see the module docstring."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to sample a group, got {temperature}")
-    was_training = model.training
-    model.eval()
     with left_padding(tokenizer):  # the stage saves this tokenizer with the model: its side is left as it was
         encoded = tokenizer([render_prompt(tokenizer, p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    completion_ids, completion_mask, truncated = sample_ids(model, tokenizer, prompt_ids, prompt_mask, group_size=group_size,
+                                                            max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p)  # fmt: skip
+    texts = [tokenizer.decode(ids[: int(n)], skip_special_tokens=True).strip() for ids, n in zip(completion_ids.cpu(), completion_mask.sum(-1).cpu(), strict=True)]
+    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
+
+
+@torch.no_grad()
+def sample_ids(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, group_size: int, max_new_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`group_size` continuations of each left-padded row of `prompt_ids` (consecutive rows per
+    prompt), each up to and including its first stop token (`stop_token_ids`) or `max_new_tokens`:
+    (ids right-padded, their mask, truncated: no stop token)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to sample a group, got {temperature}")
+    was_training = model.training
+    model.eval()
+    device = prompt_ids.device
     stop = torch.tensor(stop_token_ids(tokenizer), device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stop[0])
     try:
@@ -89,11 +102,11 @@ def sample(model, tokenizer, prompts: list[list[dict]], *, group_size: int, max_
         rows = logits.shape[0]
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens = []
-        for t in range(max_completion_length):
+        for t in range(max_new_tokens):
             token = torch.where(done, torch.full_like(done, pad, dtype=torch.long), _draw(logits, temperature, top_p))
             tokens.append(token)
             done = done | torch.isin(token, stop)
-            if bool(done.all()) or t + 1 == max_completion_length:
+            if bool(done.all()) or t + 1 == max_new_tokens:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions + t, past_key_values=cache, use_cache=True)
@@ -105,8 +118,7 @@ def sample(model, tokenizer, prompts: list[list[dict]], *, group_size: int, max_
     width = completion_ids.shape[1]
     first_stop = torch.where(is_stop.any(-1), is_stop.int().argmax(-1), torch.full_like(is_stop[:, 0], width, dtype=torch.long))
     completion_mask = (torch.arange(width, device=device)[None] <= first_stop[:, None]).long()
-    texts = [tokenizer.decode(ids[: int(n)], skip_special_tokens=True).strip() for ids, n in zip(completion_ids.cpu(), completion_mask.sum(-1).cpu(), strict=True)]
-    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, ~is_stop.any(-1), texts, group_size)
+    return completion_ids, completion_mask, ~is_stop.any(-1)
 
 
 def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,

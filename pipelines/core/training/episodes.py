@@ -1,0 +1,180 @@
+"""Multi-turn rollouts in which the model calls tools (issue 55): GRPO's episodes.
+
+    episodes = run(model, tokenizer, prompts, environments, group_size=4, max_turn_tokens=48, max_turns=3, style="hermes")
+    episodes.rollouts      # `Rollouts` whose completions are whole episodes; `loss_mask`: the model's own tokens
+    episodes.transcripts   # per episode: each turn's text, its tool calls and what each call gave back
+
+An episode starts from a chat prompt that carries its tools (`chat_template.TOOLS_KEY` on its first
+message, so the template renders their schemas). The model writes a turn until its end-of-turn
+token (or `max_turn_tokens`); the turn is read for tool calls in the template's format
+(`tools.parse_tool_calls`); each call is run by the episode's environment (`tools.Environment`);
+the results are rendered by the chat template as tool messages, with the next generation prompt;
+and the model writes again, until it answers without a call or has written `max_turns` turns.
+
+The episode is one token sequence: the model's turns as sampled (never re-tokenised), and between
+them the template's tokens for the tool messages (`bridge_ids`). `Rollouts.completion_mask` covers
+all of them (the model reads them all); `Rollouts.loss_mask` only the model's, so the tool's and
+the template's tokens reach neither the loss nor the KL, and training computes each token's
+log-probability over exactly the sequence it was sampled in. Each turn after the first goes through
+the model anew from the start of the prompt (no KV cache kept across turns yet).
+
+An episode is `truncated` when a turn runs out of tokens, or when the model still calls tools at
+its last turn. Where a chat template renders the earlier turns differently once a tool message
+follows (so the sequence the model wrote is not a prefix of the next prompt), `bridge_ids` cannot
+append and the episode stops there, counted as `rerender_needed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pipelines.core.data.chat_template import left_padding, render_chat, render_prompt
+from pipelines.core.models.models import stop_token_ids
+from pipelines.core.training import rollouts, tools
+
+
+def bridge_ids(tokenizer, messages: list[dict], turn_text: str, tool_messages: list[dict]) -> list[int] | None:
+    """The template's tokens after the model's end-of-turn token up to the next turn's first token:
+    the tool messages and the generation prompt. None when the template would render the
+    conversation so far differently once the tool messages follow (then the episode cannot go on
+    by appending)."""
+    stops = {tokenizer.convert_ids_to_tokens(i) for i in stop_token_ids(tokenizer)}
+    turn = {"role": "assistant", "content": turn_text}
+    before = render_chat(tokenizer, [*messages, turn])
+    after = render_chat(tokenizer, [*messages, turn, *tool_messages], add_generation_prompt=True)
+    ends = [before.rfind(s) + len(s) for s in stops if s and before.rfind(s) >= len(render_prompt(tokenizer, messages))]
+    if not ends:
+        return None
+    cut = min(ends)  # just after the turn's own end-of-turn token
+    if not after.startswith(before[:cut]):
+        return None
+    return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class Transcript:
+    """One episode as it went: the model's turns, each call and what it gave back."""
+
+    turns: list[dict[str, Any]] = field(default_factory=list)  # {"text", "calls": [{"name", "arguments", "observation", "error"}], "parse_failure"}
+    truncated: bool = False
+    rerender_needed: bool = False
+
+    @property
+    def answer(self) -> str:
+        return self.turns[-1]["text"] if self.turns else ""
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The episode as chat messages (the completion reward functions get, as TRL gives one)."""
+        out: list[dict[str, Any]] = []
+        for turn in self.turns:
+            calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in turn["calls"]]
+            out.append({"role": "assistant", "content": turn["text"], **({"tool_calls": calls} if calls else {})})
+            out.extend({"role": "tool", "name": c["name"], "content": c["observation"]} for c in turn["calls"])
+        return out
+
+
+@dataclass(frozen=True)
+class Episodes:
+    rollouts: rollouts.Rollouts
+    transcripts: list[Transcript]
+
+    def metrics(self) -> dict[str, float]:
+        """Per generation: turns per episode, calls, parse failures, tool errors, truncated episodes."""
+        n = max(len(self.transcripts), 1)
+        calls = [c for t in self.transcripts for turn in t.turns for c in turn["calls"]]
+        return {
+            "episodes/mean_turns": sum(len(t.turns) for t in self.transcripts) / n,
+            "episodes/tool_calls_per_episode": len(calls) / n,
+            "episodes/parse_failures": float(sum(1 for t in self.transcripts for turn in t.turns if turn["parse_failure"])),
+            "episodes/tool_errors": float(sum(1 for c in calls if c["error"])),
+            "episodes/truncated_ratio": sum(t.truncated for t in self.transcripts) / n,
+            "episodes/rerender_needed": float(sum(t.rerender_needed for t in self.transcripts)),
+        }
+
+
+def _raw_text(tokenizer, ids: list[int]) -> str:
+    """A turn's text as the model wrote it, without its end-of-turn token."""
+    stops = set(stop_token_ids(tokenizer))
+    return tokenizer.decode([i for i in ids if i not in stops], skip_special_tokens=False).strip()
+
+
+@torch.no_grad()
+def run(model, tokenizer, prompts: list[list[dict]], environments: Sequence[tools.Environment], *, group_size: int, max_turn_tokens: int, max_turns: int,
+        style: str, temperature: float = 1.0, top_p: float = 1.0, records: Sequence[dict] | None = None) -> Episodes:  # fmt: skip
+    """`group_size` episodes of each chat prompt, `environments[i]` serving episode i (prompts x
+    group, consecutive per prompt); `records[p]` is what each of prompt p's environments is reset
+    with (default: {})."""
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    rows = len(prompts) * group_size
+    if len(environments) != rows:
+        raise ValueError(f"{rows} episodes need {rows} environments, got {len(environments)}")
+    device = next(model.parameters()).device
+    with left_padding(tokenizer):
+        encoded = tokenizer([render_prompt(tokenizer, p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    real_prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
+    for row, env in enumerate(environments):
+        env.reset(dict(records[row // group_size]) if records is not None else {})
+    messages = [list(prompts[row // group_size]) for row in range(rows)]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    scored: list[list[int]] = [[] for _ in range(rows)]
+    transcripts = [Transcript() for _ in range(rows)]
+    active = list(range(rows))
+    for turn in range(max_turns):
+        if turn == 0:
+            ids, mask, truncated = rollouts.sample_ids(model, tokenizer, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_turn_tokens,
+                                                       temperature=temperature, top_p=top_p)  # fmt: skip
+        else:
+            sequences = [real_prompts[row // group_size] + tokens[row] for row in active]
+            width = max(len(s) for s in sequences)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            batch_ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences], device=device)
+            batch_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+            ids, mask, truncated = rollouts.sample_ids(model, tokenizer, batch_ids, batch_mask, group_size=1, max_new_tokens=max_turn_tokens,
+                                                       temperature=temperature, top_p=top_p)  # fmt: skip
+        going = []
+        for k, row in enumerate(active):
+            written = ids[k, : int(mask[k].sum())].tolist()
+            tokens[row] += written
+            scored[row] += [1] * len(written)
+            text = _raw_text(tokenizer, written)
+            parsed = tools.parse_tool_calls(text, style)
+            record = {"text": parsed.text if parsed.calls else text, "calls": [], "parse_failure": parsed.failure}
+            transcripts[row].turns.append(record)
+            if bool(truncated[k]):
+                transcripts[row].truncated = True
+                continue
+            if not parsed.calls:
+                continue
+            if turn + 1 == max_turns:  # still calling tools at its last turn: no answer
+                transcripts[row].truncated = True
+                record["calls"] = [{"name": c.name, "arguments": c.arguments, "observation": "", "error": "max_turns"} for c in parsed.calls]
+                continue
+            results = [(c, environments[row].step(c)) for c in parsed.calls]
+            record["calls"] = [{"name": c.name, "arguments": c.arguments, "observation": o.content, "error": o.error} for c, o in results]
+            tool_messages = [{"role": "tool", "name": c.name, "content": o.content} for c, o in results]
+            bridge = bridge_ids(tokenizer, messages[row], text, tool_messages)
+            if bridge is None:
+                transcripts[row].rerender_needed = transcripts[row].truncated = True
+                continue
+            messages[row] += [{"role": "assistant", "content": text}, *tool_messages]
+            tokens[row] += bridge
+            scored[row] += [0] * len(bridge)
+            going.append(row)
+        active = going
+        if not active:
+            break
+    width = max(max(len(t) for t in tokens), 1)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    completion_ids = torch.tensor([t + [pad] * (width - len(t)) for t in tokens], device=device)
+    completion_mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in tokens], device=device)
+    loss_mask = torch.tensor([s + [0] * (width - len(s)) for s in scored], device=device)
+    truncated_rows = torch.tensor([t.truncated for t in transcripts], device=device)
+    out = rollouts.Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated_rows, [t.answer for t in transcripts], group_size,
+                            loss_mask=loss_mask)  # fmt: skip
+    return Episodes(out, transcripts)

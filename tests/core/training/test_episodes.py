@@ -1,0 +1,158 @@
+"""pipelines/core/training/episodes.py: multi-turn rollouts with tools, on the published Qwen2.5 and
+Llama 3.1 templates. The model is scripted (a tiny Llama whose logits are replaced by the next token
+of a written turn), so each episode is known; the tools are the real ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipelines.core.data.chat_template import TOOLS_KEY, render_chat, render_prompt
+from pipelines.core.training import episodes, tools
+from pipelines.core.training.tools import ToolEnvironment
+from tests.chat_families import HERMES, LLAMA31_TOOLS, QWEN25, tokenizer_for
+
+CALL = {"hermes": '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>', "llama3": '{{"name": "{name}", "parameters": {args}}}'}
+
+
+def call(style: str, name: str, args: str) -> str:
+    return CALL[style].format(name=name, args=args)
+
+
+def scripts(style: str) -> dict[str, list[str]]:
+    """Each question's turns, as the scripted model writes them."""
+    return {
+        "What is 48213 times 977?": [call(style, "calculator", '{"expression": "48213 * 977"}'), "47104101"],
+        "Where does Tovik live?": ["Pelora"],
+        "What is 12 plus 30?": ["<tool_call>{not json</tool_call>" if style == "hermes" else '{"name": "calculator", "parameters": {', "42"],
+        "What is the weather in Pelora?": [call(style, "weather", '{"city": "Pelora"}'), "I do not know"],
+        "What is 2 to the 9999?": [call(style, "calculator", '{"expression": "2 ** 9999"}')] * 3,
+    }
+
+
+class ScriptedLM(torch.nn.Module):
+    """A tiny Llama (for its KV cache) whose next token is the next one of the turn written for the
+    question the sequence holds: the turn is chosen when a sequence comes in whole (each turn's
+    first pass), and followed token by token after."""
+
+    def __init__(self, tokenizer, turns: dict[str, list[str]], end_of_turn: str):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048))  # fmt: skip
+        self.tokenizer, self.eot = tokenizer, tokenizer.convert_tokens_to_ids(end_of_turn)
+        self.turns = {q: [tokenizer(t, add_special_tokens=False)["input_ids"] + [self.eot] for t in ts] for q, ts in turns.items()}
+        self.plan: list[list[int]] = []
+        self.offset: list[int] = []
+
+    def _choose(self, ids: list[int]) -> list[int]:
+        text = self.tokenizer.decode(ids)
+        (question,) = [q for q in self.turns if q in text]
+        done = text.count("<tool_response>") + text.count("ipython<|end_header_id|>")  # tool answers so far: the turn's index
+        return self.turns[question][min(done, len(self.turns[question]) - 1)]
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        rows = input_ids.shape[0]
+        if input_ids.shape[1] > 1:  # a sequence in whole: choose each row's turn
+            self.plan = [self._choose(ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask, strict=True)]
+            self.offset = [0] * rows
+        else:  # one more token: the rows may be the prompts' groups, repeated
+            if rows != len(self.plan):
+                repeat = rows // len(self.plan)
+                self.plan, self.offset = [p for p in self.plan for _ in range(repeat)], [o for o in self.offset for _ in range(repeat)]
+            self.offset = [o + 1 for o in self.offset]
+        nexts = [plan[min(o, len(plan) - 1)] for plan, o in zip(self.plan, self.offset, strict=True)]
+        logits = torch.full_like(out.logits[:, -1], -1e9)
+        logits[torch.arange(rows), torch.tensor(nexts)] = 0.0
+        out.logits = torch.cat([out.logits[:, :-1], logits[:, None]], dim=1)
+        return out
+
+
+def weather(city: str) -> str:
+    """The forecast.
+
+    Args:
+        city: A city.
+    """
+    raise ConnectionError("the weather service is down")
+
+
+def setup(family, style):
+    turns = scripts(style)
+    texts = [*turns, *(t for ts in turns.values() for t in ts), "47104101 calculator expression weather city output"]
+    tokenizer = tokenizer_for(family, texts, vocab_size=500)
+    model = ScriptedLM(tokenizer, turns, family.end_of_turn)
+    offered = [tools.load("calculator"), tools.Tool.from_function(weather, "weather")]
+    prompts = [[{"role": "user", "content": q, TOOLS_KEY: [t.schema for t in offered]}] for q in turns]
+    return tokenizer, model, offered, prompts
+
+
+@pytest.mark.parametrize("family, style", [(QWEN25, "hermes"), (HERMES, "hermes"), (LLAMA31_TOOLS, "llama3")])
+def test_episodes_call_tools_read_their_answers_and_score_only_the_models_tokens(family, style):
+    tokenizer, model, offered, prompts = setup(family, style)
+    envs = [ToolEnvironment(offered, timeout=2.0) for _ in prompts]
+    got = episodes.run(model, tokenizer, prompts, envs, group_size=1, max_turn_tokens=64, max_turns=3, style=style)
+    product, refuse, bad_parse, down, power = got.transcripts
+
+    assert [t["text"] for t in product.turns] == ["", "47104101"] and not product.truncated
+    assert product.turns[0]["calls"] == [{"name": "calculator", "arguments": {"expression": "48213 * 977"}, "observation": str(48213 * 977), "error": None}]
+    assert [t["text"] for t in refuse.turns] == ["Pelora"] and refuse.turns[0]["calls"] == []
+    assert len(bad_parse.turns) == 1 and bad_parse.turns[0]["parse_failure"] and not bad_parse.truncated  # read as its answer
+    assert down.turns[0]["calls"][0]["error"] == "raised" and "the weather service is down" in down.turns[0]["calls"][0]["observation"]
+    assert down.answer == "I do not know"
+    assert [c["error"] for t in power.turns for c in t["calls"]] == ["raised", "raised", "max_turns"] and power.truncated  # 2 ** 9999: past the bounds
+    assert got.rollouts.texts == ["47104101", "Pelora", bad_parse.answer, "I do not know", power.answer]
+    assert got.rollouts.truncated.tolist() == [False, False, False, False, True]
+
+    out = got.rollouts
+    for row, transcript in enumerate(got.transcripts):
+        real = out.completion_ids[row][out.completion_mask[row].bool()].tolist()
+        written = out.completion_ids[row][out.loss_mask[row].bool()].tolist()
+        # the model's own tokens are exactly its turns as scripted, each with its end of turn
+        expected = [i for turn in model.turns[prompts[row][0]["content"]][: len(transcript.turns)] for i in turn]
+        assert written == expected
+        # and the whole sequence is the conversation as the template renders it, tool messages included
+        prompt = out.prompt_ids[row][out.prompt_mask[row].bool()].tolist()
+        rendered, decoded = render_chat(tokenizer, _interleave(prompts[row], transcript, model, tokenizer)), tokenizer.decode(prompt + real)
+        assert rendered.startswith(decoded) and not rendered[len(decoded):].strip(), (row, rendered[len(decoded) - 80 :], decoded[-80:])
+    metrics = got.metrics()
+    assert metrics["episodes/mean_turns"] == pytest.approx((2 + 1 + 1 + 2 + 3) / 5)
+    assert metrics["episodes/tool_calls_per_episode"] == pytest.approx((1 + 0 + 0 + 1 + 3) / 5)
+    assert metrics["episodes/parse_failures"] == 1 and metrics["episodes/tool_errors"] == 4 and metrics["episodes/truncated_ratio"] == pytest.approx(0.2)
+
+
+def _raw_turns(transcript, model, prompt, tokenizer) -> list[str]:
+    return [tokenizer.decode(t[:-1]) for t in model.turns[prompt[0]["content"]][: len(transcript.turns)]]
+
+
+def _interleave(prompt, transcript, model, tokenizer) -> list[dict]:
+    """The conversation the episode is: each turn as the model wrote it, then the tool messages."""
+    out = list(prompt)
+    for turn, raw in zip(transcript.turns, _raw_turns(transcript, model, prompt, tokenizer), strict=True):
+        out.append({"role": "assistant", "content": raw})
+        out.extend({"role": "tool", "name": c["name"], "content": c["observation"]} for c in turn["calls"] if c["error"] != "max_turns")
+    return out
+
+
+def test_a_group_of_episodes_shares_the_prompt_and_each_has_its_own_environment():
+    tokenizer, model, offered, prompts = setup(QWEN25, "hermes")
+    envs = [ToolEnvironment(offered) for _ in range(4)]
+    got = episodes.run(model, tokenizer, prompts[:2], envs, group_size=2, max_turn_tokens=64, max_turns=3, style="hermes")
+    assert [t.answer for t in got.transcripts] == ["47104101", "47104101", "Pelora", "Pelora"]
+    assert torch.equal(got.rollouts.completion_ids[0], got.rollouts.completion_ids[1]) and got.rollouts.prompt_ids.shape[0] == 2
+    with pytest.raises(ValueError, match="4 episodes need 4 environments, got 3"):
+        episodes.run(model, tokenizer, prompts[:2], envs[:3], group_size=2, max_turn_tokens=8, max_turns=2, style="hermes")
+
+
+def test_the_bridge_is_the_templates_own_tokens_between_the_turns():
+    for family, style in [(QWEN25, "hermes"), (HERMES, "hermes"), (LLAMA31_TOOLS, "llama3")]:
+        tokenizer, model, offered, prompts = setup(family, style)
+        turn = call(style, "calculator", '{"expression": "48213 * 977"}')
+        answer = [{"role": "tool", "name": "calculator", "content": "47104101"}]
+        bridge = episodes.bridge_ids(tokenizer, prompts[0], turn, answer)
+        written = tokenizer(render_prompt(tokenizer, prompts[0]) + turn, add_special_tokens=False)["input_ids"] + [model.eot]
+        whole = render_chat(tokenizer, [*prompts[0], {"role": "assistant", "content": turn}, *answer], add_generation_prompt=True)
+        assert tokenizer.decode(written + bridge) == whole, family.name
