@@ -33,7 +33,13 @@ import pandas as pd
 import torch
 
 from pipelines.core.config import GrpoParams
-from pipelines.core.data.chat_template import parse_messages, render_prompt, split_last_answer
+from pipelines.core.data.chat_template import (
+    TOOLS_KEY,
+    check_tool_support,
+    parse_messages,
+    render_prompt,
+    split_last_answer,
+)
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, footprint, quantize
 from pipelines.core.models.models import (
@@ -44,7 +50,7 @@ from pipelines.core.models.models import (
     seeded,
 )
 from pipelines.core.run import stage
-from pipelines.core.training import diffusion, grpo, loop, rewards, rollouts
+from pipelines.core.training import diffusion, episodes, grpo, loop, rewards, rollouts, tools
 from pipelines.core.training.checkpoint import CheckpointManager
 
 NAME = "grpo"
@@ -67,17 +73,23 @@ class Questions(list):
         self.tool_calls = tool_calls
 
 
-def questions(chat_dir: Path, split: str = "train") -> Questions:
+def questions(chat_dir: Path, split: str = "train", offered: list[dict] | None = None) -> Questions:
     """The chat records of `split` that end with an assistant's text answer, as prompts and
-    reference answers (the others have nothing to check a completion against)."""
+    reference answers (the others have nothing to check a completion against). With `offered`
+    (tool schemas: episodes), a record's prompt is its turns up to the model's first reply to the
+    last user turn (a demonstration's calls and tool answers are what the episode produces), with
+    the schemas on its first message for the template to render."""
     path = chat_dir / f"{split}.parquet"
     found, tool_calls = [], 0
     for record in pd.read_parquet(path).itertuples(index=False):
         messages = parse_messages(record.messages)
         if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-            tool_calls += 1  # an answer that is a tool call has no text to check; multi-turn tool rollouts are not here yet
+            tool_calls += 1  # an answer that is a tool call has no text to check
         elif messages and messages[-1]["role"] == "assistant" and len(messages) > 1:
             prompt, answer = split_last_answer(messages)
+            if offered is not None:
+                last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+                prompt = [{**m, TOOLS_KEY: offered} if i == 0 else m for i, m in enumerate(messages[: last_user + 1])]
             columns = {k: v for k, v in record._asdict().items() if k not in ("id", "messages")}  # source, split: reward functions get them
             found.append(rollouts.Question(str(record.id), prompt, answer, columns))
     if tool_calls:
@@ -126,12 +138,14 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     questions of `chat_dir`; write it to `out`. The summary metrics."""
     cfg = params.train
     start = start_dir.relative_to(root).as_posix() if start_dir.is_relative_to(root) else str(start_dir)  # as users name it (an adapter's base)
-    train = questions(chat_dir)
+    offered = [tools.load(name, f"grpo.tools.functions[{i}]") for i, name in enumerate(params.tools.functions)]
+    train = questions(chat_dir, offered=[t.schema for t in offered] if offered else None)
+    turns = params.tools.max_turns if offered else 1
     reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
     qconfig = quantize.from_params(params.lora, cfg.precision, "grpo.lora") if params.adapter == "lora" else None
     method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
     longest = longest_prompt(load_tokenizer(start_dir), train)  # before the model loads: the memory estimate needs it
-    estimates = footprint.preflight(start_dir, cfg, method=method, seq_len=longest + params.max_completion_length, micro_batch=cfg.micro_batch_size,
+    estimates = footprint.preflight(start_dir, cfg, method=method, seq_len=longest + 2 * turns * params.max_completion_length, micro_batch=cfg.micro_batch_size,
                                     lora_rank=params.lora.r, desc=NAME)  # fmt: skip
     model, tokenizer = load_for_inference(start_dir, root) if qconfig is None else quantize.load(start_dir, qconfig, "grpo.lora")
     if diffusion.objective_of(model) == "masked_diffusion":
@@ -152,8 +166,13 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
                                  top_p=params.top_p, scale_rewards=params.scale_rewards, num_iterations=params.num_iterations,
                                  mask_truncated_completions=params.mask_truncated_completions, micro_batch_size=cfg.micro_batch_size,
                                  grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, precision=cfg.precision, max_steps=cfg.max_steps)  # fmt: skip
+    sampler = rollouts.one_turn
+    if offered:  # episodes: the template must render the tools, and says how calls are written
+        check_tool_support(tokenizer, train[0].prompt)
+        style = episodes.tool_style(tokenizer, params.tools.style)
+        sampler = episodes.sampler(offered, max_turns=params.tools.max_turns, style=style, timeout=params.tools.timeout_seconds)
     batches = rollouts.RolloutBatches(model, tokenizer, train, settings, reward_fns, reference=reference,
-                                      on_generation=completions_logger(tracker, params.log_completions_every))  # fmt: skip
+                                      on_generation=completions_logger(tracker, params.log_completions_every), sampler=sampler)  # fmt: skip
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
     result = loop.train(model, grpo_loss(params), batches, cfg, tracker=tracker, checkpoints=checkpoints, desc=NAME)
     last = batches.metrics(result["steps"])

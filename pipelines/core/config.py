@@ -923,6 +923,62 @@ class RewardParams(Section):
         return self.function.rpartition(":")[2]
 
 
+BUILT_IN_TOOLS = ("calculator", "lookup")
+
+
+def user_tool(name: str, where: str):
+    """None for a built-in tool the params can name; else the user's `package.module:function`,
+    imported and described as a JSON schema (`extensions.describe`); a `QllmError` naming `where`
+    if it is neither. Used when params load and by `pipelines.core.training.tools.load`."""
+    if name == "calculator":
+        return None
+    if name == "lookup":
+        raise QllmError(f"{where}: the lookup tool answers from a table the data provides, and no params key gives one yet; "
+                        "write a `package.module:function` tool that holds your table")  # fmt: skip
+    if ":" not in name:
+        raise QllmError(f"{where}: {name!r} is neither a built-in tool ({', '.join(BUILT_IN_TOOLS)}) nor `package.module:function`")
+    fn = extensions.import_callable(name, where, what="tool function")
+    extensions.describe(fn, where)
+    return fn
+
+
+class ToolsParams(Section):
+    """Tools the model may call inside GRPO's rollouts: multi-turn episodes (docs/grpo.md "Tools")."""
+
+    functions: list[str] = []
+    """`calculator` (built in: exact arithmetic) or a user's `package.module:function` with type hints and a
+    Google-style docstring (its JSON schema is made from them, as TRL's tools); each is imported and described when
+    params load. Empty: one-turn rollouts, as without tools."""
+    max_turns: int = Field(3, ge=2)
+    """The model's turns per episode, its calls and its answer; an episode still calling tools at the last one is truncated."""
+    timeout_seconds: float = Field(5.0, gt=0)
+    """A call running longer is abandoned and the model reads a time-out error."""
+    style: Literal["auto", "hermes", "llama3"] = "auto"
+    """How calls are written: `hermes` (`<tool_call>` blocks: Qwen2.5, Hermes), `llama3` (one JSON object: Llama 3.1),
+    or `auto`, from the chat template."""
+
+    @field_validator("functions")
+    @classmethod
+    def _load(cls, names: list[str]) -> list[str]:
+        loaded = []
+        for i, name in enumerate(names):
+            try:
+                fn = user_tool(name, f"functions[{i}]")
+            except QllmError as exc:
+                raise ValueError(str(exc)) from None
+            loaded.append(name if fn is None else fn.__name__)
+        if len(set(loaded)) != len(loaded):
+            raise ValueError(f"functions: two tools share a name ({', '.join(sorted({n for n in loaded if loaded.count(n) > 1}))})")
+        return names
+
+    @model_validator(mode="after")
+    def _used(self) -> ToolsParams:
+        changed = [name for name in ("max_turns", "timeout_seconds", "style") if getattr(self, name) != type(self).model_fields[name].default]
+        if changed and not self.functions:
+            raise ValueError(f"{', '.join(changed)}: set, but `functions` is empty, so rollouts are one turn and no tool is called; list the tools")
+        return self
+
+
 class GrpoParams(Section):
     """Reinforcement learning with verifiable rewards (GRPO and its Dr. GRPO and DAPO losses, as
     TRL's `GRPOTrainer`) from the SFT model, on the chat records' questions (docs/grpo.md)."""
@@ -965,6 +1021,7 @@ class GrpoParams(Section):
     """Train all weights of the policy, or a LoRA adapter on it (`grpo.lora`; with `beta` > 0 the
     reference is the model under the adapter, so no copy is held)."""
     lora: LoraAdapterParams = LoraAdapterParams()
+    tools: ToolsParams = ToolsParams()
     train: TrainParams = TrainParams()
 
     @model_validator(mode="after")

@@ -255,6 +255,19 @@ def import_callable(name: str, where: str, what: str = "function") -> Callable[.
     return fn
 
 
+def describe(fn: Callable[..., Any], where: str) -> dict[str, Any]:
+    """`fn` as a tool's JSON schema, made from its type hints and Google-style docstring by
+    transformers' `get_json_schema` (what `apply_chat_template(tools=[fn])` and TRL's tools use);
+    a `QllmError` naming `where` if it cannot be made."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as exc:  # noqa: BLE001 - transformers raises several kinds: each is the same user error
+        raise QllmError(f"{where}: {getattr(fn, '__name__', fn)!r} cannot be described to the model ({exc}); a tool needs type hints on "
+                        "every argument and a Google-style docstring with a line per argument (`Args:`)") from None  # fmt: skip
+
+
 def user_function(name: str, where: str, required: Sequence[str], given: Sequence[str], what: str = "function") -> Callable[..., Any]:
     """`package.module:function` imported, callable, taking every name of `required` and
     `**kwargs` (it is called with keywords), and requiring nothing outside `given`; each failure a

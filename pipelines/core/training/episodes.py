@@ -26,13 +26,15 @@ append and the episode stops there, counted as `rerender_needed`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pipelines.core.data.chat_template import left_padding, render_chat, render_prompt
+from pipelines.core.data.chat_template import chat_template_of, left_padding, render_chat, render_prompt
+from pipelines.core.errors import QllmError
 from pipelines.core.models.models import stop_token_ids
 from pipelines.core.training import rollouts, tools
 
@@ -73,7 +75,7 @@ class Transcript:
         for turn in self.turns:
             calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in turn["calls"]]
             out.append({"role": "assistant", "content": turn["text"], **({"tool_calls": calls} if calls else {})})
-            out.extend({"role": "tool", "name": c["name"], "content": c["observation"]} for c in turn["calls"])
+            out.extend({"role": "tool", "name": c["name"], "content": c["observation"]} for c in turn["calls"] if c["error"] != "max_turns")
         return out
 
 
@@ -178,3 +180,33 @@ def run(model, tokenizer, prompts: list[list[dict]], environments: Sequence[tool
     out = rollouts.Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated_rows, [t.answer for t in transcripts], group_size,
                             loss_mask=loss_mask)  # fmt: skip
     return Episodes(out, transcripts)
+
+
+def sampler(offered: Sequence[tools.Tool], *, max_turns: int, style: str, timeout: float) -> rollouts.Sampler:
+    """`RolloutBatches`' sampler for episodes with `offered` tools (a `ToolEnvironment` per episode,
+    reset with the question's record); a turn may have up to `max_completion_length` tokens."""
+
+    def generate(model, tokenizer, chosen: list[rollouts.Question], s: rollouts.Settings) -> rollouts.Sampled:
+        environments = [tools.ToolEnvironment(offered, timeout) for _ in range(len(chosen) * s.group_size)]
+        records = [{"id": q.id, "answer": q.answer, **q.columns} for q in chosen]
+        got = run(model, tokenizer, [q.prompt for q in chosen], environments, group_size=s.group_size, max_turn_tokens=s.max_completion_length,
+                  max_turns=max_turns, style=style, temperature=s.temperature, top_p=s.top_p, records=records)  # fmt: skip
+        details = [{"turns": len(t.turns), "episode": json.dumps(t.turns, ensure_ascii=False)} for t in got.transcripts]
+        return rollouts.Sampled(got.rollouts, [t.messages() for t in got.transcripts], got.metrics(), details)
+
+    return generate
+
+
+def tool_style(tokenizer, style: str) -> str:
+    """`style`, or with `auto` the one the chat template writes calls in (`<tool_call>`: hermes;
+    Llama 3.1's `ipython` role: llama3); a `QllmError` naming `grpo.tools.style` if it cannot tell."""
+    if style != "auto":
+        return style
+    template = chat_template_of(tokenizer)
+    if "<tool_call>" in template:
+        return "hermes"
+    if "ipython" in template or "<|python_tag|>" in template:
+        return "llama3"
+    name = getattr(tokenizer, "name_or_path", "") or "the model"
+    raise QllmError(f"grpo.tools.style: auto cannot tell how {name}'s chat template writes tool calls (no `<tool_call>`, no Llama 3.1 "
+                    "`ipython` role); set it to hermes or llama3")  # fmt: skip

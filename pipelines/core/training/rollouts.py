@@ -210,6 +210,27 @@ RewardSpec = tuple[str, rewards.RewardFn, float]
 """A reward function's name, the function and its weight."""
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """A generation's rollouts and what the reward functions and the logs get of them."""
+
+    rollouts: Rollouts
+    completions: list[list[dict]]  # per row, the completion as chat messages (TRL's form for chat data)
+    metrics: dict[str, float] = field(default_factory=dict)
+    details: list[dict[str, Any]] | None = None  # per row, more columns of the completions table
+
+
+Sampler = Callable[[torch.nn.Module, Any, list[Question], Settings], Sampled]
+"""How a generation is sampled: `one_turn`, or multi-turn episodes with tools (`episodes.sampler`)."""
+
+
+def one_turn(model, tokenizer, chosen: list[Question], s: Settings) -> Sampled:
+    """One completion per row, as `sample` draws them."""
+    out = sample(model, tokenizer, [q.prompt for q in chosen], group_size=s.group_size, max_completion_length=s.max_completion_length,
+                 temperature=s.temperature, top_p=s.top_p)  # fmt: skip
+    return Sampled(out, [[{"role": "assistant", "content": text}] for text in out.texts])
+
+
 class RolloutBatches:
     """`loop.train`'s batches for GRPO: at the first step of each generation (every
     `num_iterations` steps) it draws `micro_batch_size x grad_accum_steps / group_size` questions
@@ -229,8 +250,8 @@ class RolloutBatches:
     """Its batches are sampled: `loop.train` gives the run its own random stream (`training.randomness`)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, questions: Sequence[Question], settings: Settings, reward_fns: Sequence[RewardSpec],
-                 *, reference: Any = None, on_generation: Callable[[int, Generation], None] | None = None) -> None:  # fmt: skip
-        self.model, self.tokenizer, self.questions, self.settings = model, tokenizer, list(questions), settings
+                 *, reference: Any = None, on_generation: Callable[[int, Generation], None] | None = None, sampler: Sampler = one_turn) -> None:  # fmt: skip
+        self.model, self.tokenizer, self.questions, self.settings, self.sampler = model, tokenizer, list(questions), settings, sampler
         self.reward_fns, self.reference, self.on_generation = list(reward_fns), reference, on_generation
         per_generation = settings.micro_batch_size * settings.grad_accum_steps // settings.group_size
         self.order = loop.Batches(len(self.questions), per_generation, settings.seed, lambda indices: indices)
@@ -286,11 +307,10 @@ class RolloutBatches:
         chosen = [self.questions[i] for i in next(self.order)]
         device = next(model.parameters()).device
         with loop.autocast(device, s.precision):
-            out = sample(model, self.tokenizer, [q.prompt for q in chosen], group_size=s.group_size, max_completion_length=s.max_completion_length,
-                         temperature=s.temperature, top_p=s.top_p)  # fmt: skip
+            drawn = self.sampler(model, self.tokenizer, chosen, s)
+        out, completions = drawn.rollouts, drawn.completions
         sampled = time.perf_counter()
         prompts = [q.prompt for q in chosen for _ in range(s.group_size)]
-        completions = [[{"role": "assistant", "content": text}] for text in out.texts]
         extra_columns: dict[str, list] = {}
         logged: dict[str, list[float]] = {}
         columns = {
@@ -313,10 +333,11 @@ class RolloutBatches:
         scored = time.perf_counter()
         metrics = _rollout_metrics(out, per_func, weights, zero_std, [name for name, _, _ in self.reward_fns], s.group_size)
         metrics |= {"timing/generation_seconds": round(sampled - started, 4), "timing/scoring_seconds": round(scored - sampled, 4)}
+        metrics |= {name: round(value, 6) for name, value in drawn.metrics.items()}
         metrics |= {name: round(sum(values) / len(values), 6) for name, values in logged.items() if values}  # log_metric: the step's mean, as TRL
         table = [{"step": step + 1, "id": q.id, "prompt": q.prompt[-1]["content"], "answer": q.answer, "completion": out.texts[row],
                   **{f"reward/{name}": per_func[row, j].item() for j, (name, _, _) in enumerate(self.reward_fns)},
-                  "advantage": round(advantages[row].item(), 4),
+                  "advantage": round(advantages[row].item(), 4), **(drawn.details[row] if drawn.details else {}),
                   **{column: values[row] for column, values in extra_columns.items() if row < len(values)}}
                  for row, q in ((r, chosen[r // s.group_size]) for r in range(len(out.texts)))]  # fmt: skip
         return Generation(micro_batches, metrics, table)

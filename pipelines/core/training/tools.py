@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipelines.core import extensions
+from pipelines.core import config, extensions
 from pipelines.core.errors import QllmError
 
 
@@ -90,16 +90,13 @@ class Tool:
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any], where: str) -> Tool:
-        """The schema from `fn`'s type hints and Google-style docstring (transformers'
-        `get_json_schema`, what `apply_chat_template(tools=[fn])` uses); a `ToolError` naming
-        `where` if it cannot be made."""
-        from transformers.utils import get_json_schema
-
+        """The schema from `fn`'s type hints and Google-style docstring (`extensions.describe`:
+        transformers' `get_json_schema`, what `apply_chat_template(tools=[fn])` uses); a
+        `ToolError` naming `where` if it cannot be made."""
         try:
-            schema = get_json_schema(fn)
-        except Exception as exc:  # noqa: BLE001 - transformers raises several kinds: each is the same user error
-            raise ToolError(f"{where}: {getattr(fn, '__name__', fn)!r} cannot be described to the model ({exc}); a tool needs type "
-                            "hints on every argument and a Google-style docstring with a line per argument (`Args:`)") from None  # fmt: skip
+            schema = extensions.describe(fn, where)
+        except QllmError as exc:
+            raise ToolError(str(exc)) from None
         return cls(schema["function"]["name"], schema, fn)
 
     @property
@@ -195,23 +192,19 @@ def lookup_tool(table: Mapping[str, str], name: str = "lookup") -> Tool:
 
 
 BUILT_IN = ("calculator", "lookup")
+"""The built-in tools (`config.BUILT_IN_TOOLS`: the names params accept without importing anything)."""
 
 
 def load(spec: str, where: str = "tools", table: Mapping[str, str] | None = None) -> Tool:
-    """A built-in tool by name (`lookup` needs `table`), or a user's `package.module:function`."""
-    if spec == "calculator":
-        return Tool.from_function(calculator, where)
-    if spec == "lookup":
-        if table is None:
-            raise ToolError(f"{where}: the lookup tool needs a table from the data, and none was given")
+    """A built-in tool by name (`lookup` with the data's `table`), or a user's `package.module:function`
+    (`config.user_tool`: what params accept)."""
+    if spec == "lookup" and table is not None:
         return lookup_tool(table)
-    if ":" not in spec:
-        raise ToolError(f"{where}: {spec!r} is neither a built-in tool ({', '.join(BUILT_IN)}) nor `package.module:function`")
     try:
-        fn = extensions.import_callable(spec, where, what="tool function")
+        fn = config.user_tool(spec, where)
     except QllmError as exc:
         raise ToolError(str(exc)) from None
-    return Tool.from_function(fn, f"{where}: {spec}")
+    return Tool.from_function(calculator if fn is None else fn, where)
 
 
 # ---------------------------------------------------------------------------------------------

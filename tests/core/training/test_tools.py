@@ -64,7 +64,7 @@ def test_the_lookup_answers_from_the_datas_table_and_an_unknown_key_is_an_error(
     assert env.step(ToolCall("lookup", {"key": "tovik"})) == Observation("Pelora")
     assert env.step(ToolCall("lookup", {"key": " marela   dun "})) == Observation("Dunmar")
     assert env.step(ToolCall("lookup", {"key": "Sanit"})) == Observation("error: lookup: no entry for 'Sanit'", "raised")
-    with pytest.raises(tools.ToolError, match="tools: the lookup tool needs a table"):
+    with pytest.raises(tools.ToolError, match="tools: the lookup tool answers from a table the data provides"):
         tools.load("lookup")
 
 
@@ -150,6 +150,12 @@ def test_a_tool_that_cannot_be_loaded_or_described_is_refused_naming_it(user_too
     with pytest.raises(tools.ToolError, match="^grpo.tools\\[0\\]: ") as error:
         tools.load(spec, "grpo.tools[0]")
     assert says in str(error.value)
+
+
+def test_the_built_in_tools_are_the_names_params_accept():
+    from pipelines.core import config
+
+    assert tools.BUILT_IN == config.BUILT_IN_TOOLS
 
 
 def test_a_tool_that_raises_hangs_or_returns_garbage_is_an_observation_and_the_caller_goes_on(user_tools):

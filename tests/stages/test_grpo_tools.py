@@ -1,0 +1,107 @@
+"""The grpo stage with tools (issue 55): params that refuse bad tool specs naming the key, questions
+cut before a demonstration's calls, the style read from the template, and a run whose rollouts are
+multi-turn episodes with the calculator, logged as users watch them. A tiny random Llama with
+Qwen2.5's published template stands in for a real base here; the episodes' calls themselves are
+tested with a scripted model in tests/core/training/test_episodes.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pandas as pd
+import pytest
+from pydantic import ValidationError
+
+from pipelines import grpo
+from pipelines.core.config import GrpoParams, RewardParams, TrainParams
+from pipelines.core.data.chat_template import TOOLS_KEY, ChatTemplateError
+from pipelines.core.errors import QllmError
+from pipelines.core.models.models import load_tokenizer
+from pipelines.core.training import episodes, tools
+from tests.chat_families import CHATML, QWEN25, save_base_model
+from tests.stages.test_grpo import Recorder
+
+QUESTIONS = [(a, b) for a, b in [(48213, 977), (1234, 5678), (999, 999), (31337, 42), (2024, 11), (86, 75), (123, 456), (77, 88)]]
+
+
+def demonstration(a: int, b: int) -> list[dict]:
+    """A chat in OpenAI's layout: the question, the calculator call, its answer, the final answer."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}}
+    return [{"role": "user", "content": f"What is {a} times {b}?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]  # fmt: skip
+
+
+@pytest.fixture
+def tool_workspace(tmp_path):
+    texts = [m["content"] for a, b in QUESTIONS for m in demonstration(a, b)] + ["<tool_call> calculator expression </tool_call>"] * 5
+    save_base_model(QWEN25, texts, tmp_path / "data/models/sft")
+    chat = tmp_path / "data/prepared/chat"
+    chat.mkdir(parents=True)
+    pd.DataFrame({"id": [f"q{i}" for i in range(len(QUESTIONS))], "source": "s", "split": "train",
+                  "messages": [json.dumps(demonstration(a, b)) for a, b in QUESTIONS]}).to_parquet(chat / "train.parquet")  # fmt: skip
+    return tmp_path
+
+
+def test_bad_tool_specs_are_refused_when_params_load_naming_the_key(tmp_path, monkeypatch):
+    (tmp_path / "my_grpo_tools.py").write_text("def undocumented(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_grpo_tools", raising=False)
+    for functions, says in [(["eval"], "functions[0]: 'eval' is neither a built-in tool"), (["calculator", "my_grpo_tools:undocumented"], "functions[1]: 'undocumented' cannot be described"),
+                            (["calculator", "calculator"], "two tools share a name (calculator)"), (["lookup"], "functions[0]: the lookup tool answers from a table the data provides")]:  # fmt: skip
+        with pytest.raises(ValidationError, match="tools.functions") as error:
+            GrpoParams(tools={"functions": functions})
+        assert says in str(error.value)
+    with pytest.raises(ValidationError, match="tools.max_turns"):
+        GrpoParams(tools={"functions": ["calculator"], "max_turns": 1})
+    with pytest.raises(ValidationError, match="tools.styl"):
+        GrpoParams(tools={"style": "xml"})
+    with pytest.raises(ValidationError, match="max_turns, style: set, but `functions` is empty"):  # an option that would do nothing
+        GrpoParams(tools={"max_turns": 4, "style": "hermes"})
+    assert GrpoParams(tools={"max_turns": 3}).tools.functions == []  # the default, as params.yaml spells it out
+
+
+def test_with_tools_a_questions_prompt_stops_before_the_demonstrated_calls(tool_workspace):
+    schema = tools.load("calculator").schema
+    found = grpo.questions(tool_workspace / "data/prepared/chat", offered=[schema])
+    assert [(q.answer, len(q.prompt)) for q in found] == [(str(a * b), 1) for a, b in QUESTIONS]
+    assert found[0].prompt == [{"role": "user", "content": "What is 48213 times 977?", TOOLS_KEY: [schema]}]
+    plain = grpo.questions(tool_workspace / "data/prepared/chat")  # without tools: everything before the answer, as before
+    assert len(plain[0].prompt) == 3
+
+
+def test_the_call_style_comes_from_the_template_or_is_asked_for(tool_workspace, tmp_path):
+    assert episodes.tool_style(load_tokenizer(tool_workspace / "data/models/sft"), "auto") == "hermes"
+    plain = save_base_model(CHATML, ["a b c"], tmp_path / "plain")
+    with pytest.raises(QllmError, match="grpo.tools.style: auto cannot tell how .* writes tool calls"):
+        episodes.tool_style(load_tokenizer(plain), "auto")
+    assert episodes.tool_style(load_tokenizer(plain), "llama3") == "llama3"
+
+
+def tool_params(**changes) -> GrpoParams:
+    train = TrainParams(max_steps=2, micro_batch_size=4, lr=0.01, warmup_steps=0, log_every=1, checkpoint_every=0, precision="fp32", extensions=["mlflow_metrics"])
+    return GrpoParams(**({"rewards": [RewardParams(function="exact_match")], "group_size": 2, "max_completion_length": 8, "train": train,
+                          "log_completions_every": 1, "tools": {"functions": ["calculator"], "max_turns": 2}} | changes))  # fmt: skip
+
+
+def test_the_stage_samples_episodes_with_the_calculator_and_logs_them(tool_workspace):
+    tracker = Recorder()
+    ws = tool_workspace
+    metrics = grpo.run(ws, ws / "data/models/sft", ws / "data/prepared/chat", ws / "data/models/grpo", tool_params(), tracker)
+    assert metrics["steps"] == 2 and (ws / "data/models/grpo/model.safetensors").exists()
+    logged = {k for _, m in tracker.metrics for k in m}
+    assert {"episodes/mean_turns", "episodes/tool_calls_per_episode", "episodes/parse_failures", "episodes/tool_errors", "episodes/truncated_ratio"} <= logged
+    turns = [m["episodes/mean_turns"] for _, m in tracker.metrics if "episodes/mean_turns" in m]
+    assert all(1 <= t <= 2 for t in turns)
+    table = tracker.tables["completions/step-000001.json"]
+    assert {"turns", "episode", "completion", "answer"} <= set(table.columns) and len(table) == 4
+    first = json.loads(table["episode"][0])
+    assert first and {"text", "calls", "parse_failure"} <= set(first[0])
+
+
+def test_a_template_that_cannot_render_tools_is_refused_before_training(tool_workspace, tmp_path):
+    save_base_model(CHATML, [m["content"] for m in demonstration(1, 2)], tmp_path / "plain")
+    ws = tool_workspace
+    with pytest.raises(ChatTemplateError, match="chat template does not render tool calls"):
+        grpo.run(ws, tmp_path / "plain", ws / "data/prepared/chat", ws / "data/models/grpo", tool_params(), Recorder())
+    assert not (ws / "data/models/grpo").exists()
