@@ -140,12 +140,13 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     start = start_dir.relative_to(root).as_posix() if start_dir.is_relative_to(root) else str(start_dir)  # as users name it (an adapter's base)
     offered = [tools.load(name, f"grpo.tools.functions[{i}]") for i, name in enumerate(params.tools.functions)]
     train = questions(chat_dir, offered=[t.schema for t in offered] if offered else None)
-    turns = params.tools.max_turns if offered else 1
+    # an episode: each turn's tokens and, between turns, the tool's answer as the template renders it (about as long again)
+    episode_tokens = params.max_completion_length * (2 * params.tools.max_turns - 1 if offered else 1)
     reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
     qconfig = quantize.from_params(params.lora, cfg.precision, "grpo.lora") if params.adapter == "lora" else None
     method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
     longest = longest_prompt(load_tokenizer(start_dir), train)  # before the model loads: the memory estimate needs it
-    estimates = footprint.preflight(start_dir, cfg, method=method, seq_len=longest + 2 * turns * params.max_completion_length, micro_batch=cfg.micro_batch_size,
+    estimates = footprint.preflight(start_dir, cfg, method=method, seq_len=longest + episode_tokens, micro_batch=cfg.micro_batch_size,
                                     lora_rank=params.lora.r, desc=NAME)  # fmt: skip
     model, tokenizer = load_for_inference(start_dir, root) if qconfig is None else quantize.load(start_dir, qconfig, "grpo.lora")
     if diffusion.objective_of(model) == "masked_diffusion":

@@ -92,7 +92,7 @@ class Episodes:
             "episodes/mean_turns": sum(len(t.turns) for t in self.transcripts) / n,
             "episodes/tool_calls_per_episode": len(calls) / n,
             "episodes/parse_failures": float(sum(1 for t in self.transcripts for turn in t.turns if turn["parse_failure"])),
-            "episodes/tool_errors": float(sum(1 for c in calls if c["error"])),
+            "episodes/tool_errors": float(sum(1 for c in calls if c["error"] not in (None, "max_turns"))),  # max_turns: not run (truncated)
             "episodes/truncated_ratio": sum(t.truncated for t in self.transcripts) / n,
             "episodes/rerender_needed": float(sum(t.rerender_needed for t in self.transcripts)),
         }
