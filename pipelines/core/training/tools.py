@@ -13,13 +13,14 @@ schema (`Tool.schema`, the `{"type": "function", "function": {...}}` that chat t
 is made from them by `transformers.utils.get_json_schema`, and a function it cannot describe is
 refused when it loads, naming the function.
 
-An **environment** holds one episode's state (OpenEnv's and TRL's `environment_factory` shape):
+An **environment** holds one episode's state (OpenEnv's and TRL's `environment_factory` shape;
+the grpo stage uses `ToolEnvironment`, a stateless one per episode, for now):
 
     class Environment(Protocol):
         tools: list[Tool]                           # what the model is told it may call
         def reset(self, record: dict) -> str | None # a new episode on a data record; optional text for the first turn
         def step(self, call: ToolCall) -> Observation
-        def reward(self) -> float | None            # optional: the episode's reward, added to the reward functions'
+        def reward(self) -> float | None            # optional, the episode's own reward: not called yet (issue 55)
 
 `ToolEnvironment` is the stateless one: each step runs the named tool. A call never stops a run:
 an unknown tool, arguments that do not fit the schema, a tool that raises, one that runs past
