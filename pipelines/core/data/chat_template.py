@@ -260,10 +260,22 @@ MASK = "<|mask|>"
 ROLES = ("system", "user", "assistant", "tool")
 
 # HF renders templates with trim_blocks: the newline after a block tag is dropped, hence {{ '\n' }}.
+# With `tools` (a chat's schemas, `TOOLS_KEY`), a system turn lists them first, and an assistant turn's
+# `tool_calls` are written after its content as `<tool_call>` blocks (Hermes' and Qwen2.5's format, which
+# `tools.parse_tool_calls(..., "hermes")` reads); a chat without tools renders as it always did.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system: You may call these tools, each call written as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>: "
+    "{{ tools | tojson }}<|im_end|>{{ '\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "<|im_start|>assistant:{% generation %} {{ message['content'] }}<|im_end|>{% endgeneration %}{{ '\n' }}"
+    "<|im_start|>assistant:{% generation %} {{ message['content'] }}"
+    "{% if message.tool_calls is defined and message.tool_calls %}{% for call in message.tool_calls %}"
+    "<tool_call>{\"name\": {{ call.function.name | tojson }}, \"arguments\": "
+    "{% if call.function.arguments is string %}{{ call.function.arguments }}{% else %}{{ call.function.arguments | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>{% endgeneration %}{{ '\n' }}"
     "{% else %}"
     "<|im_start|>{{ message['role'] }}: {{ message['content'] }}<|im_end|>{{ '\n' }}"
     "{% endif %}"

@@ -145,3 +145,45 @@ def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp
     assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids(fam.end_of_turn)
     (answer,) = evaluate.generate_answers(model, tokenizer, [[{"role": "user", "content": "Where does Tovik live?"}]], max_new_tokens=3, batch_size=1)
     assert isinstance(answer, str) and fam.end_of_turn not in answer
+
+
+# This project's template before it rendered tools (2026-11-29): a chat without tools must render as it did.
+TEMPLATE_BEFORE_TOOLS = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|im_start|>assistant:{% generation %} {{ message['content'] }}<|im_end|>{% endgeneration %}{{ '\n' }}"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}: {{ message['content'] }}<|im_end|>{{ '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}"
+)
+
+
+def test_the_projects_template_renders_tools_and_calls_and_chats_without_them_as_before():
+    from pipelines.core.training import tools
+    from pipelines.train_tokenizer import train
+
+    tokenizer = train(iter([m["content"] for chat in CHATS for m in chat] * 5), vocab_size=300, min_frequency=1)
+    before = tokenizer_for(Family("before", TEMPLATE_BEFORE_TOOLS, tuple(chat_template.SPECIAL_TOKENS), eos=chat_template.EOS,
+                                  end_of_turn=chat_template.IM_END), ["a"])  # fmt: skip
+    for chat in CHATS:
+        for generation in (False, True):
+            assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation) == \
+                before.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation)  # fmt: skip
+    schema = tools.load("calculator").schema
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "48213 * 977"}}}
+    chat = [{"role": "user", "content": "What is 48213 times 977?", chat_template.TOOLS_KEY: [schema]}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": "47104101"}, {"role": "assistant", "content": "47104101"}]  # fmt: skip
+    chat_template.check_tool_support(tokenizer, chat)  # the template reads tools and tool_calls
+    text = chat_template.render_chat(tokenizer, chat)
+    assert text.startswith("<|im_start|>system: You may call these tools") and '"name": "calculator"' in text.split("<|im_end|>")[0]
+    turn = text.split("<|im_start|>assistant:")[1].split("<|im_end|>")[0]
+    assert tools.parse_tool_calls(turn, "hermes") == tools.Parsed([tools.ToolCall("calculator", {"expression": "48213 * 977"})], "")
+    string_arguments = {**call, "function": {**call["function"], "arguments": '{"expression": "48213 * 977"}'}}  # OpenAI's layout: a JSON string
+    assert chat_template.render_chat(tokenizer, [*chat[:1], {"role": "assistant", "content": "", "tool_calls": [string_arguments]}]) == \
+        chat_template.render_chat(tokenizer, chat[:2])  # fmt: skip
+    # the call is the model's to write: SFT trains it, and the tool's answer it only reads
+    example = chat_template.render_with_assistant_mask(tokenizer, chat)
+    trained = tokenizer.decode([i for i, m in zip(example["input_ids"], example["assistant_masks"], strict=True) if m])
+    assert "<tool_call>" in trained and "47104101<|im_end|>" in trained and "tool: 47104101" not in trained

@@ -7,10 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.core.data.chat_template import TOOLS_KEY, render_chat, render_prompt
+from pipelines.core.data.chat_template import (
+    CHAT_TEMPLATE,
+    EOS,
+    IM_END,
+    IM_START,
+    TOOLS_KEY,
+    render_chat,
+    render_prompt,
+)
 from pipelines.core.training import episodes, tools
 from pipelines.core.training.tools import ToolEnvironment
-from tests.chat_families import HERMES, LLAMA31_TOOLS, QWEN25, tokenizer_for
+from tests.chat_families import HERMES, LLAMA31_TOOLS, QWEN25, Family, tokenizer_for
+
+QLLM = Family("qllm", CHAT_TEMPLATE, (EOS, IM_START, IM_END), eos=EOS, end_of_turn=IM_END)  # this project's own template
 
 CALL = {"hermes": '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>', "llama3": '{{"name": "{name}", "parameters": {args}}}'}
 
@@ -50,7 +60,7 @@ class ScriptedLM(torch.nn.Module):
     def _choose(self, ids: list[int]) -> list[int]:
         text = self.tokenizer.decode(ids)
         (question,) = [q for q in self.turns if q in text]
-        done = text.count("<tool_response>") + text.count("ipython<|end_header_id|>")  # tool answers so far: the turn's index
+        done = text.count("<tool_response>") + text.count("ipython<|end_header_id|>") + text.count("<|im_start|>tool:")  # tool answers so far: the turn's index
         return self.turns[question][min(done, len(self.turns[question]) - 1)]
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
@@ -80,8 +90,14 @@ def weather(city: str) -> str:
     raise ConnectionError("the weather service is down")
 
 
+def lead(family) -> str:
+    """What the template writes between the generation prompt and the content, inside the model's
+    part: this project's template trains the model to write the space after `assistant:`."""
+    return " " if family is QLLM else ""
+
+
 def setup(family, style):
-    turns = scripts(style)
+    turns = {q: [lead(family) + t for t in ts] for q, ts in scripts(style).items()}
     texts = [*turns, *(t for ts in turns.values() for t in ts), "47104101 calculator expression weather city output"]
     tokenizer = tokenizer_for(family, texts, vocab_size=500)
     model = ScriptedLM(tokenizer, turns, family.end_of_turn)
@@ -90,7 +106,7 @@ def setup(family, style):
     return tokenizer, model, offered, prompts
 
 
-@pytest.mark.parametrize("family, style", [(QWEN25, "hermes"), (HERMES, "hermes"), (LLAMA31_TOOLS, "llama3")])
+@pytest.mark.parametrize("family, style", [(QWEN25, "hermes"), (HERMES, "hermes"), (LLAMA31_TOOLS, "llama3"), (QLLM, "hermes")])
 def test_episodes_call_tools_read_their_answers_and_score_only_the_models_tokens(family, style):
     tokenizer, model, offered, prompts = setup(family, style)
     envs = [ToolEnvironment(offered, timeout=2.0) for _ in prompts]
@@ -116,7 +132,8 @@ def test_episodes_call_tools_read_their_answers_and_score_only_the_models_tokens
         assert written == expected
         # and the whole sequence is the conversation as the template renders it, tool messages included
         prompt = out.prompt_ids[row][out.prompt_mask[row].bool()].tolist()
-        rendered, decoded = render_chat(tokenizer, _interleave(prompts[row], transcript, model, tokenizer)), tokenizer.decode(prompt + real)
+        conversation = _interleave(prompts[row], transcript, model, tokenizer, lead(family))
+        rendered, decoded = render_chat(tokenizer, conversation), tokenizer.decode(prompt + real)
         assert rendered.startswith(decoded) and not rendered[len(decoded):].strip(), (row, rendered[len(decoded) - 80 :], decoded[-80:])
     metrics = got.metrics()
     assert metrics["episodes/mean_turns"] == pytest.approx((2 + 1 + 1 + 2 + 3) / 5)
@@ -128,11 +145,11 @@ def _raw_turns(transcript, model, prompt, tokenizer) -> list[str]:
     return [tokenizer.decode(t[:-1]) for t in model.turns[prompt[0]["content"]][: len(transcript.turns)]]
 
 
-def _interleave(prompt, transcript, model, tokenizer) -> list[dict]:
+def _interleave(prompt, transcript, model, tokenizer, lead: str) -> list[dict]:
     """The conversation the episode is: each turn as the model wrote it, then the tool messages."""
     out = list(prompt)
     for turn, raw in zip(transcript.turns, _raw_turns(transcript, model, prompt, tokenizer), strict=True):
-        out.append({"role": "assistant", "content": raw})
+        out.append({"role": "assistant", "content": raw.removeprefix(lead)})
         out.extend({"role": "tool", "name": c["name"], "content": c["observation"]} for c in turn["calls"] if c["error"] != "max_turns")
     return out
 
@@ -148,11 +165,11 @@ def test_a_group_of_episodes_shares_the_prompt_and_each_has_its_own_environment(
 
 
 def test_the_bridge_is_the_templates_own_tokens_between_the_turns():
-    for family, style in [(QWEN25, "hermes"), (HERMES, "hermes"), (LLAMA31_TOOLS, "llama3")]:
+    for family, style in [(QWEN25, "hermes"), (HERMES, "hermes"), (LLAMA31_TOOLS, "llama3"), (QLLM, "hermes")]:
         tokenizer, model, offered, prompts = setup(family, style)
         turn = call(style, "calculator", '{"expression": "48213 * 977"}')
         answer = [{"role": "tool", "name": "calculator", "content": "47104101"}]
         bridge = episodes.bridge_ids(tokenizer, prompts[0], turn, answer)
-        written = tokenizer(render_prompt(tokenizer, prompts[0]) + turn, add_special_tokens=False)["input_ids"] + [model.eot]
+        written = tokenizer(render_prompt(tokenizer, prompts[0]) + lead(family) + turn, add_special_tokens=False)["input_ids"] + [model.eot]
         whole = render_chat(tokenizer, [*prompts[0], {"role": "assistant", "content": turn}, *answer], add_generation_prompt=True)
         assert tokenizer.decode(written + bridge) == whole, family.name
