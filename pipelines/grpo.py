@@ -170,6 +170,11 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     sampler = rollouts.one_turn
     if offered:  # episodes: the template must render the tools, and says how calls are written
         check_tool_support(tokenizer, train[0].prompt)
+        context = getattr(model.config, "max_position_embeddings", None)
+        if context and longest + episode_tokens > context:
+            raise QllmError(f"grpo.tools: the longest question with the tools' schemas is {longest} tokens and an episode may add {episode_tokens} "
+                            f"(grpo.max_completion_length x (2 x grpo.tools.max_turns - 1)), past {start}'s context of {context} tokens; "
+                            "shorten the tools' descriptions, lower max_turns or max_completion_length, or use a model with a longer context")  # fmt: skip
         style = episodes.tool_style(tokenizer, params.tools.style)
         sampler = episodes.sampler(offered, max_turns=params.tools.max_turns, style=style, timeout=params.tools.timeout_seconds)
     batches = rollouts.RolloutBatches(model, tokenizer, train, settings, reward_fns, reference=reference,

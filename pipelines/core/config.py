@@ -65,6 +65,28 @@ class SampleImagesParams(Section):
     """Use at most this many of the 1,797 scans (0: all), e.g. for tests."""
 
 
+class ToolArithmeticParams(Section):
+    """Arithmetic a small model cannot do in its head, with demonstrations of calling the calculator
+    (GRPO with tools: docs/grpo.md "Tools")."""
+
+    enabled: bool = False
+    """Add the questions to the sample chats (off: the chats are byte for byte what they were)."""
+    train: int = Field(120, ge=1)
+    """Demonstrations per difficulty: the question, the calculator call, its answer, the final answer."""
+    heldout: int = Field(40, ge=1)
+    """Held-out questions per difficulty (chat_heldout, with the calculator offered; ids
+    `heldout-toolarith-d<digits>-N`, so `evaluate` reports exact match per difficulty)."""
+    digits: list[int] = Field(default_factory=lambda: [2, 3, 4], min_length=1)
+    """The difficulties: operands of this many digits, in products of two and sums of four."""
+
+    @field_validator("digits")
+    @classmethod
+    def _digits(cls, digits: list[int]) -> list[int]:
+        if any(not 1 <= d <= 6 for d in digits) or len(set(digits)) != len(digits):
+            raise ValueError(f"digits: distinct numbers from 1 to 6 (operands of that many digits), got {digits}")
+        return digits
+
+
 class SampleDataParams(Section):
     """The built-in synthetic world: entities with attributes plus small-number arithmetic."""
 
@@ -108,6 +130,8 @@ class SampleDataParams(Section):
     """System message of every chat; empty for none."""
     images: SampleImagesParams = SampleImagesParams()
     """Real digit images with questions, for the optional multimodal stage (docs/multimodal.md)."""
+    tool_arithmetic: ToolArithmeticParams = ToolArithmeticParams()
+    """Multi-digit products and sums with calculator demonstrations, for GRPO with tools (off by default)."""
 
 
 SourceKind = Literal["text", "chat", "preference", "image_chat", "feedback"]

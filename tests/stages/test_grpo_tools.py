@@ -35,7 +35,7 @@ def demonstration(a: int, b: int) -> list[dict]:
 @pytest.fixture
 def tool_workspace(tmp_path):
     texts = [m["content"] for a, b in QUESTIONS for m in demonstration(a, b)] + ["<tool_call> calculator expression </tool_call>"] * 5
-    save_base_model(QWEN25, texts, tmp_path / "data/models/sft")
+    save_base_model(QWEN25, texts, tmp_path / "data/models/sft", max_positions=1024)  # Qwen2.5's tools prompt: ~700 tokens of this tiny BPE
     chat = tmp_path / "data/prepared/chat"
     chat.mkdir(parents=True)
     pd.DataFrame({"id": [f"q{i}" for i in range(len(QUESTIONS))], "source": "s", "split": "train",
@@ -104,4 +104,14 @@ def test_a_template_that_cannot_render_tools_is_refused_before_training(tool_wor
     ws = tool_workspace
     with pytest.raises(ChatTemplateError, match="chat template does not render tool calls"):
         grpo.run(ws, tmp_path / "plain", ws / "data/prepared/chat", ws / "data/models/grpo", tool_params(), Recorder())
+    assert not (ws / "data/models/grpo").exists()
+
+
+def test_episodes_longer_than_the_models_context_are_refused_before_training(tool_workspace, tmp_path):
+    texts = [m["content"] for a, b in QUESTIONS for m in demonstration(a, b)]
+    short = save_base_model(QWEN25, texts, tmp_path / "short", max_positions=256)
+    ws = tool_workspace
+    with pytest.raises(QllmError, match=r"grpo.tools: the longest question with the tools' schemas is \d+ tokens and an episode may add 24 .* "
+                                        r"context of 256 tokens"):  # fmt: skip
+        grpo.run(ws, short, ws / "data/prepared/chat", ws / "data/models/grpo", tool_params(), Recorder())
     assert not (ws / "data/models/grpo").exists()

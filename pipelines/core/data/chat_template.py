@@ -260,13 +260,18 @@ MASK = "<|mask|>"
 ROLES = ("system", "user", "assistant", "tool")
 
 # HF renders templates with trim_blocks: the newline after a block tag is dropped, hence {{ '\n' }}.
-# With `tools` (a chat's schemas, `TOOLS_KEY`), a system turn lists them first, and an assistant turn's
+# With `tools` (a chat's schemas, `TOOLS_KEY`), a system turn lists them first (compactly: name, arguments
+# with their JSON types, description; a small model's context is short), and an assistant turn's
 # `tool_calls` are written after its content as `<tool_call>` blocks (Hermes' and Qwen2.5's format, which
 # `tools.parse_tool_calls(..., "hermes")` reads); a chat without tools renders as it always did.
 CHAT_TEMPLATE = (
     "{% if tools %}"
-    "<|im_start|>system: You may call these tools, each call written as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>: "
-    "{{ tools | tojson }}<|im_end|>{{ '\n' }}"
+    "<|im_start|>system: Tools, each called as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:"
+    "{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    " {{ f.name }}({% if f.parameters is defined and f.parameters.properties is defined %}"
+    "{% for name, spec in f.parameters.properties.items() %}{{ ', ' if not loop.first }}{{ name }}: {{ spec.type }}{% endfor %}{% endif %})"
+    "{% if f.description is defined %} {{ f.description }}{% endif %}"
+    "{% endfor %}<|im_end|>{{ '\n' }}"
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"

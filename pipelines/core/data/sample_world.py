@@ -438,6 +438,57 @@ def _preferences(rng: random.Random, world: World, split: str, params: SampleDat
     return records
 
 
+# ------------------------------------------------------------------------- arithmetic with a tool
+
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and parentheses.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": 'The expression, for example "123 * 457 + 89".'}},
+                       "required": ["expression"]},
+        "return": {"type": "string"},
+    },
+}  # fmt: skip
+"""`pipelines.core.training.tools.calculator`'s schema (this module is standard library only; a test
+checks that the two agree)."""
+
+
+def _tool_question(rng: random.Random, digits: int, product: bool) -> tuple[str, str, str]:
+    """(question, the calculator expression, the answer): a product of two or a sum of four numbers
+    of `digits` digits each."""
+    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    if product:
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        return f"What is {a} times {b}?", f"{a} * {b}", str(a * b)
+    terms = [rng.randint(low, high) for _ in range(4)]
+    return f"What is {' plus '.join(map(str, terms))}?", " + ".join(map(str, terms)), str(sum(terms))
+
+
+def _tool_chats(rng: random.Random, params: SampleDataParams, split: str, seen: set[str]) -> list[dict[str, Any]]:
+    """Per difficulty, `train` demonstrations (the calculator called, its answer, the final answer)
+    or `heldout` plain questions, half products and half sums; no question is asked twice across
+    the splits (`seen`)."""
+    settings = params.tool_arithmetic
+    count = settings.train if split == "train" else settings.heldout
+    chats = []
+    for digits in settings.digits:
+        made = 0
+        while made < count:
+            question, expression, answer = _tool_question(rng, digits, product=made % 2 == 0)
+            if question in seen:
+                continue
+            seen.add(question)
+            messages = _system(params.system_prompt) + [{"role": "user", "content": question}]
+            if split == "train":
+                call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+                messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "name": "calculator", "content": answer}]
+            messages.append({"role": "assistant", "content": answer})
+            chats.append({"id": f"{split}-toolarith-d{digits}-{made}", "messages": messages, "tools": [CALCULATOR_SCHEMA]})
+            made += 1
+    return chats
+
+
 def render(world: World, params: SampleDataParams) -> dict[str, list]:
     """Render the world as pretraining documents, chats and preferences.
 
@@ -451,13 +502,18 @@ def render(world: World, params: SampleDataParams) -> dict[str, list]:
         "preference_heldout": [dict]}`.
     """
     seed = params.seed
-    return {
+    rendered = {
         "pretrain": _pretrain(_rng(seed, "pretrain"), world, params),
         "chat_train": _train_chats(_rng(seed, "chat_train"), facts(world, heldout=False), params),
         "chat_heldout": _heldout_chats(_rng(seed, "chat_heldout"), facts(world, heldout=True), params.system_prompt),
         "preference_train": _preferences(_rng(seed, "preference_train"), world, "train", params),
         "preference_heldout": _preferences(_rng(seed, "preference_heldout"), world, "heldout", params),
     }
+    if params.tool_arithmetic.enabled:  # its own RNG: the other chats keep their bytes
+        rng, seen = _rng(seed, "tool_arithmetic"), set()
+        rendered["chat_train"] += _tool_chats(rng, params, "train", seen)
+        rendered["chat_heldout"] += _tool_chats(rng, params, "heldout", seen)
+    return rendered
 
 
 # ------------------------------------------------------------------------------------ the files

@@ -177,7 +177,8 @@ def test_the_projects_template_renders_tools_and_calls_and_chats_without_them_as
             {"role": "tool", "name": "calculator", "content": "47104101"}, {"role": "assistant", "content": "47104101"}]  # fmt: skip
     chat_template.check_tool_support(tokenizer, chat)  # the template reads tools and tool_calls
     text = chat_template.render_chat(tokenizer, chat)
-    assert text.startswith("<|im_start|>system: You may call these tools") and '"name": "calculator"' in text.split("<|im_end|>")[0]
+    assert text.split("<|im_end|>")[0] == ('<|im_start|>system: Tools, each called as <tool_call>{"name": ..., "arguments": {...}}</tool_call>: '
+                                          "calculator(expression: string) " + schema["function"]["description"])  # fmt: skip
     turn = text.split("<|im_start|>assistant:")[1].split("<|im_end|>")[0]
     assert tools.parse_tool_calls(turn, "hermes") == tools.Parsed([tools.ToolCall("calculator", {"expression": "48213 * 977"})], "")
     string_arguments = {**call, "function": {**call["function"], "arguments": '{"expression": "48213 * 977"}'}}  # OpenAI's layout: a JSON string

@@ -369,3 +369,40 @@ def test_tiny_profile_writes_non_empty_files(tmp_path):
     assert counts["pretrain_documents"] > 36
     for name in FILES.values():
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_tool_arithmetic_adds_demonstrations_and_heldout_questions_per_difficulty_and_leaves_the_rest():
+    from pipelines.core.data import layouts, sample_world
+    from pipelines.core.data.chat_template import TOOLS_KEY
+    from pipelines.core.training import tools
+
+    assert tools.load("calculator").schema == sample_world.CALCULATOR_SCHEMA  # the data offers the tool GRPO runs
+    plain = SampleDataParams()
+    on = SampleDataParams(tool_arithmetic={"enabled": True, "train": 6, "heldout": 4, "digits": [2, 4]})
+    before, after = (sample_world.render(sample_world.build_world(p), p) for p in (plain, on))
+    for name in before:  # everything else is what it was, byte for byte
+        assert after[name][: len(before[name])] == before[name]
+    added = {name: after[name][len(before[name]) :] for name in ("chat_train", "chat_heldout")}
+    assert [c["id"] for c in added["chat_train"]] == [f"train-toolarith-d{d}-{i}" for d in (2, 4) for i in range(6)]
+    assert [c["id"] for c in added["chat_heldout"]] == [f"heldout-toolarith-d{d}-{i}" for d in (2, 4) for i in range(4)]
+    questions = {split: [c["messages"][1]["content"] for c in chats] for split, chats in added.items()}
+    assert not set(questions["chat_train"]) & set(questions["chat_heldout"]) and len(set(questions["chat_train"])) == 12
+    calculator = tools.ToolEnvironment([tools.load("calculator")])
+    for split, chats in added.items():
+        for chat in chats:
+            digits = int(re.search(r"-d(\d)-", chat["id"]).group(1))
+            numbers = [int(n) for n in re.findall(r"\d+", chat["messages"][1]["content"])]
+            assert all(len(str(n)) == digits for n in numbers) and len(numbers) in (2, 4)
+            expected = str(numbers[0] * numbers[1]) if len(numbers) == 2 else str(sum(numbers))  # computed here, not by the data
+            assert chat["messages"][-1] == {"role": "assistant", "content": expected} and chat["tools"] == [sample_world.CALCULATOR_SCHEMA]
+            if split == "chat_train":  # the demonstration: the call, the calculator's answer, the final answer
+                _, _, call, answer, _ = chat["messages"]
+                expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
+                assert calculator.step(tools.ToolCall("calculator", {"expression": expression})).content == answer["content"] == expected
+            else:
+                assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant"]
+    # ingest reads them as chats that carry the tool and the calls (OpenAI's layout)
+    (stored,) = layouts._chat_messages(json.loads(json.dumps(added["chat_train"][0])))
+    messages = json.loads(stored)
+    assert messages[0][TOOLS_KEY] == [sample_world.CALCULATOR_SCHEMA] and messages[2]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert sample_world.render(sample_world.build_world(on), on) == after  # same params, same data
