@@ -88,7 +88,7 @@ def questions(chat_dir: Path, split: str = "train", offered: list[dict] | None =
         elif messages and messages[-1]["role"] == "assistant" and len(messages) > 1:
             prompt, answer = split_last_answer(messages)
             if offered is not None:
-                last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+                last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(prompt) - 1)
                 prompt = [{**m, TOOLS_KEY: offered} if i == 0 else m for i, m in enumerate(messages[: last_user + 1])]
             columns = {k: v for k, v in record._asdict().items() if k not in ("id", "messages")}  # source, split: reward functions get them
             found.append(rollouts.Question(str(record.id), prompt, answer, columns))

@@ -68,6 +68,11 @@ def test_with_tools_a_questions_prompt_stops_before_the_demonstrated_calls(tool_
     assert found[0].prompt == [{"role": "user", "content": "What is 48213 times 977?", TOOLS_KEY: [schema]}]
     plain = grpo.questions(tool_workspace / "data/prepared/chat")  # without tools: everything before the answer, as before
     assert len(plain[0].prompt) == 3
+    # a chat with no user turn keeps the turns before its answer as its prompt
+    odd = [{"role": "system", "content": "Say 7."}, {"role": "assistant", "content": "7"}]
+    pd.DataFrame({"id": ["s"], "messages": [json.dumps(odd)]}).to_parquet(tool_workspace / "odd.parquet")
+    (only,) = grpo.questions(tool_workspace, "odd", offered=[schema])
+    assert only.prompt == [{"role": "system", "content": "Say 7.", TOOLS_KEY: [schema]}] and only.answer == "7"
 
 
 def test_the_call_style_comes_from_the_template_or_is_asked_for(tool_workspace, tmp_path):

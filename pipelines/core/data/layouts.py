@@ -134,7 +134,7 @@ def _arguments(value: Any, at: str) -> dict[str, Any]:
     return value
 
 
-def _tool_calls(value: Any, at: str) -> list[dict[str, Any]]:
+def tool_calls(value: Any, at: str) -> list[dict[str, Any]]:
     """Tool calls in the form Hugging Face chat templates render: `{"type": "function",
     "function": {"name", "arguments": {...}}}` (and the call's `id` where given). Read from
     OpenAI's `tool_calls` (arguments as JSON text) or a bare `{name, arguments}` (ShareGPT's
@@ -215,7 +215,7 @@ def _message_list(value: Any, label: str, images: list | None = None) -> list[di
             raise Bad(f"a tool result must follow an assistant message with tool calls (or another tool result) {at}")
         kept: dict[str, Any] = {"role": role, "content": content}
         if calls is not None:
-            kept["tool_calls"] = _tool_calls(calls, at)
+            kept["tool_calls"] = tool_calls(calls, at)
         for key in ("name", "tool_call_id"):  # OpenAI: a participant's name; the call a tool result answers
             if message.get(key) is not None:
                 named = plain(message[key])

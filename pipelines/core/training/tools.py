@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipelines.core import config, extensions
+from pipelines.core.data import layouts
 from pipelines.core.errors import QllmError
 
 
@@ -321,16 +322,11 @@ class Parsed:
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def _call_from(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        raise ValueError("a call is a JSON object with a \"name\"")
-    key = next((k for k in argument_keys if k in obj), None)
-    arguments = obj.get(key, {}) if key else {}
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API carries them
-        arguments = json.loads(arguments)
-    if not isinstance(arguments, dict):
-        raise ValueError(f"the arguments of {obj['name']!r} are not an object")
-    return ToolCall(obj["name"], arguments)
+def _calls_from(text: str) -> list[ToolCall]:
+    """The calls in one JSON value of a turn, read as ingest reads a record's tool calls
+    (`layouts.tool_calls`: `{name, arguments}` or Llama's `parameters`, arguments as an object or
+    its JSON text; one call or a list); a `ValueError` saying what is wrong."""
+    return [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in layouts.tool_calls(json.loads(text), "in the model's turn")]
 
 
 def parse_tool_calls(text: str, style: str) -> Parsed:
@@ -339,7 +335,7 @@ def parse_tool_calls(text: str, style: str) -> Parsed:
         calls, failure = [], None
         for body in _HERMES.findall(text):
             try:
-                calls.append(_call_from(json.loads(body), ("arguments", "parameters")))
+                calls.extend(_calls_from(body))
             except ValueError as exc:
                 failure = failure or f"<tool_call> block not read: {exc}"
         rest = _HERMES.sub("", text)
@@ -352,7 +348,7 @@ def parse_tool_calls(text: str, style: str) -> Parsed:
         if not body.startswith("{"):
             return Parsed([], text.strip())
         try:
-            return Parsed([_call_from(json.loads(body), ("parameters", "arguments"))], "")
+            return Parsed(_calls_from(body), "")
         except ValueError as exc:
             return Parsed([], "", f"JSON tool call not read: {exc}")
     raise ToolError(f"tool-call style {style!r}: expected one of {', '.join(STYLES)}")

@@ -201,8 +201,8 @@ def test_hermes_style_reads_several_calls_text_around_them_and_string_arguments(
 @pytest.mark.parametrize("text, style, failure", [
     ('<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}', "hermes", "<tool_call> without </tool_call>"),
     ("<tool_call>{name: calculator}</tool_call>", "hermes", "<tool_call> block not read: Expecting property name"),
-    ('<tool_call>{"arguments": {}}</tool_call>', "hermes", 'a call is a JSON object with a "name"'),
-    ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "hermes", "the arguments of 'calculator' are not an object"),
+    ('<tool_call>{"arguments": {}}</tool_call>', "hermes", "a tool call needs the function's 'name'"),
+    ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "hermes", "a tool call's arguments must be a JSON object, got list"),
     ('{"name": "calculator", "parameters": {"expression": "2+2"', "llama3", "JSON tool call not read"),
 ])  # fmt: skip
 def test_a_call_that_cannot_be_read_is_a_parse_failure_not_a_crash(text, style, failure):
