@@ -181,15 +181,31 @@ def text_similarity(predictions: list[str], references: list[str]) -> dict[str, 
     every model, so each answer is scored with the n-gram orders it has (sacrebleu's
     `effective_order`, its recommended sentence-level setting) and the scores are averaged."""
     import sacrebleu
-    from rouge_score import rouge_scorer
 
     if not predictions:
         return {"bleu": 0.0, "rougeL": 0.0}
     metric = sacrebleu.metrics.BLEU(effective_order=True)
     bleu = sum(metric.sentence_score(p, [r]).score for p, r in zip(predictions, references, strict=True)) / len(predictions)
-    scorer = rouge_scorer.RougeScorer(["rougeL"])
-    rouge = sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references, strict=True)) / len(predictions)
+    rouge = sum(rouge_l(r, p) for p, r in zip(predictions, references, strict=True)) / len(predictions)
     return {"bleu": round(bleu, 4), "rougeL": round(rouge, 4)}
+
+
+def rouge_l(reference: str, prediction: str) -> float:
+    """rouge-score's ROUGE-L F-measure (`RougeScorer(["rougeL"]).score(reference, prediction)`),
+    from its own tokenizer and F-measure, without its `rouge_scorer` module: that module imports
+    NLTK (for a stemmer this metric does not use), 1.4 s of every evaluating process on a 2-core
+    AVX2-only EPYC. The longest common subsequence is the same dynamic programme, one row kept."""
+    from rouge_score import scoring, tokenize
+
+    ref, pred = tokenize.tokenize(reference, None), tokenize.tokenize(prediction, None)
+    if not ref or not pred:
+        return 0.0
+    row = [0] * (len(pred) + 1)
+    for word in ref:
+        diagonal = 0
+        for j, other in enumerate(pred, start=1):
+            diagonal, row[j] = row[j], diagonal + 1 if word == other else max(row[j], row[j - 1])
+    return scoring.fmeasure(row[-1] / len(pred), row[-1] / len(ref))
 
 
 class BertScore:
