@@ -74,9 +74,31 @@ def resolve(params: BaseModelParams, root: Path) -> dict[str, Any]:
     return {"name": params.name, "kind": "hub", "revision": snapshot.name}
 
 
+def chat_template(path: str, root: Path) -> str:
+    """The text of `base_model.chat_template_path`, checked to be a Jinja template that renders a
+    chat (errors name the key, the file and, for a syntax error, its line)."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    file = Path(path) if Path(path).is_absolute() else root / path
+    if not file.is_file():
+        raise QllmError(f"base_model.chat_template_path={path!r}: no such file (expected a Jinja chat template, relative to the project)")
+    text = file.read_text(encoding="utf-8")
+    try:
+        render_jinja_template([[{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]], chat_template=text)
+    except TemplateSyntaxError as exc:
+        raise QllmError(f"{path}, line {exc.lineno}: not a Jinja chat template ({exc.message}) (base_model.chat_template_path)") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to render a plain chat is the file's
+        raise QllmError(f"{path}: the chat template cannot render a plain chat ({type(exc).__name__}: {exc}) (base_model.chat_template_path)") from None
+    return text
+
+
 def run(root: Path, out: Path, params: BaseModelParams | None) -> dict[str, Any]:
-    """Write what `out` records of the base (`{"name": null}` for None: pretrained here)."""
+    """Write what `out` records of the base (`{"name": null}` for None: pretrained here), with the
+    text of the chat template that replaces the base's (`chat_template_path`), if any."""
     record = {"name": None} if params is None else resolve(params, project_root(root))
+    if params is not None and params.chat_template_path is not None:
+        record[model_source.CHAT_TEMPLATE] = chat_template(params.chat_template_path, project_root(root))
     write_json(out, record)
     return record
 
@@ -84,7 +106,7 @@ def run(root: Path, out: Path, params: BaseModelParams | None) -> dict[str, Any]
 def params(ctx: world.Context) -> BaseModelParams | None:
     """The `base_model` section, validated with the rest of params.yaml (errors name file and line);
     None for the default, nothing set (pretrain one here), known without importing the schema."""
-    if set(ctx.section) <= {"name", "revision"} and all(value is None for value in ctx.section.values()):
+    if set(ctx.section) <= {"name", "revision", "chat_template_path"} and all(value is None for value in ctx.section.values()):
         return None
     from pipelines.core import params_file  # pydantic: only where a base model is named
 
@@ -96,7 +118,8 @@ def body(ctx: world.Context) -> dict:
     if record["name"] is None:
         ctx.log.info("base model: pretrained here (base_model.name is null)")
     else:
-        ctx.log.info("base model: %s (%s)", record["name"], record.get("revision") or record.get("md5"))
+        ctx.log.info("base model: %s (%s)%s", record["name"], record.get("revision") or record.get("md5"),
+                     f", chat template from {ctx.section['chat_template_path']}" if model_source.CHAT_TEMPLATE in record else "")  # fmt: skip
     return {"fine_tuning": record["name"] is not None}
 
 

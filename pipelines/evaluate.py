@@ -16,6 +16,11 @@ For each model in `evaluate.models` (stage outputs `data/models/<stage>`), `eval
   its last assistant turn, rendered with the chat template and answered by greedy decoding;
   exact match compares after `chat.normalize_answer` (first line, trimmed, case-folded, no
   trailing punctuation). Every prediction goes to `data/evaluate/<model>/predictions.jsonl`;
+- with `evaluate.tools.functions` set, a question whose chat offers tools is answered by a greedy
+  episode instead (`episodes.run`: the model's calls run, their results read, each turn up to
+  `max_new_tokens`) and its last turn is the answer scored; `tool_questions` counts them and
+  `tool_calls_correct` is the share whose episode called a tool, every call parsed, named an offered
+  tool and returned without error; each episode's turns go to predictions.jsonl (`episode`);
 - `bertscore_f1` (+ `_precision`, `_recall`), with `evaluate.bertscore_model` set: BERTScore of the
   same answers against the references with that local encoder (`BertScore`), mean over questions;
 - `preference_accuracy`: how often the model gives the chosen answer of a held-out preference pair
@@ -61,12 +66,13 @@ from pipelines.core.data.chat_template import (
     parse_messages,
     render_prompt,
     split_last_answer,
+    tools_of,
 )
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
 from pipelines.core.outputs import atomic_dir, read_json
 from pipelines.core.run import plots, stage
-from pipelines.core.training import chunked_loss, diffusion, loop, losses, objectives, preference_data
+from pipelines.core.training import chunked_loss, diffusion, episodes, loop, losses, objectives, preference_data, tools
 from pipelines.core.workspace import project_root
 
 NAME = "evaluate"
@@ -76,7 +82,7 @@ COMPARISON = "comparison.csv"
 MULTIMODAL = "multimodal"
 """The multimodal stage's model directory, next to the others."""
 PLOTS = "plots"
-COMPARED = ("exact_match", "flexible_match", "bleu", "rougeL", "bertscore_f1", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
+COMPARED = ("exact_match", "flexible_match", "bleu", "rougeL", "bertscore_f1", "tool_calls_correct", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
 """The columns of the comparison table (those a model has)."""
 
 
@@ -147,6 +153,36 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
         for index, text in zip(chunk, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
             answers[index] = text.strip()
     return answers
+
+
+def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: EvaluateParams) -> tuple[list[str], list[dict | None]]:
+    """Greedy answers (`generate_answers`), those to prompts that offer tools from a greedy episode
+    with `params.tools` (one-turn when it lists none): (answers, each one's episode or None)."""
+    offered = [tools.load(name, f"evaluate.tools.functions[{i}]") for i, name in enumerate(params.tools.functions)]
+    with_tools = [i for i, prompt in enumerate(prompts) if offered and tools_of(prompt)[1]]
+    plain = sorted(set(range(len(prompts))) - set(with_tools))
+    answers: list[str] = [""] * len(prompts)
+    transcripts: list[dict | None] = [None] * len(prompts)
+    for index, answer in zip(plain, generate_answers(model, tokenizer, [prompts[i] for i in plain], params.max_new_tokens, params.batch_size), strict=True):
+        answers[index] = answer
+    if not with_tools:
+        return answers, transcripts
+    style = episodes.tool_style(tokenizer, params.tools.style, "evaluate.tools.style")
+    for start in range(0, len(with_tools), params.batch_size):
+        chunk = with_tools[start : start + params.batch_size]
+        environments = [tools.ToolEnvironment(offered, params.tools.timeout_seconds) for _ in chunk]
+        got = episodes.run(model, tokenizer, [prompts[i] for i in chunk], environments, group_size=1, max_turn_tokens=params.max_new_tokens,
+                           max_turns=params.tools.max_turns, style=style, temperature=0.0)  # fmt: skip
+        for index, transcript in zip(chunk, got.transcripts, strict=True):
+            answers[index] = transcript.answer.strip()
+            transcripts[index] = {"turns": transcript.turns, "truncated": transcript.truncated}
+    return answers, transcripts
+
+
+def called_correctly(episode: dict) -> bool:
+    """An episode called a tool, and every call parsed, named an offered tool and returned."""
+    calls = [c for turn in episode["turns"] for c in turn["calls"]]
+    return bool(calls) and not any(turn["parse_failure"] for turn in episode["turns"]) and all(c["error"] is None for c in calls)
 
 
 def group_of(example_id: str) -> str:
@@ -345,8 +381,10 @@ def evaluate_model(
         general = {"general_loss": round(general_loss, 6), "general_perplexity": round(math.exp(min(general_loss, 50.0)), 4)}
 
     generating = time.perf_counter()
-    predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.max_new_tokens, params.batch_size)
+    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params)
     generate_seconds = time.perf_counter() - generating
+    episodes_run = [t for t in transcripts if t is not None]
+    tool_metrics = {"tool_questions": len(episodes_run), "tool_calls_correct": round(sum(map(called_correctly, episodes_run)) / len(episodes_run), 4)} if episodes_run else {}
     correct, exact_by_group = exact_match_report(questions, predictions)
     flexible, flexible_by_group = flexible_match_report(questions, predictions)
     similarity = text_similarity(predictions, questions["reference"].tolist())
@@ -359,9 +397,9 @@ def evaluate_model(
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "predictions.jsonl", "w", encoding="utf-8") as handle:
-        for row, prediction, ok, loose in zip(questions.itertuples(index=False), predictions, correct, flexible, strict=True):
+        for row, prediction, ok, loose, episode in zip(questions.itertuples(index=False), predictions, correct, flexible, transcripts, strict=True):
             record = {"id": row.id, "prompt": row.prompt[-1]["content"], "reference": row.reference, "prediction": prediction, "correct": ok,
-                      "flexible": loose}  # fmt: skip
+                      "flexible": loose, **({"episode": episode} if episode is not None else {})}  # fmt: skip
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     return {
         "val_loss": round(val_loss, 6),
@@ -373,6 +411,7 @@ def evaluate_model(
         "flexible_match": round(sum(flexible) / max(1, len(flexible)), 4),
         "flexible_match_by_group": flexible_by_group,
         **similarity,
+        **tool_metrics,
         **preference,
         "eval_seconds": round(seconds, 3),
         "seconds_per_question": round(generate_seconds / max(1, len(predictions)), 4),  # batched greedy generation

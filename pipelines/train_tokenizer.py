@@ -190,14 +190,15 @@ def add_mask_token(tokenizer) -> None:
     tokenizer.add_special_tokens({"mask_token": MASK})
 
 
-def use_base(base_dir: Path, prepared: Path, out: Path, name: str) -> dict[str, float]:
+def use_base(base_dir: Path, prepared: Path, out: Path, record: dict) -> dict[str, float]:
     """Fine-tuning mode (`base_model.name` set): save the base model's tokenizer, chat template
-    included, instead of training one; report its compression on the validation text."""
+    included (or the one `base_model.chat_template_path` gives), instead of training one; report
+    its compression on the validation text."""
     from pipelines.core.models.models import load_tokenizer
 
-    tokenizer = load_tokenizer(base_dir)
+    tokenizer = model_source.with_chat_template(load_tokenizer(base_dir), record)
     if tokenizer.eos_token_id is None:
-        raise QllmError(f"base_model.name={name!r}: its tokenizer has no EOS token (tokenize separates documents with it)")
+        raise QllmError(f"base_model.name={record['name']!r}: its tokenizer has no EOS token (tokenize separates documents with it)")
     with atomic_dir(out) as tmp:
         tokenizer.save_pretrained(tmp)
     return {"vocab_size": len(tokenizer), "chars_per_token": chars_per_token(tokenizer, validation_batches(prepared)), "trained": False}
@@ -207,7 +208,7 @@ def body(ctx: stage.StageContext) -> dict:
 
     record = model_source.current(ctx.root)
     if record["name"] is not None:
-        metrics = use_base(model_source.location(record, workspace.project_root(ctx.root)), ctx.input("prepared"), ctx.output(), record["name"])
+        metrics = use_base(model_source.location(record, workspace.project_root(ctx.root)), ctx.input("prepared"), ctx.output(), record)
         ctx.log.info("tokenizer: the base model's (%s, %d tokens), not trained", record["name"], metrics["vocab_size"])
         return metrics
     metrics = run(ctx.input("prepared"), ctx.output(), ctx.params)

@@ -125,3 +125,8 @@ LLAMA31_TOOLS = Family("llama3.1", (TEMPLATES / "llama3.1-json-tools.jinja").rea
 HERMES = Family("hermes", (TEMPLATES / "hermes-tools.jinja").read_text(), ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                 eos="<|im_end|>", end_of_turn="<|im_end|>")  # fmt: skip
 TOOL_FAMILIES = (QWEN25, LLAMA31_TOOLS, HERMES)
+# SmolLM2-Instruct's own template (no tools), and the project's SmolLM2 template with tools (templates/).
+SMOLLM2 = Family("smollm2", (TEMPLATES / "smollm2-instruct.jinja").read_text(), ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                 eos="<|im_end|>", end_of_turn="<|im_end|>")  # fmt: skip
+SMOLLM2_TOOLS = Family("smollm2-tools", (Path(__file__).parents[1] / "templates" / "smollm2-tools.jinja").read_text(),
+                       ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), eos="<|im_end|>", end_of_turn="<|im_end|>")  # fmt: skip

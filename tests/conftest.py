@@ -19,7 +19,7 @@ import yaml
 import pipelines  # noqa: F401  (first: it keys torch.compile's kernel cache by the CPU cap before torch fixes it)
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ["pipelines", "tasks", "flows", "params", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
+PROJECT_FILES = ["pipelines", "tasks", "flows", "params", "templates", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
 TEST_ENV = {
     "DVC_NO_ANALYTICS": "1",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

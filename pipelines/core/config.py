@@ -967,7 +967,8 @@ def user_tool(name: str, where: str):
 
 
 class ToolsParams(Section):
-    """Tools the model may call inside GRPO's rollouts: multi-turn episodes (docs/grpo.md "Tools")."""
+    """Tools the model may call: multi-turn episodes in GRPO's rollouts, and in evaluate's answers to
+    the held-out questions that offer tools (docs/grpo.md "Tools")."""
 
     functions: list[str] = []
     """`calculator` (built in: exact arithmetic) or a user's `package.module:function` with type hints and a
@@ -1122,6 +1123,11 @@ ModelStage = Literal["pretrain", "sft", "lora", "dpo", "grpo"]
 class EvaluateParams(Section):
     models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora", "dpo", "grpo"], min_length=1)
     """Models to evaluate on the same held-out sets (outputs of these stages)."""
+    tools: ToolsParams = ToolsParams()
+    """The tools a held-out question that offers them (its chat's `tools`) is answered with: a greedy
+    episode (calls, results, answer), the answer scored as any other, each episode in
+    predictions.jsonl and `tool_calls_correct` among the metrics. Empty: one-turn answers (a model
+    that writes a call has answered with the call)."""
     max_new_tokens: int = Field(16, ge=1)
     """Greedy decoding length for exact-match answers."""
     batch_size: int = Field(32, ge=1)
@@ -1236,9 +1242,16 @@ class BaseModelParams(Section):
     revision: str | None = None
     """Hub only: a branch, tag or commit; resolved to the commit it names (in data/base_model.json),
     so a new revision reruns everything downstream. None: the hub's default branch."""
+    chat_template_path: str | None = None
+    """A Jinja chat template file (relative to the project) that replaces the base's own in every
+    stage, as TRL's `chat_template_path` does: for a base whose template cannot render tools
+    (SmolLM2's: `templates/smollm2-tools.jinja`, its own rendering plus Qwen2.5's Hermes-style
+    tools). Its text is recorded in data/base_model.json, so editing it reruns what follows.
+    None: the base's own template."""
 
     @model_validator(mode="after")
     def _revision_needs_a_name(self) -> BaseModelParams:
+        _only_with(self, "chat_template_path", "name", "it replaces a base model's chat template; the project's own tokenizer has the project's")
         return _only_with(self, "revision", "name", "a revision names a version of a hub model")
 
 

@@ -16,7 +16,7 @@ from pipelines.core import dag
 from pipelines.core.config import BaseModelParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import model_source
-from tests.chat_families import CHATML, save_base_model
+from tests.chat_families import CHATML, SMOLLM2_TOOLS, save_base_model
 from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 
 TEXTS = ["Tovik lives in Pelora. Marela works as a baker.", "What is 3 plus 4? 7", "Answer with one word or number."] * 20
@@ -74,7 +74,7 @@ def test_the_registered_version_names_its_base(first, project):
     from pipelines.core.run import lineage
 
     trail = {s["stage"]: s for s in lineage.build(project)["stages"]}
-    assert trail["base_model"]["params"] == {"name": BASE, "revision": None}
+    assert trail["base_model"]["params"] == {"name": BASE, "revision": None, "chat_template_path": None}
     assert trail["pretrain"]["deps"]["data/base_model.json"] == dag.dvc_md5(project / "data/base_model.json")
 
 
@@ -153,7 +153,44 @@ def test_bad_base_model_settings_are_clear_errors(tmp_path):
         base_model.resolve(BaseModelParams(name=str(source), revision="main"), tmp_path)
 
 
+def test_a_chat_template_file_replaces_the_bases_wherever_its_tokenizer_is_taken(tmp_path):
+    """`base_model.chat_template_path`: the file's text is recorded (so editing it reruns what
+    follows), and the base's tokenizer carries it through a pointer and into data/tokenizer."""
+    import pandas as pd
+
+    from pipelines import train_tokenizer
+    from pipelines.core.models.models import load_model_and_tokenizer
+
+    save_base_model(CHATML, TEXTS, tmp_path / BASE)
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates/tools.jinja").write_text(SMOLLM2_TOOLS.template)
+    params = BaseModelParams(name=BASE, chat_template_path="templates/tools.jinja")
+    record = base_model.run(tmp_path, tmp_path / "data/base_model.json", params)
+    assert record == {"name": BASE, "kind": "local", "md5": dag.dvc_md5(tmp_path / BASE), "chat_template": SMOLLM2_TOOLS.template}
+    assert json.loads((tmp_path / "data/base_model.json").read_text()) == record
+    pointer = tmp_path / "data/models/pretrain"
+    pointer.mkdir(parents=True)
+    (pointer / model_source.POINTER).write_text(json.dumps(record))
+    assert load_model_and_tokenizer(pointer)[1].chat_template == SMOLLM2_TOOLS.template  # every stage that loads the base
+    (tmp_path / "prepared/text").mkdir(parents=True)
+    pd.DataFrame({"text": TEXTS[:3]}).to_parquet(tmp_path / "prepared/text/validation.parquet")
+    train_tokenizer.use_base(tmp_path / BASE, tmp_path / "prepared", tmp_path / "data/tokenizer", record)
+    saved = json.loads((tmp_path / "data/tokenizer/tokenizer_config.json").read_text()).get("chat_template") or (tmp_path / "data/tokenizer/chat_template.jinja").read_text()
+    assert saved == SMOLLM2_TOOLS.template
+    without = base_model.run(tmp_path, tmp_path / "data/base_model.json", BaseModelParams(name=BASE))
+    assert "chat_template" not in without and load_model_and_tokenizer(tmp_path / BASE)[1].chat_template == CHATML.template
+
+    with pytest.raises(ValueError, match="chat_template_path is set but name is not"):
+        BaseModelParams(chat_template_path="templates/tools.jinja")
+    with pytest.raises(QllmError, match=r"base_model.chat_template_path='templates/none.jinja': no such file"):
+        base_model.run(tmp_path, tmp_path / "out.json", BaseModelParams(name=BASE, chat_template_path="templates/none.jinja"))
+    (tmp_path / "templates/broken.jinja").write_text("{% for m in messages %}\n{{ m.content }}\n{% endfo %}")
+    with pytest.raises(QllmError, match=r"templates/broken.jinja, line 3: not a Jinja chat template .*\(base_model.chat_template_path\)"):
+        base_model.run(tmp_path, tmp_path / "out.json", BaseModelParams(name=BASE, chat_template_path="templates/broken.jinja"))
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_default_mode_records_no_base_and_pretrains(tmp_path):
     assert base_model.resolve(BaseModelParams(), tmp_path) == {"name": None}
     params = yaml.safe_load((Path(__file__).resolve().parents[2] / "params.yaml").read_text())
-    assert params["base_model"] == {"name": None, "revision": None}
+    assert params["base_model"] == {"name": None, "revision": None, "chat_template_path": None}

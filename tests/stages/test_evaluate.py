@@ -151,3 +151,22 @@ def test_generation_pads_on_the_left_and_leaves_the_tokenizer_as_it_was(tiny_bas
     alone = [evaluate.generate_answers(model, tokenizer, [p], 4, batch_size=1)[0] for p in prompts]
     assert batched == alone  # left padding: the shorter prompt's answer is not cut off by padding
     assert tokenizer.padding_side == "right"
+
+
+def test_questions_that_offer_tools_are_answered_by_greedy_episodes():
+    """`evaluate.tools`: a scripted model (tests/core/training/test_episodes.py) answers through the
+    real calculator; a call to a tool evaluate was not given reads an error; the episodes' last turns
+    are the answers, and `called_correctly` holds only where every call parsed and returned."""
+    from pipelines.core.config import EvaluateParams, ToolsParams
+    from tests.chat_families import QWEN25
+    from tests.core.training.test_episodes import setup
+
+    tokenizer, model, _, prompts = setup(QWEN25, "hermes")
+    params = EvaluateParams(tools=ToolsParams(functions=["calculator"]), max_new_tokens=64, batch_size=2)  # 5 questions: chunks of 2, 2, 1
+    answers, transcripts = evaluate.answers_with_tools(model, tokenizer, prompts, params)
+    assert answers[:2] == ["47104101", "Pelora"] and answers[3] == "I do not know"
+    product, refuse, bad_parse, weather, power = transcripts
+    assert product["turns"][0]["calls"] == [{"name": "calculator", "arguments": {"expression": "48213 * 977"}, "observation": "47104101", "error": None}]
+    assert weather["turns"][0]["calls"][0]["error"] == "unknown_tool"  # offered in the chat, not given to evaluate
+    assert power["truncated"] and not product["truncated"]
+    assert [evaluate.called_correctly(t) for t in transcripts] == [True, False, False, False, False]

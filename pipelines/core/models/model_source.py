@@ -24,6 +24,9 @@ RECORD = "data/base_model.json"
 """What the `base_model` stage writes (its `dvc.yaml` out)."""
 POINTER = "base_model.json"
 """In `data/models/pretrain/` when `pretrain` trained nothing: the record of `OUT`."""
+CHAT_TEMPLATE = "chat_template"
+"""A record's key for the text of `base_model.chat_template_path`, which replaces the base's
+template wherever its tokenizer is taken (`with_chat_template`)."""
 # A hub repo id: `name` or `namespace/name`. Anything else (an absolute path, `./x`, `a/b/c`, ...)
 # can only be a local directory, and so can a path under the project's `data/`.
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
@@ -103,6 +106,13 @@ def follow(model_dir: Path | str) -> Path | str:
         return model_dir
     record = read_json(pointer)
     return location(record, project_root(Path(model_dir).resolve().parents[2]))
+
+
+def with_chat_template(tokenizer, record: dict[str, Any] | None):
+    """`tokenizer` with the chat template a base's record carries (`CHAT_TEMPLATE`), if any."""
+    if record and record.get(CHAT_TEMPLATE) is not None:
+        tokenizer.chat_template = record[CHAT_TEMPLATE]
+    return tokenizer
 
 
 def pointed(model_dir: Path | str) -> dict[str, Any] | None:

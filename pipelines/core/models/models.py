@@ -20,7 +20,7 @@ from pipelines.core.config import ModelParams
 from pipelines.core.data.chat_template import IM_END, end_of_turn_token
 from pipelines.core.errors import QllmError
 from pipelines.core.models import gguf_import
-from pipelines.core.models.model_source import follow, local_model_dir, model_location
+from pipelines.core.models.model_source import follow, local_model_dir, model_location, pointed, with_chat_template
 
 # transformers builds models under process-wide patches (default dtype, meta-device creation,
 # init hooks; `PreTrainedModel.get_init_context`). Stages run in Prefect worker threads, and a
@@ -139,14 +139,15 @@ def load_tokenizer(path: Path | str):
     """Load the tokenizer of a model directory (or a tokenizer directory, a hub name, a GGUF file)."""
     from transformers import AutoTokenizer
 
-    path = _follow(path)
+    record, path = pointed(path), _follow(path)  # a pointer's base: with the template its record carries
     if (gguf := _gguf_file(path)) is not None:
-        return gguf_import.load_tokenizer(gguf)
+        return with_chat_template(gguf_import.load_tokenizer(gguf), record)
     _check_tokenizer_files(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         raise QllmError(f"{path}: cannot load a tokenizer ({exc})") from None
+    return with_chat_template(tokenizer, record)
 
 
 def load_causal_lm(path: Path | str, dtype: torch.dtype = torch.float32, quantization=None):
@@ -213,12 +214,12 @@ def check_vocabulary(model, tokenizer, path: Path | str) -> None:
 
 def load_model_and_tokenizer(path: Path | str, dtype: torch.dtype = torch.float32, quantization=None):
     """(model, tokenizer) of one model directory (or hub name), checked to match each other."""
-    path = _follow(path)
+    record, path = pointed(path), _follow(path)
     if _gguf_file(path) is None:
         check_model_files(path)  # what is missing, before the slow part
         _check_tokenizer_files(path)
     model = load_causal_lm(path, dtype, quantization)
-    tokenizer = load_tokenizer(path)
+    tokenizer = with_chat_template(load_tokenizer(path), record)
     check_vocabulary(model, tokenizer, path)
     return model, tokenizer
 

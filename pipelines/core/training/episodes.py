@@ -197,9 +197,9 @@ def sampler(offered: Sequence[tools.Tool], *, max_turns: int, style: str, timeou
     return generate
 
 
-def tool_style(tokenizer, style: str) -> str:
+def tool_style(tokenizer, style: str, key: str = "grpo.tools.style") -> str:
     """`style`, or with `auto` the one the chat template writes calls in (`<tool_call>`: hermes;
-    Llama 3.1's `ipython` role: llama3); a `QllmError` naming `grpo.tools.style` if it cannot tell."""
+    Llama 3.1's `ipython` role: llama3); a `QllmError` naming `key` if it cannot tell."""
     if style != "auto":
         return style
     template = chat_template_of(tokenizer)
@@ -208,5 +208,5 @@ def tool_style(tokenizer, style: str) -> str:
     if "ipython" in template or "<|python_tag|>" in template:
         return "llama3"
     name = getattr(tokenizer, "name_or_path", "") or "the model"
-    raise QllmError(f"grpo.tools.style: auto cannot tell how {name}'s chat template writes tool calls (no `<tool_call>`, no Llama 3.1 "
+    raise QllmError(f"{key}: auto cannot tell how {name}'s chat template writes tool calls (no `<tool_call>`, no Llama 3.1 "
                     "`ipython` role); set it to hermes or llama3")  # fmt: skip

@@ -57,7 +57,10 @@ class Rollouts:
 
 def _draw(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """One token per row from `softmax(logits / temperature)`, restricted to the smallest set of
-    tokens whose probability reaches `top_p` (nucleus sampling; 1.0: all)."""
+    tokens whose probability reaches `top_p` (nucleus sampling; 1.0: all); temperature 0: the most
+    likely token (greedy, as `generate(do_sample=False)`)."""
+    if temperature == 0:
+        return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -85,9 +88,10 @@ def sample_ids(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
                top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`group_size` continuations of each left-padded row of `prompt_ids` (consecutive rows per
     prompt), each up to and including its first stop token (`stop_token_ids`) or `max_new_tokens`:
-    (ids right-padded, their mask, truncated: no stop token)."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to sample a group, got {temperature}")
+    (ids right-padded, their mask, truncated: no stop token). Temperature 0 is greedy, one
+    continuation a prompt."""
+    if temperature < 0 or (temperature == 0 and group_size > 1):
+        raise ValueError(f"temperature must be > 0 to sample a group (0: greedy, one continuation a prompt), got {temperature} for groups of {group_size}")
     was_training = model.training
     model.eval()
     device = prompt_ids.device

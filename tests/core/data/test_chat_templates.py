@@ -11,7 +11,7 @@ from pipelines.core.data import chat_examples, chat_template
 from pipelines.core.data.chat_examples import IGNORE
 from pipelines.core.models.models import load_tokenizer, stop_token_ids
 from pipelines.core.training import preference_data
-from tests.chat_families import FAMILIES, Family, save_base_model, tokenizer_for
+from tests.chat_families import FAMILIES, QWEN25, SMOLLM2, SMOLLM2_TOOLS, Family, save_base_model, tokenizer_for
 from tests.conftest import CHATS
 
 TEXTS = [m["content"] for c in CHATS for m in c] * 5 + ["You are a helpful assistant.", "Answer with one word."]
@@ -188,3 +188,33 @@ def test_the_projects_template_renders_tools_and_calls_and_chats_without_them_as
     example = chat_template.render_with_assistant_mask(tokenizer, chat)
     trained = tokenizer.decode([i for i, m in zip(example["input_ids"], example["assistant_masks"], strict=True) if m])
     assert "<tool_call>" in trained and "47104101<|im_end|>" in trained and "tool: 47104101" not in trained
+
+
+def test_the_smollm2_tools_template_renders_plain_chats_as_smollm2s_own_and_tools_as_qwen25_does():
+    """templates/smollm2-tools.jinja (base_model.chat_template_path for SmolLM2): what SmolLM2 was
+    trained on is unchanged, and a tool chat is Qwen2.5's Hermes-style rendering with SmolLM2's
+    default system turn, which `grpo.tools.style: auto` reads as hermes."""
+    from pipelines.core.training import episodes, tools
+
+    own, with_tools, qwen = (tokenizer_for(f, TEXTS) for f in (SMOLLM2, SMOLLM2_TOOLS, QWEN25))
+    for chat in [*CHATS, [{"role": "user", "content": "Hi"}]]:
+        for generation in (False, True):
+            assert chat_template.render_chat(with_tools, chat, generation) == chat_template.render_chat(own, chat, generation)
+    schema = tools.load("calculator").schema
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "48213 * 977"}}}
+    for system in ([], [{"role": "system", "content": "Answer with a number."}]):
+        chat = [*system, {"role": "user", "content": "What is 48213 times 977?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": "47104101"}, {"role": "assistant", "content": "47104101"}]  # fmt: skip
+        chat[0] = {**chat[0], chat_template.TOOLS_KEY: [schema]}
+        text = chat_template.render_chat(with_tools, chat)
+        assert text == chat_template.render_chat(qwen, chat).replace("You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+                                                                      "You are a helpful AI assistant named SmolLM, trained by Hugging Face")  # fmt: skip
+        assert text.startswith("<|im_start|>system\n" + (system[0]["content"] if system else "You are a helpful AI assistant named SmolLM"))
+        assert '\n<tools>\n{"type": "function", "function": {"name": "calculator"' in text
+        turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+        assert tools.parse_tool_calls(turn, "hermes") == tools.Parsed([tools.ToolCall("calculator", {"expression": "48213 * 977"})], "")
+        assert "<|im_start|>user\n<tool_response>\n47104101\n</tool_response><|im_end|>" in text
+        chat_template.check_tool_support(with_tools, chat)
+        with pytest.raises(chat_template.ChatTemplateError, match="does not render tool calls"):
+            chat_template.check_tool_support(own, chat)
+    assert episodes.tool_style(with_tools, "auto") == "hermes"

@@ -117,3 +117,24 @@ def test_log_probabilities_are_of_the_distribution_sampled_at_the_temperature(ti
     trl_logps, trl_entropy = selective_log_softmax_and_entropy(last, first, temperature=temperature)
     torch.testing.assert_close(logps[:, 0], trl_logps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy[:, 0], trl_entropy, atol=1e-4, rtol=1e-4)
+
+
+def test_temperature_zero_is_greedy_decoding_as_generate_does_it(tiny_base):
+    """Temperature 0 (evaluate's episodes): the most likely token each step, the tokens
+    transformers' `generate(do_sample=False)` gives for the same prompts; a group needs sampling."""
+    import pytest
+
+    from pipelines.core.data.chat_template import left_padding, render_prompt
+
+    tokenizer = load_tokenizer(tiny_base / "model")
+    model = load_causal_lm(tiny_base / "model").eval()
+    with left_padding(tokenizer):
+        encoded = tokenizer([render_prompt(tokenizer, p) for p in PROMPTS], return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask, _ = rollouts.sample_ids(model, tokenizer, encoded["input_ids"], encoded["attention_mask"], group_size=1, max_new_tokens=10, temperature=0.0)
+    expected = model.generate(**encoded, max_new_tokens=10, do_sample=False, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    expected = expected[:, encoded["input_ids"].shape[1] :]
+    for row in range(len(PROMPTS)):
+        n = int(mask[row].sum())
+        assert ids[row, :n].tolist() == expected[row, :n].tolist()
+    with pytest.raises(ValueError, match="temperature must be > 0 to sample a group"):
+        rollouts.sample_ids(model, tokenizer, encoded["input_ids"], encoded["attention_mask"], group_size=2, max_new_tokens=4, temperature=0.0)
