@@ -74,9 +74,11 @@ run-smollm2: install-smollm2
 	PATH="$(BIN):$$PATH" $(VENV)/bin/qllm run --params params/smollm2.yaml $(ARGS)
 
 # The suite on every core (pytest-xdist: one worker per core; a module's tests stay on one worker,
-# so its module-scoped tiny pipeline runs once). `make test TEST_WORKERS=0` runs it in one process.
+# so its module-scoped tiny pipeline runs once; the longest modules first, in tests/conftest.py's
+# order, which xdist's default reordering by test count would undo). `make test TEST_WORKERS=0`
+# runs it in one process.
 TEST_WORKERS ?= auto
-PYTEST = PATH="$(BIN):$$PATH" $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+PYTEST = PATH="$(BIN):$$PATH" $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 # The docs' screenshot test drives a headless Chromium: QLLM_CHROMIUM or one on PATH, else the
 # system's package where apt-get runs as root (Debian: chromium), else Playwright's own build.

@@ -57,9 +57,18 @@ def _absl_handler_writes_to_the_real_stderr() -> None:
 _absl_handler_writes_to_the_real_stderr()
 
 
-LONGEST_FIRST = ("tests/e2e/test_team.py", "tests/e2e/test_pipeline_e2e.py", "tests/e2e/test_remote.py")
-"""Modules of minutes each, which `make test` starts first: pytest-xdist (`--dist loadscope`) hands
-modules to its workers in collection order, and one of these collected last ran alone at the end."""
+LONGEST_FIRST = (
+    "tests/e2e/test_pipeline_e2e.py", "tests/flows/test_deployments.py", "tests/docs/test_screenshots.py", "tests/e2e/test_team.py",
+    "tests/e2e/test_preference_methods.py", "tests/e2e/test_remote.py", "tests/e2e/test_concurrent_runs.py", "tests/core/training/test_stop_signals.py",
+    "tests/e2e/test_same_bytes.py", "tests/e2e/test_mlflow_server.py", "tests/e2e/test_worker_image.py", "tests/e2e/test_resume_kill.py",
+    "tests/flows/test_cli_tools.py", "tests/e2e/test_finetune_mode.py", "tests/core/data/test_real_layouts.py", "tests/core/training/test_distributed.py",
+    "tests/benchmarks/test_gpu_check.py", "tests/flows/test_local_api.py", "tests/flows/test_lm_eval.py", "tests/stages/test_multimodal.py",
+)  # fmt: skip
+"""The modules over 30 s in `make test` (`python -m benchmarks.suite_time`, on the AVX2-only EPYC),
+longest first, which `make test` starts first and the short ones after: the longest job first
+balances the two workers best. pytest-xdist (`--dist loadscope --no-loadscope-reorder`) hands
+modules to its workers in collection order; with its default reordering (most tests first) these
+modules, which have few tests each, ran last and one of them alone at the end."""
 
 
 def pytest_collection_modifyitems(config, items) -> None:

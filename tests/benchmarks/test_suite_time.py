@@ -59,3 +59,21 @@ def test_a_file_that_is_not_a_record_is_named(tmp_path):
     bad.write_text("{")
     with pytest.raises(SystemExit, match="x.json: not a suite-times file"):
         suite_time.load(bad)
+
+
+def test_make_test_hands_out_the_longest_modules_first():
+    """`tests/conftest.py` collects `LONGEST_FIRST` first, longest first, and `make test` keeps that
+    order: pytest-xdist's default `--loadscope-reorder` sorts modules by their number of tests,
+    which put these (a few long tests each) last, one of them running alone at the end."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert all((REPO / path).is_file() for path in LONGEST_FIRST)  # a renamed module would be silently unordered
+    dry = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    command = next(line for line in dry.splitlines() if " -m pytest" in line)
+    assert "--dist loadscope --no-loadscope-reorder" in command, command
+    modules = ["tests/core/test_outputs.py", LONGEST_FIRST[3], LONGEST_FIRST[0]]
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *modules], cwd=REPO, capture_output=True,
+                          text=True, env=outside_xdist())  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    order = list(dict.fromkeys(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line))
+    assert order == [LONGEST_FIRST[0], LONGEST_FIRST[3], "tests/core/test_outputs.py"]
