@@ -78,6 +78,10 @@ class ToolArithmeticParams(Section):
     `heldout-toolarith-d<digits>-N`, so `evaluate` reports exact match per difficulty)."""
     digits: list[int] = Field(default_factory=lambda: [2, 3, 4], min_length=1)
     """The difficulties: operands of this many digits, in products of two and sums of four."""
+    calls: bool = True
+    """The demonstrations call the calculator and the held-out questions offer it. False: the same
+    questions (same ids and answers) answered directly, with no tool anywhere: the baseline of a
+    model doing the arithmetic in its head."""
 
     @field_validator("digits")
     @classmethod
@@ -85,6 +89,13 @@ class ToolArithmeticParams(Section):
         if any(not 1 <= d <= 6 for d in digits) or len(set(digits)) != len(digits):
             raise ValueError(f"digits: distinct numbers from 1 to 6 (operands of that many digits), got {digits}")
         return digits
+
+    @model_validator(mode="after")
+    def _used(self) -> ToolArithmeticParams:
+        changed = [name for name in ("train", "heldout", "digits", "calls") if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)]
+        if changed and not self.enabled:
+            raise ValueError(f"{', '.join(changed)}: set, but `enabled` is false, so no such question is made; set enabled: true")
+        return self
 
 
 class SampleDataParams(Section):

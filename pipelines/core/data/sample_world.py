@@ -480,11 +480,11 @@ def _tool_chats(rng: random.Random, params: SampleDataParams, split: str, seen: 
                 continue
             seen.add(question)
             messages = _system(params.system_prompt) + [{"role": "user", "content": question}]
-            if split == "train":
+            if split == "train" and settings.calls:
                 call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
                 messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "name": "calculator", "content": answer}]
             messages.append({"role": "assistant", "content": answer})
-            chats.append({"id": f"{split}-toolarith-d{digits}-{made}", "messages": messages, "tools": [CALCULATOR_SCHEMA]})
+            chats.append({"id": f"{split}-toolarith-d{digits}-{made}", "messages": messages, **({"tools": [CALCULATOR_SCHEMA]} if settings.calls else {})})
             made += 1
     return chats
 

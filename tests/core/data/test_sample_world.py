@@ -406,3 +406,12 @@ def test_tool_arithmetic_adds_demonstrations_and_heldout_questions_per_difficult
     messages = json.loads(stored)
     assert messages[0][TOOLS_KEY] == [sample_world.CALCULATOR_SCHEMA] and messages[2]["tool_calls"][0]["function"]["name"] == "calculator"
     assert sample_world.render(sample_world.build_world(on), on) == after  # same params, same data
+    # calls: false, the baseline: the same questions and answers, with no tool anywhere
+    direct = SampleDataParams(tool_arithmetic={"enabled": True, "train": 6, "heldout": 4, "digits": [2, 4], "calls": False})
+    without = sample_world.render(sample_world.build_world(direct), direct)
+    for name in ("chat_train", "chat_heldout"):
+        plain_added = without[name][len(before[name]) :]
+        assert [c["id"] for c in plain_added] == [c["id"] for c in added[name]] and all("tools" not in c for c in plain_added)
+        assert [c["messages"] for c in plain_added] == [[*c["messages"][:2], c["messages"][-1]] for c in added[name]]
+    with pytest.raises(ValueError, match="calls: set, but `enabled` is false"):
+        SampleDataParams(tool_arithmetic={"calls": False})
