@@ -339,3 +339,39 @@ def test_split_writer_carries_the_remainder(tmp_path, seq_len):
 def test_split_writer_refuses_another_dtype(tmp_path):
     with packed.SplitWriter(tmp_path / "train.bin", 4, np.uint16) as writer, pytest.raises(TypeError, match="uint32"):
         writer.append(np.arange(5, dtype=np.uint32))
+
+
+def test_a_chat_with_tools_is_learned_as_the_template_renders_it(tmp_path):
+    """The tools' list and the `<tool_call>` JSON are text the model reads and writes: the tokenizer
+    trains on a tool chat as the template renders it (cut at the special tokens), so `calculator`
+    and `expression` become tokens instead of being spelled a few letters at a time."""
+    import re
+
+    from pipelines.core.data.chat_template import SPECIAL_TOKENS, TOOLS_KEY, render_chat
+    from pipelines.core.data.sample_world import CALCULATOR_SCHEMA
+
+    prepared = make_prepared(tmp_path, n_train=60, n_validation=5)
+    rng = random.Random(0)
+    chats = []
+    for _ in range(80):
+        a, b = rng.randrange(1000, 10000), rng.randrange(1000, 10000)
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}}
+        chats.append([{"role": "user", "content": f"What is {a} times {b}?", TOOLS_KEY: [CALCULATOR_SCHEMA]}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "name": "calculator", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}])  # fmt: skip
+    plain = pd.read_parquet(prepared / "chat" / "train.parquet")
+    records = plain.to_dict("records") + [{"id": f"tool-{i}", "source": "t", "split": "train", "messages": json.dumps(c)} for i, c in enumerate(chats)]
+    write_parquet(prepared / "chat" / "train.parquet", "chat", records, row_group=7)
+
+    texts = list(train_tokenizer.training_texts(prepared))
+    train_tokenizer.run(prepared, tmp_path / "tokenizer", TrainTokenizerParams(vocab_size=600, min_frequency=2))
+    from pipelines.core.models.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tmp_path / "tokenizer")
+    rendered = render_chat(tokenizer, chats[0])  # transformers' own rendering of the chat, tools and calls
+    pieces = [p.strip("\n") for p in re.split("|".join(map(re.escape, SPECIAL_TOKENS)), rendered) if p.strip("\n")]
+    start = texts.index(pieces[0])
+    assert texts[start : start + len(pieces)] == pieces and any("<tool_call>" in p for p in pieces) and "calculator(expression" in pieces[0]
+    assert sum(len(rendered_turn(m["role"], m["content"])) for m in parse_messages(plain["messages"][0])) > 0  # the plain chats are still there
+    call = rendered.split("<|im_start|>assistant:")[1].split("<|im_end|>")[0]
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer(call, add_special_tokens=False)["input_ids"])
+    assert "calculator" in tokens and "expression" in tokens and len(tokens) < 40, tokens
