@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.default_quality import _with, cpu_name, reads
+from benchmarks.grpo_gain import _spread
 from pipelines import grpo, pretrain, sft
 from pipelines.core import params_file
 from pipelines.core.config import ToolsParams
@@ -76,11 +76,6 @@ def one_seed(root: Path, baseline: Path, params, seed: int, precision_name: str,
         row[name] = {"exact_match": result["exact_match"], **{g.removeprefix("heldout-toolarith-"): v for g, v in result["exact_match_by_group"].items()},
                      **({"tool_calls_correct": result["tool_calls_correct"]} if "tool_calls_correct" in result else {})}  # fmt: skip
     return row
-
-
-def _spread(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{100 * statistics.mean(values):.1f} +- {100 * sd:.1f} [{100 * min(values):.1f}, {100 * max(values):.1f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
