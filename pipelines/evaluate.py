@@ -60,6 +60,7 @@ import torch
 from pipelines.core.config import EvaluateParams
 from pipelines.core.data import packed, real_text
 from pipelines.core.data.chat_template import (
+    check_tool_support,
     flexible_match,
     left_padding,
     normalize_answer,
@@ -167,6 +168,7 @@ def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: Eval
         answers[index] = answer
     if not with_tools:
         return answers, transcripts
+    check_tool_support(tokenizer, prompts[with_tools[0]])  # as grpo: a template that drops the tools is an error, not a silent prompt
     style = episodes.tool_style(tokenizer, params.tools.style, "evaluate.tools.style")
     for start in range(0, len(with_tools), params.batch_size):
         chunk = with_tools[start : start + params.batch_size]

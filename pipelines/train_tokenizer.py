@@ -92,6 +92,9 @@ def training_texts(prepared: Path, split: str = "train", progress=None) -> Itera
             yield rendered_turn("assistant", rejected)
 
 
+_SPECIAL_TOKEN = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+
+
 def tool_chat_texts(messages: list[dict]) -> list[str]:
     """A chat with tools as the project's template renders it, cut at its special tokens (each
     piece as `rendered_turn` gives a plain turn): the tools' list and the `<tool_call>` JSON are
@@ -101,7 +104,7 @@ def tool_chat_texts(messages: list[dict]) -> list[str]:
 
     turns, tools = tools_of(messages)
     (text,), _ = render_jinja_template([turns], tools=tools, chat_template=CHAT_TEMPLATE)
-    pieces = re.split("|".join(re.escape(token) for token in SPECIAL_TOKENS), text)
+    pieces = _SPECIAL_TOKEN.split(text)
     return [piece.strip("\n") for piece in pieces if piece.strip("\n")]
 
 

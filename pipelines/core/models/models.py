@@ -214,12 +214,12 @@ def check_vocabulary(model, tokenizer, path: Path | str) -> None:
 
 def load_model_and_tokenizer(path: Path | str, dtype: torch.dtype = torch.float32, quantization=None):
     """(model, tokenizer) of one model directory (or hub name), checked to match each other."""
-    record, path = pointed(path), _follow(path)
+    given, path = path, _follow(path)
     if _gguf_file(path) is None:
         check_model_files(path)  # what is missing, before the slow part
         _check_tokenizer_files(path)
     model = load_causal_lm(path, dtype, quantization)
-    tokenizer = with_chat_template(load_tokenizer(path), record)
+    tokenizer = load_tokenizer(given)  # through a pointer: with the chat template its record carries
     check_vocabulary(model, tokenizer, path)
     return model, tokenizer
 
