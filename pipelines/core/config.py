@@ -685,7 +685,9 @@ class AdaptiveParams(Section):
     solver: Literal["sa", "tabu", "milp", "exact"] = "sa"
     """qubo_in_loop: the QUBO solver of each re-allocation."""
     timeout: float = Field(5.0, gt=0)
-    """qubo_in_loop: seconds a solve may take."""
+    """qubo_in_loop: seconds a solve may take (`qubo.allocate_ranks`): milp and exact stop at it, tabu
+    fits its reads into it; sa runs all `num_reads` and warns past it, so its allocation is the same
+    on every machine."""
     num_reads: int = Field(300, ge=0)
     """qubo_in_loop: samples per solve for sa/tabu (0: the library default, 1000 for sa). 300 found
     the allocation 1000 reads found in 23 of the 24 solves of the default run on two worlds (the
@@ -791,7 +793,9 @@ class QuantumOptParams(Section):
     """An absolute parameter budget instead (0: use `budget_rank`)."""
     seed: int = 0
     timeout: float = Field(60.0, gt=0)
-    """Seconds any solver may take (every solver honours it)."""
+    """Seconds a solver may take (`qubo.allocate_ranks`): milp, exact, qaoa and Leap stop at it, tabu fits
+    its reads into it; sa runs all `num_reads` and warns past it, so its allocation is the same on
+    every machine."""
     reference_timeout: float = Field(15.0, ge=0)
     """Seconds for the MILP reference optimum the gap is measured against (0: skip it). With
     dense redundancy HiGHS rarely proves optimality; its best point at the limit is then used."""

@@ -57,9 +57,6 @@ PENALTY_MARGIN = 2.0
 SA_READS = 1000
 SA_SWEEPS = 1000
 SA_CHUNK = 100
-REPAIR_BATCH = 64
-"""Allocations repaired at once, between checks of the deadline (every row's repair is its own:
-the same result in any batch)."""
 TABU_READS = 300
 TABU_READ_MS = 2
 QAOA_REPS = 2
@@ -560,22 +557,19 @@ def _sample_sa(bqm: dimod.BinaryQuadraticModel, penalty: float, o: _Options) -> 
     # (energy B) with probability 1/e to β·(1e-4·B) = 1, resolving objective differences of 0.02% of
     # V (B = 2V). Mean gap to the MILP optimum at 24 modules (benchmark instances): 0.05% instead of
     # 2.0%; with dense redundancy (28 modules, half the pairs): 0.35% instead of 44%.
-    # Reads run in chunks (dimod prepares every read's initial state up front) and stop at the
-    # deadline, checked between chunks and between the reads of a chunk.
-    reads, deadline, chunks = o.num_reads or SA_READS, o.deadline, []
+    # Every read runs, whatever the clock says: the allocation is a function of the problem, the seed
+    # and num_reads alone, the same on every machine (`allocate_ranks` warns past the time limit). A
+    # deadline checked per read made it depend on the load: in `qllm run` the solve shares the GIL with
+    # the stages training beside it, and each check waits for it (300 reads: 0.02 s alone, 4 s beside
+    # two busy Python threads), so the lora stage's adapter differed between two clones (test_same_bytes).
+    # Reads run in chunks of their own seeds (dimod prepares every read's initial state up front).
+    reads, chunks = o.num_reads or SA_READS, []
     seeds = np.random.default_rng(o.seed).integers(2**31, size=-(-reads // SA_CHUNK))  # one per chunk, from the seed
     for seed, start in zip(seeds, range(0, reads, SA_CHUNK), strict=True):
         chunks.append(SimulatedAnnealingSampler().sample(
-            bqm, num_reads=min(SA_CHUNK, reads - start), num_sweeps=SA_SWEEPS, seed=int(seed),
-            beta_range=(1 / penalty, 1e4 / penalty), interrupt_function=lambda: time.monotonic() > deadline,
+            bqm, num_reads=min(SA_CHUNK, reads - start), num_sweeps=SA_SWEEPS, seed=int(seed), beta_range=(1 / penalty, 1e4 / penalty),
         ))  # fmt: skip
-        if time.monotonic() > deadline:
-            break
-    samples = dimod.concatenate(chunks)
-    if len(samples) < reads:  # still a feasible allocation, but this machine's speed chose how good
-        log.warning("sa: stopped at its time limit after %d of %d reads: the allocation depends on this machine's speed "
-                    "and load; raise %s for the same allocation on every machine", len(samples), reads, o.setting)  # fmt: skip
-    return samples
+    return dimod.concatenate(chunks)
 
 
 def _sample_tabu(bqm: dimod.BinaryQuadraticModel, penalty: float, o: _Options) -> dimod.SampleSet:
@@ -637,21 +631,14 @@ def _sample_qaoa(bqm: dimod.BinaryQuadraticModel, penalty: float, o: _Options) -
 def _solve_bqm(sample: Callable[[dimod.BinaryQuadraticModel, float, _Options], dimod.SampleSet], name: str,
                p: _Problem, o: _Options) -> Allocation:  # fmt: skip
     """Sample the BQM; decode every distinct allocation, lowest energy first, repair those that break
-    a constraint, take upgrades that fit, and keep the best (until the deadline; at least one)."""
+    a constraint, take upgrades that fit, and keep the best."""
     bqm, meta = _bqm(p)
     samples = sample(bqm, meta["penalties"]["budget"], o)
     order = np.argsort(samples.record.energy, kind="stable")
     k, clean = _decode(p, list(samples.variables), samples.record.sample[order])
     _, first = np.unique(k, axis=0, return_index=True)  # the same allocation with other slack: once
     first = np.sort(first)
-    repaired: list[np.ndarray] = []
-    for start in range(0, len(first), REPAIR_BATCH):  # lowest energy first; each row's repair is its own
-        if repaired and time.monotonic() > o.deadline:
-            log.warning("%s: repaired %d of %d distinct allocations by the time limit (the lowest-energy ones); raise %s to repair every one",
-                        name, len(repaired), len(first), o.setting)  # fmt: skip
-            first = first[: len(repaired)]
-            break
-        repaired.extend(_repair(p, k[first[start : start + REPAIR_BATCH]]))
+    repaired = _repair(p, k[first])  # every distinct allocation, whatever the clock says (as the reads)
     best = None
     for n, fixed in zip(first, repaired, strict=True):
         broken = not clean[n] or _cost(p, k[n]) > p.budget
@@ -714,8 +701,10 @@ def allocate_ranks(values: Mapping, costs: Mapping, budget, redundancy: Mapping 
         lam: weight λ >= 0 of the redundancy penalty.
         solver: one of SOLVERS.
         seed: seeds sa, tabu and qaoa.
-        timeout: seconds the solver may take (sa/tabu stop sampling, milp returns its best so far,
-            exact and qaoa stop; Leap gets it as its time limit).
+        timeout: seconds the solver may take: milp returns its best so far, exact and qaoa stop,
+            tabu fits its reads (of TABU_READ_MS each) into it, Leap gets it as its time limit. sa
+            runs all `num_reads` reads, so its allocation is the same on every machine, and warns
+            past it.
         max_qubits: qaoa refuses BQMs with more variables.
         fallback: a solver (normally "sa") to use, with a logged warning, when `solver` is
             unavailable (BackendUnavailable) or too large for qaoa (TooManyQubits).
@@ -742,14 +731,18 @@ def allocate_ranks(values: Mapping, costs: Mapping, budget, redundancy: Mapping 
         nothing = np.zeros(len(p.modules), dtype=int)
         alloc = _allocation(p, nothing, f"none (budget below the cheapest adapter: {p.budget} < {cheapest} parameters)")
     else:
+        ran = solver
         try:
             alloc = _SOLVE[solver](p, opts)
         except (BackendUnavailable, TooManyQubits) as err:
             if fallback is None:
                 raise
             log.warning("%s; solving with %s instead", err, fallback)
-            alloc = _SOLVE[fallback](p, opts)  # the backend failed before doing any work: the time is left
+            ran, alloc = fallback, _SOLVE[fallback](p, opts)  # the backend failed before doing any work: the time is left
             alloc.solver = f"{alloc.solver} (fallback from {err})"
+        if ran == "sa" and time.monotonic() > opts.deadline:  # sa runs all its reads: late, not different
+            log.warning("sa: %d reads took %.1f s, past %s (%g s); the allocation is the one any machine finds with this seed, "
+                        "only later: lower num_reads, or raise %s", opts.num_reads or SA_READS, time.monotonic() - started, setting, timeout, setting)  # fmt: skip
     alloc.wall_seconds = time.monotonic() - started
     return alloc
 

@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import sys
+import threading
 import time
 
 import dimod
@@ -409,28 +410,49 @@ def large_instance(modules: int = 72):
     return values, costs, sum(c[8] for c in costs.values()), red
 
 
-@pytest.mark.parametrize("solver", ["sa", "tabu"])
-def test_timeout_is_honoured(solver, caplog):
-    """72 modules x 3 ranks (227 BQM variables) with far too many reads for half a second."""
+def test_tabu_honours_the_timeout():
+    """72 modules x 3 ranks (227 BQM variables) with far too many reads for half a second: tabu fits
+    its reads into the time (its allocation depends on the machine's speed; docs/lora.md)."""
     values, costs, budget, red = large_instance()
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="qllm.quantum"):
-        alloc = allocate_ranks(values, costs, budget, red, lam=0.5, solver=solver, timeout=0.5, num_reads=100_000, setting="lora.adaptive.timeout")
+    alloc = allocate_ranks(values, costs, budget, red, lam=0.5, solver="tabu", timeout=0.5, num_reads=100_000)
     assert time.monotonic() - started < 2.5
     assert alloc.feasible and set(alloc) == set(values) and alloc.objective > 0
-    if solver == "sa":  # fewer reads than asked: still an allocation, but this machine's speed chose it; said so
-        assert "sa: stopped at its time limit after" in caplog.text and "of 100000 reads" in caplog.text
-        assert "raise lora.adaptive.timeout" in caplog.text
-        # and the repair of what it read stops at the limit too (once the lowest-energy batch is done)
-        assert "distinct allocations by the time limit (the lowest-energy ones); raise lora.adaptive.timeout" in caplog.text
 
 
-def test_repairing_in_batches_gives_the_allocation_of_repairing_all_at_once(monkeypatch):
-    """Each allocation's repair is its own, so the batches the deadline is checked between change nothing."""
+def test_sa_allocation_does_not_depend_on_the_clock(caplog):
+    """sa runs every read and repairs every distinct allocation, past the time limit too: a solve
+    that a busy machine (or the GIL, shared with stages training beside it) slows finds what a quiet
+    one finds, only later, and says so naming the key."""
     values, costs, budget, red = large_instance(24)
-    found = []
-    for batch in (1, 7, 100_000):
-        monkeypatch.setattr(qubo, "REPAIR_BATCH", batch)
-        alloc = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", timeout=120, num_reads=300)
-        found.append((dict(alloc), alloc.objective))
-    assert found[0] == found[1] == found[2]
+    quiet = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", seed=3, timeout=600, num_reads=300)
+    assert "past" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="qllm.quantum"):
+        late = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", seed=3, timeout=1e-6, num_reads=300, setting="lora.adaptive.timeout")
+    assert (dict(late), late.objective, late.energy) == (dict(quiet), quiet.objective, quiet.energy)
+    assert "sa: 300 reads took" in caplog.text and "past lora.adaptive.timeout (1e-06 s)" in caplog.text
+    # a seed of its own finds its own samples (the check above is not vacuous: the reads matter)
+    assert any(allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", seed=s, timeout=600, num_reads=3).energy != quiet.energy for s in range(4))
+
+
+def test_sa_allocation_is_the_same_beside_a_thread_holding_the_gil():
+    """The in-loop solve beside busy Python threads in one process (`qllm run`'s stages): the same
+    allocation as alone."""
+    values, costs, budget, red = large_instance(12)
+    alone = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", seed=1, timeout=0.05, num_reads=300)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        beside = allocate_ranks(values, costs, budget, red, lam=0.5, solver="sa", seed=1, timeout=0.05, num_reads=300)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert (dict(beside), beside.energy) == (dict(alone), alone.energy)
