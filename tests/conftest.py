@@ -60,7 +60,7 @@ _absl_handler_writes_to_the_real_stderr()
 LONGEST_FIRST = (
     "tests/e2e/test_pipeline_e2e.py", "tests/flows/test_deployments.py", "tests/docs/test_screenshots.py", "tests/e2e/test_team.py",
     "tests/e2e/test_preference_methods.py", "tests/e2e/test_remote.py", "tests/e2e/test_concurrent_runs.py", "tests/core/training/test_stop_signals.py",
-    "tests/e2e/test_same_bytes.py", "tests/e2e/test_mlflow_server.py", "tests/e2e/test_worker_image.py", "tests/e2e/test_resume_kill.py",
+    "tests/e2e/test_mlflow_server.py", "tests/e2e/test_worker_image.py", "tests/e2e/test_resume_kill.py",
     "tests/flows/test_cli_tools.py", "tests/e2e/test_finetune_mode.py", "tests/core/data/test_real_layouts.py", "tests/core/training/test_distributed.py",
     "tests/benchmarks/test_gpu_check.py", "tests/flows/test_local_api.py", "tests/flows/test_lm_eval.py", "tests/stages/test_multimodal.py",
 )  # fmt: skip

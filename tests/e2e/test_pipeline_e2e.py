@@ -2,11 +2,19 @@
 
 One project per module; the tests build on the first run (they share the module's state in the
 order written), like a user running `qllm run`, then `dvc status`, then opening the MLflow UI.
+
+Same inputs, same bytes: a clone of the project at another absolute path, run by `qllm run` in a
+process of its own under another PYTHONHASHSEED (so set iteration order differs), must record the
+same md5 for every stage output in dvc.lock as the first run. Otherwise DVC sees changed inputs
+downstream, and a run-cache shared through a remote is never reused on another machine. The
+metrics files (`cache: false`) hold wall times and MLflow run ids and are exempt.
 """
 
 from __future__ import annotations
 
+import filecmp
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +42,22 @@ def first(project) -> dict:
     return pipeline(project_dir=str(project))
 
 
+def stage_outs(project: Path) -> dict[str, str]:
+    """`{output path: md5}` from dvc.lock for every stage output except the metrics files."""
+    specs = dag.stages(project)
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    assert set(lock) == set(specs), "every stage ran and is locked"
+    return {out["path"]: out["md5"] for name, body in lock.items() for out in body["outs"] if out["path"] not in specs[name].metrics}
+
+
+def differing_files(a: Path, b: Path) -> list[str]:
+    """Files under output `a` whose bytes differ from (or are missing in) the same output `b`."""
+    if a.is_file():
+        return [] if filecmp.cmp(a, b, shallow=False) else [a.name]
+    names = {p.relative_to(a) for p in a.rglob("*") if p.is_file()} | {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
+    return sorted(str(n) for n in names if not ((a / n).is_file() and (b / n).is_file() and filecmp.cmp(a / n, b / n, shallow=False)))
+
+
 def lock_outs(root: Path) -> dict[str, str]:
     stages = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
     return {out["path"]: out["md5"] for body in stages.values() for out in body["outs"]}
@@ -57,6 +81,22 @@ def test_first_run_runs_every_stage_in_dag_order(first, project):
         assert metrics[name]["val_perplexity"] < 400  # the tiny profile's vocabulary size
     lora = json.loads((project / "data/metrics/lora.json").read_text())
     assert 0 < lora["trainable_fraction"] < 0.2 and lora["steps"] == 6
+
+
+def test_a_clone_elsewhere_run_apart_writes_identical_outputs(first, project, tmp_path_factory, mlflow_template_db, prefect_server):
+    """The first run (in this process, through the flow) and `qllm run` in a clone at another path,
+    in its own process under another hash seed: the same bytes for every stage output."""
+    from prefect.settings import PREFECT_API_URL
+
+    clone = make_project(tmp_path_factory.mktemp("elsewhere") / "clone-two", mlflow_template_db)
+    hash_seed = "2" if os.environ.get("PYTHONHASHSEED") != "2" else "3"
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "run"], cwd=clone, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ours, theirs = stage_outs(project), stage_outs(clone)
+    assert {"data/quantum_opt", "data/models/lora", "data/models/dpo", "data/evaluate", "data/register"} <= set(ours)
+    differing = {path: differing_files(project / path, clone / path) for path in ours if ours[path] != theirs.get(path)}
+    assert not differing, f"outputs whose bytes depend on the directory or the process: {differing}"
 
 
 def test_precision_auto_is_resolved_recorded_and_tracked(first, project):

@@ -10,7 +10,7 @@
 modules and the attention functions' `dropout_p`) and GRPO's sampling draw from it. Two stages
 drawing from it at once interleave their draws in the order the thread scheduler picks, so what
 each trains depends on the machine's load, and a stage seeding it (`torch.manual_seed`) resets the
-other's stream. tests/e2e/test_same_bytes.py found it on a busy CI machine: the lora stage's
+other's stream. tests/e2e/test_pipeline_e2e.py (same bytes) found it on a busy CI machine: the lora stage's
 adapter initialisation drew what GRPO's sampler, running beside it, had left.
 
 Two rules keep every stage a function of its seed alone:
