@@ -156,7 +156,7 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     return answers
 
 
-def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: EvaluateParams) -> tuple[list[str], list[dict | None]]:
+def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: EvaluateParams, model_name: str = "the model") -> tuple[list[str], list[dict | None]]:
     """Greedy answers (`generate_answers`), those to prompts that offer tools from a greedy episode
     with `params.tools` (one-turn when it lists none): (answers, each one's episode or None)."""
     offered = [tools.load(name, f"evaluate.tools.functions[{i}]") for i, name in enumerate(params.tools.functions)]
@@ -169,6 +169,9 @@ def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: Eval
     if not with_tools:
         return answers, transcripts
     check_tool_support(tokenizer, prompts[with_tools[0]])  # as grpo: a template that drops the tools is an error, not a silent prompt
+    longest = max(len(tokenizer(render_prompt(tokenizer, prompts[i]), add_special_tokens=False)["input_ids"]) for i in with_tools)
+    episodes.check_context(model, longest, params.max_new_tokens, params.tools.max_turns, model_name=model_name,
+                           keys=("evaluate.max_new_tokens", "evaluate.tools.max_turns"))  # fmt: skip
     style = episodes.tool_style(tokenizer, params.tools.style, "evaluate.tools.style")
     for start in range(0, len(with_tools), params.batch_size):
         chunk = with_tools[start : start + params.batch_size]
@@ -383,7 +386,8 @@ def evaluate_model(
         general = {"general_loss": round(general_loss, 6), "general_perplexity": round(math.exp(min(general_loss, 50.0)), 4)}
 
     generating = time.perf_counter()
-    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params)
+    name = str(model_dir.relative_to(root)) if model_dir.is_relative_to(root) else str(model_dir)
+    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params, model_name=name)
     generate_seconds = time.perf_counter() - generating
     episodes_run = [t for t in transcripts if t is not None]
     tool_metrics = {"tool_questions": len(episodes_run), "tool_calls_correct": round(sum(map(called_correctly, episodes_run)) / len(episodes_run), 4)} if episodes_run else {}

@@ -141,7 +141,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     offered = [tools.load(name, f"grpo.tools.functions[{i}]") for i, name in enumerate(params.tools.functions)]
     train = questions(chat_dir, offered=[t.schema for t in offered] if offered else None)
     # an episode: each turn's tokens and, between turns, the tool's answer as the template renders it (about as long again)
-    episode_tokens = params.max_completion_length * (2 * params.tools.max_turns - 1 if offered else 1)
+    episode_tokens = episodes.added_tokens(params.max_completion_length, params.tools.max_turns if offered else 1)
     reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
     qconfig = quantize.from_params(params.lora, cfg.precision, "grpo.lora") if params.adapter == "lora" else None
     method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
@@ -170,11 +170,8 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     sampler = rollouts.one_turn
     if offered:  # episodes: the template must render the tools, and says how calls are written
         check_tool_support(tokenizer, train[0].prompt)
-        context = getattr(model.config, "max_position_embeddings", None)
-        if context and longest + episode_tokens > context:
-            raise QllmError(f"grpo.tools: the longest question with the tools' schemas is {longest} tokens and an episode may add {episode_tokens} "
-                            f"(grpo.max_completion_length x (2 x grpo.tools.max_turns - 1)), past {start}'s context of {context} tokens; "
-                            "shorten the tools' descriptions, lower max_turns or max_completion_length, or use a model with a longer context")  # fmt: skip
+        episodes.check_context(model, longest, params.max_completion_length, params.tools.max_turns, model_name=start,
+                               keys=("grpo.max_completion_length", "grpo.tools.max_turns"))  # fmt: skip
         style = episodes.tool_style(tokenizer, params.tools.style)
         sampler = episodes.sampler(offered, max_turns=params.tools.max_turns, style=style, timeout=params.tools.timeout_seconds)
     batches = rollouts.RolloutBatches(model, tokenizer, train, settings, reward_fns, reference=reference,

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from pipelines import evaluate
+from pipelines.core.data.chat_template import render_prompt
+from pipelines.core.errors import QllmError
 from pipelines.core.models.models import load_for_inference
 from pipelines.core.run import plots
 from pipelines.core.training import loop, preference_data
@@ -170,3 +172,27 @@ def test_questions_that_offer_tools_are_answered_by_greedy_episodes():
     assert weather["turns"][0]["calls"][0]["error"] == "unknown_tool"  # offered in the chat, not given to evaluate
     assert power["truncated"] and not product["truncated"]
     assert [evaluate.called_correctly(t) for t in transcripts] == [True, False, False, False, False]
+
+
+def test_tool_episodes_past_the_models_context_are_refused_before_generating():
+    """As grpo: the longest tool question and what an episode may add (evaluate.max_new_tokens a turn,
+    `2 x max_turns - 1` turns and answers) past the model's context is an error naming the keys,
+    before any episode runs; within it, the episodes run."""
+    import types
+
+    from pipelines.core.config import EvaluateParams, ToolsParams
+    from tests.chat_families import QWEN25
+    from tests.core.training.test_episodes import setup
+
+    tokenizer, model, _, prompts = setup(QWEN25, "hermes")
+    longest = max(len(tokenizer(render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in prompts)
+    params = EvaluateParams(tools=ToolsParams(functions=["calculator"], max_turns=2), max_new_tokens=64, batch_size=2)
+    model.config = types.SimpleNamespace(max_position_embeddings=longest + 3 * 64 - 1)
+    with pytest.raises(QllmError, match=rf"^evaluate.tools: the longest question with the tools' schemas is {longest} tokens and an episode may add 192 "
+                                        r"\(evaluate.max_new_tokens x \(2 x evaluate.tools.max_turns - 1\)\), past data/models/sft's context of "
+                                        rf"{longest + 191} tokens"):  # fmt: skip
+        evaluate.answers_with_tools(model, tokenizer, prompts, params, model_name="data/models/sft")
+    assert model.plan == []  # nothing generated
+    model.config.max_position_embeddings = longest + 3 * 64
+    answers, _ = evaluate.answers_with_tools(model, tokenizer, prompts, params, model_name="data/models/sft")
+    assert answers[0] == "47104101"

@@ -104,6 +104,25 @@ def _raw_text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([i for i in ids if i not in stops], skip_special_tokens=False).strip()
 
 
+def added_tokens(max_turn_tokens: int, max_turns: int) -> int:
+    """The most tokens an episode adds to its prompt: `max_turns` turns of the model and the tools'
+    answers between them, each counted at `max_turn_tokens`."""
+    return max_turn_tokens * (2 * max_turns - 1)
+
+
+def check_context(model, longest: int, max_turn_tokens: int, max_turns: int, *, keys: tuple[str, str], model_name: str) -> None:
+    """A QllmError when the longest prompt (`longest` tokens, the tools' schemas included) and what
+    an episode may add (`added_tokens`) pass the model's context (`max_position_embeddings`):
+    positions it never trained on. `keys`: the params keys of the turn's tokens and of the turns."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    added = added_tokens(max_turn_tokens, max_turns)
+    if context and longest + added > context:
+        turn_key, turns_key = keys
+        raise QllmError(f"{turns_key.rsplit('.', 1)[0]}: the longest question with the tools' schemas is {longest} tokens and an episode may add {added} "
+                        f"({turn_key} x (2 x {turns_key} - 1)), past {model_name}'s context of {context} tokens; shorten the tools' descriptions, "
+                        f"lower {turns_key} or {turn_key}, or use a model with a longer context")  # fmt: skip
+
+
 @torch.no_grad()
 def run(model, tokenizer, prompts: list[list[dict]], environments: Sequence[tools.Environment], *, group_size: int, max_turn_tokens: int, max_turns: int,
         style: str, temperature: float = 1.0, top_p: float = 1.0, records: Sequence[dict] | None = None) -> Episodes:  # fmt: skip
