@@ -156,10 +156,12 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     return answers
 
 
-def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: EvaluateParams, model_name: str = "the model") -> tuple[list[str], list[dict | None]]:
+def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: EvaluateParams, model_name: str = "the model",
+                       ids: list[str] | None = None) -> tuple[list[str], list[dict | None]]:  # fmt: skip
     """Greedy answers (`generate_answers`), those to prompts that offer tools from a greedy episode
-    with `params.tools` (one-turn when it lists none): (answers, each one's episode or None)."""
-    offered = [tools.load(name, f"evaluate.tools.functions[{i}]") for i, name in enumerate(params.tools.functions)]
+    with `params.tools` (one-turn when it lists none): (answers, each one's episode or None). An
+    environment is reset with the question's `ids` entry as `{"id": ...}` (not its answer)."""
+    make_environment, offered = tools.environments(params.tools, "evaluate.tools")
     with_tools = [i for i, prompt in enumerate(prompts) if offered and tools_of(prompt)[1]]
     plain = sorted(set(range(len(prompts))) - set(with_tools))
     answers: list[str] = [""] * len(prompts)
@@ -175,9 +177,10 @@ def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: Eval
     style = episodes.tool_style(tokenizer, params.tools.style, "evaluate.tools.style")
     for start in range(0, len(with_tools), params.batch_size):
         chunk = with_tools[start : start + params.batch_size]
-        environments = [tools.ToolEnvironment(offered, params.tools.timeout_seconds) for _ in chunk]
+        environments = [make_environment() for _ in chunk]
+        records = [{"id": ids[i]} if ids is not None else {} for i in chunk]
         got = episodes.run(model, tokenizer, [prompts[i] for i in chunk], environments, group_size=1, max_turn_tokens=params.max_new_tokens,
-                           max_turns=params.tools.max_turns, style=style, temperature=0.0)  # fmt: skip
+                           max_turns=params.tools.max_turns, style=style, temperature=0.0, records=records)  # fmt: skip
         for index, transcript in zip(chunk, got.transcripts, strict=True):
             answers[index] = transcript.answer.strip()
             transcripts[index] = {"turns": transcript.turns, "truncated": transcript.truncated}
@@ -387,7 +390,7 @@ def evaluate_model(
 
     generating = time.perf_counter()
     name = str(model_dir.relative_to(root)) if model_dir.is_relative_to(root) else str(model_dir)
-    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params, model_name=name)
+    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params, model_name=name, ids=questions["id"].tolist())
     generate_seconds = time.perf_counter() - generating
     episodes_run = [t for t in transcripts if t is not None]
     tool_metrics = {"tool_questions": len(episodes_run), "tool_calls_correct": round(sum(map(called_correctly, episodes_run)) / len(episodes_run), 4)} if episodes_run else {}

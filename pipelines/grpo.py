@@ -138,7 +138,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     questions of `chat_dir`; write it to `out`. The summary metrics."""
     cfg = params.train
     start = start_dir.relative_to(root).as_posix() if start_dir.is_relative_to(root) else str(start_dir)  # as users name it (an adapter's base)
-    offered = [tools.load(name, f"grpo.tools.functions[{i}]") for i, name in enumerate(params.tools.functions)]
+    make_environment, offered = tools.environments(params.tools, "grpo.tools")
     train = questions(chat_dir, offered=[t.schema for t in offered] if offered else None)
     # an episode: each turn's tokens and, between turns, the tool's answer as the template renders it (about as long again)
     episode_tokens = episodes.added_tokens(params.max_completion_length, params.tools.max_turns if offered else 1)
@@ -173,7 +173,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
         episodes.check_context(model, longest, params.max_completion_length, params.tools.max_turns, model_name=start,
                                keys=("grpo.max_completion_length", "grpo.tools.max_turns"))  # fmt: skip
         style = episodes.tool_style(tokenizer, params.tools.style)
-        sampler = episodes.sampler(offered, max_turns=params.tools.max_turns, style=style, timeout=params.tools.timeout_seconds)
+        sampler = episodes.sampler(make_environment, max_turns=params.tools.max_turns, style=style)
     batches = rollouts.RolloutBatches(model, tokenizer, train, settings, reward_fns, reference=reference,
                                       on_generation=completions_logger(tracker, params.log_completions_every), sampler=sampler)  # fmt: skip
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None

@@ -911,11 +911,13 @@ class DpoParams(Section):
         return self.method in ("dpo", "kto")
 
 
-BUILT_IN_REWARDS = ("exact_match", "flexible_match", "format")
+BUILT_IN_REWARDS = ("exact_match", "flexible_match", "format", "environment")
 """The reward functions `pipelines.core.training.rewards` has built in."""
-REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "answer", "id", "source", "split")
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "answer", "id", "source", "split",
+                    "environments")
 """What a reward function is called with: TRL's arguments and the records' columns (the prepared
-chat records' `id`, `source`, `split`, and `answer`, the reference)."""
+chat records' `id`, `source`, `split`, and `answer`, the reference), and in episodes with
+`grpo.tools.environment`, `environments` (each completion's environment instance, as TRL's)."""
 
 
 def user_reward(name: str, where: str):
@@ -940,7 +942,7 @@ class RewardParams(Section):
     """One reward function of `grpo.rewards` and its weight."""
 
     function: str = Field(min_length=1)
-    """A built-in reward (`exact_match`, `flexible_match`, `format`) or a user's `package.module:function` (importable
+    """A built-in reward (`exact_match`, `flexible_match`, `format`, `environment`: the environment's `reward()`) or a user's `package.module:function` (importable
     from the project, e.g. a module next to params.yaml; plain or `async def`), called as TRL calls one
     (`prompts`, `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric`, and the
     records' columns `answer`, `id`, `source`, `split`). Reward models are refused."""
@@ -996,6 +998,12 @@ class ToolsParams(Section):
     style: Literal["auto", "hermes", "llama3"] = "auto"
     """How calls are written: `hermes` (`<tool_call>` blocks: Qwen2.5, Hermes), `llama3` (one JSON object: Llama 3.1),
     or `auto`, from the chat template."""
+    environment: str | None = None
+    """A user's environment class, `package.module:Class`, for tools with a state: a new instance per episode
+    (constructed with no arguments), `reset(record)` on the question's record if it has one, its public methods
+    the tools (beside `functions`; type hints and docstrings, as a function tool's), and `reward()`, if it has
+    one, the episode's own reward, which the `environment` reward function reads (docs/grpo.md "Environments").
+    None: each call runs the named function, with no state."""
 
     @field_validator("functions")
     @classmethod
@@ -1011,12 +1019,28 @@ class ToolsParams(Section):
             raise ValueError(f"functions: two tools share a name ({', '.join(sorted({n for n in loaded if loaded.count(n) > 1}))})")
         return names
 
+    @field_validator("environment")
+    @classmethod
+    def _environment(cls, name: str | None) -> str | None:
+        if name is not None:
+            try:
+                extensions.environment_tools(name, "environment")
+            except QllmError as exc:
+                raise ValueError(str(exc)) from None
+        return name
+
     @model_validator(mode="after")
     def _used(self) -> ToolsParams:
         changed = [name for name in ("max_turns", "timeout_seconds", "style") if getattr(self, name) != type(self).model_fields[name].default]
-        if changed and not self.functions:
-            raise ValueError(f"{', '.join(changed)}: set, but `functions` is empty, so rollouts are one turn and no tool is called; list the tools")
+        if changed and not self.enabled:
+            raise ValueError(f"{', '.join(changed)}: set, but `functions` and `environment` are empty, so rollouts are one turn and no tool "
+                             "is called; list the tools")  # fmt: skip
         return self
+
+    @property
+    def enabled(self) -> bool:
+        """Episodes with tools: `functions` or an `environment` given."""
+        return bool(self.functions or self.environment)
 
 
 class GrpoParams(Section):
@@ -1063,6 +1087,14 @@ class GrpoParams(Section):
     lora: LoraAdapterParams = LoraAdapterParams()
     tools: ToolsParams = ToolsParams()
     train: TrainParams = TrainParams()
+
+    @model_validator(mode="after")
+    def _environment_reward(self) -> GrpoParams:
+        listed = [f"rewards[{i}]" for i, spec in enumerate(self.rewards) if spec.function == "environment"]
+        if listed and self.tools.environment is None:
+            raise ValueError(f"{listed[0]}: `environment` is the episode's reward from its environment's `reward()`, and "
+                             "`tools.environment` names none; set it, or list another reward")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _batches_hold_groups(self) -> GrpoParams:

@@ -268,6 +268,30 @@ def describe(fn: Callable[..., Any], where: str) -> dict[str, Any]:
                         "every argument and a Google-style docstring with a line per argument (`Args:`)") from None  # fmt: skip
 
 
+ENVIRONMENT_HOOKS = ("reset", "reward")
+"""An environment class's methods that are not tools: `reset(record)` and `reward()`."""
+
+
+def environment_tools(name: str, where: str) -> tuple[Callable[[], Any], list[dict[str, Any]]]:
+    """A user's environment class `package.module:Class` (`tools.environment`): (the class, the
+    JSON schemas of its tools, one per public method other than `ENVIRONMENT_HOOKS`, described from
+    a new instance's bound methods). Each failure a `QllmError` naming `where`."""
+    cls = import_callable(name, where, what="environment class")
+    try:
+        instance = cls()
+    except Exception as exc:  # noqa: BLE001 - any failure to construct is the same user error
+        raise QllmError(f"{where}: {name} could not be constructed with no arguments ({type(exc).__name__}: {exc})") from None
+    names = public_methods(instance)
+    if not names:
+        raise QllmError(f"{where}: {name} has no public method to offer as a tool (its methods other than {', '.join(ENVIRONMENT_HOOKS)})")
+    return cls, [describe(getattr(instance, method), f"{where} ({name}.{method})") for method in names]
+
+
+def public_methods(instance: Any) -> list[str]:
+    """The tools of an environment instance: its public methods other than `ENVIRONMENT_HOOKS`, sorted."""
+    return sorted(n for n in dir(type(instance)) if not n.startswith("_") and n not in ENVIRONMENT_HOOKS and callable(getattr(instance, n)))
+
+
 def user_function(name: str, where: str, required: Sequence[str], given: Sequence[str], what: str = "function") -> Callable[..., Any]:
     """`package.module:function` imported, callable, taking every name of `required` and
     `**kwargs` (it is called with keywords), and requiring nothing outside `given`; each failure a

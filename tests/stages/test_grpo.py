@@ -252,7 +252,7 @@ def test_a_users_reward_functions_get_the_records_columns(workspace, user_reward
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"rewards": [{"function": "nosuch"}]}, "'nosuch' is neither a built-in reward (exact_match, flexible_match, format) nor `package.module:function`"),
+    ({"rewards": [{"function": "nosuch"}]}, "'nosuch' is neither a built-in reward (exact_match, flexible_match, format, environment) nor `package.module:function`"),
     ({"rewards": [{"function": "my_grpo_rewards:missing"}]}, "module 'my_grpo_rewards' has no 'missing'"),
     ({"rewards": [{"function": "exact_match"}, {"function": "exact_match", "weight": 2}]}, "two functions share a name"),
     ({"group_size": 3}, "train.micro_batch_size (8) counts completions and must be a multiple of group_size (3)"),

@@ -56,7 +56,7 @@ def test_bad_tool_specs_are_refused_when_params_load_naming_the_key(tmp_path, mo
         GrpoParams(tools={"functions": ["calculator"], "max_turns": 1})
     with pytest.raises(ValidationError, match="tools.styl"):
         GrpoParams(tools={"style": "xml"})
-    with pytest.raises(ValidationError, match="max_turns, style: set, but `functions` is empty"):  # an option that would do nothing
+    with pytest.raises(ValidationError, match="max_turns, style: set, but `functions` and `environment` are empty"):  # an option that would do nothing
         GrpoParams(tools={"max_turns": 4, "style": "hermes"})
     assert GrpoParams(tools={"max_turns": 3}).tools.functions == []  # the default, as params.yaml spells it out
 
@@ -120,3 +120,112 @@ def test_episodes_longer_than_the_models_context_are_refused_before_training(too
                                         r"context of 256 tokens"):  # fmt: skip
         grpo.run(ws, short, ws / "data/prepared/chat", ws / "data/models/grpo", tool_params(), Recorder())
     assert not (ws / "data/models/grpo").exists()
+
+
+LEDGER = '''
+class Ledger:
+    """A stateful environment: a balance the model deposits into; reset from the record, rewarded by the balance."""
+
+    created = 0
+
+    def __init__(self):
+        Ledger.created += 1
+        self.balance = 0
+
+    def reset(self, record):
+        self.balance = len(record["id"])
+
+    def deposit(self, amount: int) -> str:
+        """Add to the balance.
+
+        Args:
+            amount: What to add.
+        """
+        if amount < 0:
+            raise ValueError("a deposit is positive")
+        self.balance += amount
+        return str(self.balance)
+
+    def reward(self):
+        return float(self.balance)
+
+
+class Scorerless(Ledger):
+    def reward(self):
+        raise RuntimeError("the scorer is down")
+
+
+class Hookless:
+    def reset(self, record):
+        pass
+
+
+class Unbuildable:
+    def __init__(self):
+        raise RuntimeError("no database")
+
+    def act(self) -> str:
+        """Act."""
+        return ""
+'''
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text(LEDGER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_envs", raising=False)
+    import my_envs
+
+    return my_envs
+
+
+def test_an_environment_class_keeps_each_episodes_state_and_gives_its_reward(ledger, caplog):
+    from pipelines.core.config import ToolsParams
+    from pipelines.core.training import rewards
+
+    make, offered = tools.environments(ToolsParams(functions=["calculator"], environment="my_envs:Ledger"), "grpo.tools")
+    assert [t.name for t in offered] == ["calculator", "deposit"] and offered[1].parameters["properties"]["amount"]["type"] == "integer"
+    one, two = make(), make()
+    one.reset({"id": "q12"}), two.reset({"id": "q1"})
+    assert [one.step(tools.ToolCall("deposit", {"amount": n})).content for n in (5, 4)] == ["8", "12"]  # 3 from the record, then the state
+    assert two.step(tools.ToolCall("deposit", {"amount": 1})).content == "3"  # an episode of its own
+    refused = one.step(tools.ToolCall("deposit", {"amount": -1}))
+    assert refused.error == "raised" and "a deposit is positive" in refused.content
+    assert one.step(tools.ToolCall("deposit", {"amount": "ten"})).error == "bad_arguments"
+    assert one.step(tools.ToolCall("calculator", {"expression": "6 * 7"})).content == "42"
+    assert rewards.environment(prompts=[[], []], completions=[[], []], environments=[one, two]) == [12.0, 3.0]
+    make_broken, _ = tools.environments(ToolsParams(environment="my_envs:Scorerless"), "grpo.tools")
+    with caplog.at_level("WARNING", logger="qllm.tools"):
+        assert make_broken().reward() is None  # not scored, logged; the run goes on
+    assert "grpo.tools.environment: Scorerless.reward() failed (RuntimeError: the scorer is down)" in caplog.text
+    with pytest.raises(rewards.RewardError, match="reads the episodes' environments, and these rollouts had none"):
+        rewards.environment(prompts=[[]], completions=[[]])
+
+
+def test_bad_environments_are_refused_when_params_load_naming_the_key(ledger):
+    for name, says in [("my_envs:Nowhere", "module 'my_envs' has no 'Nowhere'"), ("my_envs:Hookless", "my_envs:Hookless has no public method to offer as a tool"),
+                       ("my_envs:Unbuildable", "could not be constructed with no arguments (RuntimeError: no database)"), ("my_envs", "is not `package.module:function`")]:  # fmt: skip
+        with pytest.raises(ValidationError, match="tools.environment") as error:
+            GrpoParams(tools={"environment": name})
+        assert says in str(error.value)
+    with pytest.raises(ValidationError, match=r"rewards\[1\]: `environment` is the episode's reward from its environment's `reward\(\)`, and `tools.environment` names none"):
+        GrpoParams(rewards=[{"function": "exact_match"}, {"function": "environment"}], tools={"functions": ["calculator"]})
+    assert GrpoParams(tools={"environment": "my_envs:Ledger", "max_turns": 2}).tools.enabled  # its methods are tools: no `functions` needed
+
+
+def test_the_stage_runs_an_environment_per_episode_and_scores_its_reward(tool_workspace, ledger):
+    tracker = Recorder()
+    ws = tool_workspace
+    params = tool_params(rewards=[RewardParams(function="exact_match"), RewardParams(function="environment", weight=0.5)],
+                         tools={"functions": ["calculator"], "environment": "my_envs:Ledger", "max_turns": 2})  # fmt: skip
+    before = ledger.Ledger.created
+    grpo.run(ws, ws / "data/models/sft", ws / "data/prepared/chat", ws / "data/models/grpo", params, tracker)
+    tables = [tracker.tables[f"completions/step-{step:06d}.json"] for step in (1, 2)]
+    assert ledger.Ledger.created - before == 1 + sum(len(t) for t in tables)  # one to list its tools, then one per episode
+    for table in tables:
+        episodes_ = [json.loads(e) for e in table["episode"]]
+        deposits = [sum(c["arguments"].get("amount", 0) for turn in e for c in turn["calls"] if c["name"] == "deposit" and c["error"] is None) for e in episodes_]
+        assert table["reward/environment"].tolist() == [float(len(i) + d) for i, d in zip(table["id"], deposits, strict=True)]
+    logged = {k for _, m in tracker.metrics for k in m}
+    assert {"rewards/environment/mean", "rewards/exact_match/mean"} <= logged

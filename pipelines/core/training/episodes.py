@@ -27,7 +27,7 @@ append and the episode stops there, counted as `rerender_needed`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,17 +201,18 @@ def run(model, tokenizer, prompts: list[list[dict]], environments: Sequence[tool
     return Episodes(out, transcripts)
 
 
-def sampler(offered: Sequence[tools.Tool], *, max_turns: int, style: str, timeout: float) -> rollouts.Sampler:
-    """`RolloutBatches`' sampler for episodes with `offered` tools (a `ToolEnvironment` per episode,
-    reset with the question's record); a turn may have up to `max_completion_length` tokens."""
+def sampler(make_environment: Callable[[], tools.Environment], *, max_turns: int, style: str) -> rollouts.Sampler:
+    """`RolloutBatches`' sampler for episodes, each with a new environment (`tools.environments`),
+    reset with the question's record; a turn may have up to `max_completion_length` tokens. The
+    reward functions get each completion's environment as `environments` (TRL's argument)."""
 
     def generate(model, tokenizer, chosen: list[rollouts.Question], s: rollouts.Settings) -> rollouts.Sampled:
-        environments = [tools.ToolEnvironment(offered, timeout) for _ in range(len(chosen) * s.group_size)]
+        environments = [make_environment() for _ in range(len(chosen) * s.group_size)]
         records = [{"id": q.id, "answer": q.answer, **q.columns} for q in chosen]
         got = run(model, tokenizer, [q.prompt for q in chosen], environments, group_size=s.group_size, max_turn_tokens=s.max_completion_length,
                   max_turns=max_turns, style=style, temperature=s.temperature, top_p=s.top_p, records=records)  # fmt: skip
         details = [{"turns": len(t.turns), "episode": json.dumps(t.turns, ensure_ascii=False)} for t in got.transcripts]
-        return rollouts.Sampled(got.rollouts, [t.messages() for t in got.transcripts], got.metrics(), details)
+        return rollouts.Sampled(got.rollouts, [t.messages() for t in got.transcripts], got.metrics(), details, {"environments": environments})
 
     return generate
 

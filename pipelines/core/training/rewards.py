@@ -25,7 +25,8 @@ Built in:
   `flexible_match` finds it (the last number for a numeric answer, the answer's words in the
   first line otherwise): a signal for a model that answers in sentences;
 - `format`: 1.0 when the completion is one non-empty line, the form the held-out questions'
-  answers take, else 0.0.
+  answers take, else 0.0;
+- `environment`: the episode's own reward, its environment's `reward()` (`grpo.tools.environment`).
 
 `load` checks what it can before any training: the name resolves, the object is callable, and its
 signature takes `prompts` and `completions` (or `**kwargs`); each failure is a `RewardError` naming
@@ -77,7 +78,15 @@ def format_reward(prompts: list, completions: list, **_: Any) -> list[float]:
     return [1.0 if (text := text_of(c).strip()) and "\n" not in text else 0.0 for c in completions]
 
 
-BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "flexible_match": flexible_match, "format": format_reward}
+def environment(prompts: list, completions: list, environments: list | None = None, **_: Any) -> list[float | None]:
+    """Each episode's own reward, from its environment's `reward()` (`grpo.tools.environment`;
+    `tools.UserEnvironment.reward`: None where it has none or it failed, which TRL drops from the mean)."""
+    if environments is None:
+        raise RewardError("reward 'environment' reads the episodes' environments, and these rollouts had none (grpo.tools.environment)")
+    return [env.reward() for env in environments]
+
+
+BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "flexible_match": flexible_match, "format": format_reward, "environment": environment}
 
 
 def load(name: str, where: str = "reward") -> RewardFn:

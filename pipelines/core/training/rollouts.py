@@ -222,6 +222,7 @@ class Sampled:
     completions: list[list[dict]]  # per row, the completion as chat messages (TRL's form for chat data)
     metrics: dict[str, float] = field(default_factory=dict)
     details: list[dict[str, Any]] | None = None  # per row, more columns of the completions table
+    columns: dict[str, list] = field(default_factory=dict)  # per row, more arguments of the reward functions (`environments`)
 
 
 Sampler = Callable[[torch.nn.Module, Any, list[Question], Settings], Sampled]
@@ -325,6 +326,7 @@ class RolloutBatches:
             "trainer_state": rewards.RewardState(global_step=step, max_steps=s.max_steps),
             "log_extra": lambda column, values: extra_columns.setdefault(str(column), []).extend(values),
             "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+            **drawn.columns,
         }  # fmt: skip
         scores = rewards.score_all([(name, fn) for name, fn, _ in self.reward_fns], prompts, completions, columns)
         per_func = torch.tensor(scores, dtype=torch.float32).T  # [completions, functions]

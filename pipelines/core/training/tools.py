@@ -13,14 +13,16 @@ schema (`Tool.schema`, the `{"type": "function", "function": {...}}` that chat t
 is made from them by `transformers.utils.get_json_schema`, and a function it cannot describe is
 refused when it loads, naming the function.
 
-An **environment** holds one episode's state (OpenEnv's and TRL's `environment_factory` shape;
-the grpo stage uses `ToolEnvironment`, a stateless one per episode, for now):
+An **environment** holds one episode's state (OpenEnv's and TRL's `environment_factory` shape):
+`ToolEnvironment` is the stateless one over the `functions`; `UserEnvironment` wraps a user's class
+(`tools.environment`), whose public methods are tools and whose `reward()` the `environment` reward
+reads (`environments` gives a stage both):
 
     class Environment(Protocol):
         tools: list[Tool]                           # what the model is told it may call
         def reset(self, record: dict) -> str | None # a new episode on a data record; optional text for the first turn
         def step(self, call: ToolCall) -> Observation
-        def reward(self) -> float | None            # optional, the episode's own reward: not called yet (issue 55)
+        def reward(self) -> float | None            # the episode's own reward (None: none), for the `environment` reward
 
 `ToolEnvironment` is the stateless one: each step runs the named tool. A call never stops a run:
 an unknown tool, arguments that do not fit the schema, a tool that raises, one that runs past
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import re
 import threading
@@ -51,6 +54,8 @@ from typing import Any, Protocol
 from pipelines.core import config, extensions
 from pipelines.core.data import layouts
 from pipelines.core.errors import QllmError
+
+log = logging.getLogger("qllm.tools")
 
 
 class ToolError(QllmError, ValueError):
@@ -284,6 +289,8 @@ class Environment(Protocol):
 
     def step(self, call: ToolCall) -> Observation: ...
 
+    def reward(self) -> float | None: ...
+
 
 class ToolEnvironment:
     """The stateless environment: each step runs the named tool (`call`), none gives a reward."""
@@ -301,6 +308,57 @@ class ToolEnvironment:
 
     def step(self, call_: ToolCall) -> Observation:
         return call(self._by_name, call_, self.timeout)
+
+    def reward(self) -> float | None:
+        return None
+
+
+class UserEnvironment(ToolEnvironment):
+    """A user's environment class (`tools.environment`) around one new instance: its public methods
+    (other than `reset` and `reward`) are tools beside `functions`, called as any tool (`call`: a time
+    limit, every failure an observation); `reset(record)` and `reward()` are the instance's own, if
+    it has them. A `reward()` that raises or returns no number is logged and gives None (not scored),
+    as a tool's failure never stops the run. A call past its time is abandoned while it may still
+    change the instance: a method that can hang should bound itself."""
+
+    def __init__(self, instance: Any, functions: Sequence[Tool], timeout: float, where: str = "tools.environment") -> None:
+        methods = [Tool.from_function(getattr(instance, name), f"{where} ({type(instance).__name__}.{name})") for name in extensions.public_methods(instance)]
+        super().__init__([*functions, *methods], timeout)
+        self.instance, self.where = instance, where
+
+    def reset(self, record: dict[str, Any]) -> str | None:
+        hook = getattr(self.instance, "reset", None)
+        return None if hook is None else hook(record)
+
+    def reward(self) -> float | None:
+        hook = getattr(self.instance, "reward", None)
+        if hook is None:
+            return None
+        try:
+            value = hook()
+            return None if value is None else float(value)
+        except Exception as exc:  # noqa: BLE001 - the user's code: logged, not scored, the run goes on
+            log.warning("%s: %s.reward() failed (%s: %s); the episode is not scored by it", self.where, type(self.instance).__name__, type(exc).__name__, exc)
+            return None
+
+
+def environments(params: config.ToolsParams, section: str) -> tuple[Callable[[], ToolEnvironment], list[Tool]]:
+    """(a new episode's environment, the tools it offers) for `params` at `section` (`grpo.tools`,
+    `evaluate.tools`): a `ToolEnvironment` over `functions`, or with `environment` a `UserEnvironment`
+    around a new instance of the user's class. Errors name the key."""
+    offered = [load(name, f"{section}.functions[{i}]") for i, name in enumerate(params.functions)]
+    if params.environment is None:
+        return (lambda: ToolEnvironment(offered, params.timeout_seconds)), offered
+    where = f"{section}.environment"
+    try:  # described when the params loaded (`extensions.environment_tools`): here the class, and one instance for its tools
+        cls = extensions.import_callable(params.environment, where, what="environment class")
+    except QllmError as exc:
+        raise ToolError(str(exc)) from None
+
+    def make() -> ToolEnvironment:
+        return UserEnvironment(cls(), offered, params.timeout_seconds, where)
+
+    return make, make().tools
 
 
 # ---------------------------------------------------------------------------------------------

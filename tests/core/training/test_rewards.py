@@ -54,12 +54,12 @@ def test_a_users_function_is_called_with_trls_signature(user_module):
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("nosuch", "grpo.rewards[0]: 'nosuch' is neither a built-in reward (exact_match, flexible_match, format) nor `package.module:function`"),
+    ("nosuch", "grpo.rewards[0]: 'nosuch' is neither a built-in reward (exact_match, flexible_match, format, environment) nor `package.module:function`"),
     ("no_such_module_xyz:f", "grpo.rewards[0]: cannot import module 'no_such_module_xyz'"),
     ("my_rewards:missing", "grpo.rewards[0]: module 'my_rewards' has no 'missing'"),
     ("my_rewards:NOT_A_FUNCTION", "grpo.rewards[0]: 'my_rewards:NOT_A_FUNCTION' is a int, not a reward function"),
-    ("my_rewards:wrong_args", "'my_rewards:wrong_args' requires texts, which it would not be given (it gets prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer, id, source, split)"),
-    ("my_rewards:no_kwargs", "must accept **kwargs: it is called with keywords (prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer, id, source, split, ...)"),
+    ("my_rewards:wrong_args", "'my_rewards:wrong_args' requires texts, which it would not be given (it gets prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer, id, source, split, environments)"),
+    ("my_rewards:no_kwargs", "must accept **kwargs: it is called with keywords (prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer, id, source, split, environments, ...)"),
 ])  # fmt: skip
 def test_what_cannot_be_a_reward_is_refused_before_training(user_module, name, message):
     with pytest.raises(rewards.RewardError) as refused:
