@@ -155,6 +155,11 @@ class Scorerless(Ledger):
         raise RuntimeError("the scorer is down")
 
 
+class Unresettable(Ledger):
+    def reset(self, record):
+        raise KeyError("balance")
+
+
 class Hookless:
     def reset(self, record):
         pass
@@ -199,6 +204,9 @@ def test_an_environment_class_keeps_each_episodes_state_and_gives_its_reward(led
     with caplog.at_level("WARNING", logger="qllm.tools"):
         assert make_broken().reward() is None  # not scored, logged; the run goes on
     assert "grpo.tools.environment: Scorerless.reward() failed (RuntimeError: the scorer is down)" in caplog.text
+    make_unresettable, _ = tools.environments(ToolsParams(environment="my_envs:Unresettable"), "grpo.tools")
+    with pytest.raises(QllmError, match=r"grpo.tools.environment: Unresettable.reset\(\) failed on record 'q7' \(KeyError: 'balance'\)"):
+        make_unresettable().reset({"id": "q7"})
     with pytest.raises(rewards.RewardError, match="reads the episodes' environments, and these rollouts had none"):
         rewards.environment(prompts=[[]], completions=[[]])
 

@@ -327,8 +327,16 @@ class UserEnvironment(ToolEnvironment):
         self.instance, self.where = instance, where
 
     def reset(self, record: dict[str, Any]) -> str | None:
+        """The instance's `reset(record)`, if it has one. One that raises stops the run with the
+        record named: it is the episode's set-up, not a call the model made."""
         hook = getattr(self.instance, "reset", None)
-        return None if hook is None else hook(record)
+        if hook is None:
+            return None
+        try:
+            return hook(record)
+        except Exception as exc:
+            raise QllmError(f"{self.where}: {type(self.instance).__name__}.reset() failed on record {record.get('id')!r} "
+                            f"({type(exc).__name__}: {exc})") from exc  # fmt: skip
 
     def reward(self) -> float | None:
         hook = getattr(self.instance, "reward", None)
