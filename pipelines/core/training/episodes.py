@@ -15,8 +15,9 @@ The episode is one token sequence: the model's turns as sampled (never re-tokeni
 them the template's tokens for the tool messages (`bridge_ids`). `Rollouts.completion_mask` covers
 all of them (the model reads them all); `Rollouts.loss_mask` only the model's, so the tool's and
 the template's tokens reach neither the loss nor the KL, and training computes each token's
-log-probability over exactly the sequence it was sampled in. Each turn after the first goes through
-the model anew from the start of the prompt (no KV cache kept across turns yet).
+log-probability over exactly the sequence it was sampled in. Each turn after the first goes on
+from the last one's KV cache: only the tool's answer and the generation prompt go through the model
+(`rollouts.sample_after`), each token at the position it has in the whole sequence.
 
 An episode is `truncated` when a turn runs out of tokens, or when the model still calls tools at
 its last turn. Where a chat template renders the earlier turns differently once a tool message
@@ -125,10 +126,11 @@ def check_context(model, longest: int, max_turn_tokens: int, max_turns: int, *, 
 
 @torch.no_grad()
 def run(model, tokenizer, prompts: list[list[dict]], environments: Sequence[tools.Environment], *, group_size: int, max_turn_tokens: int, max_turns: int,
-        style: str, temperature: float = 1.0, top_p: float = 1.0, records: Sequence[dict] | None = None) -> Episodes:  # fmt: skip
+        style: str, temperature: float = 1.0, top_p: float = 1.0, records: Sequence[dict] | None = None, reuse_cache: bool = True) -> Episodes:  # fmt: skip
     """`group_size` episodes of each chat prompt, `environments[i]` serving episode i (prompts x
     group, consecutive per prompt); `records[p]` is what each of prompt p's environments is reset
-    with (default: {})."""
+    with (default: {}). `reuse_cache`: each turn after the first goes on from the last one's KV
+    cache (`rollouts.sample_after`); off, each goes through the model anew from the prompt."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     rows = len(prompts) * group_size
@@ -146,10 +148,16 @@ def run(model, tokenizer, prompts: list[list[dict]], environments: Sequence[tool
     scored: list[list[int]] = [[] for _ in range(rows)]
     transcripts = [Transcript() for _ in range(rows)]
     active = list(range(rows))
+    cached, batch_rows, bridges = None, list(active), {}
     for turn in range(max_turns):
         if turn == 0:
-            ids, mask, truncated = rollouts.sample_ids(model, tokenizer, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_turn_tokens,
-                                                       temperature=temperature, top_p=top_p)  # fmt: skip
+            ids, mask, truncated, cached = rollouts.sample_from_prompts(model, tokenizer, prompt_ids, prompt_mask, group_size=group_size,
+                                                                        max_new_tokens=max_turn_tokens, temperature=temperature, top_p=top_p)  # fmt: skip
+        elif reuse_cache:  # the rows going on, from where the last turn left them
+            place = {row: k for k, row in enumerate(batch_rows)}
+            ids, mask, truncated, cached = rollouts.sample_after(model, tokenizer, cached, [place[row] for row in active], ids, mask,
+                                                                 [bridges[row] for row in active], max_new_tokens=max_turn_tokens,
+                                                                 temperature=temperature, top_p=top_p)  # fmt: skip
         else:
             sequences = [real_prompts[row // group_size] + tokens[row] for row in active]
             width = max(len(s) for s in sequences)
@@ -186,8 +194,9 @@ def run(model, tokenizer, prompts: list[list[dict]], environments: Sequence[tool
             messages[row] += [{"role": "assistant", "content": text}, *tool_messages]
             tokens[row] += bridge
             scored[row] += [0] * len(bridge)
+            bridges[row] = bridge
             going.append(row)
-        active = going
+        batch_rows, active = active, going
         if not active:
             break
     width = max(max(len(t) for t in tokens), 1)

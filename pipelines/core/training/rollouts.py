@@ -90,39 +90,95 @@ def sample_ids(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     prompt), each up to and including its first stop token (`stop_token_ids`) or `max_new_tokens`:
     (ids right-padded, their mask, truncated: no stop token). Temperature 0 is greedy, one
     continuation a prompt."""
+    ids, mask, truncated, _ = sample_from_prompts(model, tokenizer, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
+                                                  temperature=temperature, top_p=top_p)  # fmt: skip
+    return ids, mask, truncated
+
+
+@dataclass
+class Cached:
+    """Where sampling left the model (`sample_from_prompts`, `sample_after`): the KV cache of every
+    row and the attention mask over its positions: 1 for the prompt's real tokens and for the drawn
+    tokens the model read, so also for padding it read after a row's stop token (`sample_after`
+    masks those). The last drawn token of each row was never read."""
+
+    cache: Any
+    mask: torch.Tensor  # [rows, cached positions]
+
+
+def sample_from_prompts(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, group_size: int, max_new_tokens: int,
+                        temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Cached]:  # fmt: skip
+    """`sample_ids`, and where it left the model (`Cached`), for a next turn (`sample_after`)."""
     if temperature < 0 or (temperature == 0 and group_size > 1):
         raise ValueError(f"temperature must be > 0 to sample a group (0: greedy, one continuation a prompt), got {temperature} for groups of {group_size}")
     was_training = model.training
     model.eval()
-    device = prompt_ids.device
-    stop = torch.tensor(stop_token_ids(tokenizer), device=device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stop[0])
     try:
         first, cache = preference_data.prompt_cache(model, prompt_ids, prompt_mask)
         cache.batch_repeat_interleave(group_size)
         logits = first[:, -1].repeat_interleave(group_size, dim=0)
-        mask = prompt_mask.repeat_interleave(group_size, dim=0)
-        positions = mask.sum(-1, keepdim=True)
-        rows = logits.shape[0]
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        tokens = []
-        for t in range(max_new_tokens):
-            token = torch.where(done, torch.full_like(done, pad, dtype=torch.long), _draw(logits, temperature, top_p))
-            tokens.append(token)
-            done = done | torch.isin(token, stop)
-            if bool(done.all()) or t + 1 == max_new_tokens:
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions + t, past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1]
+        return _decode(model, tokenizer, logits, cache, prompt_mask.repeat_interleave(group_size, dim=0), max_new_tokens, temperature, top_p)
     finally:
         model.train(was_training)
+
+
+def sample_after(model, tokenizer, before: Cached, rows: Sequence[int], drawn: torch.Tensor, drawn_mask: torch.Tensor, appended: Sequence[Sequence[int]], *,
+                 max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Cached]:  # fmt: skip
+    """A next turn of rows `rows` of the last sampling (`before`, which drew `drawn` with
+    `drawn_mask`), each after its `appended` tokens (a tool's answer, the next generation prompt),
+    from the KV cache rather than from the start: the cache keeps every position, the padding a
+    row read after its stop token is masked, the row's last drawn token (never read) and its
+    `appended` tokens go through the model at once (left-padded among the rows), and sampling goes
+    on as `sample_from_prompts`'. Each real token keeps the position it has in the whole sequence,
+    so the logits are those of the sequence sent whole, up to float rounding."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = drawn.device
+        select = torch.tensor(list(rows), device=device)
+        before.cache.batch_select_indices(select)
+        width = drawn.shape[1]
+        lengths = drawn_mask[select].sum(-1)  # the valid drawn tokens of each row, its stop token included
+        read = torch.arange(width - 1, device=device)[None] < lengths[:, None]  # of the width - 1 the model read: the valid ones
+        mask = torch.cat([before.mask[select][:, : before.mask.shape[1] - (width - 1)], read.long()], dim=1)
+        chunks = [([int(drawn[r, width - 1])] if int(drawn_mask[r].sum()) == width else []) + list(extra) for r, extra in zip(rows, appended, strict=True)]
+        size = max(max(len(c) for c in chunks), 1)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        chunk_ids = torch.tensor([[pad] * (size - len(c)) + c for c in chunks], device=device)
+        chunk_mask = torch.tensor([[0] * (size - len(c)) + [1] * len(c) for c in chunks], device=device)
+        positions = mask.sum(-1, keepdim=True) + (chunk_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([mask, chunk_mask], dim=1)
+        out = model(input_ids=chunk_ids, attention_mask=mask, position_ids=positions, past_key_values=before.cache, use_cache=True, logits_to_keep=1)
+        return _decode(model, tokenizer, out.logits[:, -1], out.past_key_values, mask, max_new_tokens, temperature, top_p)
+    finally:
+        model.train(was_training)
+
+
+def _decode(model, tokenizer, logits: torch.Tensor, cache, mask: torch.Tensor, max_new_tokens: int, temperature: float,
+            top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Cached]:  # fmt: skip
+    """Draw tokens from `logits` on (the model reading each from `cache`), until every row has
+    drawn a stop token or `max_new_tokens`."""
+    device = logits.device
+    stop = torch.tensor(stop_token_ids(tokenizer), device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stop[0])
+    positions = mask.sum(-1, keepdim=True)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
+    tokens = []
+    for t in range(max_new_tokens):
+        token = torch.where(done, torch.full_like(done, pad, dtype=torch.long), _draw(logits, temperature, top_p))
+        tokens.append(token)
+        done = done | torch.isin(token, stop)
+        if bool(done.all()) or t + 1 == max_new_tokens:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions + t, past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1]
     completion_ids = torch.stack(tokens, dim=1)
     is_stop = torch.isin(completion_ids, stop)
     width = completion_ids.shape[1]
     first_stop = torch.where(is_stop.any(-1), is_stop.int().argmax(-1), torch.full_like(is_stop[:, 0], width, dtype=torch.long))
     completion_mask = (torch.arange(width, device=device)[None] <= first_stop[:, None]).long()
-    return completion_ids, completion_mask, ~is_stop.any(-1)
+    return completion_ids, completion_mask, ~is_stop.any(-1), Cached(cache, mask)
 
 
 def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,

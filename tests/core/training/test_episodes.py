@@ -13,6 +13,7 @@ from pipelines.core.data.chat_template import (
     IM_END,
     IM_START,
     TOOLS_KEY,
+    left_padding,
     render_chat,
     render_prompt,
 )
@@ -43,7 +44,11 @@ def scripts(style: str) -> dict[str, list[str]]:
 class ScriptedLM(torch.nn.Module):
     """A tiny Llama (for its KV cache) whose next token is the next one of the turn written for the
     question the sequence holds: the turn is chosen when a sequence comes in whole (each turn's
-    first pass), and followed token by token after."""
+    first pass), or when a next turn goes on from the cache (the tool's answer and the generation
+    prompt: its tool answers counted on), and followed token by token after. The rows follow the
+    cache's own selections and repeats (`batch_select_indices`, `batch_repeat_interleave`)."""
+
+    MARKERS = ("<tool_response>", "ipython<|end_header_id|>", "<|im_start|>tool:")
 
     def __init__(self, tokenizer, turns: dict[str, list[str]], end_of_turn: str):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,25 +59,48 @@ class ScriptedLM(torch.nn.Module):
                                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048))  # fmt: skip
         self.tokenizer, self.eot = tokenizer, tokenizer.convert_tokens_to_ids(end_of_turn)
         self.turns = {q: [tokenizer(t, add_special_tokens=False)["input_ids"] + [self.eot] for t in ts] for q, ts in turns.items()}
+        self.questions: list[str] = []
+        self.answered: list[int] = []  # tool answers each row has read: its turn's index
         self.plan: list[list[int]] = []
         self.offset: list[int] = []
 
-    def _choose(self, ids: list[int]) -> list[int]:
-        text = self.tokenizer.decode(ids)
-        (question,) = [q for q in self.turns if q in text]
-        done = text.count("<tool_response>") + text.count("ipython<|end_header_id|>") + text.count("<|im_start|>tool:")  # tool answers so far: the turn's index
-        return self.turns[question][min(done, len(self.turns[question]) - 1)]
+    def _rows(self, order: list[int]) -> None:
+        self.questions, self.answered = [self.questions[i] for i in order], [self.answered[i] for i in order]
+        self.plan, self.offset = [self.plan[i] for i in order], [self.offset[i] for i in order]
+
+    def _follow(self, cache) -> None:
+        """Keep the rows in step with the cache's."""
+        if getattr(cache, "_scripted", False):
+            return
+        select, repeat = cache.batch_select_indices, cache.batch_repeat_interleave
+
+        def selected(indices):
+            select(indices)
+            self._rows([int(i) for i in indices])
+
+        def repeated(times):
+            repeat(times)
+            self._rows([i for i in range(len(self.questions)) for _ in range(times)])
+
+        cache.batch_select_indices, cache.batch_repeat_interleave, cache._scripted = selected, repeated, True
+
+    def _turn(self, row: int) -> list[int]:
+        turns = self.turns[self.questions[row]]
+        return turns[min(self.answered[row], len(turns) - 1)]
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
         out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        self._follow(out.past_key_values)
         rows = input_ids.shape[0]
-        if input_ids.shape[1] > 1:  # a sequence in whole: choose each row's turn
-            self.plan = [self._choose(ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask, strict=True)]
-            self.offset = [0] * rows
-        else:  # one more token: the rows may be the prompts' groups, repeated
-            if rows != len(self.plan):
-                repeat = rows // len(self.plan)
-                self.plan, self.offset = [p for p in self.plan for _ in range(repeat)], [o for o in self.offset for _ in range(repeat)]
+        texts = [self.tokenizer.decode(ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :], strict=True)]
+        if input_ids.shape[1] > 1 and attention_mask.shape[1] == input_ids.shape[1]:  # a sequence in whole: its question and answers so far
+            self.questions = [next(q for q in self.turns if q in text) for text in texts]
+            self.answered = [sum(text.count(m) for m in self.MARKERS) for text in texts]
+            self.plan, self.offset = [self._turn(r) for r in range(rows)], [0] * rows
+        elif input_ids.shape[1] > 1:  # a next turn from the cache: the tool's answers and the generation prompt
+            self.answered = [a + sum(text.count(m) for m in self.MARKERS) for a, text in zip(self.answered, texts, strict=True)]
+            self.plan, self.offset = [self._turn(r) for r in range(rows)], [0] * rows
+        else:  # one more token
             self.offset = [o + 1 for o in self.offset]
         nexts = [plan[min(o, len(plan) - 1)] for plan, o in zip(self.plan, self.offset, strict=True)]
         logits = torch.full_like(out.logits[:, -1], -1e9)
@@ -173,3 +201,60 @@ def test_the_bridge_is_the_templates_own_tokens_between_the_turns():
         written = tokenizer(render_prompt(tokenizer, prompts[0]) + lead(family) + turn, add_special_tokens=False)["input_ids"] + [model.eot]
         whole = render_chat(tokenizer, [*prompts[0], {"role": "assistant", "content": turn}, *answer], add_generation_prompt=True)
         assert tokenizer.decode(written + bridge) == whole, family.name
+
+
+def test_a_turn_from_the_kv_cache_reads_what_the_whole_sequence_gives(monkeypatch):
+    """`rollouts.sample_after`: rows that stopped at different steps (one at the last, its stop token
+    never read; the others read padding after theirs), some dropped and the rest reordered, each
+    with appended tokens of its own length: the logits of the next turn's first two tokens equal
+    those of the whole sequence sent again, left-padded (to float rounding)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipelines.core.models.models import stop_token_ids
+    from pipelines.core.training import preference_data, rollouts
+
+    tokenizer = tokenizer_for(QWEN25, ["What is 48213 times 977?", "Where does Tovik live? In Pelora.", "a b c"], vocab_size=300)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=512)).eval()  # fmt: skip
+    stop = stop_token_ids(tokenizer)[0]
+    plan = [[5, 7, 11], [6, 8, stop], [stop, 9, 0], [0, 10, 0], [0, stop, 0],  # turn 1: rows stop at steps 2, 4 (the last), 1
+            [12, 14], [13, 15]]  # fmt: skip  # turn 2, rows 2 and 0: two tokens each
+    seen = []
+
+    def draw(logits, temperature, top_p):
+        seen.append(logits.clone())
+        return torch.tensor(plan[len(seen) - 1])
+
+    monkeypatch.setattr(rollouts, "_draw", draw)
+    with left_padding(tokenizer):
+        encoded = tokenizer(["What is 48213 times 977?", "Where does Tovik live?", "a b"], return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask, truncated, cached = rollouts.sample_from_prompts(model, tokenizer, encoded["input_ids"], encoded["attention_mask"], group_size=1,
+                                                                max_new_tokens=5, temperature=1.0)  # fmt: skip
+    assert mask.sum(-1).tolist() == [3, 5, 2] and not truncated.any()
+    appended = {2: [20, 21, 22], 0: [23]}
+    rows = [2, 0]
+    rollouts.sample_after(model, tokenizer, cached, rows, ids, mask, [appended[r] for r in rows], max_new_tokens=2, temperature=1.0)
+    prompts = [encoded["input_ids"][r][encoded["attention_mask"][r].bool()].tolist() for r in rows]
+    whole = [p + ids[r, : int(mask[r].sum())].tolist() + appended[r] for p, r in zip(prompts, rows, strict=True)]
+    for step, extra in enumerate([[], [[12], [14]]]):  # the first token's logits, then the second's (after the first drawn)
+        sequences = [w + (extra[k] if extra else []) for k, w in enumerate(whole)]
+        width = max(len(s) for s in sequences)
+        batch = torch.tensor([[0] * (width - len(s)) + s for s in sequences])
+        batch_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
+        first, _ = preference_data.prompt_cache(model, batch, batch_mask)
+        torch.testing.assert_close(seen[5 + step], first[:, -1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, style", [(QWEN25, "hermes"), (LLAMA31_TOOLS, "llama3")])
+def test_episodes_from_the_cache_are_the_episodes_sent_whole(family, style):
+    """The scripted model through `run` with the KV cache kept across turns and without: the same
+    transcripts and the same token sequences and masks."""
+    tokenizer, model, offered, prompts = setup(family, style)
+    got = {}
+    for reuse in (True, False):
+        envs = [ToolEnvironment(offered, timeout=2.0) for _ in prompts]
+        got[reuse] = episodes.run(model, tokenizer, prompts, envs, group_size=1, max_turn_tokens=64, max_turns=3, style=style, reuse_cache=reuse)
+    assert [t.turns for t in got[True].transcripts] == [t.turns for t in got[False].transcripts]
+    for name in ("completion_ids", "completion_mask", "loss_mask", "truncated"):
+        assert torch.equal(getattr(got[True].rollouts, name), getattr(got[False].rollouts, name)), name
