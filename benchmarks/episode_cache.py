@@ -30,8 +30,7 @@ SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 3
 def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.chat_families import QLLM
-    from tests.core.training.test_episodes import setup
+    from tests.core.training.test_episodes import QLLM, setup
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
