@@ -196,3 +196,47 @@ def test_tool_episodes_past_the_models_context_are_refused_before_generating():
     model.config.max_position_embeddings = longest + 3 * 64
     answers, _ = evaluate.answers_with_tools(model, tokenizer, prompts, params, model_name="data/models/sft")
     assert answers[0] == "47104101"
+
+
+FORECAST = '''
+class Forecast:
+    """An environment whose weather tool answers from its state, reset per question."""
+
+    resets = []
+
+    def reset(self, record):
+        Forecast.resets.append(dict(record))
+        self.asked = record["id"]
+
+    def weather(self, city: str) -> str:
+        """The forecast.
+
+        Args:
+            city: A city.
+        """
+        return f"sunny in {city} for {self.asked}"
+'''
+
+
+def test_evaluate_runs_an_environment_per_question_reset_with_its_id_only(tmp_path, monkeypatch):
+    """`evaluate.tools.environment`: a new instance per tool question, reset with `{"id"}` (no
+    answer to leak), its method answering the call the scripted model makes."""
+    import sys
+
+    from pipelines.core.config import EvaluateParams, ToolsParams
+    from tests.chat_families import QWEN25
+    from tests.core.training.test_episodes import setup
+
+    (tmp_path / "my_forecast.py").write_text(FORECAST)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_forecast", raising=False)
+    tokenizer, model, _, prompts = setup(QWEN25, "hermes")
+    params = EvaluateParams(tools=ToolsParams(functions=["calculator"], environment="my_forecast:Forecast"), max_new_tokens=64, batch_size=2)
+    ids = [f"heldout-q-{i}" for i in range(len(prompts))]
+    answers, transcripts = evaluate.answers_with_tools(model, tokenizer, prompts, params, ids=ids)
+    import my_forecast
+
+    assert my_forecast.Forecast.resets == [{"id": i} for i in ids]
+    weather = transcripts[3]["turns"][0]["calls"][0]
+    assert weather == {"name": "weather", "arguments": {"city": "Pelora"}, "observation": "sunny in Pelora for heldout-q-3", "error": None}
+    assert answers[0] == "47104101"  # the calculator still answers beside the environment's tools
