@@ -171,7 +171,7 @@ def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: Eval
     if not with_tools:
         return answers, transcripts
     check_tool_support(tokenizer, prompts[with_tools[0]])  # as grpo: a template that drops the tools is an error, not a silent prompt
-    longest = max(len(tokenizer(render_prompt(tokenizer, prompts[i]), add_special_tokens=False)["input_ids"]) for i in with_tools)
+    longest = episodes.longest_prompt(tokenizer, [prompts[i] for i in with_tools])
     episodes.check_context(model, longest, params.max_new_tokens, params.tools.max_turns, model_name=model_name,
                            keys=("evaluate.max_new_tokens", "evaluate.tools.max_turns"))  # fmt: skip
     style = episodes.tool_style(tokenizer, params.tools.style, "evaluate.tools.style")

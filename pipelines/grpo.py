@@ -37,7 +37,6 @@ from pipelines.core.data.chat_template import (
     TOOLS_KEY,
     check_tool_support,
     parse_messages,
-    render_prompt,
     split_last_answer,
 )
 from pipelines.core.errors import QllmError
@@ -100,11 +99,6 @@ def questions(chat_dir: Path, split: str = "train", offered: list[dict] | None =
     return Questions(found, tool_calls)
 
 
-def longest_prompt(tokenizer, found: list[rollouts.Question]) -> int:
-    """Tokens of the longest question as the model sees it (the chat template, generation prompt)."""
-    return max(len(tokenizer(render_prompt(tokenizer, q.prompt), add_special_tokens=False)["input_ids"]) for q in found)
-
-
 def grpo_loss(params: GrpoParams):
     """`loss_fn(model, batch)` for the loop over `RolloutBatches`' micro-batches."""
 
@@ -145,7 +139,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
     qconfig = quantize.from_params(params.lora, cfg.precision, "grpo.lora") if params.adapter == "lora" else None
     method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
-    longest = longest_prompt(load_tokenizer(start_dir), train)  # before the model loads: the memory estimate needs it
+    longest = episodes.longest_prompt(load_tokenizer(start_dir), [q.prompt for q in train])  # before the model loads: the memory estimate needs it
     estimates = footprint.preflight(start_dir, cfg, method=method, seq_len=longest + episode_tokens, micro_batch=cfg.micro_batch_size,
                                     lora_rank=params.lora.r, desc=NAME)  # fmt: skip
     model, tokenizer = load_for_inference(start_dir, root) if qconfig is None else quantize.load(start_dir, qconfig, "grpo.lora")

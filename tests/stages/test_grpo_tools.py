@@ -162,7 +162,7 @@ class Unresettable(Ledger):
 
 class Hookless:
     def reset(self, record):
-        pass
+        self.record = record
 
 
 class Unbuildable:

@@ -111,6 +111,12 @@ def added_tokens(max_turn_tokens: int, max_turns: int) -> int:
     return max_turn_tokens * (2 * max_turns - 1)
 
 
+def longest_prompt(tokenizer, prompts: Sequence[list[dict]]) -> int:
+    """Tokens of the longest chat prompt as the model sees it (the chat template, its tools, the
+    generation prompt)."""
+    return max(len(tokenizer(render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in prompts)
+
+
 def check_context(model, longest: int, max_turn_tokens: int, max_turns: int, *, keys: tuple[str, str], model_name: str) -> None:
     """A QllmError when the longest prompt (`longest` tokens, the tools' schemas included) and what
     an episode may add (`added_tokens`) pass the model's context (`max_position_embeddings`):

@@ -321,8 +321,14 @@ class UserEnvironment(ToolEnvironment):
     as a tool's failure never stops the run. A call past its time is abandoned while it may still
     change the instance: a method that can hang should bound itself."""
 
-    def __init__(self, instance: Any, functions: Sequence[Tool], timeout: float, where: str = "tools.environment") -> None:
-        methods = [Tool.from_function(getattr(instance, name), f"{where} ({type(instance).__name__}.{name})") for name in extensions.public_methods(instance)]
+    def __init__(self, instance: Any, functions: Sequence[Tool], timeout: float, where: str = "tools.environment",
+                 described: Sequence[Tool] | None = None) -> None:  # fmt: skip
+        """`described`: the tools of an earlier instance of the same class (`environments`), whose
+        schemas are reused with this instance's methods: described once, not once per episode."""
+        if described is None:
+            methods = [Tool.from_function(getattr(instance, name), f"{where} ({type(instance).__name__}.{name})") for name in extensions.public_methods(instance)]
+        else:
+            methods = [Tool(t.name, t.schema, getattr(instance, t.name)) for t in described[len(functions) :]]
         super().__init__([*functions, *methods], timeout)
         self.instance, self.where = instance, where
 
@@ -363,10 +369,12 @@ def environments(params: config.ToolsParams, section: str) -> tuple[Callable[[],
     except QllmError as exc:
         raise ToolError(str(exc)) from None
 
-    def make() -> ToolEnvironment:
-        return UserEnvironment(cls(), offered, params.timeout_seconds, where)
+    first = UserEnvironment(cls(), offered, params.timeout_seconds, where)
 
-    return make, make().tools
+    def make() -> ToolEnvironment:
+        return UserEnvironment(cls(), offered, params.timeout_seconds, where, described=first.tools)
+
+    return make, first.tools
 
 
 # ---------------------------------------------------------------------------------------------
