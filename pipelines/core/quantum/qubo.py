@@ -561,7 +561,7 @@ def _sample_sa(bqm: dimod.BinaryQuadraticModel, penalty: float, o: _Options) -> 
     # and num_reads alone, the same on every machine (`allocate_ranks` warns past the time limit). A
     # deadline checked per read made it depend on the load: in `qllm run` the solve shares the GIL with
     # the stages training beside it, and each check waits for it (300 reads: 0.02 s alone, 4 s beside
-    # two busy Python threads), so the lora stage's adapter differed between two clones (tests/e2e/test_pipeline_e2e.py, same bytes).
+    # two busy Python threads), so the allocation, and with it the lora stage's adapter, could differ between two runs.
     # Reads run in chunks of their own seeds (dimod prepares every read's initial state up front).
     reads, chunks = o.num_reads or SA_READS, []
     seeds = np.random.default_rng(o.seed).integers(2**31, size=-(-reads // SA_CHUNK))  # one per chunk, from the seed
