@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -388,3 +389,70 @@ def post_json(url: str, body: bytes) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
+
+
+TORCH_RANDOM_FUNCTIONS = ("rand", "randn", "randint", "randperm", "multinomial", "normal", "bernoulli", "poisson", "rand_like", "randn_like", "randint_like")
+TENSOR_RANDOM_METHODS = ("uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "multinomial", "bernoulli")
+
+
+@contextlib.contextmanager
+def draws_outside_construction() -> Iterator[list[str]]:
+    """Record every draw from torch's global generator made while the drawing thread does not hold
+    `models.CONSTRUCTION`: the rule of `pipelines.core.training.randomness` that keeps each stage a
+    function of its seed when stages train in threads of one process. Each record names the thread,
+    the function and the project's frames that led to it. Draws with a `generator=` of their own,
+    dropout with p = 0 or out of training, and attention without dropout are not draws.
+
+    Python-level calls only (torch's functions, tensor methods, `F.dropout` and attention as looked
+    up when called), which is how the project, transformers and PEFT reach torch's generator."""
+    import threading
+    import traceback
+
+    import torch
+    import torch.nn.functional as F
+
+    from pipelines.core.models.models import CONSTRUCTION
+
+    records: list[str] = []
+    guard = threading.Lock()
+
+    def record(name: str) -> None:
+        if CONSTRUCTION._is_owned():
+            return
+        frames = [f"{Path(f.filename).relative_to(REPO)}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-2]
+                  if f.filename.startswith(str(REPO) + os.sep) and not f.filename.startswith(str(REPO / "tests"))]  # fmt: skip
+        with guard:
+            records.append(f"{threading.current_thread().name}: {name} <- " + " <- ".join(reversed(frames[-4:])))
+
+    def dropout_draws(args, kwargs) -> bool:
+        p, training = kwargs.get("p", args[1] if len(args) > 1 else 0.5), kwargs.get("training", args[2] if len(args) > 2 else True)
+        return p > 0 and training
+
+    def attention_draws(args, kwargs) -> bool:
+        return kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0
+
+    def spied(owner, name: str, draws=lambda args, kwargs: True):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def spy(*args, **kwargs):
+            if kwargs.get("generator") is None and draws(args, kwargs):
+                record(f"{getattr(owner, '__name__', owner)}.{name}")
+            return original(*args, **kwargs)
+
+        return spy
+
+    patched = [(torch, name, spied(torch, name)) for name in TORCH_RANDOM_FUNCTIONS]
+    patched += [(torch.Tensor, name, spied(torch.Tensor, name)) for name in TENSOR_RANDOM_METHODS]
+    patched += [(F, "dropout", spied(F, "dropout", dropout_draws)), (F, "scaled_dot_product_attention", spied(F, "scaled_dot_product_attention", attention_draws))]
+    saved = [(owner, name, vars(owner).get(name)) for owner, name, _ in patched]
+    for owner, name, spy in patched:
+        setattr(owner, name, spy)
+    try:
+        yield records
+    finally:
+        for owner, name, original in saved:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)

@@ -25,7 +25,15 @@ import yaml
 
 from pipelines.core import dag
 from pipelines.core.run import tracking
-from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, mlflow_model_server, post_json, run
+from tests.conftest import (
+    ALWAYS_CHANGED,
+    draws_outside_construction,
+    dvc_up_to_date,
+    make_project,
+    mlflow_model_server,
+    post_json,
+    run,
+)
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[2]))
 
@@ -36,10 +44,19 @@ def project(tmp_path_factory, mlflow_template_db, prefect_server) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first(project) -> dict:
+def first_run(project) -> tuple[dict, list[str]]:
+    """The first run's result, and the draws from torch's global generator it made outside
+    `models.CONSTRUCTION` (`draws_outside_construction`)."""
     from flows.pipeline import pipeline
 
-    return pipeline(project_dir=str(project))
+    with draws_outside_construction() as draws:
+        result = pipeline(project_dir=str(project))
+    return result, draws
+
+
+@pytest.fixture(scope="module")
+def first(first_run) -> dict:
+    return first_run[0]
 
 
 def stage_outs(project: Path) -> dict[str, str]:
@@ -97,6 +114,17 @@ def test_a_clone_elsewhere_run_apart_writes_identical_outputs(first, project, tm
     assert {"data/quantum_opt", "data/models/lora", "data/models/dpo", "data/evaluate", "data/register"} <= set(ours)
     differing = {path: differing_files(project / path, clone / path) for path in ours if ours[path] != theirs.get(path)}
     assert not differing, f"outputs whose bytes depend on the directory or the process: {differing}"
+
+
+def test_no_stage_draws_from_torchs_global_generator_outside_construction(first_run):
+    """Stages train in threads of one process and share torch's global generator: a draw made
+    outside `models.CONSTRUCTION` (where the stages draw from their own streams,
+    `pipelines.core.training.randomness`) can land inside another stage's adapter initialisation,
+    so that stage's output depends on the timing. The same-bytes test above catches it only when the
+    timing happens to collide; this catches every such draw, wherever it falls. (Footprint's timing
+    product drew there, in every training stage, until its operands came from a generator of their own.)"""
+    draws = first_run[1]
+    assert not draws, "draws from torch's global generator outside models.CONSTRUCTION:\n" + "\n".join(sorted(set(draws)))
 
 
 def test_precision_auto_is_resolved_recorded_and_tracked(first, project):

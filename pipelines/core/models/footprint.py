@@ -149,11 +149,17 @@ def estimate(config: dict, *, method: str, micro_batch: int, seq_len: int, gradi
 
 
 def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float | None:
-    """FLOP/s of a `size`-square fp32 product on this machine (about 0.1 s); None if it fails."""
+    """FLOP/s of a `size`-square fp32 product on this machine (about 0.1 s); None if it fails.
+
+    Its operands come from a generator of its own: every training stage runs this before it trains,
+    in a thread beside the stages already training, and a draw from torch's global generator there
+    would shift the draws of a stage initialising its adapter at that moment
+    (`pipelines.core.training.randomness`), making that stage's output depend on the timing."""
     try:
         import torch
 
-        a, b = torch.randn(size, size), torch.randn(size, size)
+        generator = torch.Generator().manual_seed(0)
+        a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
         a @ b  # warm-up
         start = time.perf_counter()
         for _ in range(repeats):

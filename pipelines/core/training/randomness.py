@@ -20,6 +20,9 @@ Two rules keep every stage a function of its seed alone:
   into torch's global generators for each step, holding the same lock. Runs whose steps draw
   nothing (the default: no dropout; GRPO and masked diffusion aside) take no lock and overlap freely; runs that draw
   take turns step by step with each other and with model construction.
+Anything else a stage does in its thread draws from a generator of its own (e.g. the timed product
+of `pipelines.core.models.footprint`): a draw from the global one outside the lock lands, now and
+then, inside another stage's construction. tests/e2e/test_pipeline_e2e.py records every such draw.
 Checkpoints save this stream, so a resumed run draws what it would have.
 """
 
