@@ -54,7 +54,7 @@ def one_seed(root: Path, baseline: Path, params, seed: int, precision_name: str,
     chat, plain_chat = reads(root, "sft", "chat"), reads(baseline, "sft", "chat")
     seconds = {}
     started = time.perf_counter()
-    pretrain.run(tokenized, tokenizer, work / "pretrain", _with(params.pretrain, seed, precision_name), None)
+    pretrain.from_project(root, tokenized, tokenizer, work / "pretrain", _with(params.pretrain, seed, precision_name))  # a base: continued or taken as it is
     seconds["pretrain"] = time.perf_counter() - started
     sft_params = _with(params.sft, seed, precision_name).model_copy(update={"base_model": str(work / "pretrain")})
     for name, chats in (("sft", chat), ("no tools", plain_chat)):

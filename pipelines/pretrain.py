@@ -149,21 +149,33 @@ def convert_base(gguf_file: Path, tokenizer_dir: Path, out: Path) -> dict:
     return {"trained": False, "steps": 0, "converted_from_gguf": True, **parameter_counts(model)}
 
 
+def from_project(root: Path, tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams, checkpoint_dir: Path | None = None,
+                 tracker=None, log=None) -> dict:  # fmt: skip
+    """What the stage does in project `root`, by its base model (`pipelines.base_model`): `run` on a
+    model built from `params.model` (no base), `run` continuing the base (`continue_base`), or no
+    training: a GGUF base converted (`convert_base`), any other base pointed to (`point_to_base`).
+    `log`: a logger for what it chose (the stage's)."""
+    say = log.info if log is not None else (lambda *args: None)
+    record = model_source.current(root)
+    if record["name"] is not None and not params.continue_base:
+        if record.get("kind") == "gguf":
+            say("pretrain: nothing to train; converting the GGUF base %s to a model directory (base_model.name)", record["name"])
+            return convert_base(model_source.location(record, project_root(root)), tokenizer_dir, out)
+        say("pretrain: nothing to train, the base model is %s (base_model.name)", record["name"])
+        return point_to_base(out, record)
+    base = model_source.location(record, project_root(root)) if record["name"] is not None else None
+    if base is not None:
+        say("pretrain: continuing to pretrain the base %s on the text (pretrain.continue_base)", record["name"])
+    return run(tokenized, tokenizer_dir, out, params, checkpoint_dir, tracker, base=base)
+
+
 def body(ctx: stage.StageContext) -> dict:
 
-    record = model_source.current(ctx.root)
-    if record["name"] is not None and not ctx.params.continue_base:
-        if record.get("kind") == "gguf":
-            ctx.log.info("pretrain: nothing to train; converting the GGUF base %s to a model directory (base_model.name)", record["name"])
-            return convert_base(model_source.location(record, project_root(ctx.root)), ctx.input("tokenizer"), ctx.output())
-        ctx.log.info("pretrain: nothing to train, the base model is %s (base_model.name)", record["name"])
-        return point_to_base(ctx.output(), record)
-    base = model_source.location(record, project_root(ctx.root)) if record["name"] is not None else None
-    if base is not None:
-        ctx.log.info("pretrain: continuing to pretrain the base %s on the text (pretrain.continue_base)", record["name"])
-    metrics = run(ctx.input("tokenized"), ctx.input("tokenizer"), ctx.output(), ctx.params, ctx.checkpoint_dir, ctx.tracker, base=base)
+    metrics = from_project(ctx.root, ctx.input("tokenized"), ctx.input("tokenizer"), ctx.output(), ctx.params, ctx.checkpoint_dir, ctx.tracker, ctx.log)
+    if metrics.get("trained") is False:
+        return metrics
     ctx.log.info(
-        "%s %d parameters for %d steps: val/loss %.4f (perplexity %.2f, vocabulary %d), %d tokens/s", "continued pretraining" if base else "pretrained",
+        "%s %d parameters for %d steps: val/loss %.4f (perplexity %.2f, vocabulary %d), %d tokens/s", "continued pretraining" if metrics["continued"] else "pretrained",
         metrics["total_parameters"], metrics["steps"], metrics["val/loss"], metrics["val/perplexity"],
         metrics["vocab_size"], metrics["tokens_per_second"],
     )
