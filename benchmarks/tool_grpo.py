@@ -14,7 +14,17 @@ DIR is a project after `qllm run --until tokenize --set sample_data.tool_arithme
 DIR2 the same project after `qllm run --until prepare_data` with `sample_data.tool_arithmetic.calls=false`
 as well: the same questions, ids and answers, and the same pretraining text (the tool chats are
 chats only), so one pretrained model per seed serves all four. The stages' code runs with DIR's
-params (and `--set`), each seed setting `pretrain.train.seed` and the fine-tuning stages' seeds. The
+params (and `--set`), each seed setting `pretrain.train.seed` and the fine-tuning stages' seeds;
+`pretrain` does what the stage does with DIR's base model (SmolLM2's profile: continued pretraining
+of the base). With a profile, DIR and DIR2 are the run workspaces the two runs name in their logs
+(`running in workspace .qllm/runs/<id>`), whose params.yaml holds the profile:
+
+    qllm run --params params/smollm2.yaml --params params/smollm2-tools.yaml --until tokenize
+    qllm run --params params/smollm2.yaml --params params/smollm2-tools.yaml --until prepare_data \
+        --set sample_data.tool_arithmetic.calls=false
+    python -m benchmarks.tool_grpo --project .qllm/runs/<first> --baseline .qllm/runs/<second> --turn-tokens 64
+
+The
 tools: `calculator`, `max_turns: 2` (the call, then the answer), `--turn-tokens` a turn, in GRPO
 and in evaluate. Scored as `evaluate` scores (greedy; `exact_match_by_group` of the
 `heldout-toolarith-d<digits>` groups; `tool_calls_correct`) on the tool questions only. Prints one
