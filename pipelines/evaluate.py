@@ -57,6 +57,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipelines.core import paths
 from pipelines.core.config import EvaluateParams
 from pipelines.core.data import packed, real_text
 from pipelines.core.data.chat_template import (
@@ -389,8 +390,8 @@ def evaluate_model(
         general = {"general_loss": round(general_loss, 6), "general_perplexity": round(math.exp(min(general_loss, 50.0)), 4)}
 
     generating = time.perf_counter()
-    name = str(model_dir.relative_to(root)) if model_dir.is_relative_to(root) else str(model_dir)
-    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params, model_name=name, ids=questions["id"].tolist())
+    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params, model_name=paths.named(model_dir, root),
+                                                  ids=questions["id"].tolist())  # fmt: skip
     generate_seconds = time.perf_counter() - generating
     episodes_run = [t for t in transcripts if t is not None]
     tool_metrics = {"tool_questions": len(episodes_run), "tool_calls_correct": round(sum(map(called_correctly, episodes_run)) / len(episodes_run), 4)} if episodes_run else {}

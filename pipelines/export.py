@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipelines.core import paths
 from pipelines.core.errors import QllmError
 from pipelines.core.models import gguf_export
 from pipelines.core.models.models import load_for_inference, stop_token_ids
@@ -63,7 +64,7 @@ def export(root: Path, model_dir: Path, out: Path, params, model_name: str, stag
     """Write the GGUF files (and Modelfile) of the model in `model_dir` into `out`, atomically; the record."""
     where = model_dir.relative_to(root).as_posix() if model_dir.is_relative_to(root) else model_dir.name
     model, tokenizer = load_for_inference(model_dir, root)
-    shown = out.relative_to(root).as_posix() if out.is_relative_to(root) else str(out)
+    shown = paths.named(out, root)
     return write_files(model, tokenizer, out, params, model_name, stage_name, where, log, shown)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from pipelines.core import paths
 from pipelines.core.config import GrpoParams
 from pipelines.core.data.chat_template import (
     TOOLS_KEY,
@@ -131,7 +132,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     """Train the policy from the model in `start_dir` (the SFT model: also `beta`'s reference) on the
     questions of `chat_dir`; write it to `out`. The summary metrics."""
     cfg = params.train
-    start = start_dir.relative_to(root).as_posix() if start_dir.is_relative_to(root) else str(start_dir)  # as users name it (an adapter's base)
+    start = paths.named(start_dir, root)  # as users name it (an adapter's base)
     make_environment, offered = tools.environments(params.tools, "grpo.tools")
     train = questions(chat_dir, offered=[t.schema for t in offered] if offered else None)
     # an episode: each turn's tokens and, between turns, the tool's answer as the template renders it (about as long again)

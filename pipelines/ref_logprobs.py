@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipelines.core import paths
 from pipelines.core.config import RefLogprobsParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import quantize
@@ -83,10 +84,6 @@ def context_length(model_dir: Path) -> int:
         raise QllmError(f"{model_dir}: cannot read the context length from its config ({exc}); set ref_logprobs.max_length") from None
 
 
-def _named(path: Path, root: Path) -> str:
-    return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
-
-
 def run(root: Path, start: Path, preferences: Path, out: Path, params: RefLogprobsParams, method: str = "dpo", feedback: Path | None = None) -> dict:
     """`meta.json` names `start` relative to `root` (`data/models/sft`), as `dpo` loads it.
     `feedback`: the prepared feedback records (KTO's own unpaired data), used by method kto."""
@@ -131,7 +128,7 @@ def run(root: Path, start: Path, preferences: Path, out: Path, params: RefLogpro
                 info["undesirable"] = len(examples) - info["desirable"]
                 info["mean_ref_kl_logp"] = round(float(np.mean([e.ref_kl for e in examples])), 4) if examples else None
             metrics[split] = info
-        named = _named(start, root)
+        named = paths.named(start, root)
         write_json(tmp / "meta.json", {"method": method, "start": named, "reference": named if model is not None else None,
                                        "max_length": max_length, "max_prompt_length": params.max_prompt_length})  # fmt: skip
     seconds = time.perf_counter() - started

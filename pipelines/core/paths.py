@@ -30,3 +30,9 @@ def project_path(path: Path | str, root: Path | str) -> Path:
     if path.is_absolute() or Path(root).resolve() == Path.cwd().resolve():
         return path
     return Path(root) / path
+
+
+def named(path: Path, root: Path) -> str:
+    """`path` as users name it in messages and records: relative to the project `root` (with `/`),
+    else as given."""
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
