@@ -43,7 +43,15 @@ from pathlib import Path
 
 from flows import preflight
 from pipelines.core import dag, params_file
-from pipelines.core.errors import QllmError, ask_stop, clear_stop, request_stop, stop_requested, stop_signal
+from pipelines.core.errors import (
+    QllmError,
+    ask_stop,
+    clear_stop,
+    exit_without_collecting,
+    request_stop,
+    stop_requested,
+    stop_signal,
+)
 from pipelines.core.paths import project_path
 
 
@@ -413,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     except QllmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if argv is None:  # `qllm ...` itself: the process ends next
+            exit_without_collecting()
 
 
 if __name__ == "__main__":

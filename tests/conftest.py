@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import shutil
@@ -96,6 +97,12 @@ def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::", 1)[0]
     MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration
     TEST_SECONDS[report.nodeid] = TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_unconfigure(config) -> None:
+    """The process (the session's, or an xdist worker's) ends next: its millions of objects are
+    freed by reference count, without collector passes (`errors.exit_without_collecting`)."""
+    gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

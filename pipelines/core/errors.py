@@ -9,6 +9,7 @@ interrupts at once (`interrupt_training`): the newest checkpoint stays.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import signal
 import sys
@@ -36,7 +37,23 @@ def stage_command(name: str, run: Callable[[str], object], argv: list[str] | Non
     except QllmError as exc:
         print(f"error: {name}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if argv is None:  # the process's own command line: it ends next
+            exit_without_collecting()
     return 0
+
+
+def exit_without_collecting() -> None:
+    """Let the process that called this end without the collector's passes over what it imported.
+
+    A stage or `qllm` process holds about 700,000 objects once torch, transformers, PEFT and MLflow
+    are imported, and Python's finalization runs the cyclic collector over them while it tears the
+    modules down: 2.4 s of every such process (0.6 s with torch alone; 2-core EPYC, measured in
+    benchmarks/RESULTS.md). `gc.freeze()` moves them to the collector's permanent generation, so
+    shutdown frees them by reference count alone (0.35 s). Everything else about the exit stays:
+    atexit handlers, joins of non-daemon threads, flushes of open streams. Call it only where the
+    process ends next (a command line's `main`): frozen objects are never collected afterwards."""
+    gc.freeze()
 
 
 class StopRequested(QllmError):
