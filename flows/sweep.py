@@ -28,7 +28,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.pipeline import pipeline, stop_stages_on_termination
+from flows.pipeline import FINAL_STATE_HOOKS, pipeline, stop_stages_on_termination
 from pipelines.core import dag, dvc_api, params_file
 from pipelines.core.errors import QllmError
 from pipelines.core.run import tracking
@@ -55,7 +55,7 @@ def shared_stages(root: Path, override_sets: list[list[str]]) -> list[str]:
     return [name for name in dag.order(root) if name not in changed]
 
 
-@flow(name="qllm-sweep", log_prints=True, validate_parameters=True)
+@flow(name="qllm-sweep", log_prints=True, validate_parameters=True, **FINAL_STATE_HOOKS)
 def sweep(
     sweep: list[list[str]],
     overrides: list[str] | None = None,

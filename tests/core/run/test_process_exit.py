@@ -74,3 +74,29 @@ def test_called_with_arguments_in_process_the_collector_is_left_alone(tmp_path, 
     assert stage_command("toy", bad, ["--root", "."]) == 1
     assert cli.main(["compare", "--last", "2", "--project-dir", str(tmp_path)]) == 2
     assert gc.get_freeze_count() == before
+
+
+@pytest.mark.parametrize("main_module, parent_task_run_id, freezes", [
+    ("prefect.engine", None, True),  # a worker's flow-run process: it ends after the final state
+    ("prefect.engine", "a-task-run", False),  # a subflow (a sweep's set): the process goes on
+    ("flows.cli", None, False),  # `qllm run`: its own main freezes at its exit
+    (None, None, False),  # a test, a notebook
+])  # fmt: skip
+def test_a_flow_runs_final_state_freezes_the_collector_only_in_its_own_flow_run_process(main_module, parent_task_run_id, freezes, monkeypatch):
+    import types
+
+    from flows.pipeline import pipeline
+    from flows.sweep import sweep
+
+    for flow in (pipeline, sweep):
+        for hooks in (flow.on_completion_hooks, flow.on_failure_hooks, flow.on_cancellation_hooks, flow.on_crashed_hooks):
+            assert [hook.__name__ for hook in hooks] == ["_process_ends_with_the_run"], flow.name
+    main = types.ModuleType("__main__")
+    main.__spec__ = None if main_module is None else types.SimpleNamespace(name=main_module)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    before = gc.get_freeze_count()
+    try:
+        pipeline.on_completion_hooks[0](pipeline, types.SimpleNamespace(parent_task_run_id=parent_task_run_id), None)
+        assert (gc.get_freeze_count() > before) == freezes
+    finally:
+        gc.unfreeze()  # this process goes on
