@@ -351,7 +351,11 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
     # unless the environment asks for it: the pipeline submits no jobs, and the runner is a process
     # tree of its own (six processes, each importing MLflow: 6-7 s of CPU apiece on an AVX2-only EPYC)
     mlflow_env: dict[str, str] = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
-    mlflow_server = [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
+    # One uvicorn worker: `mlflow ui` would otherwise start four (uvicorn's multiprocess supervisor,
+    # each worker a process importing MLflow's server: about 10 s of CPU apiece on a 2-core EPYC,
+    # and a few hundred MB each) for one user's browser on one SQLite file. Concurrent requests
+    # still overlap: the Flask app runs in the worker's thread pool.
+    mlflow_server = [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--workers", "1"]
     client = None
     try:
         if profile == "team":

@@ -375,7 +375,7 @@ def mlflow_model_server(model_uri: str, root: Path, log: Path) -> Iterator[str]:
                         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # it starts `uvicorn` from PATH
     with open(log, "wb") as out:
         server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local",
-                                   "--host", "127.0.0.1", "--port", str(port)], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   "--workers", "1", "--host", "127.0.0.1", "--port", str(port)], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # fmt: skip
     try:
         wait_http(f"http://127.0.0.1:{port}/ping", server, "mlflow models serve", hint=f"; see {log}")

@@ -48,16 +48,21 @@ def test_services_listen_on_localhost_only(served):
     assert len(urls) == 2 and all(url.startswith("http://127.0.0.1:") for url in urls)
 
 
-def test_the_mlflow_ui_runs_no_job_consumers(served):
+def test_the_mlflow_ui_runs_no_job_consumers_and_one_worker(served):
     """`mlflow ui` on a database starts MLflow 3's job runner (a runner and five huey consumers, each a
     process importing MLflow) unless told not to; `make serve` tells it not to: the pipeline submits
-    no MLflow jobs. `MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true` in its environment turns it on."""
+    no MLflow jobs. `MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true` in its environment turns it on.
+    `mlflow ui` also serves with four uvicorn worker processes unless told otherwise; `make serve`
+    runs one: its uvicorn, with no worker processes of its own."""
     import psutil
 
     _, record, _ = served
     ui = psutil.Process(record["services"]["mlflow-ui"]["pid"])
     commands = [" ".join(child.cmdline()) for child in ui.children(recursive=True)]
     assert commands and not [c for c in commands if "huey" in c or "_job_runner" in c], commands
+    uvicorn = [c for c in commands if " -m uvicorn " in c]
+    assert len(uvicorn) == 1 and "--workers 1" in uvicorn[0], commands
+    assert not [c for c in commands if "multiprocessing" in c], commands  # no spawned workers
 
 
 def test_the_printed_mlflow_link_opens_the_projects_runs(served):
