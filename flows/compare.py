@@ -22,9 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from flows import lineage
+from pipelines.core import dag
 from pipelines.core.config import flatten
 from pipelines.core.errors import QllmError
 from pipelines.core.run import tracking
@@ -132,7 +131,7 @@ def view(client: Any, run: Any) -> dict[str, Any]:
 
 def _artifact_yaml(client: Any, run_id: str, path: str) -> dict | None:
     text = lineage.artifact_text(client, run_id, path)
-    return yaml.safe_load(text) if text is not None else None
+    return dag.load_yaml(text) if text is not None else None
 
 
 def _stage_runs(client: Any, run: Any) -> dict[str, str | None]:

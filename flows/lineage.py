@@ -18,8 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from pipelines.core import dag
 from pipelines.core.errors import QllmError
 from pipelines.core.run import lineage, tracking
 
@@ -130,7 +129,7 @@ def _load_artifact(client: Any, run_id: str, path: str) -> dict[str, Any] | None
 def artifact_lock(client: Any, run_id: str | None) -> dict[str, dict] | None:
     """The `dvc.lock` a pipeline run logged at its end (None when it has none)."""
     text = artifact_text(client, run_id, lineage.LOCK_FILE) if run_id else None
-    return (yaml.safe_load(text) or {}).get("stages") or {} if text is not None else None
+    return (dag.load_yaml(text) or {}).get("stages") or {} if text is not None else None
 
 
 def _complete_final(trail: dict[str, Any], run_id: str, lock: dict[str, dict] | None) -> None:

@@ -218,12 +218,10 @@ def headline_metrics(rows: list[dict], registered: dict | None) -> dict[str, flo
 
 def datasets(ws: Path) -> dict[str, str]:
     """The data stages' output directories and their DVC md5, from the run's dvc.lock."""
-    import yaml
-
     lock = ws / "dvc.lock"
     if not lock.exists():
         return {}
-    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {})
+    stages = (dag.load_yaml(lock.read_text(encoding="utf-8")) or {}).get("stages", {})
     return {out["path"]: out["md5"] for name in DATA_STAGES for out in stages.get(name, {}).get("outs", [])
             if out.get("md5", "").endswith(".dir")}  # fmt: skip
 

@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import yaml
-
 from pipelines.core import dag, workspace
 from pipelines.core.config import RegisterParams
 from pipelines.core.errors import QllmError
@@ -86,7 +84,7 @@ def lineage_tags(root: Path, model_dir: Path, parent_run_id: str | None, prefect
         if path.startswith(dag.METRICS_DIR + "/"):
             continue
         tags[f"dvc.{path}"] = md5
-    for section, values in (yaml.safe_load((root / "params.yaml").read_text()) or {}).items():
+    for section, values in (dag.load_yaml((root / "params.yaml").read_text()) or {}).items():
         tags[f"params.{section}"] = json.dumps(values, sort_keys=True)
 
     record = model_source.current(root)

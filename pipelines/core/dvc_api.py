@@ -188,8 +188,10 @@ _VALID_DVC_FILES = _Kept(16)
 
 def _read_yaml_once_per_content() -> None:
     """DVC parses params.yaml anew for every stage that lists params and for every check of one
-    (status, the run-cache key, `save`), 14 ms a parse of the tiny profile's 12 kB on an AVX2-only
-    EPYC: a tenth of a tiny `qllm run`'s working samples under py-spy. It parses and validates
+    (status, the run-cache key, `save`), and again into the context of dvc.yaml's interpolation at
+    every collection of a stage, 14 ms a parse of the tiny profile's 12 kB on an AVX2-only EPYC: a
+    tenth of a tiny `qllm run`'s working samples under py-spy (the interpolation's parses alone,
+    still uncached, were 6% of the suite's in-process CPU in 2026-11-29's profile). It parses and validates
     dvc.yaml and dvc.lock anew for every stage it collects, 0.15 s a collection of one stage there
     (the 58 kB dvc.lock most of it): with the lock written once per stage, a fifth of the tiny
     pipeline's CPU in tests/e2e/test_pipeline_e2e.py under py-spy. From the first Repo opened on,
@@ -197,12 +199,15 @@ def _read_yaml_once_per_content() -> None:
     and each caller gets its own copy. A text that fails to parse or validate, other files, the
     round-trip parse, and a DVC whose readers are not where this expects them go DVC's own way."""
     from dvc.dependency import param
-    from dvc.utils import strictyaml
+    from dvc.utils import serialize, strictyaml
     from dvc.utils.serialize import LOADERS, load_yaml
     from dvc.utils.serialize._yaml import YAMLFileCorruptedError, parse_yaml
     from voluptuous import MultipleInvalid
 
-    original_params = getattr(param, "load_path", None)
+    # Params files are read through `load_path`: the name param.py imported (a stage's params
+    # dependencies), and `dvc.utils.serialize.load_path` itself, which `Context.load_from` imports
+    # at each call (params.yaml in the context dvc.yaml's interpolation reads, for every collection)
+    original_params = getattr(serialize, "load_path", None)
     if original_params is not None and not getattr(original_params, "qllm_once_per_content", False):
 
         def load_path(fs_path, fs, **kwargs):
@@ -214,7 +219,9 @@ def _read_yaml_once_per_content() -> None:
 
         load_path.qllm_once_per_content = True
         load_path.__wrapped__ = original_params  # inspect.signature shows DVC's (tests/core/test_dvc_api.py)
-        param.load_path = load_path
+        serialize.load_path = load_path
+    if getattr(param, "load_path", None) is original_params:
+        param.load_path = serialize.load_path
 
     original_load = getattr(strictyaml, "load", None)
     if original_load is not None and not getattr(original_load, "qllm_once_per_content", False):

@@ -298,3 +298,16 @@ def test_the_tests_mirror_the_tree():
         if module in core_modules:  # a module's own tests sit in its package's folder
             assert (REPO / "pipelines/core" / package / f"{module}.py").is_file(), f"{path.relative_to(REPO)}: {module}.py is not in core/{package}"
     assert {p.stem.removeprefix("test_") for p in (tests / "stages").glob("test_*.py")} & set(STAGES)
+
+
+def test_load_yaml_reads_what_safe_load_reads_on_libyaml_where_pyyaml_has_it(tmp_path):
+    import yaml
+
+    assert dag.FAST_YAML is (yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)
+    lock = {"schema": "2.0", "stages": {"a": {"cmd": "python -m a", "deps": [{"path": "x", "md5": "0" * 32, "size": 3}],
+                                               "params": {"params.yaml": {"a.lr": 1.0e-3, "a.on": "yes", "a.when": "2026-11-29"}},
+                                               "outs": [{"path": "data/a", "md5": "1" * 32 + ".dir", "nfiles": 2}]}}}  # fmt: skip
+    texts = [(REPO / "dvc.yaml").read_text(), (REPO / "params.yaml").read_text(), yaml.safe_dump(lock, sort_keys=False),
+             "a: 1e-3\nb: yes\nc: 2026-11-29\nd: 0o17\ne: ~\n"]  # fmt: skip  (YAML 1.1's resolutions, as safe_load's)
+    for text in texts:
+        assert dag.load_yaml(text) == yaml.safe_load(text)

@@ -54,7 +54,7 @@ def section(root: Path, name: str) -> dict[str, Any]:
     """The `name` section of `<root>/params.yaml` as written (libyaml where built in)."""
     path = root / PARAMS_FILE
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+        data = dag.load_yaml(path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise QllmError(f"{path}: cannot read the params ({exc})") from None
     value = data.get(name) if isinstance(data, dict) else None

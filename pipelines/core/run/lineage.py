@@ -23,8 +23,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipelines.core import dag
 from pipelines.core.errors import QllmError
 
@@ -105,7 +103,7 @@ def read_lock(path: Path) -> dict[str, dict]:
     """The `stages` mapping of a `dvc.lock` file."""
     if not path.exists():
         raise QllmError(f"{path}: not found; run the pipeline first (`qllm run`)")
-    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    return (dag.load_yaml(path.read_text(encoding="utf-8")) or {}).get("stages") or {}
 
 
 def md5s(entries: Any) -> dict[str, str]:
@@ -134,7 +132,7 @@ def _as_json(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _params_from_yaml(path: Path, spec: dag.Stage) -> dict[str, Any]:
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else {}
+    data = dag.load_yaml(path.read_text(encoding="utf-8")) if path.exists() else {}
     values = {}
     for key in spec.params:
         node: Any = data or {}

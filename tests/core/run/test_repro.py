@@ -168,6 +168,26 @@ def test_a_params_file_is_parsed_once_per_text_and_each_caller_gets_its_own_copy
             param.load_path(path, repo.fs)
 
 
+def test_the_params_in_dvc_yamls_interpolation_context_are_parsed_once_per_text_too(toy):
+    """DVC loads params.yaml into the context dvc.yaml's `${...}` reads (`Context.load_from`, through
+    `dvc.utils.serialize.load_path`, imported at each call) for every collection of a stage."""
+    from dvc.parsing.context import Context
+    from dvc.repo import Repo
+    from dvc.utils import serialize
+
+    reproduce_all(toy, Toy())
+    assert getattr(serialize.load_path, "qllm_once_per_content", False)
+    with Repo(str(toy)) as repo:
+        (toy / "params.yaml").write_text("a:\n  n: 7\nb:\n  m: 1\n")
+        text = (toy / "params.yaml").read_text()
+        assert text not in dvc_api._PARSED_PARAMS._items
+        context = Context.load_from(repo.fs, str(toy / "params.yaml"))
+        assert context.select("a.n").value == 7 and text in dvc_api._PARSED_PARAMS._items  # parsed once, kept by its text
+        dvc_api._PARSED_PARAMS._items[text]["a"]["n"] = 8  # what a second load gets is the kept parse (copied)
+        assert Context.load_from(repo.fs, str(toy / "params.yaml")).select("a.n").value == 8
+        dvc_api._PARSED_PARAMS._items.pop(text)
+
+
 def test_failed_stage_leaves_no_lock_entry_and_no_output(toy):
     def broken(root, name, parent_run_id):
         (root / "data/a").mkdir(parents=True, exist_ok=True)
