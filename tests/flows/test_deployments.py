@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -106,14 +108,17 @@ def test_from_stage_refuses_to_train_upstream(served):
     assert result.returncode != 0 and "Failed" in result.stdout, result.stdout + result.stderr
 
 
-def flow_run_state(env: dict, project: Path, flow_run_id: str) -> str:
+@contextlib.contextmanager
+def flow_run_states(env: dict, flow_run_id: str) -> Iterator[Callable[[], str]]:
+    """A function giving the flow run's state now, through one client of the served API for every
+    poll (a client made per poll cost about 10 s of CPU over the cancel test's wait)."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
-        return client.read_flow_run(UUID(flow_run_id)).state.type.value
+        yield lambda: client.read_flow_run(UUID(flow_run_id)).state.type.value
 
 
 def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(served, tmp_path):
@@ -145,17 +150,18 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
             return log.read().decode(errors="replace")
 
     deadline = time.monotonic() + 300  # a bound for a broken run only: the wait is for the state "held at step 20"
-    while not held.exists():
-        assert time.monotonic() < deadline, new_log()[-3000:]
-        assert flow_run_state(env, project, flow_run_id) not in ("COMPLETED", "FAILED", "CRASHED"), new_log()[-3000:]
-        time.sleep(0.2)
-    assert int(held.read_text()) == 20
-    cancelled = subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], cwd=project, env=env, capture_output=True, text=True, timeout=60)
-    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
-    asked = time.monotonic()
-    while flow_run_state(env, project, flow_run_id) != "CANCELLED":
-        assert time.monotonic() - asked < 60, new_log()[-3000:]
-        time.sleep(0.5)
+    with flow_run_states(env, flow_run_id) as state:
+        while not held.exists():
+            assert time.monotonic() < deadline, new_log()[-3000:]
+            assert state() not in ("COMPLETED", "FAILED", "CRASHED"), new_log()[-3000:]
+            time.sleep(0.2)
+        assert int(held.read_text()) == 20
+        cancelled = subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], cwd=project, env=env, capture_output=True, text=True, timeout=60)
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        asked = time.monotonic()
+        while state() != "CANCELLED":
+            assert time.monotonic() - asked < 60, new_log()[-3000:]
+            time.sleep(0.5)
     stopped = re.search(r"pretrain: SIGTERM at step (\d+): checkpoint saved in (\S+);", new_log())
     assert stopped and int(stopped.group(1)) == 20, new_log()[-3000:]  # the step it was held after
     assert (Path(stopped.group(2)) / f"step-{int(stopped.group(1)):08d}" / "manifest.json").exists()

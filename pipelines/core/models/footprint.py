@@ -31,6 +31,7 @@ Nothing here stops a run for being slow.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -148,8 +149,11 @@ def estimate(config: dict, *, method: str, micro_batch: int, seq_len: int, gradi
     return Need(method, total, weights, trainable * state + recorded, activations, logits, per_token * total * tokens, tokens)
 
 
+@functools.lru_cache(maxsize=4)
 def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float | None:
     """FLOP/s of a `size`-square fp32 product on this machine (about 0.1 s); None if it fails.
+    Timed once per process: the stages a `qllm run` (or a test session) runs in one process share
+    the figure, which only feeds a time estimate, instead of each multiplying 8.6 GFLOP again.
 
     Its operands come from a generator of its own: every training stage runs this before it trains,
     in a thread beside the stages already training, and a draw from torch's global generator there

@@ -73,8 +73,23 @@ def test_timing_the_machine_draws_nothing_from_torchs_global_generator():
 
     torch.manual_seed(1234)
     before = torch.get_rng_state()
+    footprint.matmul_flops_per_second.cache_clear()  # timed now, not remembered from an earlier test
     assert footprint.matmul_flops_per_second(size=64, repeats=1) > 0
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_the_machine_is_timed_once_per_process(monkeypatch):
+    """Every training stage asks for the figure; the stages of one process share the first timing."""
+    import torch
+
+    footprint.matmul_flops_per_second.cache_clear()
+    products = []
+    real = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: products.append(a.shape) or real(a, b))
+    first = footprint.matmul_flops_per_second(size=32, repeats=2)
+    assert len(products) == 3  # the warm-up and two timed
+    assert footprint.matmul_flops_per_second(size=32, repeats=2) == first and len(products) == 3
+    footprint.matmul_flops_per_second.cache_clear()
 
 
 def test_the_lora_stage_reports_its_estimate(tiny_base, tmp_path):
