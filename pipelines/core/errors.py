@@ -25,7 +25,8 @@ class QllmError(Exception):
 
 def stage_command(name: str, run: Callable[[str], object], argv: list[str] | None = None) -> int:
     """`python -m pipelines.<name> [--root DIR]`, what dvc.yaml runs: parse the arguments, log to
-    stderr, `run(root)`; a `QllmError` is one `error:` line and exit code 1."""
+    stderr, `run(root)`; a `QllmError` is one `error:` line and exit code 1. Given no `argv` (the
+    process's own command line), the process then ends without collecting (`exit_without_collecting`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog=f"python -m pipelines.{name}", description=f"Run the {name} stage.")
