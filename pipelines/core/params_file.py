@@ -16,10 +16,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from pipelines.core import dag
 from pipelines.core.config import PARAMS_FILE, Params, ParamsError
 from pipelines.core.paths import project_path
 
-FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+FAST_LOADER = dag.FAST_YAML
 """PyYAML's safe loader on libyaml where it is built in (8x faster on params.yaml: every stage
 process and every `qllm run` reads it), else the pure-Python one; the same nodes, marks and values."""
 
