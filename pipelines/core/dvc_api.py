@@ -11,13 +11,15 @@
     pull_run_cache(repo)         the default remote's run-cache entries into the local cache
     push(repo, stage, target)    a stage's outputs (`cache: false` ones too) and the run-cache entries to the default remote
     dump_lock(stage)             the stage's entry in dvc.lock, as `stage.dump(update_pipeline=False)` writes it
+    dependencies_hashed_once()   within it (one thread, no stage running), each dependency is hashed once
 
 `pipelines/core/run/repro.py` reproduces stages with these and the `Stage` objects DVC's public
-API hands out (`changed`, `save`, `commit`, `dump`). Two needs have no public API: the run-cache
-key (`dvc.stage.cache._can_hash`, `_get_stage_hash`); and DVC's YAML readers and writer, to parse
+API hands out (`changed`, `save`, `commit`, `dump`). Three needs have no public API: the run-cache
+key (`dvc.stage.cache._can_hash`, `_get_stage_hash`); DVC's YAML readers and writer, to parse
 params files, dvc.yaml and dvc.lock once per content (`dvc.dependency.param.load_path`,
-`dvc.utils.strictyaml.load`) and to write dvc.lock without the round-trip parser and a stage's
-entry rendered once (`dvc.utils.serialize._yaml.parse_yaml`, `_yaml._dump`).
+`read_param_file`, `dvc.utils.strictyaml.load`) and to write dvc.lock without the round-trip parser
+and a stage's entry rendered once (`dvc.utils.serialize._yaml.parse_yaml`, `_yaml._dump`); and a
+dependency's hash computed once per step of a stage's bookkeeping (`dvc.output.Output._build`).
 They are used only on the DVC versions tested (`TESTED`, the range `pyproject.toml` pins), and
 tests/core/test_dvc_api.py checks that the installed DVC is one of them and still has those names
 with the signatures used here.
@@ -25,6 +27,7 @@ with the signatures used here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import io
@@ -32,7 +35,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,7 @@ def open_repo(root: Path | str):
 
     logging.getLogger("dvc").setLevel(logging.WARNING)
     _read_yaml_once_per_content()
+    _hash_dependencies_once_when_held()
     return Repo(str(root))
 
 
@@ -184,6 +188,8 @@ _PARSED_DVC_FILES = _Kept(16)
 stage at a time (`dump_lock` reads the text the stage's collection read)."""
 _VALID_DVC_FILES = _Kept(16)
 """(text, schema) pairs that passed DVC's validation."""
+_PARAM_VALUES = _Kept(256)
+"""A params file's values for a dependency's keys, by (path, text, keys, flatten): a run's stages' keys."""
 
 
 def _read_yaml_once_per_content() -> None:
@@ -223,6 +229,27 @@ def _read_yaml_once_per_content() -> None:
     if getattr(param, "load_path", None) is original_params:
         param.load_path = serialize.load_path
 
+    # A params dependency's values (`ParamsDependency.read_params`, at each status, hash and save of
+    # it: ten times a stage) are the file's keys picked out with dpath, which walks the whole file
+    # for each key: 3 ms a key for the tiny profile's params.yaml, on top of a copy of it all
+    original_values = getattr(param, "read_param_file", None)
+    if original_values is not None and not getattr(original_values, "qllm_once_per_content", False):
+
+        def read_param_file(fs, path, key_paths=None, flatten=False, **load_kwargs):
+            if load_kwargs:
+                return original_values(fs, path, key_paths, flatten, **load_kwargs)
+            try:
+                with fs.open(path, encoding="utf-8") as file:
+                    text = file.read()
+            except (OSError, UnicodeDecodeError):  # DVC's reader raises its own error for it
+                return original_values(fs, path, key_paths, flatten)
+            key = (path, text, tuple(key_paths) if key_paths else None, flatten)
+            return copy.deepcopy(_PARAM_VALUES.get(key, lambda: original_values(fs, path, key_paths, flatten)))
+
+        read_param_file.qllm_once_per_content = True
+        read_param_file.__wrapped__ = original_values
+        param.read_param_file = read_param_file
+
     original_load = getattr(strictyaml, "load", None)
     if original_load is not None and not getattr(original_load, "qllm_once_per_content", False):
 
@@ -248,6 +275,56 @@ def _read_yaml_once_per_content() -> None:
         load.qllm_once_per_content = True
         load.__wrapped__ = original_load
         strictyaml.load = load
+
+
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def dependencies_hashed_once() -> Iterator[None]:
+    """Within: each dependency object's hash is computed once in this thread (`Output._build`, which
+    `get_hash` and `save` call), and the result is reused for the rest of the block.
+
+    DVC hashes a stage's dependencies anew at every look: `restore` and `save` of the run-cache check
+    each has a hash (`_can_hash`) then hash them again for the key (`_get_stage_hash`), `save_deps`
+    and `Stage.save` once more, a file's hash a lookup in DVC's state database each time: six to
+    seven times a stage before it runs and again after. Use it only where the dependencies cannot
+    change: one stage's bookkeeping under its workspace's `repo.lock`, with no stage running in
+    between (a stage may write what it reads; its outputs are never held: a restore writes them).
+    Nested blocks share the outer one's hashes."""
+    if getattr(_held, "builds", None) is not None:
+        yield
+        return
+    _held.builds = {}
+    try:
+        yield
+    finally:
+        _held.builds = None
+
+
+def _hash_dependencies_once_when_held() -> None:
+    """Install the hold `dependencies_hashed_once` reads (once; outside one it changes nothing)."""
+    from dvc.output import Output
+
+    original = Output.__dict__.get("_build")
+    if original is None or getattr(original, "qllm_held", False):
+        return
+
+    def _build(self, *args, **kwargs):
+        builds = getattr(_held, "builds", None)
+        if builds is None or not self.IS_DEPENDENCY or len(args) != 4 or not set(kwargs) <= {"ignore", "dry_run"}:
+            return original(self, *args, **kwargs)
+        # `get_hash` and `save` build with (odb, fs_path, fs, hash_name), the object's own ignore
+        # rules, and dry_run (False unless given)
+        odb, fs_path, _, hash_name = args
+        key = (id(self), id(odb), fs_path, hash_name, bool(kwargs.get("dry_run", False)))
+        if key not in builds:
+            builds[key] = (self, original(self, *args, **kwargs))  # the object kept, so its id stays its own
+        return builds[key][1]
+
+    _build.qllm_held = True
+    _build.__wrapped__ = original
+    Output._build = _build
 
 
 def dump_lock(stage) -> None:

@@ -43,6 +43,11 @@ def test_the_private_names_used_are_there_with_the_signatures_used():
     assert list(inspect.signature(cache._can_hash).parameters) == ["stage"]
     assert list(inspect.signature(cache._get_stage_hash).parameters) == ["stage"]
     assert list(inspect.signature(param.load_path).parameters)[:2] == ["fs_path", "fs"]
+    assert list(inspect.signature(param.read_param_file).parameters) == ["fs", "path", "key_paths", "flatten", "load_kwargs"]  # DVC's, also once wrapped
+    from dvc import output
+
+    assert list(inspect.signature(output.Output._build).parameters) == ["self", "args", "no_progress_bar", "kwargs"]  # DVC's, also once wrapped
+    assert list(inspect.signature(output.build).parameters)[:4] == ["odb", "path", "fs", "name"]  # what _build calls: (odb, fs_path, fs, hash_name)
     from dvc.stage import serialize
     from dvc.utils import strictyaml
     from dvc.utils.serialize import _yaml

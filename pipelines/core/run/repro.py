@@ -126,7 +126,7 @@ def reproduce(
     root = Path(root).resolve()
     started = time.perf_counter()
     repo = _repo(root)
-    with _repo_lock, contextlib.chdir(root), repo.lock:
+    with _repo_lock, contextlib.chdir(root), repo.lock, dvc_api.dependencies_hashed_once():
         (stage,) = repo.stage.collect(f"{dag.DVC_FILE}:{name}")
         if not force and not stage.changed():
             return _outcome(stage, "cached", "up-to-date", started)
@@ -144,7 +144,7 @@ def reproduce(
         return _outcome(stage, "cached", "run-cache", started)
     with _same_inputs_lock(root, name, key):
         if not force:  # another run may have produced these outputs while we waited
-            with _repo_lock, contextlib.chdir(root), repo.lock:
+            with _repo_lock, contextlib.chdir(root), repo.lock, dvc_api.dependencies_hashed_once():
                 # A fresh stage object: `stage` now has the new dependency hashes next to the old
                 # outputs' hashes, which `restore` would take for a run-cache entry.
                 (fresh,) = repo.stage.collect(f"{dag.DVC_FILE}:{name}")
@@ -267,7 +267,7 @@ def _restore(root: Path, repo, stage) -> bool:
 def _commit(root: Path, repo, stage, ran: bool = False) -> None:
     """The stage's outputs into the DVC cache, its run-cache entry and `dvc.lock`; a stage that `ran`
     here is pushed to the default remote too (one restored came from a cache that has it)."""
-    with _repo_lock, contextlib.chdir(root), repo.lock:
+    with _repo_lock, contextlib.chdir(root), repo.lock, dvc_api.dependencies_hashed_once():  # hashed anew: the stage has run
         stage.save(run_cache=False)  # hashes the outputs
         stage.commit()  # moves outputs into the DVC cache (links them back)
         with _run_cache_lock(root):  # the run-cache entry, published once the objects it names are cached

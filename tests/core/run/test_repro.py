@@ -188,6 +188,89 @@ def test_the_params_in_dvc_yamls_interpolation_context_are_parsed_once_per_text_
         dvc_api._PARSED_PARAMS._items.pop(text)
 
 
+def test_a_params_dependencys_values_are_read_once_per_text_and_keys(toy):
+    """A stage's params (`ParamsDependency.read_params`, at each status, hash and save of it) are the
+    file's values at its keys, which DVC picks out with dpath over the whole file every time: kept
+    by (file, text, keys), as DVC computes them, each caller getting its own copy."""
+    from dvc.dependency import param
+    from dvc.repo import Repo
+
+    reproduce_all(toy, Toy())
+    read = param.read_param_file
+    assert getattr(read, "qllm_once_per_content", False)
+    with Repo(str(toy)) as repo:
+        path = str(toy / "params.yaml")
+        (toy / "params.yaml").write_text("a:\n  n: 4\n  k: {x: [1, 2]}\nb:\n  m: 1\n")
+        assert read(repo.fs, path, ["a.k", "b"], flatten=True) == {"a.k": {"x": [1, 2]}, "b": {"m": 1}}
+        assert read(repo.fs, path, ["a.n"]) == {"a": {"n": 4}}  # DVC's nested form without flatten
+        assert read(repo.fs, path) == {"a": {"n": 4, "k": {"x": [1, 2]}}, "b": {"m": 1}}
+        assert read(repo.fs, path, ["a.missing"], flatten=True) == {}
+        text = (toy / "params.yaml").read_text()
+        assert (path, text, ("a.k", "b"), True) in dvc_api._PARAM_VALUES._items  # kept by file, text and keys
+        read(repo.fs, path, ["a.k", "b"], flatten=True)["a.k"]["x"].append(3)  # a caller's change stays its own
+        assert read(repo.fs, path, ["a.k", "b"], flatten=True) == {"a.k": {"x": [1, 2]}, "b": {"m": 1}}
+        (toy / "params.yaml").write_text("a:\n  n: 5\n  k: {x: [1, 2]}\nb:\n  m: 1\n")  # new text, same size
+        assert read(repo.fs, path, ["a.n"], flatten=True) == {"a.n": 5}
+        (toy / "params.yaml").unlink()
+        with pytest.raises(FileNotFoundError):  # as DVC's reader fails
+            read(repo.fs, path, ["a.n"], flatten=True)
+
+
+def test_a_run_cache_restore_hashes_each_dependency_once_before_and_once_after(toy, monkeypatch):
+    """DVC hashes a stage's dependencies at every look (status, the run-cache's `_can_hash` and key,
+    `save_deps`, `save`): eight times for `src/a.txt` in a restore of stage a. Held per step of the
+    bookkeeping (`dvc_api.dependencies_hashed_once`), it is once before the stage would run and once
+    after, and the outcome is DVC's."""
+    import collections
+
+    import dvc.output
+
+    stages = Toy()
+    reproduce_all(toy, stages)
+    (toy / "params.yaml").write_text("a:\n  n: 3\nb:\n  m: 1\n")
+    reproduce_all(toy, stages)
+    builds, build = collections.Counter(), dvc.output.build
+
+    def counting(odb, path, fs, name, **kwargs):
+        builds[Path(path).relative_to(toy).as_posix()] += 1
+        return build(odb, path, fs, name, **kwargs)
+
+    monkeypatch.setattr(dvc.output, "build", counting)
+    (toy / "params.yaml").write_text("a:\n  n: 2\nb:\n  m: 1\n")
+    assert reproduce_all(toy, stages) == {"a": ("cached", "run-cache"), "b": ("cached", "run-cache")}
+    assert builds["src/a.txt"] == 2, builds  # a's dependency
+    assert builds["data/a"] == 4, builds  # a's output (save, commit: never held) and b's dependency
+    assert (toy / "data/b.txt").read_text() == "XX" and "up to date" in dvc_status(toy)
+
+
+def test_a_held_dependency_hash_is_computed_once_and_only_while_held(toy, monkeypatch):
+    from dvc.repo import Repo
+
+    reproduce_all(toy, Toy())
+    monkeypatch.chdir(toy)
+    with Repo(str(toy)) as repo:
+        (stage,) = repo.stage.collect("dvc.yaml:a")
+        (dep,) = [d for d in stage.deps if d.def_path == "src/a.txt"]
+        (out,) = stage.outs
+        before = dep.get_hash()
+        with dvc_api.dependencies_hashed_once():
+            (toy / "src/a.txt").write_text("y")
+            changed = dep.get_hash()
+            assert changed != before
+            (toy / "src/a.txt").write_text("z")  # what a hold must never span: a dependency written
+            assert dep.get_hash() == changed  # held
+            with dvc_api.dependencies_hashed_once():  # nested: the outer block's hashes
+                assert dep.get_hash() == changed
+            dep.save()
+            assert dep.hash_info == changed
+            old_out = out.get_hash()
+            (toy / "data/a/out.txt").write_text("other")
+            assert out.get_hash() != old_out  # an output is never held: a restore writes it
+        assert dep.get_hash() not in (before, changed)  # outside, hashed anew: "z"
+        with dvc_api.dependencies_hashed_once():
+            assert dep.get_hash() not in (before, changed)
+
+
 def test_failed_stage_leaves_no_lock_entry_and_no_output(toy):
     def broken(root, name, parent_run_id):
         (root / "data/a").mkdir(parents=True, exist_ok=True)
