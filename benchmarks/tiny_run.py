@@ -2,6 +2,7 @@
 pipeline's (the MLflow parent run's), and after/before.
 
     python -m benchmarks.tiny_run BEFORE AFTER [--trials 3]       # BEFORE, AFTER: checkouts, each with its .venv
+    python -m benchmarks.tiny_run BEFORE AFTER --then "--set dpo.beta=0.2"   # and a second run in the project
 
 Each checkout runs its own code with its own `.venv` (`make install` there; a `git worktree` of the
 earlier commit is the usual BEFORE). Every trial makes a new project the way the test suite does
@@ -10,6 +11,10 @@ MLflow store), by that checkout's code, then times `qllm run` in it; the checkou
 that a machine slowing down weighs on both. One untimed run of each comes first: it writes the
 bytecode of a fresh `.venv` (uv compiles none; with PYTHONDONTWRITEBYTECODE set nothing would, and
 every run would compile its imports again: 20 s a run on an AVX2-only EPYC, all on one side).
+
+`--then ARGS` times a second `qllm run ARGS` in each trial's project after the first: with an
+override (`--set dpo.beta=0.2`), a run workspace whose stages upstream of the change are restored
+from DVC's run-cache, which is mostly DVC's bookkeeping (collection, hashing, restore, dvc.lock).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,17 +63,47 @@ def venv(checkout: Path) -> Path:
     return bin_dir
 
 
-def one_run(checkout: Path, work: Path, env: dict[str, str]) -> tuple[float, float]:
+def timed_run(bin_dir: Path, work: Path, env: dict[str, str], args: list[str], checkout: Path) -> tuple[float, float]:
+    """`qllm run ARGS` in `work`: (its wall time, its pipeline's seconds)."""
+    started = time.perf_counter()
+    done = subprocess.run([str(bin_dir / "qllm"), "run", *args], cwd=work, env=env | {"PATH": f"{bin_dir}:{env.get('PATH', '')}"}, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"tiny_run: `{shlex.join(['qllm', 'run', *args])}` with {checkout} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return wall, pipeline_seconds(done.stdout + done.stderr)
+
+
+def one_run(checkout: Path, work: Path, env: dict[str, str], then: list[str] | None = None) -> list[tuple[float, float]]:
+    """A fresh project made by `checkout`'s code, `qllm run` in it, then `qllm run THEN` if given:
+    (wall, pipeline seconds) of each."""
     bin_dir = venv(checkout)
     made = subprocess.run([str(bin_dir / "python"), "-c", MAKE_PROJECT, str(checkout), str(work)], capture_output=True, text=True)
     if made.returncode != 0:
         raise SystemExit(f"tiny_run: making the project with {checkout} failed:\n{made.stderr[-2000:]}")
-    started = time.perf_counter()
-    done = subprocess.run([str(bin_dir / "qllm"), "run"], cwd=work, env=env | {"PATH": f"{bin_dir}:{env.get('PATH', '')}"}, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"tiny_run: `qllm run` with {checkout} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return wall, pipeline_seconds(done.stdout + done.stderr)
+    runs = [timed_run(bin_dir, work, env, [], checkout)]
+    if then is not None:
+        runs.append(timed_run(bin_dir, work, env, then, checkout))
+    return runs
+
+
+def table(times: dict[str, list[list[tuple[float, float]]]], then: list[str] | None) -> str:
+    """The markdown table: per checkout, each run's wall and pipeline seconds with their medians,
+    and after/before of the medians; with `then`, the second run's columns too."""
+    runs = [("`qllm run`", 0)] + ([(f"`qllm run {shlex.join(then)}`", 1)] if then is not None else [])
+    header = "| | " + " | ".join(f"{what}, wall (median) | its pipeline (median)" for what, _ in runs) + " |"
+    lines = [header, "|---" * (1 + 2 * len(runs)) + "|"]
+    medians = {}
+    for name, trials in times.items():
+        cells = []
+        for _, i in runs:
+            for j in (0, 1):
+                values = [trial[i][j] for trial in trials]
+                medians[name, i, j] = statistics.median(values)
+                cells.append(f"{', '.join(f'{v:.1f}' for v in values)} s ({medians[name, i, j]:.1f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ratios = [f"**{medians['after', i, j] / medians['before', i, j]:.2f}x**" for _, i in runs for j in (0, 1)]
+    lines.append("| after/before | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,9 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before", type=Path, help="a checkout with its .venv: the baseline")
     parser.add_argument("after", type=Path, help="a checkout with its .venv")
     parser.add_argument("--trials", type=int, default=3, help="runs of each checkout (default 3)")
+    parser.add_argument("--then", metavar="ARGS", help="also time `qllm run ARGS` in the project after the first run (e.g. '--set dpo.beta=0.2')")
     args = parser.parse_args(argv)
     if args.trials < 1:
         parser.error("--trials must be at least 1")
+    then = shlex.split(args.then) if args.then is not None else None
+    if then is not None and not then:
+        parser.error("--then needs the arguments of the second `qllm run` (e.g. '--set dpo.beta=0.2')")
     checkouts = {"before": args.before.resolve(), "after": args.after.resolve()}
     for checkout in checkouts.values():
         venv(checkout)
@@ -85,24 +125,19 @@ def main(argv: list[str] | None = None) -> int:
                               "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     for variable in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PYTHONDONTWRITEBYTECODE"):
         env.pop(variable, None)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in checkouts}
+    times: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in checkouts}
     with tempfile.TemporaryDirectory(prefix="tiny-run-") as tmp:
         for name, checkout in checkouts.items():  # untimed: bytecode written, caches warm
-            one_run(checkout, Path(tmp) / f"{name}-warm-up", env)
+            one_run(checkout, Path(tmp) / f"{name}-warm-up", env, then)
         for trial in range(args.trials):
             for name, checkout in checkouts.items():
-                wall, pipeline = one_run(checkout, Path(tmp) / f"{name}-{trial}", env)
-                times[name].append((wall, pipeline))
-                print(f"{name} {trial + 1}: qllm run {wall:.1f} s, its pipeline {pipeline:.1f} s", flush=True)
+                runs = one_run(checkout, Path(tmp) / f"{name}-{trial}", env, then)
+                times[name].append(runs)
+                commands = [["qllm", "run"], ["qllm", "run", *(then or [])]]
+                seen = "; ".join(f"{shlex.join(command)} {wall:.1f} s, its pipeline {pipeline:.1f} s" for command, (wall, pipeline) in zip(commands, runs, strict=False))
+                print(f"{name} {trial + 1}: {seen}", flush=True)
     print(f"\n{cpu()}; {args.trials} runs each, alternating\n")
-    print("| | `qllm run`, wall (median) | its pipeline (median) |\n|---|---|---|")
-    medians = {}
-    for name, runs in times.items():
-        medians[name] = (statistics.median(w for w, _ in runs), statistics.median(p for _, p in runs))
-        walls, pipes = ", ".join(f"{w:.1f}" for w, _ in runs), ", ".join(f"{p:.1f}" for _, p in runs)
-        print(f"| {name} | {walls} s ({medians[name][0]:.1f}) | {pipes} s ({medians[name][1]:.1f}) |")
-    ratio_wall, ratio_pipe = (medians["after"][i] / medians["before"][i] for i in (0, 1))
-    print(f"| after/before | **{ratio_wall:.2f}x** | **{ratio_pipe:.2f}x** |")
+    print(table(times, then))
     return 0
 
 

@@ -27,3 +27,25 @@ def test_a_checkout_without_its_venv_and_zero_trials_are_refused(tmp_path, capsy
     with pytest.raises(SystemExit):
         tiny_run.main([str(tmp_path), str(tmp_path), "--trials", "0"])
     assert "--trials must be at least 1" in capsys.readouterr().err
+
+
+def test_then_without_arguments_is_refused(tmp_path, capsys):
+    (tmp_path / ".venv/bin").mkdir(parents=True)
+    (tmp_path / ".venv/bin/qllm").touch()
+    with pytest.raises(SystemExit):
+        tiny_run.main([str(tmp_path), str(tmp_path), "--then", " "])
+    assert "--then needs the arguments of the second `qllm run`" in capsys.readouterr().err
+
+
+def test_the_table_has_each_runs_values_medians_and_the_ratios_of_the_medians():
+    times = {"before": [[(20.0, 10.0), (8.0, 4.0)], [(22.0, 12.0), (9.0, 5.0)], [(21.0, 11.0), (7.0, 3.0)]],
+             "after": [[(19.0, 9.0), (6.0, 2.0)], [(21.0, 11.0), (6.4, 2.4)], [(20.0, 10.0), (5.6, 2.0)]]}  # fmt: skip
+    assert tiny_run.table(times, ["--set", "dpo.beta=0.2"]).splitlines() == [
+        "| | `qllm run`, wall (median) | its pipeline (median) | `qllm run --set dpo.beta=0.2`, wall (median) | its pipeline (median) |",
+        "|---|---|---|---|---|",
+        "| before | 20.0, 22.0, 21.0 s (21.0) | 10.0, 12.0, 11.0 s (11.0) | 8.0, 9.0, 7.0 s (8.0) | 4.0, 5.0, 3.0 s (4.0) |",
+        "| after | 19.0, 21.0, 20.0 s (20.0) | 9.0, 11.0, 10.0 s (10.0) | 6.0, 6.4, 5.6 s (6.0) | 2.0, 2.4, 2.0 s (2.0) |",
+        "| after/before | **0.95x** | **0.91x** | **0.75x** | **0.50x** |",
+    ]
+    assert tiny_run.table({name: [trial[:1] for trial in trials] for name, trials in times.items()}, None).splitlines()[0] == (
+        "| | `qllm run`, wall (median) | its pipeline (median) |")
