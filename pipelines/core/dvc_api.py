@@ -12,6 +12,7 @@
     push(repo, stage, target)    a stage's outputs (`cache: false` ones too) and the run-cache entries to the default remote
     dump_lock(stage)             the stage's entry in dvc.lock, as `stage.dump(update_pipeline=False)` writes it
     dependencies_hashed_once()   within it (one thread, no stage running), each dependency is hashed once
+    parse_dvc_file(text, path)   DVC's parse of dvc.yaml or dvc.lock (dvc.lock's stage blocks each parsed once)
 
 `pipelines/core/run/repro.py` reproduces stages with these and the `Stage` objects DVC's public
 API hands out (`changed`, `save`, `commit`, `dump`). Three needs have no public API: the run-cache
@@ -34,6 +35,7 @@ import io
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -201,8 +203,8 @@ def _read_yaml_once_per_content() -> None:
     dvc.yaml and dvc.lock anew for every stage it collects, 0.15 s a collection of one stage there
     (the 58 kB dvc.lock most of it): with the lock written once per stage, a fifth of the tiny
     pipeline's CPU in tests/e2e/test_pipeline_e2e.py under py-spy. From the first Repo opened on,
-    each of those files is parsed (and validated) once per text, by DVC's own parser and schema,
-    and each caller gets its own copy. A text that fails to parse or validate, other files, the
+    each of those files is parsed (and validated) once per text, by DVC's own parser and schema
+    (dvc.lock one stage's block at a time: `parse_dvc_file`), and each caller gets its own copy. A text that fails to parse or validate, other files, the
     round-trip parse, and a DVC whose readers are not where this expects them go DVC's own way."""
     from dvc.dependency import param
     from dvc.utils import serialize, strictyaml
@@ -260,7 +262,7 @@ def _read_yaml_once_per_content() -> None:
                 with fs.open(path, encoding=encoding) as file:  # as DVC's strictyaml.load reads it
                     text = file.read()
 
-                data = _PARSED_DVC_FILES.get(text, lambda: parse_yaml(text, path))
+                data = _PARSED_DVC_FILES.get(text, lambda: parse_dvc_file(text, path))
 
                 def valid() -> bool:
                     schema(data)  # voluptuous: raises on an invalid file
@@ -341,7 +343,6 @@ def dump_lock(stage) -> None:
     rendered once per entry (`_lock_block`) and the others are reused. The file is replaced
     atomically (DVC truncates and rewrites it in place)."""
     from dvc.stage import serialize
-    from dvc.utils.serialize._yaml import parse_yaml
 
     repo, lockfile = stage.repo, stage.dvcfile._lockfile
     entry = serialize.to_lockfile(stage)
@@ -350,7 +351,7 @@ def dump_lock(stage) -> None:
     if repo.fs.exists(path):
         with repo.fs.open(path, encoding="utf-8") as file:
             text = file.read()
-        data = copy.deepcopy(_PARSED_DVC_FILES.get(text, lambda: parse_yaml(text, path))) or {}
+        data = copy.deepcopy(_PARSED_DVC_FILES.get(text, lambda: parse_dvc_file(text, path))) or {}
     if not data:
         data = {"schema": "2.0"}  # first, as DVC writes it
     data["stages"] = data.get("stages") or {}
@@ -364,6 +365,44 @@ def dump_lock(stage) -> None:
         tmp.unlink(missing_ok=True)
     if modified:
         repo.scm_context.track_file(lockfile.relpath)
+
+
+_LOCK_HEADER = "schema: '2.0'\nstages:\n"
+_LOCK_BLOCK_START = re.compile(r"^  [^\s#]", re.MULTILINE)
+_PARSED_LOCK_BLOCKS = _Kept(512)
+"""dvc.lock's stage blocks' parses by the block's text: a few runs' worth of every stage's entries."""
+
+
+def parse_dvc_file(text: str, path: str) -> Any:
+    """DVC's parse of a dvc.yaml's or dvc.lock's `text` (`parse_yaml`), dvc.lock block by block.
+
+    Every stage's commit rewrites dvc.lock with one block changed, and the next collection of a
+    stage parsed all of it again: 50 ms for the tiny profile's 60 kB, for each of its 19 stages, and
+    growing with the number of stages. dvc.lock as DVC writes it (`dump_lock` too) is the header,
+    then one block per stage at two spaces' indent, each a mapping of its own, so its parse is the
+    header's and the blocks' parses (each kept by its text) joined in order. Any other text (a file
+    that is not a dvc.lock, an anchor or alias that could tie blocks together, a comment, a line
+    outside the blocks, a stage named twice) is parsed whole, as DVC parses it."""
+    from dvc.utils.serialize._yaml import parse_yaml
+
+    if os.path.basename(path) != "dvc.lock" or not text.startswith(_LOCK_HEADER) or "&" in text or "*" in text:
+        return parse_yaml(text, path)
+    body = text[len(_LOCK_HEADER) :]
+    starts = [match.start() for match in _LOCK_BLOCK_START.finditer(body)]
+    if not starts or starts[0] != 0 or any(line and not line.startswith("  ") for line in body.splitlines()):
+        return parse_yaml(text, path)
+    stages: dict[str, Any] = {}
+    for start, end in zip(starts, [*starts[1:], len(body)], strict=True):
+        block = body[start:end]
+        try:
+            parsed = _PARSED_LOCK_BLOCKS.get(block, lambda block=block: parse_yaml("stages:\n" + block, path))
+        except Exception:  # noqa: BLE001 - the whole file's parse raises DVC's error, with the file's line numbers
+            return parse_yaml(text, path)
+        entries = list(parsed["stages"].items()) if isinstance(parsed, dict) and list(parsed) == ["stages"] and isinstance(parsed["stages"], dict) else []
+        if len(entries) != 1 or entries[0][0] in stages:
+            return parse_yaml(text, path)
+        stages[entries[0][0]] = entries[0][1]
+    return {"schema": "2.0", "stages": stages}
 
 
 _LOCK_BLOCKS = _Kept(256)

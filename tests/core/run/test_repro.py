@@ -108,6 +108,80 @@ def test_dvc_lock_written_stage_by_stage_is_dvcs_whole_dump_on_awkward_values():
     assert "&id001" in dvc_api._lock_text(shared)
 
 
+AWKWARD_ENTRY = {"cmd": "python -m pipelines.x --flag 'quoted' \"double\"", "deps": [{"path": "data/a b.txt", "hash": "md5", "md5": "0" * 32, "size": 3}],
+                 "params": {"params.yaml": {"x": {"lr": 3e-05, "none": None, "date": "2026-11-28", "on": "on", "yes": True, "big": 10**20,
+                                                  "text": "é ü " + "word " * 40, "nested": [[1, 2], {"k": None}], "empty": {}, "colon: key": "a: b",
+                                                  "lines": "one\ntwo\n  three", "hash": "x # not a comment"}}},
+                 "outs": [{"path": "data/x", "hash": "md5", "md5": "f" * 32 + ".dir", "size": 10, "nfiles": 2}]}  # fmt: skip
+
+
+def test_dvc_lock_is_parsed_block_by_block_as_dvc_parses_it_whole():
+    """`dvc_api.parse_dvc_file` gives DVC's parse of the whole file, in its order, on awkward values;
+    anything but DVC's layout is parsed whole (the same values, or DVC's error with the file's lines)."""
+    import copy
+    import json
+
+    from dvc.utils.serialize._yaml import YAMLFileCorruptedError, parse_yaml
+
+    def same(text: str, path: str = "p/dvc.lock") -> None:
+        ours, dvcs = dvc_api.parse_dvc_file(text, path), parse_yaml(text, path)
+        assert json.dumps(ours) == json.dumps(dvcs)  # values, types as JSON has them, and every mapping's order
+        assert ours == dvcs
+
+    plain = {k: v for k, v in AWKWARD_ENTRY.items() if k != "params"} | {"params": {"params.yaml": {"lr": 0.1, "name": "x"}}}
+    data = {"schema": "2.0", "stages": {"zeta": copy.deepcopy(AWKWARD_ENTRY), "alpha@1": {**copy.deepcopy(plain), "cmd": "echo 1"}, "mid": {"cmd": "echo", "outs": []}}}
+    text = dvc_api._lock_text(data)
+    assert "&" not in text and "*" not in text and "\n  #" not in text  # DVC's layout: parsed block by block
+    same(text)
+    body = text.removeprefix("schema: '2.0'\nstages:\n")
+    blocks = [body[: body.index("  alpha@1:")], body[body.index("  alpha@1:") : body.index("  mid:")], body[body.index("  mid:") :]]
+    assert "".join(blocks) == body and all(block in dvc_api._PARSED_LOCK_BLOCKS._items for block in blocks)
+    starred = copy.deepcopy(data)
+    starred["stages"]["mid"]["cmd"] = "echo a*b & c"
+    same(dvc_api._lock_text(starred))  # an anchor or alias could tie blocks together: parsed whole
+    calm_text = dvc_api._lock_text({"schema": "2.0", "stages": {"zeta": plain, "alpha@1": {**copy.deepcopy(plain), "cmd": "echo 1"}, "mid": {"cmd": "echo", "outs": []}}})
+    for odd in (
+        calm_text.replace("  mid:\n", "  # a comment\n  mid:\n"),  # a comment line
+        calm_text + "extra: 1\n",  # a line outside the blocks
+        calm_text.replace("schema: '2.0'\n", "schema: '3.0'\n"),  # not the header DVC writes
+        dvc_api._lock_text({"schema": "2.0", "stages": {"a": plain, "b": {**plain, "deps": plain["deps"]}}}),  # an anchor ties blocks
+    ):
+        same(odd)
+    same(calm_text, "p/dvc.yaml")  # not a dvc.lock
+    twice = calm_text + "  mid:\n    cmd: again\n"  # a stage named twice: DVC's parse says what it makes of it
+    with pytest.raises(YAMLFileCorruptedError):
+        parse_yaml(twice, "p/dvc.lock")
+    with pytest.raises(YAMLFileCorruptedError):
+        dvc_api.parse_dvc_file(twice, "p/dvc.lock")
+    broken = calm_text.replace("    cmd: echo\n", "    cmd: [echo\n")  # the last block is not YAML
+    with pytest.raises(YAMLFileCorruptedError) as ours:
+        dvc_api.parse_dvc_file(broken, "p/dvc.lock")
+    with pytest.raises(YAMLFileCorruptedError) as dvcs:
+        parse_yaml(broken, "p/dvc.lock")
+    assert str(ours.value.__cause__) == str(dvcs.value.__cause__)  # the file's line numbers, not a block's
+
+
+def test_after_a_commit_the_next_collection_parses_only_the_changed_stages_block(toy, monkeypatch):
+    from ruamel.yaml import YAML
+
+    stages = Toy()
+    reproduce_all(toy, stages)
+    (toy / "params.yaml").write_text("a:\n  n: 2\nb:\n  m: 3\n")
+    assert repro.reproduce(toy, "b", execute=stages).status == "ran"  # dvc.lock rewritten, b's block changed
+    text = (toy / "dvc.lock").read_text()
+    parsed, load = [], YAML.load
+
+    def recording(self, stream):  # every parse DVC's YAML readers make
+        parsed.append(stream)
+        return load(self, stream)
+
+    monkeypatch.setattr(YAML, "load", recording)
+    assert repro.reproduce(toy, "b", execute=stages).status == "cached"  # collects b from the new dvc.lock
+    lock_parses = [t for t in parsed if "cmd: python -m toy" in t]
+    assert lock_parses == ["stages:\n" + text[text.index("  b:\n") :]], lock_parses  # b's block alone, a's kept
+    assert repro.reproduce(toy, "a", execute=stages).status == "cached" and [t for t in parsed if "cmd: python -m toy" in t] == lock_parses
+
+
 def test_a_new_stage_is_appended_to_dvc_lock_as_dvc_appends_it(toy):
     """Over a dvc.lock that holds only `b`, `a`'s entry goes after it (DVC updates the mapping),
     byte for byte what DVC's `stage.dump` writes; and no temporary file is left beside it."""
