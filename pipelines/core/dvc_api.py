@@ -204,8 +204,9 @@ def _read_yaml_once_per_content() -> None:
     (the 58 kB dvc.lock most of it): with the lock written once per stage, a fifth of the tiny
     pipeline's CPU in tests/e2e/test_pipeline_e2e.py under py-spy. From the first Repo opened on,
     each of those files is parsed (and validated) once per text, by DVC's own parser and schema
-    (dvc.lock one stage's block at a time: `parse_dvc_file`), and each caller gets its own copy. A text that fails to parse or validate, other files, the
-    round-trip parse, and a DVC whose readers are not where this expects them go DVC's own way."""
+    (dvc.lock one stage's block at a time: `parse_dvc_file`), and each caller gets its own copy.
+    A text that fails to parse or validate, other files, the round-trip parse, and a DVC whose
+    readers are not where this expects them go DVC's own way."""
     from dvc.dependency import param
     from dvc.utils import serialize, strictyaml
     from dvc.utils.serialize import LOADERS, load_yaml
@@ -289,11 +290,11 @@ def dependencies_hashed_once() -> Iterator[None]:
 
     DVC hashes a stage's dependencies anew at every look: `restore` and `save` of the run-cache check
     each has a hash (`_can_hash`) then hash them again for the key (`_get_stage_hash`), `save_deps`
-    and `Stage.save` once more, a file's hash a lookup in DVC's state database each time: six to
-    seven times a stage before it runs and again after. Use it only where the dependencies cannot
-    change: one stage's bookkeeping under its workspace's `repo.lock`, with no stage running in
-    between (a stage may write what it reads; its outputs are never held: a restore writes them).
-    Nested blocks share the outer one's hashes."""
+    and `Stage.save` once more, a file's hash a lookup in DVC's state database each time: eight
+    times around a run-cache restore of a stage (tests/core/run/test_repro.py). Use it only where
+    the dependencies cannot change: one stage's bookkeeping under its workspace's `repo.lock`, with
+    no stage running in between (a stage may write what it reads; its outputs are never held: a
+    restore writes them). Nested blocks share the outer one's hashes."""
     if getattr(_held, "builds", None) is not None:
         yield
         return
