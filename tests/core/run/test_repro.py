@@ -84,6 +84,13 @@ def test_dvc_lock_has_the_bytes_dvc_itself_writes(toy):
             assert (toy / "dvc.lock").read_bytes() == ours
 
 
+AWKWARD_ENTRY = {"cmd": "python -m pipelines.x --flag 'quoted' \"double\"", "deps": [{"path": "data/a b.txt", "hash": "md5", "md5": "0" * 32, "size": 3}],
+                 "params": {"params.yaml": {"x": {"lr": 3e-05, "none": None, "date": "2026-11-28", "on": "on", "yes": True, "big": 10**20,
+                                                  "text": "é ü " + "word " * 40, "nested": [[1, 2], {"k": None}], "empty": {}, "colon: key": "a: b",
+                                                  "lines": "one\ntwo\n  three", "hash": "x # not a comment"}}},
+                 "outs": [{"path": "data/x", "hash": "md5", "md5": "f" * 32 + ".dir", "size": 10, "nfiles": 2}]}  # fmt: skip
+
+
 def test_dvc_lock_written_stage_by_stage_is_dvcs_whole_dump_on_awkward_values():
     """`dump_lock` renders each stage's block alone and joins them: DVC's dumper, given the whole
     file, writes the same bytes, here on values its YAML writes in odd ways (nulls, floats a YAML
@@ -94,10 +101,7 @@ def test_dvc_lock_written_stage_by_stage_is_dvcs_whole_dump_on_awkward_values():
 
     from dvc.utils.serialize._yaml import _dump
 
-    entry = {"cmd": "python -m pipelines.x --flag 'quoted' \"double\"", "deps": [{"path": "data/a b.txt", "hash": "md5", "md5": "0" * 32, "size": 3}],
-             "params": {"params.yaml": {"x": {"lr": 3e-05, "none": None, "date": "2026-11-28", "on": "on", "yes": True, "big": 10**20,
-                                              "text": "é ü " + "word " * 40, "nested": [[1, 2], {"k": None}], "empty": {}, "colon: key": "a: b"}}},
-             "outs": [{"path": "data/x", "hash": "md5", "md5": "f" * 32 + ".dir", "size": 10, "nfiles": 2}]}  # fmt: skip
+    entry = AWKWARD_ENTRY
     data = {"schema": "2.0", "stages": {"zeta": entry, "alpha@1": {**copy.deepcopy(entry), "cmd": "echo 1"}, "mid": {"cmd": "echo", "outs": []}}}
     shared = {"schema": "2.0", "stages": {"zeta": entry, "alpha@1": {**entry, "cmd": "echo 1"}}}  # one deps list twice: an anchor
     odd = {"schema": "2.0", "stages": {"a": entry}, "extra": 1}  # not DVC's layout
@@ -106,13 +110,6 @@ def test_dvc_lock_written_stage_by_stage_is_dvcs_whole_dump_on_awkward_values():
         _dump(lock, whole)
         assert dvc_api._lock_text(lock) == whole.getvalue()
     assert "&id001" in dvc_api._lock_text(shared)
-
-
-AWKWARD_ENTRY = {"cmd": "python -m pipelines.x --flag 'quoted' \"double\"", "deps": [{"path": "data/a b.txt", "hash": "md5", "md5": "0" * 32, "size": 3}],
-                 "params": {"params.yaml": {"x": {"lr": 3e-05, "none": None, "date": "2026-11-28", "on": "on", "yes": True, "big": 10**20,
-                                                  "text": "é ü " + "word " * 40, "nested": [[1, 2], {"k": None}], "empty": {}, "colon: key": "a: b",
-                                                  "lines": "one\ntwo\n  three", "hash": "x # not a comment"}}},
-                 "outs": [{"path": "data/x", "hash": "md5", "md5": "f" * 32 + ".dir", "size": 10, "nfiles": 2}]}  # fmt: skip
 
 
 def test_dvc_lock_is_parsed_block_by_block_as_dvc_parses_it_whole():
