@@ -235,6 +235,87 @@ def project(tmp_path, mlflow_template_db) -> Path:
     return make_project(tmp_path / "project", mlflow_template_db)
 
 
+def shared_tmp(tmp_path_factory) -> Path:
+    """A directory every xdist worker of this session shares (`pytest-N`); without xdist, the
+    session's own temporary directory."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+FIRST_PIPELINE = "first-tiny-pipeline"
+"""Under `shared_tmp`: a tiny project right after its first whole run (`project/`), that run's
+summary (`summary.json`), and the lock the workers take to make or read it."""
+
+
+def copy_project(source: Path, dest: Path) -> Path:
+    """A copy of a project that has run, as if it had run at `dest`: its files, git and DVC's cache
+    and run-cache as they are (their paths are relative), and the absolute paths MLflow keeps
+    (runs' and models' artifact locations, datasets' sources, in mlflow.db and in the logged
+    models' MLmodel files) moved from `source` to `dest`."""
+    import sqlite3
+
+    shutil.copytree(source, dest, symlinks=True)
+    old, new = str(source), str(dest)
+    with contextlib.closing(sqlite3.connect(dest / "mlflow.db")) as db, db:
+        for (table,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+            for column in [row[1] for row in db.execute(f'PRAGMA table_info("{table}")')]:
+                db.execute(f'UPDATE "{table}" SET "{column}" = replace("{column}", ?, ?) WHERE typeof("{column}") = \'text\' AND instr("{column}", ?) > 0',
+                           (old, new, old))  # fmt: skip
+    for path in (dest / "mlartifacts").rglob("MLmodel"):
+        path.write_text(path.read_text(encoding="utf-8").replace(old, new), encoding="utf-8")
+    return dest
+
+
+def _keep_first_pipeline(shared: Path, project: Path, summary: dict) -> None:
+    copy_project(project, shared / "project")
+    (shared / "summary.json").write_text(json.dumps(summary).replace(json.dumps(str(project))[1:-1], json.dumps(str(shared / "project"))[1:-1]))
+
+
+def publish_first_pipeline(tmp_path_factory, project: Path, summary: dict) -> bool:
+    """Keep a copy of `project`, just after its first whole default run (`summary`), for the
+    modules that need no more than such a project (`first_tiny_pipeline`), unless one is kept
+    already or another worker is making one. Whether this call kept it."""
+    from filelock import FileLock, Timeout
+
+    shared = shared_tmp(tmp_path_factory) / FIRST_PIPELINE
+    shared.mkdir(exist_ok=True)
+    try:
+        with FileLock(shared / "lock", timeout=0):
+            if (shared / "summary.json").exists():
+                return False
+            _keep_first_pipeline(shared, project, summary)
+            return True
+    except Timeout:
+        return False
+
+
+@pytest.fixture(scope="session")
+def first_tiny_pipeline(tmp_path_factory, mlflow_template_db, prefect_server) -> Path:
+    """The shared directory of a tiny project after its first whole default run, made once per
+    session: tests/e2e/test_pipeline_e2e.py publishes its own first run there (it runs first);
+    when no worker has, the first to ask runs one while the others wait. Take copies of it
+    (`copy_first_pipeline`), never the project itself."""
+    from filelock import FileLock
+
+    shared = shared_tmp(tmp_path_factory) / FIRST_PIPELINE
+    shared.mkdir(exist_ok=True)
+    with FileLock(shared / "lock"):
+        if not (shared / "summary.json").exists():
+            from flows.pipeline import pipeline
+
+            project = make_project(tmp_path_factory.mktemp("first_pipeline") / "project", mlflow_template_db)
+            _keep_first_pipeline(shared, project, pipeline(project_dir=str(project)))
+    return shared
+
+
+def copy_first_pipeline(shared: Path, dest: Path) -> tuple[Path, dict]:
+    """A project at `dest` where the first whole default tiny run has run (`first_tiny_pipeline`),
+    and that run's summary, its paths moved to `dest`."""
+    copy_project(shared / "project", dest)
+    text = (shared / "summary.json").read_text()
+    return dest, json.loads(text.replace(json.dumps(str(shared / "project"))[1:-1], json.dumps(str(dest))[1:-1]))
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """One temporary Prefect API for every flow run in the session (instead of one per flow)."""

@@ -32,6 +32,7 @@ from tests.conftest import (
     make_project,
     mlflow_model_server,
     post_json,
+    publish_first_pipeline,
     run,
 )
 
@@ -44,13 +45,15 @@ def project(tmp_path_factory, mlflow_template_db, prefect_server) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first_run(project) -> tuple[dict, list[str]]:
+def first_run(project, tmp_path_factory) -> tuple[dict, list[str]]:
     """The first run's result, and the draws from torch's global generator it made outside
-    `models.CONSTRUCTION` (`draws_outside_construction`)."""
+    `models.CONSTRUCTION` (`draws_outside_construction`). A copy of the project as it is now goes
+    to the modules that only need a project after such a run (`first_tiny_pipeline`)."""
     from flows.pipeline import pipeline
 
     with draws_outside_construction() as draws:
         result = pipeline(project_dir=str(project))
+    publish_first_pipeline(tmp_path_factory, project, result)
     return result, draws
 
 

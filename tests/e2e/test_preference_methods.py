@@ -17,18 +17,16 @@ from pathlib import Path
 import pytest
 
 from pipelines.core import dag
-from tests.conftest import make_project, run
+from tests.conftest import copy_first_pipeline, run
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[2]))
 ALWAYS = ["base_model", "probe_device"]
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, mlflow_template_db, prefect_server) -> Path:
-    from flows.pipeline import pipeline
-
-    root = make_project(tmp_path_factory.mktemp("methods") / "project", mlflow_template_db)
-    pipeline(project_dir=str(root))
+def project(tmp_path_factory, first_tiny_pipeline, prefect_server) -> Path:
+    """A tiny project after the first whole default run (a copy of the session's: `first_tiny_pipeline`)."""
+    root, _ = copy_first_pipeline(first_tiny_pipeline, tmp_path_factory.mktemp("methods") / "project")
     run(["git", "add", "-A"], root)
     run(["git", "commit", "-qm", "tiny pipeline locked"], root)
     return root

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,12 +22,19 @@ from flows import lineage as registry_lineage
 from flows.cli import main
 from pipelines.core import dag
 from pipelines.core.run import lineage
-from tests.conftest import ALWAYS_CHANGED, make_project
+from tests.conftest import ALWAYS_CHANGED, copy_first_pipeline, dvc_up_to_date
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, mlflow_template_db, prefect_server) -> Path:
-    return make_project(tmp_path_factory.mktemp("cli_tools") / "project", mlflow_template_db)
+def first_project(tmp_path_factory, first_tiny_pipeline) -> tuple[Path, dict]:
+    """A tiny project after the first whole default run (a copy of the session's:
+    `first_tiny_pipeline`), and that run's summary."""
+    return copy_first_pipeline(first_tiny_pipeline, tmp_path_factory.mktemp("cli_tools") / "project")
+
+
+@pytest.fixture(scope="module")
+def project(first_project, prefect_server) -> Path:
+    return first_project[0]
 
 
 def reset_mlflow_uris() -> None:
@@ -41,11 +50,11 @@ def reset_mlflow_uris() -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(project) -> Iterator[dict]:
+def runs(first_project, project) -> Iterator[dict]:
     from flows.pipeline import pipeline
 
     reset_mlflow_uris()
-    first = pipeline(project_dir=str(project))
+    first = first_project[1]
     second = pipeline(overrides=["evaluate.max_new_tokens=2"], project_dir=str(project))
     reset_mlflow_uris()
     assert (first["model_version"], second["model_version"]) == ("1", "2")
@@ -78,6 +87,27 @@ def mlflow_client(root: Path):
 
 
 # ----------------------------------------------------------------------------- lineage
+
+
+def test_the_copied_project_is_the_first_run_moved_here(first_project, first_tiny_pipeline):
+    """The session's first tiny pipeline, copied (tests/conftest.py `copy_project`): nothing in the
+    copy names the original any more, MLflow finds every run's and model's artifacts in the copy,
+    DVC finds it up to date, and the run's summary names the copy."""
+    from mlflow import MlflowClient
+
+    root, summary = first_project
+    original = first_tiny_pipeline / "project"
+    assert not [str(p) for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] != ".git" and str(original).encode() in p.read_bytes()]
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("qllm").experiment_id], max_results=1000)
+    assert len(runs) > 10 and all(r.info.artifact_uri.removeprefix("file://").startswith(str(root / "mlartifacts")) for r in runs)
+    assert [r.info.run_id for r in runs if r.data.tags.get("qllm.kind") == "pipeline"] == [summary["mlflow_run_id"]]
+    version = client.get_model_version("qllm", summary["model_version"])
+    model = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert Path(model.artifact_location.removeprefix("file://"), "MLmodel").is_file() and model.artifact_location.startswith(f"file://{root}/")
+    assert summary["workspace"] == str(root) and summary["model_version"] == "1"
+    done = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and dvc_up_to_date(done.stdout), done.stdout + done.stderr
 
 
 def test_build_matches_dvc_lock_back_to_the_raw_data(runs, project):
