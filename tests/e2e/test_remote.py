@@ -9,11 +9,12 @@ another directory with its own HOME (its own known_hosts), DVC cache, MLflow sto
 run-cache and `dvc.lock` written), none trains, and the outputs have the first clone's md5s. A
 third clone does the same with DVC's own `dvc repro --pull`.
 
-The default suite runs the whole pipeline through SSH, and the stages up to `pretrain` through S3:
-what differs between the two is the remote's settings and transport, which every stage uses the
-same way (DVC's push, run-cache and checkout). The whole pipeline through S3 is the slow form
-(`-m slow`, about two minutes on a 2-core AVX2-only machine, where moto's server takes every object
-in a request of its own).
+The default suite runs the whole pipeline through SSH, and the toy DAG (tests/conftest.py) through
+S3: what differs between the two remotes is their settings and transport, which every stage uses
+the same way (the runner's push, run-cache fetch and restore; DVC's checkout). The pipeline through
+S3, up to `pretrain` (about 30 s of CPU, imitated) and whole (about two minutes on a 2-core
+AVX2-only machine, where moto's server takes every object in a request of its own), is the slow
+form (`-m slow`).
 """
 
 from __future__ import annotations
@@ -103,8 +104,11 @@ def shared_remote(request, tmp_path) -> dict:
         where = tmp_path / "remote"
         return {"url": f"ssh://{server['user']}@127.0.0.1:{server['port']}{where}", "committed": {}, "local": {"keyfile": str(server["key"])},
                 "known_host": server["known_host"], "size": lambda: sum(f.stat().st_size for f in where.rglob("*") if f.is_file())}  # fmt: skip
-    server = request.getfixturevalue("s3")
-    prefix = f"store-{tmp_path.name}"
+    return _s3_remote(request.getfixturevalue("s3"), f"store-{tmp_path.name}")
+
+
+def _s3_remote(server: dict, prefix: str) -> dict:
+    """`shared_remote`'s record for a prefix of the S3 server's bucket."""
 
     def size() -> int:
         pages = server["client"].get_paginator("list_objects_v2").paginate(Bucket="qllm-dvc", Prefix=prefix)
@@ -127,9 +131,10 @@ def _credentials(root: Path, remote: dict) -> None:
         run([sys.executable, "-m", "dvc", "remote", "modify", "--local", "team", key, value], root)
 
 
-def _clone(source: Path, dest: Path, template_db: Path, remote: dict) -> Path:
+def _clone(source: Path, dest: Path, template_db: Path | None, remote: dict) -> Path:
     run(["git", "clone", "-q", str(source), str(dest)], source.parent)
-    shutil.copy2(template_db, dest / "mlflow.db")  # its own MLflow store
+    if template_db is not None:
+        shutil.copy2(template_db, dest / "mlflow.db")  # its own MLflow store
     run(["git", "config", "user.email", "tests@example.com"], dest)
     run(["git", "config", "user.name", "tests"], dest)
     _credentials(dest, remote)
@@ -143,9 +148,13 @@ def _outs(root: Path) -> dict[str, dict[str, str]]:
 
 REMOTES = [
     pytest.param({"kind": "ssh", "until": None}, id="ssh"),
-    pytest.param({"kind": "s3", "until": "pretrain"}, id="s3-until-pretrain"),
+    pytest.param({"kind": "s3", "until": "pretrain"}, id="s3-until-pretrain", marks=pytest.mark.slow),
     pytest.param({"kind": "s3", "until": None}, id="s3", marks=pytest.mark.slow),
 ]
+"""The whole pipeline through SSH in the default suite; through S3 (up to pretrain, and whole) with
+`-m slow`. The default suite checks S3's settings and transport on the toy DAG instead
+(`test_a_second_machine_restores_the_toy_dag_from_an_s3_remote`): the runner pushes, fetches the
+run-cache and restores the same way whatever the stage is."""
 
 
 @pytest.mark.parametrize("shared_remote", REMOTES, indirect=True)
@@ -198,6 +207,57 @@ def test_a_second_machine_restores_every_stage_from_the_shared_remote(shared_rem
     for name in {"pretrain", "sft", "grpo", "evaluate"} & set(stages):
         assert f"Stage '{name}' is cached - skipping run, checking out outputs" in out.stdout, out.stdout
     assert _outs(third) == _outs(first)
+
+
+def test_a_second_machine_restores_the_toy_dag_from_an_s3_remote(s3, toy, tmp_path):
+    """The pipeline's runner (`repro.reproduce`) on the toy DAG (tests/conftest.py) with an S3
+    default remote: the first clone's stages push their outputs and run-cache entries as they
+    finish, a second clone restores both stages from the remote through the runner, and a third
+    with DVC's own `dvc repro --pull`; no stage runs twice and every clone has the same outputs."""
+    from pipelines.core.run import repro
+
+    remote = _s3_remote(s3, f"store-{tmp_path.name}")
+    first = toy
+    run([sys.executable, "-m", "dvc", "remote", "add", "-d", "team", remote["url"]], first)
+    for key, value in remote["committed"].items():
+        run([sys.executable, "-m", "dvc", "remote", "modify", "team", key, value], first)
+    _credentials(first, remote)
+    run(["git", "config", "user.email", "tests@example.com"], first)
+    run(["git", "config", "user.name", "tests"], first)
+    run(["git", "add", "-A"], first)
+    run(["git", "commit", "-qm", "the toy, with the team's DVC remote"], first)
+
+    def body(ws: Path, name: str, parent_run_id) -> None:
+        if name == "a":
+            (ws / "data/a").mkdir(parents=True, exist_ok=True)
+            (ws / "data/a/out.txt").write_text("x" * 2)
+        else:
+            (ws / "data/b.txt").write_text((ws / "data/a/out.txt").read_text() + "b")
+            (ws / "data/metrics").mkdir(parents=True, exist_ok=True)
+            (ws / "data/metrics/b.json").write_text('{"m": 1}')
+
+    ran = [repro.reproduce(first, name, execute=body) for name in ("a", "b")]
+    assert [(o.status, o.reason) for o in ran] == [("ran", "executed")] * 2
+    assert remote["size"]() > 0  # the outputs and the run-cache entries
+
+    def must_not_run(ws: Path, name: str, parent_run_id) -> None:
+        raise AssertionError(f"stage {name} ran on the second machine: it should have come from the remote")
+
+    second = _clone(first, tmp_path / "second", None, remote)
+    assert not (second / "dvc.lock").exists() and not (second / ".dvc/cache").exists()
+    try:
+        restored = [repro.reproduce(second, name, execute=must_not_run) for name in ("a", "b")]
+    finally:
+        repro.close(second)
+    assert [(o.status, o.reason) for o in restored] == [("cached", "run-cache")] * 2
+    assert _outs(second) == _outs(first) and (second / "data/b.txt").read_text() == "xxb"
+
+    third = _clone(first, tmp_path / "third", None, remote)
+    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "--pull", "b"], cwd=third, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name in ("a", "b"):
+        assert f"Stage '{name}' is cached - skipping run, checking out outputs" in out.stdout, out.stdout
+    assert _outs(third) == _outs(first) and (third / "data/b.txt").read_text() == "xxb"
 
 
 def test_an_unreachable_remote_is_a_warning_and_the_stage_runs(tmp_path, mlflow_template_db, caplog):
