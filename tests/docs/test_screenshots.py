@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, make_project
+from tests.conftest import REPO, copy_first_pipeline
 
 sys.path.insert(0, str(REPO / "docs"))
 import screenshots  # noqa: E402
@@ -51,8 +51,10 @@ def test_a_directory_that_is_no_project_is_refused_before_any_server_starts(tmp_
 
 
 @pytest.mark.timeout(900)
-def test_screenshots_of_a_real_tiny_run(tmp_path, mlflow_template_db):
-    project = make_project(tmp_path / "project", mlflow_template_db)  # the script's own `qllm run` runs it whole
+def test_screenshots_of_a_real_tiny_run(tmp_path, first_tiny_pipeline):
+    # a project where the tiny pipeline has run (as after `make run`): the script's own first `qllm
+    # run` finds every stage up to date, its second (`--set dpo.beta=0.5`) reruns dpo onwards
+    project, _ = copy_first_pipeline(first_tiny_pipeline, tmp_path / "project")
     out = tmp_path / "images"
     done = subprocess.run([sys.executable, str(REPO / "docs" / "screenshots.py"), "--project", str(project), "--out", str(out)],
                           capture_output=True, text=True, timeout=800)  # fmt: skip
