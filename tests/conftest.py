@@ -266,9 +266,14 @@ def copy_project(source: Path, dest: Path) -> Path:
     return dest
 
 
+def _moved(summary_json: str, source: Path, dest: Path) -> str:
+    """A run summary's JSON with the project's path `source` written as `dest`."""
+    return summary_json.replace(json.dumps(str(source))[1:-1], json.dumps(str(dest))[1:-1])
+
+
 def _keep_first_pipeline(shared: Path, project: Path, summary: dict) -> None:
     copy_project(project, shared / "project")
-    (shared / "summary.json").write_text(json.dumps(summary).replace(json.dumps(str(project))[1:-1], json.dumps(str(shared / "project"))[1:-1]))
+    (shared / "summary.json").write_text(_moved(json.dumps(summary), project, shared / "project"))
 
 
 def publish_first_pipeline(tmp_path_factory, project: Path, summary: dict) -> bool:
@@ -290,7 +295,7 @@ def publish_first_pipeline(tmp_path_factory, project: Path, summary: dict) -> bo
 
 
 @pytest.fixture(scope="session")
-def first_tiny_pipeline(tmp_path_factory, mlflow_template_db, prefect_server) -> Path:
+def first_tiny_pipeline(request, tmp_path_factory, mlflow_template_db) -> Path:
     """The shared directory of a tiny project after its first whole default run, made once per
     session: tests/e2e/test_pipeline_e2e.py publishes its own first run there (it runs first);
     when no worker has, the first to ask runs one while the others wait. Take copies of it
@@ -303,6 +308,7 @@ def first_tiny_pipeline(tmp_path_factory, mlflow_template_db, prefect_server) ->
         if not (shared / "summary.json").exists():
             from flows.pipeline import pipeline
 
+            request.getfixturevalue("prefect_server")  # the run's flow and tasks report to it
             project = make_project(tmp_path_factory.mktemp("first_pipeline") / "project", mlflow_template_db)
             _keep_first_pipeline(shared, project, pipeline(project_dir=str(project)))
     return shared
@@ -312,8 +318,7 @@ def copy_first_pipeline(shared: Path, dest: Path) -> tuple[Path, dict]:
     """A project at `dest` where the first whole default tiny run has run (`first_tiny_pipeline`),
     and that run's summary, its paths moved to `dest`."""
     copy_project(shared / "project", dest)
-    text = (shared / "summary.json").read_text()
-    return dest, json.loads(text.replace(json.dumps(str(shared / "project"))[1:-1], json.dumps(str(dest))[1:-1]))
+    return dest, json.loads(_moved((shared / "summary.json").read_text(), shared / "project", dest))
 
 
 @pytest.fixture(scope="session")
