@@ -616,15 +616,18 @@ def test_bad_params_fail_before_any_stage(first, project):
     assert result.returncode == 2 and "unknown stage 'nope'" in result.stderr
 
 
-def test_malformed_source_fails_cleanly_without_outputs(tmp_path, mlflow_template_db):
+def test_malformed_source_fails_cleanly_without_outputs(tmp_path, mlflow_template_db, prefect_server, capsys):
+    from flows.cli import main
+
     project = make_project(tmp_path / "bad", mlflow_template_db)
     (project / "data/sources/broken.jsonl").write_text('{"text": "fine"}\n{"text": "oops",}\n')
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["ingest"]["sources"].append({"path": "data/sources/broken.jsonl", "kind": "text"})
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    result = cli(project, "run", "--until", "ingest")
-    assert result.returncode == 1
-    assert "data/sources/broken.jsonl:2: invalid JSON" in result.stderr
+    capsys.readouterr()
+    code = main(["run", "--until", "ingest", "--project-dir", str(project)])  # `qllm run` in this process (its exit code: `main`'s)
+    assert code == 1
+    assert "data/sources/broken.jsonl:2: invalid JSON" in capsys.readouterr().err
     assert not (project / "data/ingested").exists()
     assert not list((project / "data").glob(".tmp-*"))
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
