@@ -677,6 +677,29 @@ def test_from_stage_reruns_only_downstream(first, project):
     assert all(status[n] == "cached" for n in STAGES if n not in (*ALWAYS_CHANGED, "evaluate", "register"))
 
 
+def test_from_stage_refuses_to_train_what_is_not_cached_upstream(first, project):
+    """`from_stage` reuses the stages before it and never trains them: with a pretrain lr no run
+    has used, pretrain is neither up to date nor in the run-cache, so the run fails there with the
+    reason, and nothing from pretrain on runs (the deployment `qllm-pipeline/from-stage` passes
+    `from_stage`: tests/flows/test_deployments.py)."""
+    from flows.pipeline import pipeline
+    from pipelines.core.errors import QllmError
+
+    runs_before = {r.info.run_id for r in mlflow_client(project).search_runs([tracking.experiment_id(project, uri=f"sqlite:///{project / 'mlflow.db'}")])}
+    with pytest.raises(QllmError, match=r"stage 'pretrain' is not up to date and has no DVC run-cache entry for these inputs; a run with from_stage only reuses upstream outputs"):
+        pipeline(from_stage="dpo", overrides=["pretrain.train.lr=0.0123"], project_dir=str(project))
+    client = mlflow_client(project)
+    new = [r for r in client.search_runs([client.get_experiment_by_name("qllm").experiment_id]) if r.info.run_id not in runs_before]
+    (parent,) = [r for r in new if r.data.tags.get("qllm.kind") == "pipeline"]
+    status = {name: parent.data.tags[f"qllm.stage.{name}"] for name in STAGES}
+    after = dag.downstream(project, "pretrain")
+    expected = {name: "failed" if name == "pretrain" else "not run" if name in after else "ran" if name in ALWAYS_CHANGED else "cached" for name in STAGES}
+    assert status == expected  # the stages before pretrain restored or up to date; those reading the machine ran, as every run's do
+    assert not [r.data.tags["qllm.stage"] for r in new if r.data.tags.get("qllm.stage") in {"pretrain", *after}]  # none of them began
+    (ws,) = [w for w in (project / ".qllm/runs").iterdir() if "0.0123" in (w / "params.yaml").read_text()]
+    assert not (ws / "data/models/pretrain").exists()
+
+
 def test_export_writes_gguf_of_the_registered_model_and_register_attaches_it(first, project):
     """`qllm run --params params/export.yaml`: export (off by default: a README) writes the dpo
     model, the one register registers, as f16 and q8_0 GGUF with a Modelfile; its tensors are the

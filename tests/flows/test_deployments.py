@@ -101,6 +101,7 @@ def test_from_stage_deployment_reuses_upstream(served):
     assert len(metrics) == 1 and metrics[0]["steps"] > 0  # dpo trained in the override's workspace
 
 
+@pytest.mark.slow  # the refusal itself: tests/e2e/test_pipeline_e2e.py (in-process); the deployment's from_stage: the test above
 def test_from_stage_refuses_to_train_upstream(served):
     project, _, env = served
     # a new pretrain lr: nothing upstream of dpo is cached for it, so the run must fail, not train
