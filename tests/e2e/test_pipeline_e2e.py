@@ -685,11 +685,12 @@ def test_from_stage_refuses_to_train_what_is_not_cached_upstream(first, project)
     from flows.pipeline import pipeline
     from pipelines.core.errors import QllmError
 
-    runs_before = {r.info.run_id for r in mlflow_client(project).search_runs([tracking.experiment_id(project, uri=f"sqlite:///{project / 'mlflow.db'}")])}
+    client = mlflow_client(project)
+    experiment = client.get_experiment_by_name("qllm").experiment_id
+    runs_before = {r.info.run_id for r in client.search_runs([experiment])}
     with pytest.raises(QllmError, match=r"stage 'pretrain' is not up to date and has no DVC run-cache entry for these inputs; a run with from_stage only reuses upstream outputs"):
         pipeline(from_stage="dpo", overrides=["pretrain.train.lr=0.0123"], project_dir=str(project))
-    client = mlflow_client(project)
-    new = [r for r in client.search_runs([client.get_experiment_by_name("qllm").experiment_id]) if r.info.run_id not in runs_before]
+    new = [r for r in client.search_runs([experiment]) if r.info.run_id not in runs_before]
     (parent,) = [r for r in new if r.data.tags.get("qllm.kind") == "pipeline"]
     status = {name: parent.data.tags[f"qllm.stage.{name}"] for name in STAGES}
     after = dag.downstream(project, "pretrain")

@@ -126,6 +126,15 @@ def _home(root: Path, remote: dict) -> Path:
     return home
 
 
+def _add_default_remote(root: Path, remote: dict) -> None:
+    """`remote` as the project's default DVC remote `team`: its URL and settings in `.dvc/config`
+    (committed), its credentials in `.dvc/config.local` (this machine's)."""
+    run([sys.executable, "-m", "dvc", "remote", "add", "-d", "team", remote["url"]], root)
+    for key, value in remote["committed"].items():
+        run([sys.executable, "-m", "dvc", "remote", "modify", "team", key, value], root)
+    _credentials(root, remote)
+
+
 def _credentials(root: Path, remote: dict) -> None:
     for key, value in remote["local"].items():
         run([sys.executable, "-m", "dvc", "remote", "modify", "--local", "team", key, value], root)
@@ -165,10 +174,7 @@ def test_a_second_machine_restores_every_stage_from_the_shared_remote(shared_rem
 
     remote, until = shared_remote, request.node.callspec.params["shared_remote"]["until"]
     first = make_project(tmp_path / "first", mlflow_template_db)
-    run([sys.executable, "-m", "dvc", "remote", "add", "-d", "team", remote["url"]], first)
-    for key, value in remote["committed"].items():
-        run([sys.executable, "-m", "dvc", "remote", "modify", "team", key, value], first)
-    _credentials(first, remote)
+    _add_default_remote(first, remote)
     run(["git", "commit", "-qam", "the team's DVC remote"], first)
 
     monkeypatch.setenv("HOME", str(_home(first, remote)))
@@ -218,10 +224,7 @@ def test_a_second_machine_restores_the_toy_dag_from_an_s3_remote(s3, toy, tmp_pa
 
     remote = _s3_remote(s3, f"store-{tmp_path.name}")
     first = toy
-    run([sys.executable, "-m", "dvc", "remote", "add", "-d", "team", remote["url"]], first)
-    for key, value in remote["committed"].items():
-        run([sys.executable, "-m", "dvc", "remote", "modify", "team", key, value], first)
-    _credentials(first, remote)
+    _add_default_remote(first, remote)
     run(["git", "config", "user.email", "tests@example.com"], first)
     run(["git", "config", "user.name", "tests"], first)
     run(["git", "add", "-A"], first)
