@@ -10,6 +10,7 @@ BIN := $(abspath $(VENV)/bin)
 # Local-only defaults: no telemetry, no network lookups for models.
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export MLFLOW_DISABLE_TELEMETRY := true
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 

@@ -108,6 +108,7 @@ def service_env(root: Path, prefect_url: str | None = None, client: dict[str, st
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "DVC_NO_ANALYTICS": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
         "HF_HUB_OFFLINE": "1",
         "PREFECT_LOGGING_EXTRA_LOGGERS": "qllm",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

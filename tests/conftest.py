@@ -25,6 +25,7 @@ PROJECT_FILES = ["pipelines", "tasks", "flows", "params", "templates", "dvc.yaml
 TEST_ENV = {
     "DVC_NO_ANALYTICS": "1",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "MLFLOW_ENABLE_ASYNC_LOGGING": "false",

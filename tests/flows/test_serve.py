@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 
 from flows import serve
 
@@ -62,3 +64,18 @@ def test_serving_beyond_this_host_is_refused_without_authentication_or_tls(tmp_p
                           capture_output=True, text=True, cwd=serve.Path(__file__).resolve().parents[2])  # fmt: skip
     assert done.returncode != 0 and "would expose a Prefect API without authentication" in done.stderr, done.stderr
     assert not (tmp_path / serve.STATE_DIR).exists()
+
+
+def test_the_served_processes_run_with_mlflows_telemetry_off(tmp_path, monkeypatch):
+    """`make serve`'s services, and the flow runs its worker starts, inherit `service_env`: DVC's,
+    Prefect's and MLflow's telemetry off (MLflow 3 sends usage events unless told not to, or unless
+    it finds itself under a test or CI: so a process gets only the environment named here)."""
+    for name in ("DVC_NO_ANALYTICS", "PREFECT_SERVER_ANALYTICS_ENABLED", "MLFLOW_DISABLE_TELEMETRY"):
+        monkeypatch.delenv(name, raising=False)  # the suite's own settings (tests/conftest.py) would hide a missing one
+    env = serve.service_env(tmp_path)
+    assert (env["DVC_NO_ANALYTICS"], env["PREFECT_SERVER_ANALYTICS_ENABLED"]) == ("1", "false")
+    verdict = "from mlflow.telemetry.utils import is_telemetry_disabled; print(is_telemetry_disabled())"
+    bare = {"PATH": env["PATH"], "HOME": str(tmp_path)}
+    answers = [subprocess.run([sys.executable, "-c", verdict], env=bare | extra, capture_output=True, text=True, check=True).stdout.split()[-1]
+               for extra in ({"MLFLOW_DISABLE_TELEMETRY": env["MLFLOW_DISABLE_TELEMETRY"]}, {})]  # fmt: skip
+    assert answers == ["True", "False"]  # off as served; on in the same bare process without it
