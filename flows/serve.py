@@ -311,10 +311,23 @@ def wait_port(host: str, port: int, process: subprocess.Popen, what: str, timeou
     raise QllmError(f"{what} did not listen on {host}:{port} within {timeout or 60.0:.0f} s{hint}")
 
 
+def _sigint_at_default() -> None:
+    """In a service's child before exec: SIGINT back to its default action.
+
+    A shell ignores SIGINT in the commands it starts in the background (`make serve &` in a script,
+    a CI step), and every child inherits that; Python then keeps ignoring it instead of raising
+    KeyboardInterrupt. Prefect's worker stops on SIGTERM by sending itself SIGINT, so a worker
+    that ignored it went on polling until `stop` SIGKILLed it 15 s later, without its graceful
+    shutdown. The services run in their own session, out of reach of the terminal's Ctrl-C, so a
+    SIGINT reaches them only on purpose."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(command: list[str], root: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:  # the child keeps its own handle
-        return subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_sigint_at_default)  # fmt: skip
 
 
 def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port: int = DEFAULT_PORTS["mlflow"], timeout: float | None = None,

@@ -7,6 +7,7 @@ import functools
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -320,6 +321,13 @@ def copy_first_pipeline(shared: Path, dest: Path) -> tuple[Path, dict]:
     and that run's summary, its paths moved to `dest`."""
     copy_project(shared / "project", dest)
     return dest, json.loads(_moved((shared / "summary.json").read_text(), shared / "project", dest))
+
+
+def assert_stopped_by_itself(worker_log: Path) -> None:
+    """A Prefect worker `flows.serve.stop` ended shut down on the SIGTERM (its log ends with
+    Prefect's "stopped!"), not by the SIGKILL that follows 15 s later."""
+    last = worker_log.read_text(errors="replace").rstrip().splitlines()[-1]
+    assert re.fullmatch(r"Worker '.+' stopped!", last), f"{worker_log} ends with {last!r}"
 
 
 @pytest.fixture(scope="session")

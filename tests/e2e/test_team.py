@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from flows import serve, sweep
-from tests.conftest import REPO, make_project, run
+from tests.conftest import REPO, assert_stopped_by_itself, make_project, run
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 SECOND = "worker-two"
@@ -55,9 +55,9 @@ def team(tmp_path_factory, mlflow_template_db):
         env = serve.service_env(one, record["prefect_api_url"], client) | {"PREFECT_WORKER_QUERY_SECONDS": "2"}
         assert record["dvc_remote"].startswith("team -> ")  # the profile's remote: a directory a worker on this host reaches
         run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "team", record["dvc_remote"].split(" ")[2]], two)
-        log = open(base / "worker-two.log", "wb")  # noqa: SIM115 - closed below
-        worker = subprocess.Popen(serve.worker_command(limit=1, name=SECOND, queues=["default"]), cwd=two, env=env | {"PREFECT_HOME": str(two / serve.STATE_DIR / "prefect")}, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        # a service as `make serve` starts them (its own session, SIGINT at its default: flows.serve._spawn)
+        worker = serve._spawn(serve.worker_command(limit=1, name=SECOND, queues=["default"]), two, env | {"PREFECT_HOME": str(two / serve.STATE_DIR / "prefect")},
+                              base / "worker-two.log")  # fmt: skip
         deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=one, env=env, capture_output=True, text=True, timeout=180)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield {"one": one, "two": two, "record": record, "env": env, "client": client, "cert": cert}
@@ -67,6 +67,8 @@ def team(tmp_path_factory, mlflow_template_db):
             worker.wait()
         stopped = serve.stop(one)
         assert len(stopped) == 6 and all(not serve._alive(s["pid"]) for s in record["services"].values())
+        for log in (record["services"]["prefect-worker"]["log"], base / "worker-two.log"):
+            assert_stopped_by_itself(Path(log))
         shutil.rmtree(record["services"]["postgres"]["data"], ignore_errors=True)
 
 

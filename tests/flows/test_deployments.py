@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flows import serve
-from tests.conftest import REPO, make_project
+from tests.conftest import REPO, assert_stopped_by_itself, make_project
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
@@ -35,6 +35,7 @@ def served(tmp_path_factory, mlflow_template_db):
     finally:
         stopped = serve.stop(project)
         assert len(stopped) == 3 and all(not serve._alive(s["pid"]) for s in record["services"].values())
+        assert_stopped_by_itself(Path(record["services"]["prefect-worker"]["log"]))
 
 
 def deployment_run(env: dict, project: Path, name: str, *params: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from flows import serve
 
@@ -79,3 +84,38 @@ def test_the_served_processes_run_with_mlflows_telemetry_off(tmp_path, monkeypat
     answers = [subprocess.run([sys.executable, "-c", verdict], env=bare | extra, capture_output=True, text=True, check=True).stdout.split()[-1]
                for extra in ({"MLFLOW_DISABLE_TELEMETRY": env["MLFLOW_DISABLE_TELEMETRY"]}, {})]  # fmt: skip
     assert answers == ["True", "False"]  # off as served; on in the same bare process without it
+
+
+def _sigint_disposition(pid: int, timeout: float = 60.0) -> str:
+    """"ignored" or "caught" as /proc says once the Python child has set its signals up (it
+    catches SIGINT when it starts with it at its default action, and keeps ignoring it otherwise)."""
+    bit = 1 << (signal.SIGINT - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+        if int(fields["SigIgn"], 16) & bit:
+            return "ignored"
+        if int(fields["SigCgt"], 16) & bit:
+            return "caught"
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} set no SIGINT handling within {timeout:g} s")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal masks in /proc (Linux)")
+def test_services_start_with_sigint_at_its_default_when_their_caller_ignores_it(tmp_path):
+    """A shell ignores SIGINT in what it starts in the background (`make serve &` in a script, a CI
+    step). Prefect's worker stops on SIGTERM by sending itself SIGINT: one that inherited the
+    ignored SIGINT went on polling until `stop` SIGKILLed it 15 s later."""
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job starts
+    try:
+        service = serve._spawn(command, tmp_path, dict(os.environ), tmp_path / "service.log")
+        plain = subprocess.Popen(command, start_new_session=True)  # the same child, started as before
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert [_sigint_disposition(service.pid), _sigint_disposition(plain.pid)] == ["caught", "ignored"]
+    finally:
+        for child in (service, plain):
+            child.kill()
+            child.wait()
