@@ -187,6 +187,12 @@ def run(cmd: list[str], cwd: Path, check: bool = True, **kwargs) -> subprocess.C
     return subprocess.run(cmd, cwd=cwd, check=check, capture_output=True, text=True, **kwargs)
 
 
+def git_identity(root: Path) -> None:
+    """The committer the suite's git repositories use (`git config` in `root`)."""
+    run(["git", "config", "user.email", "tests@example.com"], root)
+    run(["git", "config", "user.name", "tests"], root)
+
+
 def init_dvc(root: Path, analytics_off: bool = True) -> None:
     """`dvc init` (and `dvc config core.analytics false`) in `root`, a git repository, in this
     process: the same files, staged the same way, without CLI processes importing DVC (1 s each)."""
@@ -222,8 +228,7 @@ def make_project(dest: Path, mlflow_db: Path, params_overlay: dict | None = None
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     shutil.copy2(mlflow_db, dest / "mlflow.db")
     run(["git", "init", "-q"], dest)
-    run(["git", "config", "user.email", "tests@example.com"], dest)
-    run(["git", "config", "user.name", "tests"], dest)
+    git_identity(dest)
     init_dvc(dest)
     shutil.copy2(REPO / ".dvcignore", dest / ".dvcignore")
     run(["git", "add", "-A"], dest)

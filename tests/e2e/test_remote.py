@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from flows.local_api import free_port
-from tests.conftest import make_project, run
+from tests.conftest import git_identity, make_project, run
 
 ALWAYS = {"base_model", "probe_device"}  # they read the world: they run on every machine
 
@@ -144,8 +144,7 @@ def _clone(source: Path, dest: Path, template_db: Path | None, remote: dict) -> 
     run(["git", "clone", "-q", str(source), str(dest)], source.parent)
     if template_db is not None:
         shutil.copy2(template_db, dest / "mlflow.db")  # its own MLflow store
-    run(["git", "config", "user.email", "tests@example.com"], dest)
-    run(["git", "config", "user.name", "tests"], dest)
+    git_identity(dest)
     _credentials(dest, remote)
     return dest
 
@@ -225,8 +224,7 @@ def test_a_second_machine_restores_the_toy_dag_from_an_s3_remote(s3, toy, tmp_pa
     remote = _s3_remote(s3, f"store-{tmp_path.name}")
     first = toy
     _add_default_remote(first, remote)
-    run(["git", "config", "user.email", "tests@example.com"], first)
-    run(["git", "config", "user.name", "tests"], first)
+    git_identity(first)
     run(["git", "add", "-A"], first)
     run(["git", "commit", "-qm", "the toy, with the team's DVC remote"], first)
 
