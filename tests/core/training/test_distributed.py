@@ -1,6 +1,6 @@
 """Data-parallel training: 2 gloo processes on CPU train the tiny model as 1 process does.
 
-The comparison runs `loop.train` under `torch.multiprocessing.spawn` with a gloo process group
+The comparison runs `loop.train` in two processes (`torch.multiprocessing`) with a gloo process group
 (what `torchrun` sets up for a stage) against a plain single-process run with the same global batch
 (micro_batch_size 4 x grad_accum_steps 2). With 2 ranks each runs 1 micro-batch per step (rank r
 takes micro-batches r, r+2, ... of the shared order), DDP averages the gradients, so the two runs
@@ -68,8 +68,18 @@ def _worker(rank: int, world: int, port: int, out: str, strategy: str = "ddp", m
         torch.distributed.destroy_process_group()
 
 
+def _two_ranks(*args) -> None:
+    """`_worker(rank, 2, *args)` in two processes forked from one forkserver that imported this
+    module (torch, transformers, the loop) once for every test here: a spawned process imports them
+    anew, about 6 s of CPU for each of the six ranks (2-core EPYC, capped to AVX2). The forkserver
+    itself has imported, not computed, so it forks no OpenMP or other threads."""
+    forkserver = torch.multiprocessing.get_context("forkserver")
+    forkserver.set_forkserver_preload([__name__])
+    torch.multiprocessing.start_processes(_worker, args=(2, *args), nprocs=2, join=True, start_method="forkserver")
+
+
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    _two_ranks(free_port(), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     single, single_weights = _run()
 
@@ -113,7 +123,7 @@ def test_fsdp_two_processes_match_one_and_resume(tmp_path):
     """`strategy: fsdp`: the same curve and full weights as 1 process; checkpoints hold the full
     weights and optimizer state, and a 2-rank FSDP run resumed from step 4 ends where the
     uninterrupted single-process run does."""
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path), "fsdp"), nprocs=2, join=True)
+    _two_ranks(free_port(), str(tmp_path), "fsdp")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     single, single_weights = _run()
     for saved in ranks:
@@ -129,7 +139,7 @@ def test_fsdp_two_processes_match_one_and_resume(tmp_path):
     resumed = tmp_path / "resumed"
     earlier = max(p for p in (tmp_path / "checkpoints").glob("step-*") if p.name != "step-00000008")
     shutil.copytree(earlier, resumed / "checkpoints" / earlier.name)
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(resumed), "fsdp"), nprocs=2, join=True)
+    _two_ranks(free_port(), str(resumed), "fsdp")
     again = torch.load(resumed / "rank0.pt", weights_only=False)
     np.testing.assert_allclose(np.array(again["result"]["history"]["train"]), np.array(single["history"]["train"]), rtol=LOSS_RTOL)
     for name, tensor in single_weights.items():
