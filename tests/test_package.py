@@ -1,0 +1,77 @@
+"""What importing the `pipelines` package sets up for the whole process (pipelines/__init__.py):
+imports without the collector's full passes. (Its torch.compile cache per CPU cap: tests/core/training/test_loop.py.)"""
+
+from __future__ import annotations
+
+import gc
+import importlib.machinery
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import pipelines
+from tests.conftest import REPO
+
+BIG = """
+import gc
+made = [[i] for i in range(300_000)]  # container objects: they count toward the collector's thresholds
+during = gc.get_threshold()
+{nested}
+"""
+
+PROBE = """
+import gc, json, sys
+sys.path[:0] = [{tmp!r}, {repo!r}]
+full = []
+gc.callbacks.append(lambda phase, info: full.append(phase) if phase == "start" and info["generation"] == 2 else None)
+{first}
+default = gc.get_threshold()
+import big
+print(json.dumps({{"full_passes": len(full), "during": big.during, "inner": getattr(big, "inner_seen", None),
+                   "after": gc.get_threshold(), "default": default, "enabled": gc.isenabled()}}))
+"""
+
+
+def _probe(tmp_path, first: str) -> dict:
+    (tmp_path / "big.py").write_text(BIG.format(nested="import inner\ninner_seen = inner.during"))
+    (tmp_path / "inner.py").write_text(BIG.format(nested=""))
+    code = textwrap.dedent(PROBE.format(tmp=str(tmp_path), repo=str(REPO), first=first))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(done.stdout)
+
+
+def test_an_import_makes_no_full_collection_and_the_thresholds_come_back_after_the_outermost(tmp_path):
+    plain = _probe(tmp_path, first="")
+    assert plain["full_passes"] >= 1  # 600,000 containers: full passes without the finder
+    assert plain["during"] == plain["after"] == plain["default"]
+    hooked = _probe(tmp_path, first="import pipelines")
+    assert hooked["full_passes"] == 0
+    assert hooked["during"][:2] == hooked["default"][:2] and hooked["during"][2] > 1_000_000  # young generations as before
+    assert hooked["inner"] == hooked["during"]  # a nested import leaves them to the outermost
+    assert hooked["after"] == hooked["default"] and hooked["enabled"]
+
+
+def test_an_import_that_fails_gives_the_thresholds_back(tmp_path, monkeypatch):
+    (tmp_path / "broken_at_import.py").write_text("import gc\nseen = gc.get_threshold()\nraise RuntimeError(seen)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError) as raised:
+        import broken_at_import  # noqa: F401
+    assert raised.value.args[0][2] > 1_000_000 and gc.get_threshold() == before
+    assert "broken_at_import" not in sys.modules
+
+
+def test_only_a_modules_own_file_loader_is_wrapped_never_a_shared_one():
+    """Built-in and frozen modules share one loader (a class): wrapping it would change every later
+    import of theirs; a file loader serves one module."""
+    finder = next(f for f in sys.meta_path if isinstance(f, pipelines.ImportsWithoutFullCollections))
+    assert sys.meta_path.index(finder) <= 1  # first, or after a finder installed at interpreter start (setuptools')
+    builtin = finder.find_spec("xxsubtype")
+    assert builtin.loader is importlib.machinery.BuiltinImporter and isinstance(vars(builtin.loader)["exec_module"], staticmethod)
+    source = finder.find_spec("tests.hold_training", [str(REPO / "tests")])
+    assert isinstance(source.loader, importlib.machinery.SourceFileLoader) and "exec_module" in vars(source.loader)
+    pipelines.imports_without_full_collections()
+    assert sum(isinstance(f, pipelines.ImportsWithoutFullCollections) for f in sys.meta_path) == 1  # installed once
