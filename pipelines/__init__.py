@@ -53,7 +53,7 @@ class ImportsWithoutFullCollections:
     when the outermost such import ends.
 
     Importing torch, transformers' models, PEFT and MLflow creates about 600,000 objects, and the
-    full passes that growth triggers walk every object made so far: 1.1 s of the 6.3 s of CPU those
+    full passes that growth triggers walk every object made so far: 1.1 s of the 6.4 s of CPU those
     imports take (8 full passes; 2-core EPYC, capped to AVX2), in every stage process, `qllm`
     command and flow run. The young generations are still collected; objects promoted meanwhile wait
     for the next full pass after the import, as any long-lived object does. Only file loaders, which
@@ -62,11 +62,13 @@ class ImportsWithoutFullCollections:
     _lock = threading.Lock()
     _depth = 0
     _thresholds: tuple[int, ...] = ()
+    _RAISED = 1 << 30
     _LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader, importlib.machinery.ExtensionFileLoader)
 
     def find_spec(self, name, path=None, target=None):
-        for finder in sys.meta_path:
-            if finder is not self and hasattr(finder, "find_spec") and (spec := finder.find_spec(name, path, target)) is not None:
+        after = sys.meta_path[sys.meta_path.index(self) + 1 :] if self in sys.meta_path else []
+        for finder in after:  # the ones before this finder have answered None already
+            if hasattr(finder, "find_spec") and (spec := finder.find_spec(name, path, target)) is not None:
                 if isinstance(spec.loader, self._LOADERS):
                     spec.loader.exec_module = self._without_full_collections(spec.loader.exec_module)
                 return spec
@@ -79,14 +81,14 @@ class ImportsWithoutFullCollections:
                 cls._depth += 1
                 if cls._depth == 1:
                     cls._thresholds = gc.get_threshold()
-                    gc.set_threshold(*cls._thresholds[:2], 1 << 30)
+                    gc.set_threshold(*cls._thresholds[:2], cls._RAISED)
             try:
                 exec_module(module)
             finally:
                 with cls._lock:
                     cls._depth -= 1
-                    if cls._depth == 0:
-                        gc.set_threshold(*cls._thresholds)
+                    if cls._depth == 0 and (now := gc.get_threshold())[2] == cls._RAISED:  # unless a module set its own
+                        gc.set_threshold(*now[:2], cls._thresholds[2])
 
         return execute
 

@@ -64,6 +64,18 @@ def test_an_import_that_fails_gives_the_thresholds_back(tmp_path, monkeypatch):
     assert "broken_at_import" not in sys.modules
 
 
+def test_a_module_that_sets_the_thresholds_itself_keeps_them(tmp_path, monkeypatch):
+    (tmp_path / "sets_its_own.py").write_text("import gc\ngc.set_threshold(500, 5, 5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = gc.get_threshold()
+    try:
+        import sets_its_own  # noqa: F401
+
+        assert gc.get_threshold() == (500, 5, 5)
+    finally:
+        gc.set_threshold(*before)
+
+
 def test_only_a_modules_own_file_loader_is_wrapped_never_a_shared_one():
     """Built-in and frozen modules share one loader (a class): wrapping it would change every later
     import of theirs; a file loader serves one module."""
