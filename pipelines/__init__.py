@@ -2,6 +2,7 @@
 
 import gc
 import getpass
+import importlib.abc
 import importlib.machinery
 import logging
 import os
@@ -9,6 +10,7 @@ import re
 import sys
 import tempfile
 import threading
+import types
 from collections.abc import MutableMapping
 
 # bitsandbytes (imported by PEFT whenever it is installed) tries, on AVX512-BF16 CPUs, to fetch an
@@ -71,6 +73,8 @@ class ImportsWithoutFullCollections:
             if hasattr(finder, "find_spec") and (spec := finder.find_spec(name, path, target)) is not None:
                 if isinstance(spec.loader, self._LOADERS):
                     spec.loader.exec_module = self._without_full_collections(spec.loader.exec_module)
+                    if name in DEFERRED:
+                        spec.loader = DeferredLoader(spec.loader)
                 return spec
         return None
 
@@ -91,6 +95,52 @@ class ImportsWithoutFullCollections:
                         gc.set_threshold(*now[:2], cls._thresholds[2])
 
         return execute
+
+
+DEFERRED = frozenset({"bitsandbytes"})
+"""Modules whose code runs when first used rather than when first imported. PEFT imports bitsandbytes
+whenever it is installed (`peft.helpers`), and bitsandbytes wraps its CPU kernels in `torch.compile`
+as it is imported, which imports TorchInductor: 1.1 s of CPU (2-core EPYC, capped to AVX2) in every
+process that imports PEFT, where only QLoRA and the 8-bit optimizers use it."""
+
+
+class DeferredModule(types.ModuleType):
+    """A module not yet executed: the first attribute other than its identity (`__name__`,
+    `__spec__`, `__loader__`, `__package__`, which the import system reads on every `import` of it)
+    executes it, once, under a lock, and it becomes a plain module. `importlib.util.LazyLoader`'s
+    idea; Python 3.11's has no lock, and runs the module on `import` statements' `__spec__` reads."""
+
+    _lock = threading.RLock()
+    _IDENTITY = frozenset({"__name__", "__spec__", "__loader__", "__package__", "__class__", "__dict__"})
+
+    def __getattribute__(self, attr):
+        get = object.__getattribute__
+        if attr not in DeferredModule._IDENTITY:
+            state = get(self, "__dict__")
+            with DeferredModule._lock:
+                if get(self, "__class__") is DeferredModule and not state.get("__qllm_executing__"):
+                    state["__qllm_executing__"] = True
+                    try:
+                        get(self, "__spec__").loader.exec_module(self)
+                        object.__setattr__(self, "__class__", types.ModuleType)
+                    finally:
+                        state.pop("__qllm_executing__", None)
+        return get(self, attr)
+
+
+class DeferredLoader(importlib.abc.Loader):
+    """Loads a module as a `DeferredModule`: its code runs on first use (see `DeferredModule`)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        module.__spec__.loader = self.loader
+        module.__loader__ = self.loader
+        module.__class__ = DeferredModule
 
 
 def imports_without_full_collections() -> None:

@@ -88,3 +88,69 @@ def test_only_a_modules_own_file_loader_is_wrapped_never_a_shared_one():
     assert isinstance(source.loader, importlib.machinery.SourceFileLoader) and "exec_module" in vars(source.loader)
     pipelines.imports_without_full_collections()
     assert sum(isinstance(f, pipelines.ImportsWithoutFullCollections) for f in sys.meta_path) == 1  # installed once
+
+
+DEFERRED_PROBE = """
+import importlib.util, json, sys
+{first}
+import peft
+held = sys.modules.get("bitsandbytes")
+state = {{"class": type(held).__name__, "inductor": "torch._inductor.compile_fx" in sys.modules}}
+import bitsandbytes  # an import statement reads only the module's identity
+state["again"] = type(sys.modules["bitsandbytes"]).__name__
+state["found"] = importlib.util.find_spec("bitsandbytes").name
+state["version"] = bitsandbytes.__version__  # the first use runs it
+state["after"] = type(sys.modules["bitsandbytes"]).__name__
+state["linear4bit"] = bitsandbytes.nn.Linear4bit.__name__
+print(json.dumps(state))
+"""
+
+
+def _deferred_probe(first: str) -> dict:
+    code = DEFERRED_PROBE.format(first=first)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_peft_leaves_bitsandbytes_unexecuted_until_it_is_used():
+    from importlib.metadata import version
+
+    plain = _deferred_probe(first="")
+    assert plain["class"] == "module" and plain["inductor"]  # PEFT runs it, and it imports TorchInductor
+    deferred = _deferred_probe(first="import pipelines")
+    assert deferred["class"] == deferred["again"] == "DeferredModule" and not deferred["inductor"]
+    assert deferred["found"] == "bitsandbytes"
+    assert deferred["version"] == version("bitsandbytes") and deferred["after"] == "module"
+    assert deferred["linear4bit"] == "Linear4bit"
+
+
+THREADS_PROBE = """
+import json, sys, threading
+sys.path[:0] = [{tmp!r}, {repo!r}]
+import pipelines
+pipelines.DEFERRED = frozenset({{"slow_to_run"}})
+import slow_to_run
+assert type(slow_to_run).__name__ == "DeferredModule"
+start, seen, errors = threading.Barrier(8), [], []
+def use():
+    start.wait()
+    try:
+        seen.append(slow_to_run.VALUE)
+    except Exception as error:
+        errors.append(repr(error))
+threads = [threading.Thread(target=use) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps({{"seen": seen, "errors": errors, "runs": open({runs!r}).read()}}))
+"""
+
+
+def test_threads_using_a_deferred_module_at_once_run_it_once_and_all_see_it_whole(tmp_path):
+    runs = tmp_path / "runs"
+    runs.write_text("")
+    (tmp_path / "slow_to_run.py").write_text(f"import time\nopen({str(runs)!r}, 'a').write('ran\\n')\ntime.sleep(0.3)\nVALUE = 42\n")
+    code = THREADS_PROBE.format(tmp=str(tmp_path), repo=str(REPO), runs=str(runs))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    state = json.loads(done.stdout)
+    assert state["errors"] == [] and state["seen"] == [42] * 8
+    assert state["runs"] == "ran\n"
