@@ -9,12 +9,12 @@ another directory with its own HOME (its own known_hosts), DVC cache, MLflow sto
 run-cache and `dvc.lock` written), none trains, and the outputs have the first clone's md5s. A
 third clone does the same with DVC's own `dvc repro --pull`.
 
-The default suite runs the whole pipeline through SSH, and the toy DAG (tests/conftest.py) through
-S3: what differs between the two remotes is their settings and transport, which every stage uses
-the same way (the runner's push, run-cache fetch and restore; DVC's checkout). The pipeline through
-S3, up to `pretrain` (about 30 s of CPU, imitated) and whole (about two minutes on a 2-core
-AVX2-only machine, where moto's server takes every object in a request of its own), is the slow
-form (`-m slow`).
+The default suite runs the toy DAG (tests/conftest.py) through each remote: what differs between
+remotes is their settings and transport, which every stage uses the same way (the runner's push,
+run-cache fetch and restore; DVC's checkout). The whole pipeline through SSH (about 50 s of a
+suite's time, imitated), and through S3 up to `pretrain` (about 30 s of CPU, imitated) and whole
+(about two minutes on a 2-core AVX2-only machine, where moto's server takes every object in a
+request of its own), is the slow form (`-m slow`).
 """
 
 from __future__ import annotations
@@ -155,14 +155,14 @@ def _outs(root: Path) -> dict[str, dict[str, str]]:
 
 
 REMOTES = [
-    pytest.param({"kind": "ssh", "until": None}, id="ssh"),
+    pytest.param({"kind": "ssh", "until": None}, id="ssh", marks=pytest.mark.slow),
     pytest.param({"kind": "s3", "until": "pretrain"}, id="s3-until-pretrain", marks=pytest.mark.slow),
     pytest.param({"kind": "s3", "until": None}, id="s3", marks=pytest.mark.slow),
 ]
-"""The whole pipeline through SSH in the default suite; through S3 (up to pretrain, and whole) with
-`-m slow`. The default suite checks S3's settings and transport on the toy DAG instead
-(`test_a_second_machine_restores_the_toy_dag_from_an_s3_remote`): the runner pushes, fetches the
-run-cache and restores the same way whatever the stage is."""
+"""The whole pipeline through SSH and through S3 (up to pretrain, and whole): `-m slow`. The default
+suite checks both remotes' settings and transport on the toy DAG instead
+(`test_a_second_machine_restores_the_toy_dag_from_the_shared_remote`): the runner pushes, fetches
+the run-cache and restores the same way whatever the stage is."""
 
 
 @pytest.mark.parametrize("shared_remote", REMOTES, indirect=True)
@@ -214,19 +214,24 @@ def test_a_second_machine_restores_every_stage_from_the_shared_remote(shared_rem
     assert _outs(third) == _outs(first)
 
 
-def test_a_second_machine_restores_the_toy_dag_from_an_s3_remote(s3, toy, tmp_path):
-    """The pipeline's runner (`repro.reproduce`) on the toy DAG (tests/conftest.py) with an S3
-    default remote: the first clone's stages push their outputs and run-cache entries as they
+TOY_REMOTES = [pytest.param({"kind": "ssh"}, id="ssh"), pytest.param({"kind": "s3"}, id="s3")]
+
+
+@pytest.mark.parametrize("shared_remote", TOY_REMOTES, indirect=True)
+def test_a_second_machine_restores_the_toy_dag_from_the_shared_remote(shared_remote, toy, tmp_path, monkeypatch):
+    """The pipeline's runner (`repro.reproduce`) on the toy DAG (tests/conftest.py) with an SSH or
+    S3 default remote: the first clone's stages push their outputs and run-cache entries as they
     finish, a second clone restores both stages from the remote through the runner, and a third
     with DVC's own `dvc repro --pull`; no stage runs twice and every clone has the same outputs."""
     from pipelines.core.run import repro
 
-    remote = _s3_remote(s3, f"store-{tmp_path.name}")
+    remote = shared_remote
     first = toy
     _add_default_remote(first, remote)
     git_identity(first)
     run(["git", "add", "-A"], first)
     run(["git", "commit", "-qm", "the toy, with the team's DVC remote"], first)
+    monkeypatch.setenv("HOME", str(_home(first, remote)))
 
     def body(ws: Path, name: str, parent_run_id) -> None:
         if name == "a":
@@ -246,6 +251,7 @@ def test_a_second_machine_restores_the_toy_dag_from_an_s3_remote(s3, toy, tmp_pa
 
     second = _clone(first, tmp_path / "second", None, remote)
     assert not (second / "dvc.lock").exists() and not (second / ".dvc/cache").exists()
+    monkeypatch.setenv("HOME", str(_home(second, remote)))
     try:
         restored = [repro.reproduce(second, name, execute=must_not_run) for name in ("a", "b")]
     finally:
@@ -254,7 +260,8 @@ def test_a_second_machine_restores_the_toy_dag_from_an_s3_remote(s3, toy, tmp_pa
     assert _outs(second) == _outs(first) and (second / "data/b.txt").read_text() == "xxb"
 
     third = _clone(first, tmp_path / "third", None, remote)
-    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "--pull", "b"], cwd=third, capture_output=True, text=True, timeout=300)
+    env = os.environ | {"HOME": str(_home(third, remote))}
+    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "--pull", "b"], cwd=third, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     for name in ("a", "b"):
         assert f"Stage '{name}' is cached - skipping run, checking out outputs" in out.stdout, out.stdout
