@@ -81,8 +81,9 @@ run-smollm2: install-smollm2
 TEST_WORKERS ?= auto
 PYTEST = PATH="$(BIN):$$PATH" $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
-# The docs' screenshot test drives a headless Chromium: QLLM_CHROMIUM or one on PATH, else the
-# system's package where apt-get runs as root (Debian: chromium), else Playwright's own build.
+# The docs' screenshot test (`-m slow`: `make test-all`) drives a headless Chromium: QLLM_CHROMIUM or
+# one on PATH, else the system's package where apt-get runs as root (Debian: chromium), else
+# Playwright's own build.
 browser: install
 	@[ -n "$$QLLM_CHROMIUM" ] || command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null \
 	  || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } \
@@ -100,7 +101,7 @@ servers:
 	@command -v pg_ctl >/dev/null || ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || { $(call APT_INSTALL,postgresql); } \
 	  || { echo "the suite needs PostgreSQL's server (Debian: apt-get install postgresql)" >&2; exit 1; }
 
-test: install $(VENV)/.installed-peers browser servers
+test: install $(VENV)/.installed-peers servers
 	$(PYTEST) --durations=25 $(ARGS)
 
 test-all: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check $(VENV)/.installed-smollm2 browser servers

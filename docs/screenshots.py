@@ -159,6 +159,28 @@ def grid_rows(grids: list[list[list[str]]]) -> dict[str, list[str]]:
     return {names[top]: [text for _, text in sorted(cells)] for top, cells in values.items() if top in names}
 
 
+def shot_list(targets: dict, ui: str, prefect_ui: str, flow_run: dict, board: str, compare_set: str) -> list[dict]:
+    """What to photograph: each page's file, URL, the texts to wait for and what to do there
+    (`targets` from `mlflow_targets`, the UIs' URLs, the flow run to show, the override compared)."""
+    shots = [
+        {"file": "mlflow-runs.png", "url": tracking.ui_runs_url(ui, targets["experiment"]), "wait_for": ["matching runs", targets["pipeline_runs"][-1][1]],
+         "close": ["Close"], "columns": ["Source", "Models", "heldout/exact_match/sft", "heldout/exact_match/dpo", "val/loss/dpo"],
+         "read": True},
+        {"file": "mlflow-compare.png", "url": compare_url(ui, targets["experiment"], [run_id for run_id, _ in targets["pipeline_runs"]]),
+         "wait_for": [name for _, name in targets["pipeline_runs"]] + [compare_set.split("=", 1)[0]], "close": ["Close"], "read": True,
+         "click": [("switch", "Parameters - Show diff only"), ("button", "Visualizations")],
+         "scroll_to": "Parameters", "settle_ms": 2000},
+        {"file": "mlflow-metrics.png", "url": f"{ui}/#/experiments/{targets['experiment']}/runs/{targets['pretrain_run']}/model-metrics?workflowType=machine_learning",
+         "wait_for": ["train/loss"], "close": ["Close"], "settle_ms": 3000},
+        {"file": "prefect-flow-run.png", "url": f"{prefect_ui}/runs/flow-run/{flow_run['id']}", "wait_for": [flow_run["name"], "Completed"], "settle_ms": 3000},
+        {"file": "tensorboard.png", "url": f"{board}/?runFilter=pretrain/{targets['pretrain_run']}&tagFilter=loss#timeseries",
+         "wait_for": ["train/loss", "val/loss"], "close": ["Close"], "settle_ms": 3000},
+    ]  # fmt: skip
+    if targets["model"]:
+        shots.insert(2, {"file": "mlflow-registry.png", "url": f"{ui}/#/models/{targets['model']}?workflowType=machine_learning", "wait_for": ["champion"], "close": ["Close"]})
+    return shots
+
+
 def shoot(shots: list[dict], out: Path) -> list[dict]:
     """Open each shot's URL, wait for its texts, close what covers the page, save the PNG."""
     from playwright.sync_api import Error as PlaywrightError
@@ -226,24 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             board = stack.enter_context(tensorboard(root))
             targets = mlflow_targets(root)
             ui = record["services"]["mlflow-ui"]["url"]
-            prefect_ui = record["services"]["prefect-server"]["url"]
-            flow_run = latest_flow_run(record["prefect_api_url"])
-            shots = [
-                {"file": "mlflow-runs.png", "url": tracking.ui_runs_url(ui, targets["experiment"]), "wait_for": ["matching runs", targets["pipeline_runs"][-1][1]],
-                 "close": ["Close"], "columns": ["Source", "Models", "heldout/exact_match/sft", "heldout/exact_match/dpo", "val/loss/dpo"],
-                 "read": True},
-                {"file": "mlflow-compare.png", "url": compare_url(ui, targets["experiment"], [run_id for run_id, _ in targets["pipeline_runs"]]),
-                 "wait_for": [name for _, name in targets["pipeline_runs"]] + [args.compare_set.split("=", 1)[0]], "close": ["Close"], "read": True,
-                 "click": [("switch", "Parameters - Show diff only"), ("button", "Visualizations")],
-                 "scroll_to": "Parameters", "settle_ms": 2000},
-                {"file": "mlflow-metrics.png", "url": f"{ui}/#/experiments/{targets['experiment']}/runs/{targets['pretrain_run']}/model-metrics?workflowType=machine_learning",
-                 "wait_for": ["train/loss"], "close": ["Close"], "settle_ms": 3000},
-                {"file": "prefect-flow-run.png", "url": f"{prefect_ui}/runs/flow-run/{flow_run['id']}", "wait_for": [flow_run["name"], "Completed"], "settle_ms": 3000},
-                {"file": "tensorboard.png", "url": f"{board}/?runFilter=pretrain/{targets['pretrain_run']}&tagFilter=loss#timeseries",
-                 "wait_for": ["train/loss", "val/loss"], "close": ["Close"], "settle_ms": 3000},
-            ]  # fmt: skip
-            if targets["model"]:
-                shots.insert(2, {"file": "mlflow-registry.png", "url": f"{ui}/#/models/{targets['model']}?workflowType=machine_learning", "wait_for": ["champion"], "close": ["Close"]})
+            shots = shot_list(targets, ui, record["services"]["prefect-server"]["url"], latest_flow_run(record["prefect_api_url"]), board, args.compare_set)
             out.mkdir(parents=True, exist_ok=True)
             taken = shoot(shots, out)
         (out / "screenshots.json").write_text(json.dumps(taken, indent=2) + "\n")

@@ -1,17 +1,23 @@
 """docs/screenshots.py (`make docs-screenshots`): a real headless Chromium photographs the MLflow UI,
 the Prefect UI and TensorBoard against a real tiny run, and the MLflow link lands on the runs.
 
-The browser is QLLM_CHROMIUM, a Chromium on PATH, or Playwright's own build: `make test` provides
-one first (`make browser`: the system package where apt-get runs as root, else `playwright install
-chromium`).
+The default suite checks the script's own parts: what it reads from MLflow, the pages and URLs it
+visits and what it waits for on each, how it reads the compare view's grids, and its refusals. The
+run in a real browser against real servers (about 70 s of CPU, imitated: a Prefect server and
+worker, the MLflow UI, TensorBoard, two `qllm run`s and Chromium) is `-m slow` (`make test-all`):
+what it adds is the UIs of pinned MLflow, Prefect and TensorBoard versions. Its browser is
+QLLM_CHROMIUM, a Chromium on PATH, or Playwright's own build: `make test-all` provides one first
+(`make browser`: the system package where apt-get runs as root, else `playwright install chromium`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import subprocess
 import sys
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -50,6 +56,59 @@ def test_a_directory_that_is_no_project_is_refused_before_any_server_starts(tmp_
     assert not (tmp_path / "out").exists() and not (tmp_path / ".qllm").exists()
 
 
+def test_the_targets_are_the_newest_pretrain_run_the_last_two_pipeline_runs_and_the_model(tmp_path, mlflow_template_db):
+    from mlflow import MlflowClient
+
+    shutil.copy(mlflow_template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(screenshots.QllmError, match=r"mlflow\.db has no pretrain run in experiment 'qllm'; run `make run` first"):
+        screenshots.mlflow_targets(tmp_path)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    experiment = client.get_experiment_by_name("qllm").experiment_id
+
+    def made(start: int, name: str, **tags: str) -> str:
+        return client.create_run(experiment, start_time=start, run_name=name, tags=tags).info.run_id
+
+    pipelines = [made(start, f"set {start}", **{"qllm.kind": "pipeline"}) for start in (1000, 3000, 2000)]
+    pretrain = [made(start, "pretrain", **{"qllm.stage": "pretrain"}) for start in (2500, 1500)]
+    made(4000, "sft", **{"qllm.stage": "sft"})
+    assert screenshots.mlflow_targets(tmp_path)["model"] is None
+    client.create_registered_model("qllm")
+    assert screenshots.mlflow_targets(tmp_path) == {"experiment": experiment, "pretrain_run": pretrain[0], "model": "qllm",
+                                                   "pipeline_runs": [(pipelines[2], "set 2000"), (pipelines[1], "set 3000")]}  # fmt: skip
+
+
+def test_the_pages_their_urls_and_what_each_waits_for():
+    targets = {"experiment": "7", "pretrain_run": "p0", "model": "qllm", "pipeline_runs": [("r1", "default @ 10:00"), ("r2", "dpo.beta=0.5 @ 10:05")]}
+    flow_run = {"id": "f-1", "name": "clever-otter"}
+    shots = {s["file"]: s for s in screenshots.shot_list(targets, "http://ui", "http://prefect", flow_run, "http://board", "dpo.beta=0.5")}
+    assert sorted(shots) == sorted(SHOTS)
+    assert shots["mlflow-runs.png"]["url"] == tracking.ui_runs_url("http://ui", "7")
+    assert shots["mlflow-runs.png"]["wait_for"] == ["matching runs", "dpo.beta=0.5 @ 10:05"]  # the newest run is in the table
+    compare = urlsplit(shots["mlflow-compare.png"]["url"].replace("#/", "", 1))
+    assert compare.path == "/compare-runs"
+    query = parse_qs(compare.query)
+    assert json.loads(query["runs"][0]) == ["r1", "r2"] and json.loads(query["experiments"][0]) == ["7"]
+    assert query["workflowType"] == ["machine_learning"]
+    assert shots["mlflow-compare.png"]["wait_for"] == ["default @ 10:00", "dpo.beta=0.5 @ 10:05", "dpo.beta"]  # both runs and the param
+    assert shots["mlflow-metrics.png"]["url"] == "http://ui/#/experiments/7/runs/p0/model-metrics?workflowType=machine_learning"
+    assert shots["mlflow-registry.png"]["url"].startswith("http://ui/#/models/qllm?") and shots["mlflow-registry.png"]["wait_for"] == ["champion"]
+    assert shots["prefect-flow-run.png"]["url"] == "http://prefect/runs/flow-run/f-1" and shots["prefect-flow-run.png"]["wait_for"] == ["clever-otter", "Completed"]
+    assert shots["tensorboard.png"]["url"].startswith("http://board/?runFilter=pretrain/p0&")
+    unregistered = screenshots.shot_list(targets | {"model": None}, "http://ui", "http://prefect", flow_run, "http://board", "dpo.beta=0.5")
+    assert sorted(s["file"] for s in unregistered) == sorted(set(SHOTS) - {"mlflow-registry.png"})
+
+
+def test_the_compare_views_grids_are_read_by_row_and_column():
+    """MLflow's virtualised grids: one of metric names, one of values, cells in any order, rows by
+    their `top` and runs by their `left`; a value row without a name is not a metric."""
+    names = [["40px", "0px", "val/loss/dpo"], ["0px", "0px", "heldout/exact_match/sft"]]
+    values = [["40px", "200px", "0.5"], ["0px", "200px", "0.1"], ["0px", "0px", "0.2"], ["40px", "0px", "0.3"], ["80px", "0px", "9"]]
+    assert screenshots.grid_rows([names, values]) == {"heldout/exact_match/sft": ["0.2", "0.1"], "val/loss/dpo": ["0.3", "0.5"]}
+    assert screenshots.grid_rows([names]) == {}
+
+
+@pytest.mark.slow  # the real browser, servers and runs; the script's parts are checked above
 @pytest.mark.timeout(900)
 def test_screenshots_of_a_real_tiny_run(tmp_path, first_tiny_pipeline):
     # a project where the tiny pipeline has run (as after `make run`): the script's own first `qllm
