@@ -3,9 +3,9 @@
 One project for the module: the whole tiny pipeline runs once (in process, as `qllm run` does),
 then each method runs as a pipeline with overrides (`qllm run --set dpo.method=...`, in a run
 workspace that restores everything upstream from DVC's run-cache), and `dvc exp run -S` switches
-the project itself to another method: a method change reruns `ref_logprobs` (a tokenization for the
-reference-free ones, a reference pass for KTO) or restores it from the run-cache, a loss change
-never touches it.
+the project itself to another method (`-m slow`): a method change reruns `ref_logprobs` (a
+tokenization for the reference-free ones, a reference pass for KTO) or restores it from the
+run-cache, a loss change never touches it.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def test_a_loss_change_restores_the_reference_pass_from_the_run_cache(project):
     assert "heldout/rewards/margins" in metrics(workspace, "dpo")
 
 
+@pytest.mark.slow  # four stage processes under DVC (about 30 s of CPU, imitated); in the default suite: the method and loss decisions above, DVC's own run-cache restores of the runner's entries (test_remote), `dvc exp run` (test_pipeline_e2e)
 def test_dvc_exp_run_switches_the_method_rerunning_only_what_it_must(project):
     """The project itself to SimPO at another beta: ref_logprobs' SimPO encoding comes back from the
     run-cache (the workspace run above made it), dpo and what follows run, nothing before them."""
