@@ -123,7 +123,13 @@ def flow_run_states(env: dict, flow_run_id: str) -> Iterator[Callable[[], str]]:
         yield lambda: client.read_flow_run(UUID(flow_run_id)).state.type.value
 
 
-def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(served, tmp_path):
+RERUN = [pytest.param(False, id="cancel"), pytest.param(True, id="and-rerun", marks=pytest.mark.slow)]
+"""The rerun that resumes is `-m slow` (a second flow-run process, about 15 s of CPU, imitated): the
+resume from a stop's checkpoint is the same code under `qllm run` (tests/core/training/test_stop_signals.py)."""
+
+
+@pytest.mark.parametrize("rerun", RERUN)
+def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(served, tmp_path, rerun):
     """`prefect flow-run cancel`: the worker signals the cancel intent, then SIGTERMs the flow-run
     process; Prefect's engine raises TerminationSignal in the flow, which stops pretrain after its
     step with a checkpoint before the run is marked Cancelled (the worker waits 30 s, then SIGKILLs).
@@ -173,6 +179,8 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
     (parent,) = client.search_runs([experiment], f"tags.`qllm.prefect_flow_run_id` = '{flow_run_id}'")
     (pretrain,) = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and tags.`qllm.stage` = 'pretrain'")
     assert (parent.info.status, pretrain.info.status) == ("KILLED", "KILLED")
+    if not rerun:
+        return
 
     seen = worker_log.stat().st_size
     rerun = deployment_run(env, project, "qllm-pipeline/default", *params)
