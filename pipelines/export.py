@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.core import paths
+from pipelines.core.data import chat_template
 from pipelines.core.errors import QllmError
 from pipelines.core.models import gguf_export
 from pipelines.core.models.models import load_for_inference, stop_token_ids
@@ -78,7 +79,7 @@ def write_files(model, tokenizer, out: Path, params, model_name: str, stage_name
     template = None
     if params.modelfile:  # before any file is written: a template Ollama cannot take stops the stage at once
         template = gguf_export.ollama_template(
-            lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), where
+            lambda messages: chat_template.apply_template(tokenizer, messages, tokenize=False, add_generation_prompt=True), where
         )
     files = []
     with atomic_dir(out) as tmp, tempfile.TemporaryDirectory() as scratch:

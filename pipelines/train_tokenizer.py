@@ -32,6 +32,7 @@ from pipelines.core.data.chat_template import (
     MASK,
     PAD,
     SPECIAL_TOKENS,
+    TEMPLATE_LOCK,
     parse_messages,
     rendered_turn,
     tools_of,
@@ -103,7 +104,8 @@ def tool_chat_texts(messages: list[dict]) -> list[str]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     turns, tools = tools_of(messages)
-    (text,), _ = render_jinja_template([turns], tools=tools, chat_template=CHAT_TEMPLATE)
+    with TEMPLATE_LOCK:  # the compiled template is shared between threads (chat_template.TEMPLATE_LOCK)
+        (text,), _ = render_jinja_template([turns], tools=tools, chat_template=CHAT_TEMPLATE)
     pieces = _SPECIAL_TOKEN.split(text)
     return [piece.strip("\n") for piece in pieces if piece.strip("\n")]
 

@@ -35,7 +35,15 @@ import numpy as np
 
 from pipelines.core.errors import QllmError
 
-_TEMPLATE_LOCK = threading.Lock()
+TEMPLATE_LOCK = threading.RLock()
+"""Held by every rendering of a chat template in this project (`apply_template`, the masked
+renders below). transformers compiles each template once per process and shares the compiled one
+between threads, together with the tracker behind `{% generation %}`: while one thread renders with
+`return_assistant_tokens_mask=True`, any other thread's rendering of the same template, masked or
+not, runs the same `{% generation %}` blocks, and the spans it renders were added to the first
+thread's mask (ref_logprobs beside grpo in one `qllm run`: "prompt tokens differ between chosen
+and rejected"; two masked renders at once: "AssistantTracker should not be reused before closed").
+Reentrant: the masked renders render turn by turn under it. Rendering is cheap next to training."""
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -105,8 +113,14 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     if not messages:
         return ""
     messages, tools = tools_of(messages)
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         date_string=DATE_STRING)  # fmt: skip
+    return apply_template(tokenizer, messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, date_string=DATE_STRING)
+
+
+def apply_template(owner, messages, **kwargs):
+    """`owner.apply_chat_template(messages, **kwargs)` (a tokenizer's or a processor's) under
+    `TEMPLATE_LOCK`: every rendering of a chat template goes through it or holds the lock."""
+    with TEMPLATE_LOCK:
+        return owner.apply_chat_template(messages, **kwargs)
 
 
 @contextlib.contextmanager
@@ -198,13 +212,11 @@ def render_with_assistant_mask(tokenizer, messages: list[dict]) -> dict:
     `assistant_spans`. Assistant turns with `"weight": 0` (OpenAI's fine-tuning format: context,
     not a target) are left out of the mask either way.
 
-    transformers caches each compiled template and shares it between threads, and the tracker
-    behind `{% generation %}` belongs to the template: two threads rendering at once fail with
-    "AssistantTracker should not be reused before closed" (in the flow `sft` and `probe_lora`
-    tokenize side by side). Rendering is cheap next to training, so one lock serialises it.
+    Under `TEMPLATE_LOCK`: the tracker behind `{% generation %}` belongs to the compiled template,
+    which every thread of the process shares.
     """
     check_tool_support(tokenizer, messages)
-    with _TEMPLATE_LOCK:
+    with TEMPLATE_LOCK:
         if has_generation_marks(tokenizer):
             plain, tools = tools_of(messages)
             out = tokenizer.apply_chat_template(plain, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
@@ -234,7 +246,7 @@ def end_of_turn_token(tokenizer) -> int | None:
     from jinja2 import TemplateError
 
     try:
-        with _TEMPLATE_LOCK:
+        with TEMPLATE_LOCK:
             full, spans = assistant_spans(tokenizer, probe)
     except (ChatTemplateError, TemplateError, ValueError):  # no template, or one that rejects the probe
         return None

@@ -38,7 +38,7 @@ import torch
 
 from pipelines.core.config import VisionParams
 from pipelines.core.data import chat_examples
-from pipelines.core.data.chat_template import normalize_answer, parse_messages, split_last_answer
+from pipelines.core.data.chat_template import apply_template, normalize_answer, parse_messages, split_last_answer
 from pipelines.core.data.images import (
     IMAGE_TOKEN,  # the placeholder in a user turn, and the special token the tokenizer gains
 )
@@ -229,14 +229,14 @@ def chat_prompt(processor, question: str) -> str:
     """A one-turn user question about one image, rendered with the chat template for generation
     (`<image>` put in front when the question has no placeholder)."""
     content = question if IMAGE_TOKEN in question else IMAGE_TOKEN + question
-    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    return apply_template(processor, [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
 
 
 def _prompts(processor, chats: list[tuple[list[dict], list[bytes]]]) -> tuple[list[str], list[str]]:
     texts, answers = [], []
     for messages, _ in chats:
         prompt, answer = split_last_answer(messages)
-        texts.append(processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False))
+        texts.append(apply_template(processor, prompt, add_generation_prompt=True, tokenize=False))
         answers.append(answer)
     return texts, answers
 

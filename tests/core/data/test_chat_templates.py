@@ -218,3 +218,43 @@ def test_the_smollm2_tools_template_renders_plain_chats_as_smollm2s_own_and_tool
         with pytest.raises(chat_template.ChatTemplateError, match="does not render tool calls"):
             chat_template.check_tool_support(own, chat)
     assert episodes.tool_style(with_tools, "auto") == "hermes"
+
+
+def test_a_masked_render_is_not_disturbed_by_renders_in_other_threads():
+    """transformers compiles a chat template once per process and shares it between threads, with
+    the tracker behind `{% generation %}`: a plain render of a chat with an assistant turn, in
+    another thread while a masked render ran, added its spans to the masked one's (ref_logprobs
+    beside grpo in one `qllm run`: "prompt tokens differ between chosen and rejected"). Threads
+    switch every microsecond here, so the renders interleave within the test's few hundred."""
+    import sys
+    import threading
+
+    from pipelines import train_tokenizer
+
+    tokenizer = train_tokenizer.train(iter(TEXTS), 400, 1)
+    chat = MULTI_TURN
+    expected = chat_template.render_with_assistant_mask(tokenizer, chat)
+    stop, errors = threading.Event(), []
+
+    def prompts() -> None:  # what grpo and evaluate render: prompts with earlier assistant turns
+        try:
+            while not stop.is_set():
+                chat_template.render_prompt(tokenizer, chat[:-1])
+                chat_template.render_chat(tokenizer, chat)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(repr(error))
+
+    interval = sys.getswitchinterval()
+    threads = [threading.Thread(target=prompts) for _ in range(2)]
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        rendered = [chat_template.render_with_assistant_mask(tokenizer, chat) for _ in range(300)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert sum(r != expected for r in rendered) == 0
