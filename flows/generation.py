@@ -23,8 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipelines.core.data import chat_template
-from pipelines.core.data.chat_template import render_prompt
+from pipelines.core.data.chat_template import apply_template, render_prompt
 from pipelines.core.errors import QllmError
 
 
@@ -204,6 +203,6 @@ def generate_about_image(
     elif vision.IMAGE_TOKEN in prompt:
         raise QllmError(f"the prompt has an {vision.IMAGE_TOKEN} placeholder but no --image was given")
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    text = chat_template.apply_template(processor, messages, add_generation_prompt=True, tokenize=False)
+    text = apply_template(processor, messages, add_generation_prompt=True, tokenize=False)
     encoded = processor(text=[text], images=images, return_tensors="pt").to(model.device)
     return _decode(model, processor.tokenizer, encoded, max_new_tokens, temperature, seed)

@@ -101,7 +101,9 @@ DEFERRED = frozenset({"bitsandbytes"})
 """Modules whose code runs when first used rather than when first imported. PEFT imports bitsandbytes
 whenever it is installed (`peft.helpers`), and bitsandbytes wraps its CPU kernels in `torch.compile`
 as it is imported, which imports TorchInductor: 1.1 s of CPU (2-core EPYC, capped to AVX2) in every
-process that imports PEFT, where only QLoRA and the 8-bit optimizers use it."""
+process that imports PEFT. QLoRA, the 8-bit optimizers and PEFT's LoRA and AdaLoRA layers (which ask
+it for its 4-bit layer) use it; loading, evaluating, exporting, registering or serving a model
+(merged weights) does not."""
 
 
 class DeferredModule(types.ModuleType):

@@ -1,5 +1,6 @@
 """What importing the `pipelines` package sets up for the whole process (pipelines/__init__.py):
-imports without the collector's full passes. (Its torch.compile cache per CPU cap: tests/core/training/test_loop.py.)"""
+imports without the collector's full passes, and bitsandbytes deferred to its first use. (Its torch.compile
+cache per CPU cap: tests/core/training/test_loop.py.)"""
 
 from __future__ import annotations
 
