@@ -237,6 +237,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
         "gate.metric": params.metric,
         **gguf_tags,
     }
+    tracking.check_pins_directly()  # the pins below are this environment's: no scan of every installed file
     with tracking.fluent_uris(tracking.tracking_uri(root)), mlflow.start_run(run_id=run_id):
         if params.model == "multimodal":  # no image-text-to-text task in mlflow.transformers: a pyfunc over the directory
             from pipelines.core.models.image_chat_pyfunc import ImageChatModel, signature

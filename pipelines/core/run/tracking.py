@@ -343,6 +343,57 @@ def fluent_uris(uri: str) -> Iterator[None]:
                     os.environ[name] = value
 
 
+def check_pins_directly() -> None:
+    """Have MLflow check a logged model's pins against this environment by reading each pinned
+    distribution's version, instead of mapping every installed distribution's files to its modules.
+
+    `log_model` warns when a model's pip requirements do not match the installed packages
+    (`mlflow.utils.environment.warn_dependency_requirement_mismatches`). To find each package's
+    version it first maps every module of the environment to its distribution
+    (`importlib.metadata.packages_distributions`: a `stat` of every file of every installed
+    distribution, 0.8 s of CPU in each process that registers a model, capped to AVX2, in this
+    project's environment of 339 distributions). The pins `register` writes are `name==version`,
+    read from this environment: their versions come from `importlib.metadata.version` here in
+    microseconds. Requirements of any other form (extras, markers, ranges, URLs), a pin whose
+    distribution is not found, or one that does not match, go to MLflow's own check, which warns
+    as before. Installed once per process; idempotent; MLflow versions without that function
+    keep their own check."""
+    import mlflow.utils.environment as environment
+
+    with _clients_lock:
+        original = getattr(environment, "warn_dependency_requirement_mismatches", None)
+        if original is None or getattr(original, "_qllm_direct", False):
+            return
+
+        def warn_dependency_requirement_mismatches(model_requirements: list[str]) -> None:
+            if not all(_pin_matches(requirement) for requirement in model_requirements):
+                original(model_requirements)
+
+        warn_dependency_requirement_mismatches._qllm_direct = True  # type: ignore[attr-defined]
+        warn_dependency_requirement_mismatches.__wrapped__ = original  # type: ignore[attr-defined]
+        environment.warn_dependency_requirement_mismatches = warn_dependency_requirement_mismatches
+
+
+def _pin_matches(requirement: str) -> bool:
+    """True when `requirement` is a plain `name==version` pin that the installed distribution
+    `name` satisfies (a local version label such as `+cpu` ignored, as PEP 440 says)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        parsed = Requirement(requirement)
+    except InvalidRequirement:
+        return False
+    specifiers = list(parsed.specifier)
+    if parsed.extras or parsed.marker or parsed.url or len(specifiers) != 1 or specifiers[0].operator != "==":
+        return False
+    try:
+        return parsed.specifier.contains(version(parsed.name), prereleases=True)
+    except PackageNotFoundError:
+        return False
+
+
 def filter_value(value: str, what: str = "value") -> str:
     """`value` quoted for an MLflow search filter (`name = 'qllm'`): in single quotes, or in double
     quotes when it holds a single quote. MLflow's filter grammar has no escape, so a value holding

