@@ -520,16 +520,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ddp-worker":
         print(json.dumps(ddp_worker(args.device)), flush=True)
         return 0
+    allowed = PARTS.get(args.command, tuple(SECTIONS))
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else list(allowed)
+    unknown = sorted(set(wanted) - set(allowed))
+    if unknown:  # before importing torch: a mistyped section is refused at once
+        parser.error(f"--sections: {', '.join(unknown)} not in {args.command} (its sections: {', '.join(allowed)})")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); on a CPU run --device cpu --tiny", file=sys.stderr)
         return 2
-    allowed = PARTS.get(args.command, tuple(SECTIONS))
-    wanted = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else list(allowed)
-    unknown = sorted(set(wanted) - set(allowed))
-    if unknown:
-        parser.error(f"--sections: {', '.join(unknown)} not in {args.command} (its sections: {', '.join(allowed)})")
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     out, name = Path(args.out), args.command if args.command in PARTS else "gpu_check"
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,13 @@ def test_unknown_sections_and_sections_of_the_other_part_are_named(tmp_path):
     assert done.returncode == 2 and "--sections: warp not in check" in done.stderr
     done = run("pipeline", "--sections", "pretrain")
     assert done.returncode == 2 and "--sections: pretrain not in pipeline (its sections: pipeline)" in done.stderr
+    # refused before torch is imported (a second or more on a CPU): with torch unimportable, the same refusal
+    blocked = tmp_path / "no_torch"
+    blocked.mkdir()
+    (blocked / "torch.py").write_text("raise ImportError('torch imported before the sections were checked')\n")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--sections", "warp", "--device", "cpu", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(blocked)})  # fmt: skip
+    assert done.returncode == 2 and "--sections: warp not in check" in done.stderr, done.stderr[-2000:]
 
 
 def check(tmp_path, sections: str, part: str = "core") -> dict:
