@@ -31,6 +31,7 @@ from pipelines.core.outputs import atomic_dir
 from pipelines.core.run import stage
 
 NAME = "ingest"
+IMPORTS_TRANSFORMERS = False  # the runner does not import torch, transformers and PEFT for it (repro.run_in_process)
 
 
 def untracked_sources(sources: list[SourceParams], root: Path, tracked_dirs: list[Path]) -> list[SourceParams]:

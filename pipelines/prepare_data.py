@@ -58,6 +58,7 @@ from pipelines.core.outputs import atomic_dir, record_batches
 from pipelines.core.run import stage
 
 NAME = "prepare_data"
+IMPORTS_TRANSFORMERS = False  # the runner does not import torch, transformers and PEFT for it (repro.run_in_process)
 SPLITS = ("train", "validation", "test")
 REASONS = ("empty", "too_short", "too_long", "image_size", "chosen_equals_rejected", "duplicate", "near_duplicate")
 # What each drop reason means, for the warning a non-zero count logs.

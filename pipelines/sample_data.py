@@ -21,6 +21,7 @@ from pipelines.core.outputs import atomic_dir
 from pipelines.core.run import stage
 
 NAME = "sample_data"
+IMPORTS_TRANSFORMERS = False  # the runner does not import torch, transformers and PEFT for it (repro.run_in_process)
 
 DISABLED_README = """\
 # Sample data disabled

@@ -230,6 +230,8 @@ real_atomic_dir = outputs.atomic_dir
 def paused_before_rename(path):
     with real_atomic_dir(path) as tmp:
         yield tmp
+        # the stage ran without torch, transformers or PEFT (a data stage: no `warm_imports`)
+        Path(sys.argv[2] + ".imported").write_text(" ".join(m for m in ("torch", "transformers", "peft") if m in sys.modules))
         Path(sys.argv[2]).write_text(str(tmp))  # every file is written; only the rename is left
         time.sleep(600)
 
@@ -250,6 +252,7 @@ def test_kill9_before_the_rename_leaves_no_finished_looking_output(base, tmp_pat
         wait_for(marker.exists, process, "the stage to finish writing")
         kill9(process)
 
+    assert Path(f"{marker}.imported").read_text() == ""  # sample_data imported none of torch, transformers, PEFT
     leftover = Path(marker.read_text())
     assert leftover.parent == root / "data" and leftover.name.startswith(".tmp-sample-")
     assert (leftover / "world.json").exists()  # killed with the new output fully written...

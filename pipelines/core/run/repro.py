@@ -110,7 +110,8 @@ def run_in_process(root: Path, name: str, parent_run_id: str | None) -> None:
     if spec.always_changed:  # it reads the world (probe_device, base_model): milliseconds, no MLflow run
         world.execute(module.NAME, module.body, root)
         return
-    warm_imports()
+    if getattr(module, "IMPORTS_TRANSFORMERS", True):  # the data stages never do: no 5 s of imports for `qllm run --until prepare_data`
+        warm_imports()
     stage.execute(module.NAME, module.body, root, parent_run_id=parent_run_id)
 
 
