@@ -150,8 +150,8 @@ def pipeline(
         parent.log_metrics({f"stage_seconds/{s['name']}": s["seconds"] for s in stages if s["seconds"] is not None})
         rows = evaluation_rows(ws) if "evaluate" in futures else []
         parent.log_metrics(headline_metrics(rows, registered))
-        for path, digest in datasets(ws).items():  # the Datasets column: the data this run trained on, by DVC md5
-            parent.log_dataset(path, context="training", digest=digest, name=path)
+        # the Datasets column: the data this run trained on, by DVC md5
+        parent.log_datasets([(path, digest, path, None) for path, digest in datasets(ws).items()], context="training")
         if errors.stop_requested() is None:  # a stopped run publishes no results (and its Prefect API may be gone)
             _publish_artifacts(summary, rows, registered)
         failed = [s for s in stages if s["status"] not in ("ran", "cached")]

@@ -117,3 +117,32 @@ def test_only_a_plain_pin_of_an_installed_version_skips_mlflows_check(requiremen
 
     torch = version("torch").split("+")[0]  # a local label (+cpu) is ignored by `==` without one
     assert tracking._pin_matches(requirement.format(torch=torch)) is matches
+
+
+def test_a_stages_data_sets_go_to_mlflow_in_one_request(tmp_path):
+    """`log_datasets` sends every input of a stage in one `log_inputs` (one round trip to a tracking
+    server instead of one per data set), each with its DVC md5 and context; a concurrent insert of
+    the same data set (SQLite's UNIQUE constraint) is retried once, for the whole list."""
+    calls = []
+
+    class Client:
+        fail_once = True
+
+        def log_inputs(self, run_id, datasets):
+            calls.append((run_id, datasets))
+            if Client.fail_once:
+                Client.fail_once = False
+                raise RuntimeError("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, datasets.name, datasets.digest")
+
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    tracker = tracking.Tracker(Client(), "run-1")
+    tracker.log_datasets([(tmp_path / n, f"{n * 8}.dir", f"data/{n}", None) for n in ("a", "b", "c")], context="input")
+    assert len(calls) == 2 and calls[0] == calls[1]  # the failed request, then the same one again
+    run_id, sent = calls[1]
+    assert run_id == "run-1"
+    assert [(d.dataset.name, d.dataset.digest, [(t.key, t.value) for t in d.tags]) for d in sent] == [
+        (f"data/{n}", f"{n * 8}.dir", [("mlflow.data.context", "input")]) for n in ("a", "b", "c")]
+    tracker.log_datasets([], context="input")  # nothing to send: no request
+    assert len(calls) == 2
+    tracking.Tracker(None, None).log_datasets([(tmp_path / "a", "x.dir", None, None)], context="input")  # disabled: nothing
