@@ -151,7 +151,7 @@ def pipeline(
         rows = evaluation_rows(ws) if "evaluate" in futures else []
         parent.log_metrics(headline_metrics(rows, registered))
         # the Datasets column: the data this run trained on, by DVC md5
-        parent.log_datasets([(path, digest, path, None) for path, digest in datasets(ws).items()], context="training")
+        parent.log_datasets([(path, digest, path) for path, digest in datasets(ws).items()], context="training")
         if errors.stop_requested() is None:  # a stopped run publishes no results (and its Prefect API may be gone)
             _publish_artifacts(summary, rows, registered)
         failed = [s for s in stages if s["status"] not in ("ran", "cached")]

@@ -202,7 +202,7 @@ def _execute(
         if checkpoints is not None:
             write_json(checkpoints / RUN_RECORD, {"run_id": tracker.run_id, "store": _store_id(root)})
         tracker.log_params({name: params, **listed})
-        tracker.log_datasets([(dep, md5, dep, None) for dep, md5 in digests.items() if not dep.endswith(".py")], context="input")
+        tracker.log_datasets([(dep, md5, dep) for dep, md5 in digests.items() if not dep.endswith(".py")], context="input")
         tracker.set_tags({f"qllm.dep.{dep}": md5 for dep, md5 in digests.items()})
         ctx = StageContext(name=name, root=root, params=params, tracker=tracker, fingerprint=key, log=log, listed=listed)
         with resources.PeakMemory() as peak:

@@ -41,6 +41,7 @@ the experiment still opens its GenAI Overview page; `ui_runs_url` opens the runs
 _clients: dict[str, Any] = {}
 _clients_lock = threading.Lock()
 _dataset_lock = threading.Lock()  # stages of one flow run side by side log the same inputs
+_pins_lock = threading.Lock()  # check_pins_directly installs its check once
 _fluent_lock = threading.RLock()  # MLflow's fluent URIs, active model and last logged model are process-wide
 
 
@@ -192,16 +193,16 @@ class Tracker:
         if self.enabled:
             self.client.log_table(self.run_id, data, artifact_file)
 
-    def log_datasets(self, datasets: list[tuple[Path | str, str, str | None, Any]], context: str) -> None:
-        """Record input data sets, each `(path, DVC md5, name or None, DataFrame or None)`, with the
-        DVC md5 as the digest (so MLflow and `dvc.lock` agree), in one request (`log_inputs` takes a list): a stage's five or so inputs were one round trip each,
-        which a tracking server behind TLS and basic auth answers in tens of milliseconds."""
+    def log_datasets(self, datasets: list[tuple[Path | str, str, str]], context: str) -> None:
+        """Record data sets, each `(path, DVC md5, name)`, with the md5 as the digest (so MLflow and
+        `dvc.lock` agree), in one request: `log_inputs` takes a list, and a stage's five or so
+        inputs were a round trip each to a tracking server (the team's: behind TLS and basic auth)."""
         if not self.enabled or not datasets:
             return
         from mlflow.entities import DatasetInput, InputTag
 
-        entities = [DatasetInput(_dataset(path, digest, name, df)._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
-                    for path, digest, name, df in datasets]  # fmt: skip
+        entities = [DatasetInput(_dataset(path, digest, name)._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
+                    for path, digest, name in datasets]  # fmt: skip
         with _dataset_lock:
             try:
                 self.client.log_inputs(self.run_id, datasets=entities)
@@ -215,14 +216,8 @@ class Tracker:
                 self.client.log_inputs(self.run_id, datasets=entities)
 
 
-def _dataset(path: Path | str, digest: str, name: str | None, df: Any) -> Any:
-    """An MLflow dataset for `path` with `digest`: from `df` (a DataFrame, its schema and profile
-    recorded) or else the file or directory itself."""
-    source = str(Path(path))
-    if df is not None:
-        import mlflow.data
-
-        return mlflow.data.from_pandas(df, source=source, name=name or Path(path).name, digest=digest)
+def _dataset(path: Path | str, digest: str, name: str) -> Any:
+    """An MLflow dataset of the file or directory `path`, named `name`, with `digest`."""
     import warnings
 
     from mlflow.data.dataset_source_registry import resolve_dataset_source
@@ -231,7 +226,7 @@ def _dataset(path: Path | str, digest: str, name: str | None, df: Any) -> Any:
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local files
         warnings.simplefilter("ignore", UserWarning)
         dataset_source = resolve_dataset_source(str(Path(path).resolve()))
-    return MetaDataset(dataset_source, name=name or Path(path).name, digest=digest)
+    return MetaDataset(dataset_source, name=name, digest=digest)
 
 
 @contextmanager
@@ -368,7 +363,7 @@ def check_pins_directly() -> None:
     keep their own check."""
     import mlflow.utils.environment as environment
 
-    with _clients_lock:
+    with _pins_lock:
         original = getattr(environment, "warn_dependency_requirement_mismatches", None)
         if original is None or getattr(original, "_qllm_direct", False):
             return

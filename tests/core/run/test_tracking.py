@@ -137,7 +137,7 @@ def test_a_stages_data_sets_go_to_mlflow_in_one_request(tmp_path):
     for name in ("a", "b", "c"):
         (tmp_path / name).mkdir()
     tracker = tracking.Tracker(Client(), "run-1")
-    tracker.log_datasets([(tmp_path / n, f"{n * 8}.dir", f"data/{n}", None) for n in ("a", "b", "c")], context="input")
+    tracker.log_datasets([(tmp_path / n, f"{n * 8}.dir", f"data/{n}") for n in ("a", "b", "c")], context="input")
     assert len(calls) == 2 and calls[0] == calls[1]  # the failed request, then the same one again
     run_id, sent = calls[1]
     assert run_id == "run-1"
@@ -145,4 +145,4 @@ def test_a_stages_data_sets_go_to_mlflow_in_one_request(tmp_path):
         (f"data/{n}", f"{n * 8}.dir", [("mlflow.data.context", "input")]) for n in ("a", "b", "c")]
     tracker.log_datasets([], context="input")  # nothing to send: no request
     assert len(calls) == 2
-    tracking.Tracker(None, None).log_datasets([(tmp_path / "a", "x.dir", None, None)], context="input")  # disabled: nothing
+    tracking.Tracker(None, None).log_datasets([(tmp_path / "a", "x.dir", "data/a")], context="input")  # disabled: nothing
