@@ -78,14 +78,15 @@ def chat_template(path: str, root: Path) -> str:
     """The text of `base_model.chat_template_path`, checked to be a Jinja template that renders a
     chat (errors name the key, the file and, for a syntax error, its line)."""
     from jinja2 import TemplateSyntaxError
-    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from pipelines.core.data.chat_template import render_jinja  # numpy: only where a template file is named
 
     file = Path(path) if Path(path).is_absolute() else root / path
     if not file.is_file():
         raise QllmError(f"base_model.chat_template_path={path!r}: no such file (expected a Jinja chat template, relative to the project)")
     text = file.read_text(encoding="utf-8")
     try:
-        render_jinja_template([[{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]], chat_template=text)
+        render_jinja([[{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]], text)
     except TemplateSyntaxError as exc:
         raise QllmError(f"{path}, line {exc.lineno}: not a Jinja chat template ({exc.message}) (base_model.chat_template_path)") from None
     except Exception as exc:  # noqa: BLE001 - any failure to render a plain chat is the file's

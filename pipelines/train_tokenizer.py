@@ -32,8 +32,8 @@ from pipelines.core.data.chat_template import (
     MASK,
     PAD,
     SPECIAL_TOKENS,
-    TEMPLATE_LOCK,
     parse_messages,
+    render_jinja,
     rendered_turn,
     tools_of,
     uses_tools,
@@ -101,11 +101,8 @@ def tool_chat_texts(messages: list[dict]) -> list[str]:
     piece as `rendered_turn` gives a plain turn): the tools' list and the `<tool_call>` JSON are
     text the model reads and writes, so the tokenizer learns them too, instead of spelling
     `calculator` a letter at a time (a call was 66 tokens of the sample's tokenizer without them)."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
     turns, tools = tools_of(messages)
-    with TEMPLATE_LOCK:  # the compiled template is shared between threads (chat_template.TEMPLATE_LOCK)
-        (text,), _ = render_jinja_template([turns], tools=tools, chat_template=CHAT_TEMPLATE)
+    (text,), _ = render_jinja([turns], CHAT_TEMPLATE, tools=tools)
     pieces = _SPECIAL_TOKEN.split(text)
     return [piece.strip("\n") for piece in pieces if piece.strip("\n")]
 

@@ -123,6 +123,16 @@ def apply_template(owner, messages, **kwargs):
         return owner.apply_chat_template(messages, **kwargs)
 
 
+def render_jinja(conversations: list[list[dict]], chat_template: str, **kwargs):
+    """transformers' `render_jinja_template(conversations, chat_template=...)` (a template's text,
+    no tokenizer) under `TEMPLATE_LOCK`, as every rendering here is: its compiled template is
+    shared with the tokenizers of the same text."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    with TEMPLATE_LOCK:
+        return render_jinja_template(conversations, chat_template=chat_template, **kwargs)
+
+
 @contextlib.contextmanager
 def left_padding(tokenizer) -> Iterator[None]:
     """The tokenizer pads on the left inside the block (batched generation), and on the side it had

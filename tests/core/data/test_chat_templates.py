@@ -258,3 +258,19 @@ def test_a_masked_render_is_not_disturbed_by_renders_in_other_threads():
         sys.setswitchinterval(interval)
     assert errors == []
     assert sum(r != expected for r in rendered) == 0
+
+
+def test_rendering_a_template_text_waits_for_the_template_lock():
+    """`render_jinja` (a template's text, no tokenizer: the tokenizer trainer's tool chats, the base
+    model's template check) renders under `TEMPLATE_LOCK`, as a tokenizer's renders do: it waits
+    while another thread holds the lock, then renders."""
+    import threading
+
+    done = []
+    with chat_template.TEMPLATE_LOCK:
+        worker = threading.Thread(target=lambda: done.append(chat_template.render_jinja([[{"role": "user", "content": "hi"}]], "{{ messages[0]['content'] }}!")))
+        worker.start()
+        worker.join(0.5)
+        assert worker.is_alive() and not done  # held here: it waits
+    worker.join(30)
+    assert done and done[0][0] == ["hi!"]
