@@ -61,7 +61,7 @@ def _models(annotation) -> list:
 
 def _params_page() -> str:
     sys.path.insert(0, str(ROOT))
-    from pipelines.core.config import Params
+    from pipelines.core.config import Params, field_docs
 
     out = ["# Parameters", "",
            "Every key of `params.yaml` (and of `--set`, `--params` files), generated from the pydantic schemas in "
@@ -79,10 +79,11 @@ def _params_page() -> str:
             continue
         seen.add(model)
         out += ["", f"## {model.__name__}", "", (model.__doc__ or "").strip(), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        docs = field_docs(model)
         for key, field in model.model_fields.items():
             nested = _models(field.annotation)
             kind = ", ".join(f"[{m.__name__}](#{m.__name__.lower()})" for m in nested) or _type(field.annotation)
-            meaning = re.sub(r"\s+", " ", field.description or "").replace("|", "\\|")
+            meaning = re.sub(r"\s+", " ", field.description or docs.get(key, "")).replace("|", "\\|")
             out.append(f"| `{key}` | {kind} | {_default(field)} | {meaning} |")
             todo += [m for m in nested if m not in seen]
     return "\n".join(out) + "\n"

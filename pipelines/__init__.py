@@ -108,12 +108,14 @@ it for its 4-bit layer) use it; loading, evaluating, exporting, registering or s
 
 class DeferredModule(types.ModuleType):
     """A module not yet executed: the first attribute other than its identity (`__name__`,
-    `__spec__`, `__loader__`, `__package__`, which the import system reads on every `import` of it)
+    `__spec__`, `__loader__`, `__package__`, which the import system reads on every `import` of it;
+    `__file__` and `__cached__`, which scans of `sys.modules` such as `inspect.getmodule` read)
     executes it, once, under a lock, and it becomes a plain module. `importlib.util.LazyLoader`'s
-    idea; Python 3.11's has no lock, and runs the module on `import` statements' `__spec__` reads."""
+    idea; Python 3.11's has no lock, and runs the module on `import` statements' `__spec__` reads.
+    `__path__` is not identity: importing a submodule runs the package first, as without deferral."""
 
     _lock = threading.RLock()
-    _IDENTITY = frozenset({"__name__", "__spec__", "__loader__", "__package__", "__class__", "__dict__"})
+    _IDENTITY = frozenset({"__name__", "__spec__", "__loader__", "__package__", "__file__", "__cached__", "__class__", "__dict__"})
 
     def __getattribute__(self, attr):
         get = object.__getattribute__

@@ -99,6 +99,12 @@ state = {"class": type(sys.modules["bitsandbytes"]).__name__, "torch": "torch" i
 import bitsandbytes  # an import statement reads only the module's identity, as does find_spec
 state["again"] = type(sys.modules["bitsandbytes"]).__name__
 state["found"] = importlib.util.find_spec("bitsandbytes").name
+import inspect, peft
+state["file"] = bitsandbytes.__file__ == importlib.util.find_spec("bitsandbytes").origin
+inspect.getmodule(eval(compile("sys._getframe()", "<no module>", "eval")))  # a frame of no file: scans every module's __file__
+state["scanned"] = type(sys.modules["bitsandbytes"]).__name__
+import pipelines.core.config  # the params schemas, which every stage and run imports after PEFT
+state["schemas"] = type(sys.modules["bitsandbytes"]).__name__
 state["version"] = bitsandbytes.__version__  # the first use runs it
 state["after"] = type(sys.modules["bitsandbytes"]).__name__
 state["inductor"] = "torch._inductor.compile_fx" in sys.modules  # what running it costs
@@ -113,7 +119,8 @@ def test_bitsandbytes_stays_unexecuted_until_it_is_used():
     done = subprocess.run([sys.executable, "-c", DEFERRED_PROBE], cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
     state = json.loads(done.stdout.splitlines()[-1])
     assert state["class"] == state["again"] == "DeferredModule" and not state["torch"]
-    assert state["found"] == "bitsandbytes"
+    assert state["found"] == "bitsandbytes" and state["file"]
+    assert state["scanned"] == state["schemas"] == "DeferredModule"
     assert state["version"] == version("bitsandbytes") and state["after"] == "module" and state["inductor"]
     assert state["linear4bit"] == "Linear4bit"
 

@@ -9,7 +9,10 @@ test enforces it); the defaults here exist for users' own, shorter params files.
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -37,9 +40,10 @@ def _only_with(section: BaseModel, key: str, needed: str, why: str):
 
 
 class Section(BaseModel):
-    """Base of every params section: frozen, no unknown keys, no bool-for-number mix-ups."""
+    """Base of every params section: frozen, no unknown keys, no bool-for-number mix-ups. What a key
+    means is the string under it (`field_docs`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -48,6 +52,40 @@ class Section(BaseModel):
         if isinstance(value, bool) and annotation in (int, float):
             raise ValueError(f"expected a number, got a boolean ({value})")
         return value
+
+
+def field_docs(model: type[BaseModel]) -> dict[str, str]:
+    """What each key of `model` means: the string under it in this file, cleaned as a docstring,
+    the nearest class's first (a section inherits its bases' keys). The params reference reads them
+    (docs/hooks.py).
+
+    pydantic can attach these to the fields as it builds each model (`use_attribute_docstrings`),
+    but on Python < 3.13 it finds a class's source by asking `inspect.getmodule` about each frame of
+    the import, and each asking scans all of `sys.modules`: 1.0 s of CPU in every process that
+    imports this module after torch (2-core EPYC, capped to AVX2), and the scan read the deferred
+    bitsandbytes' `__file__`, which ran it (1.3 s more; `pipelines.DEFERRED`). Only the docs need
+    the text, so it is read from the source when they ask."""
+    docs: dict[str, str] = {}
+    for cls in reversed(model.__mro__):
+        if cls.__module__ == __name__:
+            docs.update(_docstrings_by_class().get(cls.__qualname__, {}))
+    return {name: doc for name, doc in docs.items() if name in model.model_fields}
+
+
+@functools.cache
+def _docstrings_by_class() -> dict[str, dict[str, str]]:
+    """For each class of this file, a string literal that follows an annotated name, by name (as
+    pydantic's `use_attribute_docstrings` reads them)."""
+    found: dict[str, dict[str, str]] = {}
+    for node in ast.parse(Path(__file__).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef):
+            docs, target = found.setdefault(node.name, {}), None
+            for statement in node.body:
+                value = statement.value if isinstance(statement, ast.Expr) else None
+                if target and isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    docs[target] = inspect.cleandoc(value.value)
+                target = statement.target.id if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name) else None
+    return found
 
 
 # --------------------------------------------------------------------------------------- stages

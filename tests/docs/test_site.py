@@ -19,11 +19,11 @@ def test_the_site_builds_strictly_and_the_params_reference_is_the_schemas(tmp_pa
     assert built.returncode == 0, built.stdout + built.stderr
     assert "WARNING" not in built.stderr
     params = (site / "reference/params/index.html").read_text()
-    from pipelines.core.config import Params, SftParams, TrainParams
+    from pipelines.core.config import Params, SftParams, TrainParams, field_docs
 
     for section in Params.model_fields:
         assert f"<code>{section}</code>" in params, section
-    assert "loss_chunk_tokens" in params and TrainParams.model_fields["loss_chunk_tokens"].description.split()[0] in params
+    assert "loss_chunk_tokens" in params and field_docs(TrainParams)["loss_chunk_tokens"].split()[0] in params
     assert SftParams.__name__ in params
     index = (site / "index.html").read_text()
     assert 'href="data/"' in index and 'href="results/"' in index  # the README's links, made the site's
