@@ -173,13 +173,16 @@ device-rehearsal: device-wheels
 	PYTHON=.device/rehearsal/bin/python OUT=device_out bash benchmarks/device_run.sh pipeline --device cpu --tiny
 
 # Re-pin every transitive dependency with uv (commit the result): the ranges of pyproject.toml,
-# every extra, resolved for .venv's Python; each pin of the current requirements.lock that still
-# fits is kept (`make lock UPGRADE=1` takes the newest versions instead). torch stays out: TORCH_SPEC
-# decides its build, and is the constraint the rest is resolved against.
+# every extra, resolved for the oldest Python that `requires-python` admits (LOCK_PYTHON: 3.11 is
+# 3.11.0, so every 3.11 installs the lock, Debian 12's 3.11.2 included, not only the one that made
+# it); each pin of the current requirements.lock that still fits is kept (`make lock UPGRADE=1`
+# takes the newest versions instead). torch stays out: TORCH_SPEC decides its build, and is the
+# constraint the rest is resolved against.
 LOCK_EXTRAS := test server dwave qaoa dask peers dev gguf-check
+LOCK_PYTHON ?= 3.11
 lock: | $(VENV)/bin/python $(UV)
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-spec.txt
-	$(UV) pip compile pyproject.toml $(foreach extra,$(LOCK_EXTRAS),--extra $(extra)) --python $(PY) $(UV_FIND_LINKS_ARGS) \
+	$(UV) pip compile pyproject.toml $(foreach extra,$(LOCK_EXTRAS),--extra $(extra)) --python $(PY) --python-version $(LOCK_PYTHON) $(UV_FIND_LINKS_ARGS) \
 	  -c $(VENV)/torch-spec.txt --no-emit-package torch --quiet --no-header --no-annotate $(if $(UPGRADE),--upgrade) -o requirements.lock
 
 clean-outputs:
