@@ -1,0 +1,38 @@
+"""`.ci/run`, CI's entry point: what it hands `make test` (the AVX2 cap, the venv's interpreter)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from tests.conftest import REPO
+
+HANDED = ("PYTHON", "QLLM_CI_NATIVE", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def ci_run(tmp_path: Path, **env: str) -> dict[str, str]:
+    """Run `.ci/run` with a stand-in `make` first on PATH that prints what it was given."""
+    (tmp_path / "bin").mkdir(parents=True)
+    make = tmp_path / "bin/make"
+    make.write_text('#!/bin/sh\nprintf "%s\\n" "args=$*" "cwd=$PWD"' + "".join(f' "{k}=${{{k}-unset}}"' for k in HANDED) + "\n")
+    make.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k not in HANDED}
+    done = subprocess.run([str(REPO / ".ci/run")], env=base | {"PATH": f"{tmp_path / 'bin'}:{base['PATH']}"} | env,
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return dict(line.split("=", 1) for line in done.stdout.splitlines())
+
+
+def test_ci_runs_make_test_in_the_checkout_capped_to_avx2_unless_told_native(tmp_path):
+    handed = ci_run(tmp_path)
+    assert (handed["args"], Path(handed["cwd"])) == ("test", REPO)
+    assert (handed["ONEDNN_MAX_CPU_ISA"], handed["ATEN_CPU_CAPABILITY"], handed["MKL_ENABLE_INSTRUCTIONS"]) == ("AVX2", "avx2", "AVX2")
+    native = ci_run(tmp_path / "native", QLLM_CI_NATIVE="1")
+    assert (native["ONEDNN_MAX_CPU_ISA"], native["ATEN_CPU_CAPABILITY"], native["MKL_ENABLE_INSTRUCTIONS"]) == ("unset",) * 3
+
+
+def test_ci_makes_the_venv_with_the_distributions_python_where_it_has_venv_and_pip(tmp_path):
+    system = Path("/usr/bin/python3.11")
+    usable = system.exists() and subprocess.run([system, "-c", "import ensurepip, pip, venv"], capture_output=True).returncode == 0
+    assert ci_run(tmp_path)["PYTHON"] == (str(system) if usable else "unset")  # unset: make's default, python3
+    assert ci_run(tmp_path / "given", PYTHON="python3.12")["PYTHON"] == "python3.12"  # one given is kept
