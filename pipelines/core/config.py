@@ -55,9 +55,9 @@ class Section(BaseModel):
 
 
 def field_docs(model: type[BaseModel]) -> dict[str, str]:
-    """What each key of `model` means: the string under it in this file, cleaned as a docstring,
-    the nearest class's first (a section inherits its bases' keys). The params reference reads them
-    (docs/hooks.py).
+    """What each key of `model` means: the string under it in this file, cleaned as a docstring (a
+    section inherits its bases' keys; where both say, the section's own wins). The params reference
+    reads them (docs/hooks.py).
 
     pydantic can attach these to the fields as it builds each model (`use_attribute_docstrings`),
     but on Python < 3.13 it finds a class's source by asking `inspect.getmodule` about each frame of
