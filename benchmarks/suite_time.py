@@ -35,7 +35,10 @@ def _minutes(seconds: float) -> str:
 
 
 def describe(record: dict) -> str:
-    cap = f", capped to {record['isa_cap']} (imitated)" if record.get("isa_cap") else ""
+    cap = ""
+    if record.get("isa_cap"):  # `.ci/run` caps every machine; on an AVX2-only CPU that imitates nothing
+        own = record["isa_cap"].upper() == "AVX2" and record["cpu"].endswith(", AVX2 only")
+        cap = f", capped to {record['isa_cap']} ({'its own kind: the real one, not imitated' if own else 'imitated'})"
     outcomes = ", ".join(f"{n} {kind}" for kind, n in record.get("outcomes", {}).items() if n)
     workers = record.get("workers") or 1
     return f"{_minutes(record['wall_seconds'])} on {record['cpu']}{cap}, {workers} workers; {outcomes}"

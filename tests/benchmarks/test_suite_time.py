@@ -34,8 +34,8 @@ def outside_xdist() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))}
 
 
-def _record(wall: float, modules: dict, tests: dict, cap=None) -> dict:
-    return {"cpu": "AMD EPYC, AVX2 only", "isa_cap": cap, "workers": 2, "wall_seconds": wall, "outcomes": {"passed": 3, "failed": 0},
+def _record(wall: float, modules: dict, tests: dict, cap=None, cpu="AMD EPYC, AVX512-BF16") -> dict:
+    return {"cpu": cpu, "isa_cap": cap, "workers": 2, "wall_seconds": wall, "outcomes": {"passed": 3, "failed": 0},
             "modules": modules, "tests": tests}  # fmt: skip
 
 
@@ -43,12 +43,23 @@ def test_the_report_ranks_shares_and_compares():
     before = _record(1800.0, {"a.py": 900.0, "b.py": 100.0}, {"a.py::t": 900.0, "b.py::u": 100.0})
     after = _record(900.0, {"a.py": 300.0, "c.py": 100.0}, {"a.py::t": 300.0, "c.py::v": 100.0}, cap="AVX2")
     alone = suite_time.report(after, top=1)
-    assert "- 15 min 00.0 s on AMD EPYC, AVX2 only, capped to AVX2 (imitated), 2 workers; 3 passed" in alone
+    assert "- 15 min 00.0 s on AMD EPYC, AVX512-BF16, capped to AVX2 (imitated), 2 workers; 3 passed" in alone
     assert "| 300.0 | 75.0% | `a.py` |" in alone and "c.py`" not in alone  # top 1 of 2; 300 of 400 s
     both = suite_time.report(after, before, top=2)
     assert "(**0.50x** the wall time)" in both
     assert "| 900.0 | 300.0 | 0.33 | `a.py` |" in both
     assert "| - | 100.0 | - | `c.py` |" in both and "| 100.0 | gone | - | `b.py` |" in both
+
+
+def test_the_cap_on_an_avx2_only_cpu_is_not_called_an_imitation():
+    """`.ci/run` caps every machine to AVX2; on a CPU with nothing beyond AVX2 the figure is the real
+    slow kind's, and a report that called it imitated would invite the 2.2x factor a second time."""
+    real = suite_time.describe(_record(852.1, {}, {}, cap="AVX2", cpu="AMD EPYC, AVX2 only"))
+    assert real == "14 min 12.1 s on AMD EPYC, AVX2 only, capped to AVX2 (its own kind: the real one, not imitated), 2 workers; 3 passed"
+    uncapped = suite_time.describe(_record(600.0, {}, {}, cpu="AMD EPYC, AVX2 only"))
+    assert uncapped == "10 min 00.0 s on AMD EPYC, AVX2 only, 2 workers; 3 passed"
+    native = suite_time.describe(_record(600.0, {}, {}, cap="AVX2", cpu="Intel Xeon, AMX"))
+    assert native.endswith("capped to AVX2 (imitated), 2 workers; 3 passed")
 
 
 def test_a_file_that_is_not_a_record_is_named(tmp_path):
