@@ -497,19 +497,6 @@ def test_uniform_lora_rank_retrains_lora_and_downstream(static, project):
     assert trainable - quantum == 2 * TINY_MODULES - cost  # rank 2 everywhere vs the allocation; same trainable tokens
 
 
-def test_dpo_beta_sweep_reuses_the_reference_pass(first, project):
-    from flows.pipeline import pipeline
-
-    for beta in ("0.05", "0.2"):  # both differ from params.yaml (1.0): real overrides
-        summary = pipeline(overrides=[f"dpo.beta={beta}"], project_dir=str(project))
-        status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
-        assert [n for n, (st, _) in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "export", "evaluate", "register"], status
-        # the reference pass (and everything before it) comes from DVC's run-cache
-        assert status["ref_logprobs"] == status["sft"] == status["pretrain"] == ("cached", "run-cache")
-        dpo_metrics = json.loads((Path(summary["workspace"]) / "data/metrics/dpo.json").read_text())
-        assert dpo_metrics["steps"] == 4 and "heldout/rewards/accuracies" in dpo_metrics
-
-
 def test_until_stops_after_the_stage(first, project):
     from flows.pipeline import pipeline
 
@@ -644,7 +631,9 @@ def test_dvc_exp_run_reruns_only_evaluate_and_register(first, project):
     assert ran == ["base_model", "probe_device", "evaluate", "register"], output
 
 
-def test_sweep_runs_each_override_set_sharing_upstream(first, project):
+def test_sweep_runs_each_override_set_sharing_upstream_and_the_reference_pass(first, project):
+    """A DPO beta sweep: the shared stages come up to date once, and each set's run reruns only DPO
+    and what follows it, its reference pass (and everything before it) from DVC's run-cache."""
     from flows.sweep import shared_stages, sweep
 
     assert shared_stages(project, [["dpo.beta=0.1"]]) == [n for n in STAGES if n not in ("dpo", "export", "evaluate", "register")]
@@ -664,8 +653,11 @@ def test_sweep_runs_each_override_set_sharing_upstream(first, project):
     assert {r.info.run_id for r in nested} >= {s["mlflow_run_id"] for s in summaries}
     assert all(client.get_run(s["mlflow_run_id"]).data.params["dpo.beta"] in ("0.11", "0.12") for s in summaries)
     for summary in summaries:
-        status = {s["name"]: s["status"] for s in summary["stages"]}
-        assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "export", "evaluate", "register"], status
+        status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
+        assert [n for n, (st, _) in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "export", "evaluate", "register"], status
+        assert status["ref_logprobs"] == status["sft"] == status["pretrain"] == ("cached", "run-cache")
+        dpo_metrics = json.loads((Path(summary["workspace"]) / "data/metrics/dpo.json").read_text())
+        assert dpo_metrics["steps"] == 4 and "heldout/rewards/accuracies" in dpo_metrics
 
 
 def test_from_stage_reruns_only_downstream(first, project):
