@@ -165,3 +165,67 @@ def test_adaptive_settings_are_checked():
     with pytest.raises(ValueError, match=r"allocation qubo_in_loop trains SVD-form .* use adapter.quantization: none, or allocation: quantum_opt or uniform for QLoRA"):
         LoraParams(adapter={"quantization": "nf4"})  # the default allocation: QLoRA names the way out
     assert LoraParams(allocation="uniform", adapter={"quantization": "nf4"}).adapter.quantization == "nf4"
+
+
+def _svd_model(tiny_base, dropout: float = 0.0):
+    from pipelines.core.models.models import load_causal_lm, load_tokenizer
+
+    p = params(tiny_base, "qubo_in_loop")
+    adapter = p.adapter.model_copy(update={"lora_dropout": dropout})
+    model = rank_allocation.wrap(adapter, p.adaptive, p.train.max_steps)(load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # PEFT starts Λ at zero: give every adapter a non-zero update, with components masked as an allocation does
+        for module in rank_allocation.svd_modules(model).values():
+            entries = module.lora_E["default"]
+            entries.copy_(torch.randn(entries.shape, generator=generator) * (torch.arange(entries.numel()).view_as(entries) % 3 != 0))
+    return model
+
+
+def _loss_and_grads(model, ids, precision="fp32", seed=0):
+    model.zero_grad()
+    torch.manual_seed(seed)
+    with loop.autocast(torch.device("cpu"), precision):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("form", ["merged", "factored", "factored under bf16 autocast", "factored with dropout"])
+def test_fused_svd_forward_computes_peft_s_loss_and_gradients(tiny_base, monkeypatch, form):
+    model = _svd_model(tiny_base, dropout=0.3 if "dropout" in form else 0.0)
+    model.train()
+    modules = rank_allocation.svd_modules(model)
+    assert len(modules) == 2 * 4 and all("forward" in vars(m) for m in modules.values())  # 2 layers x 4 target modules, each fused
+    if form != "merged":
+        monkeypatch.setattr(rank_allocation, "MERGED_FORM_RATIO", 0 if form == "factored" else rank_allocation.MERGED_FORM_RATIO)
+    precision = "bf16" if "bf16" in form else "fp32"
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 24, 32)
+    with loop.autocast(torch.device("cpu"), precision):
+        assert rank_allocation.merged_form(modules["model.layers.0.self_attn.q_proj"], x) == (form == "merged")
+    fused = _loss_and_grads(model, ids, precision)
+    for module in modules.values():
+        del module.forward  # PEFT's own SVDLinear.forward
+    peft = _loss_and_grads(model, ids, precision)
+    tolerance = {"rtol": 2e-2, "atol": 2e-3} if precision == "bf16" else {"rtol": 1e-4, "atol": 1e-6}
+    torch.testing.assert_close(fused[0], peft[0], **tolerance)
+    assert fused[1].keys() == peft[1].keys() and any("lora_E" in n for n in peft[1])
+    for name in peft[1]:
+        torch.testing.assert_close(fused[1][name], peft[1][name], **tolerance, msg=name)
+    assert not torch.equal(fused[1][next(n for n in peft[1] if "lora_B" in n)], torch.zeros(()))
+
+
+def test_fused_svd_forward_leaves_disabled_and_merged_adapters_to_peft(tiny_base):
+    model = _svd_model(tiny_base)
+    module = rank_allocation.svd_modules(model)["model.layers.1.mlp.down_proj"]
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        base = module.base_layer(x)
+        adapted = module(x)
+        assert not torch.allclose(adapted, base)
+        with model.disable_adapter():
+            assert torch.equal(module(x), base)
+        module.merge()
+        torch.testing.assert_close(module(x), adapted)
+        module.unmerge()
+        torch.testing.assert_close(module(x), adapted)

@@ -1,0 +1,96 @@
+"""PEFT's SVD-form (AdaLoRA) adapter layer against `rank_allocation.fused_forward`'s two forms.
+
+    python -m benchmarks.svd_adapters [--hidden 128 192 256 384 576] [--rank 12] [--tokens 3792]
+                                      [--trials 5] [--precision fp32] [--repeats 0]
+
+For each hidden size d it wraps a linear layer of each shape of a Llama block (d x d as the
+attention projections, d x 4d and 4d x d as the MLP's) in PEFT's `SVDLinear` at rank `--rank` (the
+lora stage's `adaptive.init_r`), and times one forward and backward over `--tokens` tokens (the
+default stage's micro-batch: 16 rows of about 237) with PEFT's own forward, the factored form and
+the merged form, alternating within each trial. Prints the median milliseconds, each form against
+PEFT's, merged against factored, and the form `merged_form` picks for that shape
+(`MERGED_FORM_RATIO`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import torch
+
+from pipelines.core.quantum import rank_allocation
+from pipelines.core.training import loop
+
+
+def svd_layer(d_in: int, d_out: int, rank: int, seed: int = 0) -> torch.nn.Module:
+    """PEFT's `SVDLinear` around a frozen `d_in -> d_out` linear layer, every Λ entry non-zero."""
+    from peft import AdaLoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    holder = torch.nn.Module()
+    holder.proj = torch.nn.Linear(d_in, d_out, bias=False)
+    config = AdaLoraConfig(init_r=rank, target_r=rank, total_step=100, tinit=10, tfinal=10, target_modules=["proj"], lora_alpha=2 * rank)
+    layer = get_peft_model(holder, config).base_model.model.proj
+    with torch.no_grad():
+        layer.lora_E[rank_allocation.ADAPTER].normal_()
+    return layer
+
+
+def time_forms(layer: torch.nn.Module, tokens: int, trials: int, precision: str, repeats: int = 0) -> dict[str, float]:
+    """Median milliseconds of one forward and backward per form (trials alternate the forms), each
+    timing `repeats` of them (0: about 40 of the default model's widest layer in work)."""
+    d_out, d_in = layer.base_layer.weight.shape
+    x = torch.randn(tokens, d_in, requires_grad=True)
+    grad = torch.randn(tokens, d_out)
+    forms = {"peft": None, "factored": 0, "merged": float("inf")}
+    times: dict[str, list[float]] = {form: [] for form in forms}
+    repeats = repeats or max(3, int(40 * 128 * 512 / (d_in * d_out)))
+    saved = rank_allocation.MERGED_FORM_RATIO
+    try:
+        for trial in range(trials + 1):  # the first round warms up
+            for form, ratio in forms.items():
+                if ratio is None:
+                    vars(layer).pop("forward", None)
+                else:
+                    rank_allocation.MERGED_FORM_RATIO = ratio
+                    layer.forward = types.MethodType(rank_allocation.fused_forward, layer)
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    with loop.autocast(x.device, precision):
+                        out = layer(x)
+                    out.backward(grad)
+                if trial:
+                    times[form].append(1000 * (time.perf_counter() - started) / repeats)
+    finally:
+        rank_allocation.MERGED_FORM_RATIO = saved
+    return {form: statistics.median(values) for form, values in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[128, 192, 256, 384, 576])
+    parser.add_argument("--rank", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=16 * 237)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--repeats", type=int, default=0, help="passes per timing (0: about 40 of the default model's widest layer in work)")
+    args = parser.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.precision}, rank {args.rank}, {args.tokens} tokens")
+    print("| shape | d_in·d_out / (r·(d_in+d_out)) | PEFT ms | factored ms | merged ms | factored / PEFT | merged / PEFT | merged / factored | rule picks |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for d in args.hidden:
+        for d_in, d_out in [(d, d), (d, 4 * d), (4 * d, d)]:
+            layer = svd_layer(d_in, d_out, args.rank)
+            ms = time_forms(layer, args.tokens, args.trials, args.precision, args.repeats)
+            with loop.autocast(torch.device("cpu"), args.precision):
+                picks = "merged" if rank_allocation.merged_form(layer, torch.zeros(1, d_in)) else "factored"
+            print(f"| {d_in} x {d_out} | {d_in * d_out / (args.rank * (d_in + d_out)):.1f} | {ms['peft']:.2f} | {ms['factored']:.2f} | {ms['merged']:.2f} "
+                  f"| {ms['factored'] / ms['peft']:.2f} | {ms['merged'] / ms['peft']:.2f} | {ms['merged'] / ms['factored']:.2f} | {picks} |", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
