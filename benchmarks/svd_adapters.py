@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             layer = svd_layer(d_in, d_out, args.rank)
             ms = time_forms(layer, args.tokens, args.trials, args.precision, args.repeats)
             with loop.autocast(torch.device("cpu"), args.precision):
-                picks = "merged" if rank_allocation.merged_form(layer, torch.zeros(1, d_in)) else "factored"
+                picks = "merged" if rank_allocation.merged_form(layer, torch.zeros(args.tokens, d_in)) else "factored"
             print(f"| {d_in} x {d_out} | {d_in * d_out / (args.rank * (d_in + d_out)):.1f} | {ms['peft']:.2f} | {ms['factored']:.2f} | {ms['merged']:.2f} "
                   f"| {ms['factored'] / ms['peft']:.2f} | {ms['merged'] / ms['peft']:.2f} | {ms['merged'] / ms['factored']:.2f} | {picks} |", flush=True)  # fmt: skip
     return 0

@@ -6,7 +6,7 @@ from benchmarks import svd_adapters
 
 
 def _rows(capsys, *args):
-    assert svd_adapters.main(["--hidden", "16", "--trials", "1", "--tokens", "32", "--repeats", "2", *args]) == 0
+    assert svd_adapters.main(["--hidden", "16", "--trials", "1", "--tokens", "64", "--repeats", "2", *args]) == 0
     lines = capsys.readouterr().out.splitlines()
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| 16") or line.startswith("| 64")]
 

@@ -99,14 +99,16 @@ def fuse(model: torch.nn.Module) -> int:
 
 def merged_form(module: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether `fused_forward` applies `module`'s adapter as one merged weight: in fp32 with no
-    autocast, no dropout on the adapter's input, and a weight small against its rank (`MERGED_FORM_RATIO`)."""
+    autocast, no dropout on the adapter's input, a weight small against its rank (`MERGED_FORM_RATIO`)
+    and at least `d_in` tokens in `x` (not one token at a time in generation)."""
     base, a = module.base_layer, module.lora_A[ADAPTER]
     if type(base) is not torch.nn.Linear or module.fan_in_fan_out or torch.is_autocast_enabled(x.device.type):
         return False
     if not isinstance(module.lora_dropout[ADAPTER], torch.nn.Identity) or not x.dtype == base.weight.dtype == a.dtype == torch.float32:
         return False
     d_out, d_in = base.weight.shape
-    return d_in * d_out <= MERGED_FORM_RATIO * a.shape[0] * (d_in + d_out)
+    tokens = x.numel() // d_in  # at least d_in: building the weight costs no more than the factored form's second product
+    return tokens >= d_in and d_in * d_out <= MERGED_FORM_RATIO * a.shape[0] * (d_in + d_out)
 
 
 def fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -229,3 +229,10 @@ def test_fused_svd_forward_leaves_disabled_and_merged_adapters_to_peft(tiny_base
         torch.testing.assert_close(module(x), adapted)
         module.unmerge()
         torch.testing.assert_close(module(x), adapted)
+
+
+def test_the_merged_form_needs_as_many_tokens_as_the_weight_has_inputs(tiny_base):
+    module = rank_allocation.svd_modules(_svd_model(tiny_base))["model.layers.0.mlp.down_proj"]  # 64 -> 32
+    assert rank_allocation.merged_form(module, torch.zeros(2, 32, 64))
+    assert not rank_allocation.merged_form(module, torch.zeros(2, 31, 64))  # 62 tokens: one merged weight would cost more
+    assert not rank_allocation.merged_form(module, torch.zeros(1, 1, 64))
