@@ -17,6 +17,7 @@ import torch
 
 from pipelines.core.config import LoraAdapterParams
 from pipelines.core.errors import QllmError
+from pipelines.core.models import fused_adapters
 from pipelines.core.models.models import QUANTIZATION_FILE, merged_into_dequantized, save_pretrained
 from pipelines.core.models.quantize import describe
 
@@ -93,7 +94,8 @@ def lora_config(params: LoraAdapterParams, trainable_token_ids: list[int] = (), 
 
 
 def wrap(params: LoraAdapterParams, section: str = "lora.adapter"):
-    """`(model, tokenizer) -> PeftModel` with the adapter `params` describes (validated first)."""
+    """`(model, tokenizer) -> PeftModel` with the adapter `params` describes (validated first), each
+    module computed in fewer passes (`fused_adapters.fuse`)."""
 
     def apply(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
         from peft import get_peft_model
@@ -106,6 +108,7 @@ def wrap(params: LoraAdapterParams, section: str = "lora.adapter"):
         peft_model = get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens, section), layers))
         if moves_the_base(params):
             keep_initial_adapter(peft_model)
+        fused_adapters.fuse(peft_model)
         return peft_model
 
     return apply

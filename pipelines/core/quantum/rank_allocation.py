@@ -35,6 +35,7 @@ import torch
 
 from pipelines.core.config import AdaptiveParams, LoraAdapterParams
 from pipelines.core.extensions import Extension
+from pipelines.core.models import fused_adapters
 
 log = logging.getLogger("qllm.rank_allocation")
 
@@ -59,7 +60,7 @@ def adalora_config(adapter: LoraAdapterParams, adaptive: AdaptiveParams, max_ste
 
 def wrap(adapter: LoraAdapterParams, adaptive: AdaptiveParams, max_steps: int, section: str = "lora.adapter"):
     """`(model, tokenizer) -> PeftModel` with SVD-form (AdaLoRA) adapters on `adapter.target_modules`,
-    each computed as `fused_forward` does."""
+    each computed in fewer passes (`fused_adapters.fuse`)."""
     from pipelines.core.models import adapters
 
     def apply(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
@@ -67,73 +68,10 @@ def wrap(adapter: LoraAdapterParams, adaptive: AdaptiveParams, max_steps: int, s
 
         adapters.check_targets(model, adapter, section)
         peft_model = get_peft_model(model, adalora_config(adapter, adaptive, max_steps, adapters.token_ids(tokenizer, adapter.trainable_tokens, section)))
-        fuse(peft_model)
+        fused_adapters.fuse(peft_model)
         return peft_model
 
     return apply
-
-
-MERGED_FORM_RATIO = 10
-"""`fused_forward` merges a module's adapter into its weight when `d_in·d_out <= MERGED_FORM_RATIO ·
-r·(d_in + d_out)`: measured on a 2-core AVX2 EPYC in fp32 at rank 12 (`benchmarks.svd_adapters`),
-one module's forward and backward took 0.84-0.88x the factored form's time at ratios 5.3-8.5 (the
-default model's shapes and 192 x 192), 0.75-0.99x at 10.7-12.8 and 1.04-1.20x from 16 up
-(benchmarks/RESULTS.md, "LoRA's SVD adapters in fewer passes")."""
-
-
-def fuse(model: torch.nn.Module) -> int:
-    """Compute each of PEFT's plain `SVDLinear` modules of `model` with `fused_forward` (its 4/8-bit
-    siblings keep their own forward); returns how many. Nothing saved changes: the weights, their
-    names and PEFT's merging are PEFT's."""
-    import types
-
-    from peft.tuners.adalora.layer import SVDLinear
-
-    fused = 0
-    for module in svd_modules(model).values():
-        if type(module) is SVDLinear:
-            module.forward = types.MethodType(fused_forward, module)
-            fused += 1
-    return fused
-
-
-def merged_form(module: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether `fused_forward` applies `module`'s adapter as one merged weight: in fp32 with no
-    autocast, no dropout on the adapter's input, a weight small against its rank (`MERGED_FORM_RATIO`)
-    and at least `d_in` tokens in `x` (not one token at a time in generation)."""
-    base, a = module.base_layer, module.lora_A[ADAPTER]
-    if type(base) is not torch.nn.Linear or module.fan_in_fan_out or torch.is_autocast_enabled(x.device.type):
-        return False
-    if not isinstance(module.lora_dropout[ADAPTER], torch.nn.Identity) or not x.dtype == base.weight.dtype == a.dtype == torch.float32:
-        return False
-    d_out, d_in = base.weight.shape
-    tokens = x.numel() // d_in  # at least d_in: building the weight costs no more than the factored form's second product
-    return tokens >= d_in and d_in * d_out <= MERGED_FORM_RATIO * a.shape[0] * (d_in + d_out)
-
-
-def fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """PEFT's `SVDLinear.forward`, `W x + (x (A⊙E)ᵀ Bᵀ)·s` with `s = scaling / (ranknum + 1e-5)`, in
-    fewer passes over the output; the same function and gradients up to rounding.
-
-    PEFT multiplies the full-size update by `scaling`, divides it by `ranknum` and adds it to the
-    output: three passes forward and two more backward, for every module and step. Here `s` goes
-    into the `r × d_in` matrix `A⊙E` and the addition into the second product (`addmm`). Where
-    `merged_form` holds, the adapter goes into the weight instead (`W + B (A⊙E) s`, `d_out × d_in`)
-    and the input meets one product: more arithmetic (the weight's gradient), fewer passes over
-    activations, which is faster for small weights. Anything else (adapters disabled or merged,
-    several active, the base in another dtype than the adapter) is PEFT's own forward."""
-    own = type(self).forward
-    if self.disable_adapters or self.merged or list(self.active_adapters) != [ADAPTER] or ADAPTER not in self.lora_A or args or kwargs:
-        return own(self, x, *args, **kwargs)
-    a, b, e = self.lora_A[ADAPTER], self.lora_B[ADAPTER], self.lora_E[ADAPTER]
-    if not torch.is_autocast_enabled(x.device.type) and not x.dtype == a.dtype == b.dtype == self.base_layer.weight.dtype:
-        return own(self, x)  # PEFT's casts between the base's dtype and the adapter's
-    scale = self.scaling[ADAPTER] / (self.ranknum[ADAPTER] + 1e-5)
-    if merged_form(self, x):
-        return torch.nn.functional.linear(x, self.base_layer.weight + (b @ (a * e)) * scale, self.base_layer.bias)
-    result = self.base_layer(x)
-    down = self.lora_dropout[ADAPTER](self._cast_input_dtype(x, a.dtype)) @ (a * (e * scale)).T
-    return torch.addmm(result.reshape(-1, result.shape[-1]), down.reshape(-1, down.shape[-1]), b.T).view(result.shape)
 
 
 def svd_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
