@@ -70,8 +70,9 @@ def _plain_dtypes(x: torch.Tensor, module: torch.nn.Module, *adapter: torch.Tens
 
 def merged_form(module: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether `module`'s adapter is applied as one merged weight: in fp32 with no autocast, no
-    dropout on the adapter's input, a small weight (`MERGED_FORM_SIZE`) and at least `d_in` tokens in `x` (building the weight then costs no more than the factored form's
-    second product; never one token at a time in generation)."""
+    dropout on the adapter's input, a small weight (`MERGED_FORM_SIZE`) and at least `d_in` tokens
+    in `x` (building the weight then costs no more than the factored form's second product; never
+    one token at a time in generation)."""
     name = module.active_adapters[0]
     a = module.lora_A[name]
     a = a.weight if isinstance(a, torch.nn.Linear) else a  # lora.Linear's is a layer, SVDLinear's a matrix
