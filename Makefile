@@ -37,14 +37,21 @@ endif
 # second instead of compiling its imports every time.
 unexport PYTHONDONTWRITEBYTECODE
 
+# The venv has no pip of its own when uv installs into it, as `uv venv` makes them (ensurepip took
+# 5-7 s of a fresh install; `.venv/bin/uv pip install X` adds a package). With INSTALLER=pip it has
+# pip, also put into an existing venv that lacks it.
 $(VENV)/bin/python:
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(if $(filter uv,$(INSTALLER)),--without-pip) $(VENV)
+ENSURE_PIP = { $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip --default-pip >/dev/null; }
 
-# uv itself, when it is not on PATH (make install, make lock)
+# uv itself, when it is not on PATH (make install, make lock): installed by the interpreter's own pip
+# into the venv (`pip --python`, pip 22.3 or newer), else by a pip that ensurepip puts into the venv.
+UV_PIP_ARGS = --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
 $(abspath $(VENV)/bin/uv): | $(VENV)/bin/python
-	$(PY) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
+	$(PYTHON) -m pip --python $(PY) install $(UV_PIP_ARGS) 2>/dev/null || { $(ENSURE_PIP) && $(PY) -m pip install $(UV_PIP_ARGS); }
 
 $(VENV)/.installed: pyproject.toml requirements.lock | $(VENV)/bin/python $(if $(filter uv,$(INSTALLER)),$(UV))
+	$(if $(filter uv,$(INSTALLER)),,$(ENSURE_PIP))
 	# torch first, so no other package drags in a different (e.g. multi-GB CUDA) build
 	$(PIP_INSTALL) "$(TORCH_SPEC)"
 	$(PIP_INSTALL) -c requirements.lock -e ".[test,dwave,qaoa,dask]"
@@ -155,6 +162,7 @@ gpu-check: install $(VENV)/.installed-peers
 # manylinux) into .device/ (git-ignored) with SmolLM2's shape, and fails if a command would carry
 # over 64 MiB.
 device-wheels: install install-smollm2
+	$(ENSURE_PIP)
 	$(PY) -m benchmarks.device_wheels
 
 # Both parts rehearsed on this CPU at tiny sizes, in a Python 3.12 venv holding only the machine's

@@ -11,8 +11,12 @@ VENV=${1:?usage: docker/install.sh VENV [EXTRAS]}
 EXTRAS=${2:-}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 UV_VERSION=${UV_VERSION:-0.13.9}
-python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
+# no pip in the venv (uv installs): uv comes from python3's own pip (`pip --python`, pip 22.3 or
+# newer), else from a pip that ensurepip puts into the venv (5-7 s more)
+python3 -m venv --without-pip "$VENV"
+python3 -m pip --python "$VENV/bin/python" install --quiet --disable-pip-version-check "uv==$UV_VERSION" 2>/dev/null || {
+  "$VENV/bin/python" -m ensurepip --default-pip >/dev/null && "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
+}
 UV="$VENV/bin/uv"
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
   "$UV" pip install --quiet --python "$VENV/bin/python" --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
