@@ -37,9 +37,11 @@ endif
 # second instead of compiling its imports every time.
 unexport PYTHONDONTWRITEBYTECODE
 
-# The venv has no pip of its own when uv installs into it, as `uv venv` makes them (ensurepip took
-# 5-7 s of a fresh install; `.venv/bin/uv pip install X` adds a package). With INSTALLER=pip it has
-# pip, also put into an existing venv that lacks it.
+# The venv starts without pip when uv installs into it (ensurepip took 5-7 s of a fresh install):
+# uv puts pip in with the project, at the version ensurepip would have (VENV_PIP), in under a second,
+# so `.venv/bin/pip` is there as users expect and MLflow's logged models name its version. With
+# INSTALLER=pip the venv is made with pip, which is also put into an existing venv that lacks it.
+VENV_PIP = $(shell $(PYTHON) -c "import ensurepip; print('pip==' + ensurepip.version())" 2>/dev/null || echo pip)
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(if $(filter uv,$(INSTALLER)),--without-pip) $(VENV)
 ENSURE_PIP = { $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip --default-pip >/dev/null; }
@@ -54,7 +56,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock | $(VENV)/bin/python $(if $
 	$(if $(filter uv,$(INSTALLER)),,$(ENSURE_PIP))
 	# torch first, so no other package drags in a different (e.g. multi-GB CUDA) build
 	$(PIP_INSTALL) "$(TORCH_SPEC)"
-	$(PIP_INSTALL) -c requirements.lock -e ".[test,dwave,qaoa,dask]"
+	$(PIP_INSTALL) -c requirements.lock -e ".[test,dwave,qaoa,dask]" $(if $(filter uv,$(INSTALLER)),"$(VENV_PIP)")
 	touch $@
 
 install: $(VENV)/.installed

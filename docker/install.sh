@@ -11,9 +11,11 @@ VENV=${1:?usage: docker/install.sh VENV [EXTRAS]}
 EXTRAS=${2:-}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 UV_VERSION=${UV_VERSION:-0.13.9}
-# no pip in the venv (uv installs): uv comes from python3's own pip (`pip --python`, pip 22.3 or
-# newer), else from a pip that ensurepip puts into the venv (5-7 s more)
+# The venv starts without pip (ensurepip: 5-7 s): uv comes from python3's own pip (`pip --python`,
+# pip 22.3 or newer), else from a pip that ensurepip puts into the venv; uv puts pip in with the
+# dependencies, at the version ensurepip would have (MLflow's logged models name it).
 python3 -m venv --without-pip "$VENV"
+PIP_SPEC=$(python3 -c "import ensurepip; print('pip==' + ensurepip.version())" 2>/dev/null || echo pip)
 python3 -m pip --python "$VENV/bin/python" install --quiet --disable-pip-version-check "uv==$UV_VERSION" 2>/dev/null || {
   "$VENV/bin/python" -m ensurepip --default-pip >/dev/null && "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
 }
@@ -25,5 +27,5 @@ else
 fi
 set -- -r pyproject.toml
 for extra in $(echo "$EXTRAS" | tr ',' ' '); do set -- "$@" --extra "$extra"; done
-"$UV" pip install --quiet --python "$VENV/bin/python" -c requirements.lock "$@"
+"$UV" pip install --quiet --python "$VENV/bin/python" -c requirements.lock "$@" "$PIP_SPEC"
 "$UV" pip install --quiet --python "$VENV/bin/python" --no-deps .

@@ -1,5 +1,6 @@
 """The Makefile's first install steps, before anything is installed: the venv and uv's bootstrap
-when uv is not on PATH (a venv without pip, uv from the interpreter's own pip; else ensurepip)."""
+when uv is not on PATH (a venv without pip, uv from the interpreter's own pip; else ensurepip), and
+pip put in by uv with the project."""
 
 from __future__ import annotations
 
@@ -65,3 +66,7 @@ def test_installing_with_pip_makes_the_venv_with_pip_or_puts_it_into_one_without
     assert not any("uv" in line for line in planned)
     planned = make("-n", "install", "PYTHON=python3", f"VENV={venv}").stdout.splitlines()
     assert f"python3 -m venv --without-pip {venv}" in planned and ensure not in planned
+    # pip comes with the project, at the version ensurepip would have put into the venv
+    bundled = subprocess.run(["python3", "-c", "import ensurepip; print(ensurepip.version())"], capture_output=True, text=True).stdout.strip()
+    (project,) = [line for line in planned if "-c requirements.lock" in line]
+    assert project.endswith(f'-e ".[test,dwave,qaoa,dask]" "pip=={bundled}"'), project

@@ -100,13 +100,6 @@ def test_the_device_script_refuses_an_unknown_part_and_a_part_without_wheels(tmp
     assert done.returncode == 2 and "no wheels in .device/core (make device-wheels" in done.stderr
 
 
-def _python_with_pip() -> str:
-    """An interpreter with pip, as the device machine's is: this venv's only when it has pip (make's venv
-    has none when uv installs, and its base interpreter then had the pip that installed uv)."""
-    has_pip = subprocess.run([sys.executable, "-c", "import pip"], capture_output=True).returncode == 0
-    return sys.executable if has_pip else sys._base_executable
-
-
 def test_the_device_script_installs_the_parts_wheels_on_its_own_path(tmp_path):
     """A stand-in wheel: the script installs it into its folder and hands that to benchmarks.gpu_check
     on PYTHONPATH (here a stand-in module that reports what it sees)."""
@@ -131,7 +124,7 @@ def test_the_device_script_installs_the_parts_wheels_on_its_own_path(tmp_path):
         "--device",
         "cpu",
         "--tiny",
-        env={"CWD": str(project), "OUT": str(out), "TMPDIR": str(tmp_path), "PYTHON": _python_with_pip()},
+        env={"CWD": str(project), "OUT": str(out), "TMPDIR": str(tmp_path), "PYTHON": sys.executable},
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "gpu_check core --out " + str(out) + " --device cpu --tiny True"
