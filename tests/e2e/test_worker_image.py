@@ -15,7 +15,7 @@ from tests.conftest import REPO
 
 def _find_links() -> str:
     """The find-links pip is configured with (a directory of local wheels, e.g. the CPU torch), as the Makefile hands them to uv."""
-    # the base interpreter's pip, as the Makefile asks (make's venv has no pip when uv installs)
+    # the base interpreter's pip, as the Makefile asks it (`$(PYTHON) -m pip config get`)
     configured = subprocess.run([sys._base_executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True).stdout.split()
     return ",".join(sorted({*os.environ.get("PIP_FIND_LINKS", "").split(), *configured}))  # uv reads a comma-separated list
 
