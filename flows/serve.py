@@ -36,8 +36,10 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -126,11 +128,18 @@ def _private(path: Path, text: str) -> None:
 
 def _secrets(state: Path) -> dict[str, str]:
     """The team profile's passwords (`PASSWORDS`): generated on its first start, then read back;
-    one a newer version needs is added to an older file."""
+    one a newer version needs is added to an older file. At every start the file is made
+    owner-only again (0600, yours) if its mode or owner changed since, with a warning: whoever
+    could read it meanwhile may hold the passwords."""
     path = state / SECRETS
     known = json.loads(path.read_text()) if path.exists() else {}
     made = known | {name: secrets.token_urlsafe(24) for name in PASSWORDS if name not in known}
-    if made != known:
+    info = path.stat() if path.exists() else None
+    exposed = info is not None and (stat.S_IMODE(info.st_mode) != 0o600 or info.st_uid != os.getuid())
+    if exposed:
+        print(f"warning: {path} had mode {stat.S_IMODE(info.st_mode):04o} (owner uid {info.st_uid}); made 0600 and yours again. "
+              "Whoever could read it meanwhile may hold the team's passwords", file=sys.stderr)  # fmt: skip
+    if made != known or exposed:
         _private(path, json.dumps(made, indent=2) + "\n")
     return made
 
@@ -223,9 +232,60 @@ def worker_command(limit: int | None = None, name: str | None = None, queues: li
             *[arg for queue in queues or [] for arg in ("--work-queue", queue)]]  # fmt: skip
 
 
+def env_file_text(values: dict[str, str]) -> str:
+    """`team.env`'s text: `KEY=VALUE` lines a shell reads with `set -a; . team.env; set +a`, each
+    value quoted for the shell (`shlex.quote`), so a path with a space or a quote comes back whole."""
+    return "# `make serve PROFILE=team`: what a client or worker of these servers sets (set -a; . THIS; set +a)\n" + "".join(
+        f"{key}={shlex.quote(value)}\n" for key, value in values.items())
+
+
 def read_env_file(path: Path) -> dict[str, str]:
-    """`KEY=VALUE` lines of `team.env` (comments skipped)."""
-    return dict(line.split("=", 1) for line in Path(path).read_text().splitlines() if line.strip() and not line.startswith("#"))
+    """The values of `team.env` (`env_file_text`'s lines, comments skipped), unquoted as the shell reads them."""
+    values = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, quoted = line.partition("=")
+            values[key] = "".join(shlex.split(quoted))
+    return values
+
+
+MLFLOW_DEFAULT_HOSTS = ("localhost", "127.0.0.1", "[::1]", "0.0.0.0", "localhost:*", "127.0.0.1:*", "[[]::1]:*", "0.0.0.0:*",
+                        "192.168.*", "10.*", *(f"172.{i}.*" for i in range(16, 32)), "fc00:*", "fd00:*")  # fmt: skip
+"""The Host headers MLflow 3's server accepts by default (`mlflow.server.security_utils.
+get_default_allowed_hosts`: loopback and private addresses, any port): setting
+`MLFLOW_SERVER_ALLOWED_HOSTS` replaces them, so `mlflow_host_env` keeps them (tests/flows/test_serve.py
+compares the two)."""
+
+
+def certificate_names(cert: str) -> list[str]:
+    """The DNS names and addresses a PEM certificate (its first: the server's own) is valid for:
+    its subjectAltName, else its common name."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    try:
+        loaded = x509.load_pem_x509_certificate(Path(cert).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise QllmError(f"--tls-cert {cert}: not a PEM certificate ({exc})") from None
+    try:
+        alternative = loaded.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return [*alternative.get_values_for_type(x509.DNSName), *(str(ip) for ip in alternative.get_values_for_type(x509.IPAddress))]
+    except x509.ExtensionNotFound:
+        return [str(attribute.value) for attribute in loaded.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+
+
+def mlflow_host_env(host: str, tls: tuple[str, str] | None) -> dict[str, str]:
+    """`MLFLOW_SERVER_ALLOWED_HOSTS` for the team's MLflow server: MLflow's default Host headers
+    (`MLFLOW_DEFAULT_HOSTS`) and the names its clients use, with any port: behind TLS the
+    certificate's names (a client's TLS check accepts no other), else `host` (for a wildcard, this
+    machine's names). MLflow answers 403 to any other Host header (its DNS-rebinding protection);
+    a front relays the client's header as it came."""
+    names = certificate_names(tls[0]) if tls else [host] if host not in WILDCARDS else [socket.gethostname(), socket.getfqdn()]
+    patterns = list(MLFLOW_DEFAULT_HOSTS)
+    for name in names:
+        shown = f"[{name.strip('[]')}]" if ":" in name else name  # an IPv6 address, as a Host header writes it
+        patterns += [shown, f"{shown.replace('[', '[[]', 1)}:*"]  # fnmatch patterns: `[` opens a class
+    return {"MLFLOW_SERVER_ALLOWED_HOSTS": ",".join(dict.fromkeys(patterns))}
 
 
 def _default_dvc_remote(root: Path, url: str, env: dict[str, str]) -> str:
@@ -396,7 +456,7 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
                                                                               password=passwords["postgres_prefect"]),
                            "PREFECT_SERVER_API_AUTH_STRING": client["PREFECT_API_AUTH_STRING"]}  # fmt: skip
             mlflow_env |= {"MLFLOW_AUTH_CONFIG_PATH": str(auth), "MLFLOW_FLASK_SERVER_SECRET_KEY": passwords["mlflow_flask"],  # the auth app's CSRF key
-                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow", **mlflow_db)}  # in the environment: a command line shows in `ps`
+                          "MLFLOW_BACKEND_STORE_URI": cluster.url("mlflow", **mlflow_db)} | mlflow_host_env(host, tls)  # in the environment: a command line shows in `ps`
             mlflow_server = [str(bin_dir / "mlflow"), "server", "--serve-artifacts", "--artifacts-destination", str(state / "mlartifacts"),
                              "--app-name", "basic-auth", "--workers", "1"]  # fmt: skip
         env = service_env(root, prefect_url, client)
@@ -431,8 +491,7 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
             grant_client(inner_mlflow, passwords, tracking.experiment_name(), _model_name(root))
             record["dvc_remote"] = _default_dvc_remote(root, dvc_remote or str(state / "dvc-remote"), env)
             record["env_file"] = str(state / TEAM_ENV)
-            _private(state / TEAM_ENV, "# `make serve PROFILE=team`: what a client or worker of these servers sets (set -a; . THIS; set +a)\n"
-                                       + "".join(f"{key}={value}\n" for key, value in client.items()))  # fmt: skip
+            _private(state / TEAM_ENV, env_file_text(client))
     except BaseException:
         stop_processes(services)  # nothing is left running, so no record: `make stop` must not kill reused PIDs
         raise

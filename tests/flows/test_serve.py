@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -119,3 +122,73 @@ def test_services_start_with_sigint_at_its_default_when_their_caller_ignores_it(
         for child in (service, plain):
             child.kill()
             child.wait()
+
+
+# ----------------------------------------------------------------------------- the team profile's files and MLflow's host check
+
+
+def test_the_secrets_file_is_made_owner_only_again_at_every_start(tmp_path):
+    """A `secrets.json` whose mode was widened after it was written (a copy, a chmod, a restore from
+    a backup) is put back to 0600 when the profile starts again, with the same passwords."""
+    passwords = {name: f"password-{name}" for name in serve.PASSWORDS}
+    path = tmp_path / serve.SECRETS
+    path.write_text(json.dumps(passwords))
+    for mode in (0o644, 0o640, 0o604):
+        os.chmod(path, mode)
+        assert serve._secrets(tmp_path) == passwords
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, oct(mode)
+        assert json.loads(path.read_text()) == passwords
+
+
+def test_team_env_survives_a_shell_with_spaces_and_quotes_in_its_values(tmp_path):
+    """`team.env` is read by `set -a; . team.env; set +a` (bash): a certificate path with a space,
+    and any other character a value may hold, comes back as it was written; `read_env_file`
+    reads the same values."""
+    odd = tmp_path / "my certs" / "it's $HOME; a `b`.pem"
+    values = serve.tls_client_env(str(odd)) | {"MLFLOW_TRACKING_PASSWORD": "p@ss-word_0123", "EMPTY": ""}
+    env_file = tmp_path / "team.env"
+    env_file.write_text(serve.env_file_text(values))
+    script = f"set -a; . {shlex.quote(str(env_file))}; set +a; " + "; ".join(f'printf "%s\\0" "${key}"' for key in values)
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={"PATH": os.environ["PATH"], "HOME": "/nowhere"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.split("\0")[:-1] == list(values.values())
+    assert serve.read_env_file(env_file) == values
+
+
+def test_mlflows_host_check_lets_the_certificates_names_through(tmp_path, monkeypatch):
+    """MLflow's server refuses (403) a request whose Host header it does not know (DNS-rebinding
+    protection): by default loopback and private addresses only. A client of the team's server
+    behind TLS uses a name of the certificate (its hostname must match for the TLS check), so the
+    server's environment allows those names, with any port; other names stay refused. Checked
+    with MLflow's own middleware."""
+    from flask import Flask
+
+    from tests.certificates import self_signed
+
+    cert, key = self_signed(tmp_path / "tls", dns=("qllm-team.test", "*.team.test"), ips=("127.0.0.1", "203.0.113.7"))
+    for variable in ("MLFLOW_SERVER_ALLOWED_HOSTS", "MLFLOW_SERVER_DISABLE_SECURITY_MIDDLEWARE"):
+        monkeypatch.delenv(variable, raising=False)
+    for name, value in serve.mlflow_host_env("0.0.0.0", (str(cert), str(key))).items():
+        monkeypatch.setenv(name, value)
+    from mlflow.server.security import init_security_middleware
+
+    app = Flask("probe")
+    app.add_url_rule("/api/2.0/mlflow/experiments/search", "search", lambda: "ok")
+    init_security_middleware(app)
+    client = app.test_client()
+
+    def status(host: str) -> int:
+        return client.get("/api/2.0/mlflow/experiments/search", headers={"Host": host}).status_code
+
+    for host in ("qllm-team.test:5000", "qllm-team.test", "mlflow.team.test:443", "203.0.113.7:5000", "127.0.0.1:5000", "localhost"):
+        assert status(host) == 200, host
+    for host in ("evil.example:5000", "qllm-team.test.evil.example", "203.0.113.8:5000"):
+        assert status(host) == 403, host
+    # MLflow's own defaults are kept (the variable replaces them)
+    from mlflow.server.security_utils import get_default_allowed_hosts
+
+    assert set(get_default_allowed_hosts()) <= set(serve.MLFLOW_DEFAULT_HOSTS)
+    # without TLS: the host served, or for a wildcard this machine's names
+    assert "server.example.com:*" in serve.mlflow_host_env("server.example.com", None)["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")
+    assert f"{socket.gethostname()}:*" in serve.mlflow_host_env("0.0.0.0", None)["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")
+    assert "[[]2001:db8::1]:*" in serve.mlflow_host_env("2001:db8::1", None)["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")
