@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from flows import postgres
-from flows.local_api import free_port, wait_http
+from flows.local_api import START_TIMEOUT_ENV, free_port, seconds, wait_http
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import write_private
 
@@ -305,6 +305,10 @@ def _without(env: dict[str, str], prefix: str) -> dict[str, str]:
     return {key: value for key, value in env.items() if not key.startswith(prefix)}
 
 
+TLS_PROBES = {"prefect": "/api/admin/version", "mlflow": "/api/2.0/mlflow/experiments/search"}
+"""What each server's TLS front asks without credentials before it listens (`flows.tls_front
+--probe`): paths the servers answer 401 unless authenticated (their health checks answer anyone)."""
+
 WILDCARDS = ("0.0.0.0", "::", "")
 """Hosts that bind every address of the machine."""
 
@@ -329,11 +333,9 @@ def check_host(profile: str, host: str, tls: tuple[str, str] | None, insecure: b
     """Refuse what would expose a server unsafely: the local profile beyond this host (an
     unauthenticated Prefect API whose worker runs flow code: anyone reaching the port runs code
     here); the team profile beyond this host without TLS (its passwords would cross the network
-    in clear) unless `insecure`; options that would do nothing."""
+    in clear) unless `insecure` (`check_tls`); options that would do nothing."""
     if profile not in PROFILES:
         raise QllmError(f"serve: unknown profile {profile!r}; one of {', '.join(PROFILES)}")
-    if tls and insecure:
-        raise QllmError("serve: --insecure is for serving without TLS; with --tls-cert it would do nothing")
     if profile == "local":
         if tls or insecure:
             raise QllmError(f"serve: {'--tls-cert/--tls-key' if tls else '--insecure'} is for the team profile (--profile team); "
@@ -342,12 +344,36 @@ def check_host(profile: str, host: str, tls: tuple[str, str] | None, insecure: b
             raise QllmError(f"serve: --host {host!r} with the local profile would expose a Prefect API without authentication whose worker "
                             "runs flow code: anyone who reaches the port could run code on this machine. Serve 127.0.0.1 and reach it "
                             "through an SSH tunnel (ssh -L 4200:127.0.0.1:4200 ...), or use --profile team (authentication, TLS)")  # fmt: skip
-    elif not is_loopback(host) and not tls and not insecure:
-        raise QllmError(f"serve: --host {host!r} without TLS would send the team's passwords over the network in clear: give "
+    check_tls("serve", host, tls, insecure, "the team's passwords")
+
+
+def check_tls(command: str, host: str, tls: tuple[str, str] | None, insecure: bool, secret: str) -> None:
+    """The rule every server here follows for TLS (the team profile, `qllm serve-openai`): a host
+    beyond this machine is served over TLS (`tls`: cert and key PEM files, loaded here so a bad pair
+    is refused before anything starts), or without it only when `insecure` says so, with a warning
+    (`secret`, what would cross the network in clear, names the risk); `--insecure` where it would
+    do nothing (with TLS, or on loopback) is refused."""
+    if tls and insecure:
+        raise QllmError(f"{command}: --insecure is for serving without TLS; with --tls-cert it would do nothing")
+    if insecure and is_loopback(host):
+        raise QllmError(f"{command}: --insecure is for a --host beyond this machine; with {host!r} it would do nothing")
+    if not is_loopback(host) and not tls and not insecure:
+        raise QllmError(f"{command}: --host {host!r} without TLS would send {secret} over the network in clear: give "
                         "--tls-cert CERT.pem --tls-key KEY.pem (docs/deployments.md), or --insecure on a network you trust")  # fmt: skip
+    if insecure:
+        print(f"warning: {command} serves {host} without TLS (--insecure): {secret} cross the network in clear", file=sys.stderr)
     for path in tls or ():
         if not Path(path).is_file():
-            raise QllmError(f"serve: --tls-cert/--tls-key {path}: no such file")
+            raise QllmError(f"{command}: --tls-cert/--tls-key {path}: no such file")
+    if tls:
+        import ssl
+
+        from flows.tls_front import server_context
+
+        try:
+            server_context(*tls)
+        except (OSError, ssl.SSLError) as exc:
+            raise QllmError(f"{command}: --tls-cert {tls[0]} / --tls-key {tls[1]}: not a certificate and its key ({exc})") from None
 
 
 def tls_client_env(cert: str) -> dict[str, str]:
@@ -358,8 +384,10 @@ def tls_client_env(cert: str) -> dict[str, str]:
 
 
 def wait_port(host: str, port: int, process: subprocess.Popen, what: str, timeout: float | None = None, hint: str = "") -> None:
-    """Return once `host:port` accepts a TCP connection; a clear error if `process` exits first."""
-    deadline = time.monotonic() + (timeout or 60.0)
+    """Return once `host:port` accepts a TCP connection; a clear error if `process` exits first.
+    `timeout`: $QLLM_SERVER_START_TIMEOUT or 120 s, as `local_api.wait_http`."""
+    timeout = seconds(START_TIMEOUT_ENV, 120.0) if timeout is None else timeout
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise QllmError(f"{what} exited with code {process.returncode}{hint}")
@@ -368,7 +396,7 @@ def wait_port(host: str, port: int, process: subprocess.Popen, what: str, timeou
                 return
         except OSError:
             time.sleep(0.1)
-    raise QllmError(f"{what} did not listen on {host}:{port} within {timeout or 60.0:.0f} s{hint}")
+    raise QllmError(f"{what} did not listen on {host}:{port} within {timeout:g} s{hint}")
 
 
 def _sigint_at_default() -> None:
@@ -469,14 +497,25 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
         ui_log = state / f"{name}.log"
         ui = _spawn([*mlflow_server, "--host", bind, "--port", str(inner["mlflow"])], root, _without(env, "MLFLOW_TRACKING_") | mlflow_env, ui_log)
         services[name] = {"pid": ui.pid, "url": mlflow_url, "port": inner["mlflow"], "log": str(ui_log)}
-        if tls:
+        fronts: dict[str, tuple[subprocess.Popen, int, Path]] = {}
+        if tls:  # each front waits for its server, checks that it asks for credentials (`--probe`), then listens
+            wait = seconds(START_TIMEOUT_ENV, 120.0) if timeout is None else timeout
             for server_name, port in (("prefect", prefect_port), ("mlflow", mlflow_port)):
                 front_log = state / f"{server_name}-tls.log"
                 front = _spawn([sys.executable, "-m", "flows.tls_front", "--listen", f"{host}:{port}", "--to", str(inner[server_name]),
-                                "--cert", tls[0], "--key", tls[1]], root, service_env(root), front_log)  # fmt: skip
+                                "--cert", tls[0], "--key", tls[1], "--probe", TLS_PROBES[server_name], "--wait", f"{wait:g}"],
+                               root, service_env(root), front_log)  # fmt: skip
                 services[f"{server_name}-tls"] = {"pid": front.pid, "port": port, "log": str(front_log)}
+                fronts[server_name] = (front, port, front_log)
+
+        def front_listens(server_name: str) -> None:
+            """Once a server answers, its TLS front (if any) listens: it found the server asking for credentials."""
+            if server_name in fronts:
+                front, port, front_log = fronts[server_name]
                 wait_port(local, port, front, f"the TLS front of {server_name}", timeout, hint=f"; see {front_log}")
+
         wait_http(f"{inner_prefect}/health", server, "the Prefect server", timeout, hint=f"; see {log}")
+        front_listens("prefect")
         created = subprocess.run([str(bin_dir / "prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
                                  cwd=root, env=env, capture_output=True, text=True)  # fmt: skip
         if created.returncode != 0:
@@ -485,6 +524,7 @@ def start(root: Path, prefect_port: int = DEFAULT_PORTS["prefect"], mlflow_port:
         worker = _spawn(worker_command(worker_limit), root, env, log)
         services["prefect-worker"] = {"pid": worker.pid, "pool": POOL, "log": str(log)}
         wait_http(f"{inner_mlflow}/health", ui, f"the MLflow {'server' if profile == 'team' else 'UI'}", timeout, hint=f"; see {ui_log}")
+        front_listens("mlflow")
         if profile == "team":
             from pipelines.core.run import tracking
 
@@ -586,8 +626,6 @@ def main(argv: list[str] | None = None) -> int:
             record = start(args.project_dir, args.prefect_port, args.mlflow_port, profile=args.profile, host=args.host,
                            postgres_port=args.postgres_port, dvc_remote=args.dvc_remote, worker_limit=args.worker_limit, tls=tls,
                            insecure=args.insecure)  # fmt: skip
-            if not is_loopback(args.host) and not tls:
-                print(f"warning: the servers listen on {args.host} without TLS (--insecure)", file=sys.stderr)
             services = record["services"]
             print(f"Prefect UI/API  {services['prefect-server']['url']}   (export PREFECT_API_URL={record['prefect_api_url']})")
             print(f"Prefect worker  pool {POOL!r} (process), pid {services['prefect-worker']['pid']}")

@@ -29,12 +29,15 @@ from pathlib import Path
 import pytest
 
 from flows import serve, sweep
+from tests.certificates import self_signed
 from tests.conftest import REPO, assert_stopped_by_itself, make_project, run
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 SECOND = "worker-two"
 PER_SET = {"dpo", "export", "evaluate", "register"}
 MACHINE = {"base_model", "probe_device"}  # read the machine: they run in every checkout (milliseconds)
+TEAM_NAME = "qllm-team.test"
+"""A DNS name of the TLS certificate besides localhost: what a client on another machine would use."""
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def team(tmp_path_factory, mlflow_template_db):
     run(["git", "commit", "-qm", "deployments"], one)
     two = base / "two"
     run(["git", "clone", "-q", str(one), str(two)], base)
-    cert, key = self_signed(base / "tls")
+    cert, key = self_signed(base / "tls", dns=("localhost", TEAM_NAME))
     # the first worker: the sweep's own run and a set; the second (queue `default`): the other set; every client speaks TLS to the fronts
     record = serve.start(one, prefect_port=0, mlflow_port=0, postgres_port=0, profile="team", worker_limit=2, tls=(str(cert), str(key)))
     worker = None
@@ -72,21 +75,12 @@ def team(tmp_path_factory, mlflow_template_db):
         shutil.rmtree(record["services"]["postgres"]["data"], ignore_errors=True)
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and localhost (OpenSSL), and its key."""
-    directory.mkdir()
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost", "-keyout", str(key),
-         "-out", str(cert), "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], directory)  # fmt: skip
-    return cert, key
-
-
 TRUST: ssl.SSLContext | None = None
 """The test's self-signed certificate as the one trusted CA (set by the first test that needs it)."""
 
 
-def _status(url: str, auth: str | None = None, body: bytes | None = None, method: str | None = None) -> int:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method=method)
+def _status(url: str, auth: str | None = None, body: bytes | None = None, method: str | None = None, host: str | None = None) -> int:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"} | ({"Host": host} if host else {}), method=method)
     if auth is not None:
         request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
@@ -131,6 +125,27 @@ def test_the_servers_speak_tls_only_and_clients_verify_the_certificate(team):
     fronts = {services["prefect-tls"]["port"], services["mlflow-tls"]["port"]}
     assert fronts == {mlflow_port, int(record["prefect_api_url"].removesuffix("/api").rsplit(":", 1)[1])}
 
+
+
+def test_a_client_may_call_the_servers_by_the_certificates_name(team):
+    """A client on another machine calls the fronts by a name of the certificate (its TLS check
+    accepts no other), so its requests carry that name as their Host header, port included:
+    MLflow's server, which answers 403 to a Host it does not know (DNS-rebinding protection),
+    answers them; a name outside the certificate is still refused. Each front started only after
+    finding that its server asks for credentials (`flows.tls_front --probe`)."""
+    client = team["client"]
+    url, port = client["MLFLOW_TRACKING_URI"], client["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1]
+    search = f"{url}/api/2.0/mlflow/experiments/search?max_results=1"
+    auth = f"{client['MLFLOW_TRACKING_USERNAME']}:{client['MLFLOW_TRACKING_PASSWORD']}"
+    assert _status(search, auth=auth, host=f"{TEAM_NAME}:{port}") == 200
+    assert _status(search, auth=auth, host=TEAM_NAME) == 200
+    assert _status(search, auth=auth, host=f"rebound.example:{port}") == 403
+    prefect = client["PREFECT_API_URL"]
+    prefect_host = f"{TEAM_NAME}:{prefect.removesuffix('/api').rsplit(':', 1)[1]}"
+    assert _status(f"{prefect}/flows/filter", auth=client["PREFECT_API_AUTH_STRING"], body=b"{}", host=prefect_host) == 200
+    for name, path in serve.TLS_PROBES.items():
+        inner = team["record"]["services"][f"{name}-server"]["port"]
+        assert _status(f"http://127.0.0.1:{inner}{path}") == 401, name  # what the front asked before it listened
 
 
 def test_the_mlflow_server_runs_no_job_consumers(team):

@@ -36,29 +36,30 @@ def test_the_team_profiles_secrets_file_never_holds_them_readable_by_others(tmp_
     assert seen == [0o600] and stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == '{"mlflow": "s3cret"}'
 
 
-def test_serving_beyond_this_host_is_refused_without_authentication_or_tls(tmp_path):
+def test_serving_beyond_this_host_is_refused_without_authentication_or_tls(tmp_path, capsys):
     """The local profile's Prefect API has no authentication and its worker runs flow code: it
-    serves loopback only. The team profile beyond this host needs TLS, or --insecure said."""
-    import subprocess
-    import sys
-
-    import pytest
-
+    serves loopback only. The team profile beyond this host needs TLS, or --insecure said (with a
+    warning); --insecure where it would do nothing and a certificate that does not load are refused."""
     from pipelines.core.errors import QllmError
+    from tests.certificates import self_signed
 
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert.write_text("x"), key.write_text("x")
+    cert, key = self_signed(tmp_path / "tls")
     tls = (str(cert), str(key))
     for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
         serve.check_host("local", host, None, False)
         serve.check_host("team", host, None, False)
+        serve.check_host("team", host, tls, False)
+        with pytest.raises(QllmError, match=rf"--insecure is for a --host beyond this machine; with '{host}' it would do nothing"):
+            serve.check_host("team", host, None, True)
     for host in ("0.0.0.0", "::", "10.1.2.3"):
         with pytest.raises(QllmError, match=rf"--host '{host}' with the local profile would expose a Prefect API without authentication"):
             serve.check_host("local", host, None, False)
         with pytest.raises(QllmError, match=rf"--host '{host}' without TLS would send the team's passwords over the network in clear"):
             serve.check_host("team", host, None, False)
         serve.check_host("team", host, tls, False)
+        capsys.readouterr()
         serve.check_host("team", host, None, True)
+        assert f"warning: serve serves {host} without TLS (--insecure)" in capsys.readouterr().err
     with pytest.raises(QllmError, match="--tls-cert/--tls-key is for the team profile"):
         serve.check_host("local", "127.0.0.1", tls, False)
     with pytest.raises(QllmError, match="--insecure is for the team profile"):
@@ -67,6 +68,10 @@ def test_serving_beyond_this_host_is_refused_without_authentication_or_tls(tmp_p
         serve.check_host("team", "0.0.0.0", tls, True)
     with pytest.raises(QllmError, match="missing.pem: no such file"):
         serve.check_host("team", "0.0.0.0", (str(tmp_path / "missing.pem"), str(key)), False)
+    other, _ = self_signed(tmp_path / "other")
+    for pair in ((str(other), str(key)), (str(key), str(key))):  # a certificate with another's key; a key for a certificate
+        with pytest.raises(QllmError, match="not a certificate and its key"):
+            serve.check_host("team", "0.0.0.0", pair, False)
     # the command line: refused before anything starts, nothing recorded
     done = subprocess.run([sys.executable, "-m", "flows.serve", "start", "--project-dir", str(tmp_path), "--host", "0.0.0.0"],
                           capture_output=True, text=True, cwd=serve.Path(__file__).resolve().parents[2])  # fmt: skip
