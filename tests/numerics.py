@@ -36,8 +36,8 @@ values themselves (the largest |value| of the reference). That is an estimate, n
 derivative of the chain may amplify an early error (a normalised network at initialisation keeps it
 about the same), and a value with cancellation is smaller than the terms it summed. `LAMBDA`'s
 margin covers both where tests/test_numerics.py measures them (fp32 against a float64 forward and
-its gradients, under several summation orders); elementwise functions (exp, log, tanh, from a
-vector math library within a few ulp) count as one rounding each. Several steps of training
+its gradients, under several summation orders). An elementwise function (exp, log, tanh, sigmoid)
+from a vector math library is within 1 ulp, `FUNCTION = 2` roundings. Several steps of training
 compound each step's difference (`steps` in `tolerance`). bf16 under autocast rounds the operands
 of each product to bf16 and accumulates in fp32: its `n` counts the products along the chain, in
 bf16's `u` (`bf16_roundings`).
@@ -53,6 +53,11 @@ import torch
 
 LAMBDA = 8.0
 """The probabilistic bound's margin: n roundings stay within λ·√n·u except with probability 2n·e^(−λ²/2)."""
+
+
+FUNCTION = 2
+"""The roundings charged for one elementwise exp, log, log1p, tanh or sigmoid: within 1 ulp = 2u
+(SLEEF's `u10` functions, which ATen's vectorised kernels call, and glibc's)."""
 
 
 def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
@@ -166,11 +171,14 @@ def assert_close_as(actual: Any, expected: Any, *, n: int, dtype: torch.dtype = 
     assert_within(actual, expected, tolerance(n, dtype, magnitude, worst=worst, steps=steps), what)
 
 
-def approx(expected: Any, *, n: int, dtype: torch.dtype = torch.float32, magnitude: float | None = None, worst: bool = False, steps: int = 1) -> Any:
+def approx(expected: Any, *, n: int, dtype: torch.dtype = torch.float32, magnitude: float | None = None, worst: bool = False,
+           steps: int = 1, decimals: int | None = None) -> Any:  # fmt: skip
     """`pytest.approx(expected)` with the absolute tolerance of `n` roundings in `dtype` (`tolerance`)
-    and no relative one; `magnitude` defaults to the largest |expected|."""
+    and no relative one; `magnitude` defaults to the largest |expected|; an `expected` written out
+    to `decimals` places adds its own rounding, half a unit in the last place."""
     if magnitude is None:
         values = expected.values() if isinstance(expected, dict) else expected if isinstance(expected, list | tuple) else [expected]
         magnitude = max((abs(v) for v in values), default=0.0)
-    assert magnitude > 0, "the expected value is 0: give the magnitude of what was summed to it"
-    return pytest.approx(expected, rel=0, abs=tolerance(n, dtype, magnitude, worst=worst, steps=steps))
+        assert magnitude > 0, "the expected value is 0: give the magnitude of what was summed to it"
+    written = 0.0 if decimals is None else 0.5 * 10.0**-decimals
+    return pytest.approx(expected, rel=0, abs=tolerance(n, dtype, magnitude, worst=worst, steps=steps) + written)

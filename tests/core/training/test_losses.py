@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipelines.core.training.losses import preference_loss, reward_metrics
+from tests import numerics
 
 # policy chosen/rejected and reference chosen/rejected log-probs of three pairs
 PC = torch.tensor([-1.0, -2.0, -3.0])
@@ -26,10 +27,12 @@ def test_sigmoid_is_dpo():
     """beta = 0.5: loss = -logsigmoid(0.5 * [1, 0, -2]) = [0.4741, 0.6931, 1.3133]."""
     losses, chosen, rejected = preference_loss(PC, PR, RC, RR, beta=0.5)
     expected = [-logsigmoid(0.5 * z) for z in LOGITS]
-    assert losses.tolist() == pytest.approx(expected, abs=1e-6)
-    assert losses.tolist() == pytest.approx([0.474077, 0.693147, 1.313262], abs=1e-6)
-    # rewards: 0.5 * (pc - rc) = [0.25, 0, -0.5]; 0.5 * (pr - rr) = [-0.25, 0, 0.5]
-    assert chosen.tolist() == pytest.approx([0.25, 0.0, -0.5]) and rejected.tolist() == pytest.approx([-0.25, 0.0, 0.5])
+    # fp32 against float64: the differences and the product (exact here), then logsigmoid's exp,
+    # log1p and sum (2 + 2 + 1 roundings, tests/numerics.py) and the sign: 8 in all, generously
+    assert losses.tolist() == numerics.approx(expected, n=8)
+    assert losses.tolist() == numerics.approx([0.474077, 0.693147, 1.313262], n=8, decimals=6)
+    # rewards: 0.5 * (pc - rc) = [0.25, 0, -0.5]; 0.5 * (pr - rr) = [-0.25, 0, 0.5]: binary fractions, exact in fp32
+    assert chosen.tolist() == [0.25, 0.0, -0.5] and rejected.tolist() == [-0.25, 0.0, 0.5]
     assert not chosen.requires_grad
 
 
@@ -37,14 +40,15 @@ def test_label_smoothing_gives_conservative_dpo():
     """eps = 0.2: -(0.8) logsigmoid(0.5 z) - 0.2 logsigmoid(-0.5 z); at z = 1: 0.8*0.4741 + 0.2*0.9741 = 0.5741."""
     losses, _, _ = preference_loss(PC, PR, RC, RR, beta=0.5, label_smoothing=0.2)
     expected = [-0.8 * logsigmoid(0.5 * z) - 0.2 * logsigmoid(-0.5 * z) for z in LOGITS]
-    assert losses.tolist() == pytest.approx(expected, abs=1e-6)
-    assert losses[0].item() == pytest.approx(0.574077, abs=1e-6)
+    # two terms of 8 roundings each (the weights 0.8 and 0.2 rounded to fp32 among them) and their sum
+    assert losses.tolist() == numerics.approx(expected, n=17)
+    assert losses[0].item() == numerics.approx(0.574077, n=17, decimals=6)
 
 
 def test_ipo_sum_is_eq_17_on_summed_log_ratios():
     """beta = 0.5: (z - 1/(2*0.5))^2 = (z - 1)^2 = [0, 1, 9]."""
     losses, _, _ = preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="ipo_sum")
-    assert losses.tolist() == pytest.approx([0.0, 1.0, 9.0])
+    assert losses.tolist() == [0.0, 1.0, 9.0]  # small integers: exact in fp32
 
 
 def test_ipo_averages_over_completion_tokens():
@@ -53,15 +57,16 @@ def test_ipo_averages_over_completion_tokens():
     [0.0625, 1, 3.0625]."""
     losses, _, _ = preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="ipo", chosen_tokens=torch.tensor([2.0, 1.0, 4.0]),
                                    rejected_tokens=torch.tensor([1.0, 1.0, 2.0]))  # fmt: skip
-    assert losses.tolist() == pytest.approx([0.0625, 1.0, 3.0625])
+    assert losses.tolist() == [0.0625, 1.0, 3.0625]  # binary fractions throughout: exact in fp32
     with pytest.raises(ValueError, match="pass chosen_tokens and rejected_tokens"):
         preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="ipo")
 
 
 def test_hinge():
     """beta = 0.5: relu(1 - 0.5 z) = relu([0.5, 1, 2]) = [0.5, 1, 2]; beta = 2: relu([-1, 1, 5]) = [0, 1, 5]."""
-    assert preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="hinge")[0].tolist() == pytest.approx([0.5, 1.0, 2.0])
-    assert preference_loss(PC, PR, RC, RR, beta=2.0, loss_type="hinge")[0].tolist() == pytest.approx([0.0, 1.0, 5.0])
+    # binary fractions throughout: exact in fp32
+    assert preference_loss(PC, PR, RC, RR, beta=0.5, loss_type="hinge")[0].tolist() == [0.5, 1.0, 2.0]
+    assert preference_loss(PC, PR, RC, RR, beta=2.0, loss_type="hinge")[0].tolist() == [0.0, 1.0, 5.0]
 
 
 def test_gradient_raises_chosen_and_lowers_rejected():
@@ -91,7 +96,8 @@ def test_reward_metrics_use_trl_names():
     _, chosen, rejected = preference_loss(PC, PR, RC, RR, beta=0.5)
     metrics = reward_metrics(chosen, rejected, PC, PR, RC)
     # accuracies: chosen > rejected for pair 1 only (0.25 > -0.25; 0 = 0; -0.5 < 0.5) -> 1/3
-    assert metrics["rewards/accuracies"] == pytest.approx(1 / 3)
-    assert metrics["rewards/margins"] == pytest.approx((0.5 + 0 - 1.0) / 3)
-    assert metrics["kl/chosen"] == pytest.approx((0.5 + 0 - 1.0) / 3)  # mean(pc - rc)
-    assert metrics["logps/chosen"] == pytest.approx(-2.0) and metrics["logps/rejected"] == pytest.approx(-5 / 3)
+    # means of 3 binary fractions: the sums are exact, the division by 3 rounds once in fp32
+    assert metrics["rewards/accuracies"] == numerics.approx(1 / 3, n=3)
+    assert metrics["rewards/margins"] == numerics.approx((0.5 + 0 - 1.0) / 3, n=3)
+    assert metrics["kl/chosen"] == numerics.approx((0.5 + 0 - 1.0) / 3, n=3)  # mean(pc - rc)
+    assert metrics["logps/chosen"] == -2.0 and metrics["logps/rejected"] == numerics.approx(-5 / 3, n=3)  # -6 / 3: exact
