@@ -1,4 +1,4 @@
-"""Every preference loss against TRL 1.16's own trainer code, on hidden random inputs, to 1e-6.
+"""Every preference loss against TRL 1.16's own trainer code, on hidden random inputs, up to rounding.
 
 TRL writes its losses inside trainer methods (`DPOTrainer._compute_loss`, `KTOTrainer._compute_loss`,
 `CPOTrainer.cpo_loss`, `ORPOTrainer.odds_ratio_loss`/`get_batch_loss_metrics`), so the tests call
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pipelines.core.training import losses
+from tests import numerics
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # CPO and ORPO live in trl.experimental in 1.16
 from trl.experimental.cpo import CPOTrainer  # noqa: E402
@@ -26,6 +27,18 @@ from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
 from trl.trainer.kto_trainer import KTOTrainer  # noqa: E402
 
 SEEDS = (0, 1, 2)
+ROUNDINGS = 11 + 8 + 24 + 8
+"""Ours and TRL's computations of a loss, gradient or metric each go through at most: a row's sum of
+its 11 per-token log-probabilities, a mean over up to 8 rows (KTO's KL term), the loss formula (at
+most four elementwise functions and 16 other operations: 24) and the mean over up to 8 rows
+(tests/numerics.py)."""
+
+
+def _assert_same(ours, theirs, floor: float, what: str = "") -> None:
+    """Ours and TRL's computation of one value agree within `ROUNDINGS` of rounding, measured on the
+    value's own size or on `floor`, the size of what it is computed from, whichever is larger."""
+    magnitude = max(float(torch.as_tensor(theirs).abs().max()), floor)
+    numerics.assert_close_as(ours, theirs, n=ROUNDINGS, magnitude=magnitude, what=what)
 
 
 class _Accelerator:
@@ -109,14 +122,16 @@ def test_dpo_losses_equal_trls(loss_type, beta, eps, seed):
         summed[:pairs], summed[pairs:], ref[:pairs], ref[pairs:], beta=beta, loss_type=loss_type, label_smoothing=eps,
         chosen_tokens=tokens[:pairs], rejected_tokens=tokens[pairs:],
     )  # fmt: skip
-    assert ours.mean().item() == pytest.approx(trl_loss.item(), abs=1e-6, rel=1e-6)
+    inputs = float(summed.abs().max() + ref.abs().max())  # the log-ratios' size
+    _assert_same(ours.mean(), trl_loss, beta * inputs, "loss")
     # the gradients as well: the same function of the per-token log-probabilities
     (trl_grad,) = torch.autograd.grad(trl_loss, token_logps)
     (our_grad,) = torch.autograd.grad(ours.mean(), token_logps)
-    torch.testing.assert_close(our_grad, trl_grad, atol=1e-6, rtol=1e-5)
+    _assert_same(our_grad, trl_grad, beta / pairs, "gradient")
     metrics = losses.reward_metrics(chosen_rewards, rejected_rewards, summed[:pairs], summed[pairs:], ref[:pairs])
-    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
-        assert metrics[name] == pytest.approx(trl_metrics[name], abs=1e-6), name
+    assert metrics["rewards/accuracies"] == trl_metrics["rewards/accuracies"]  # counts of the same comparisons over 6 pairs
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        _assert_same(metrics[name], trl_metrics[name], inputs if name.startswith("logps") else beta * inputs, name)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -133,10 +148,10 @@ def test_conservative_dpo_equals_trls_cpo_sigmoid_on_the_log_ratios(beta, eps, s
     stub = types.SimpleNamespace(alpha=0.0, loss_type="sigmoid", beta=beta, label_smoothing=eps, simpo_gamma=0.5, accelerator=_Accelerator())
     trl_losses, _, _ = CPOTrainer.cpo_loss(stub, c, r)
     ours, _, _ = losses.preference_loss(policy[:6], policy[6:], ref[:6], ref[6:], beta=beta, loss_type="sigmoid", label_smoothing=eps)
-    torch.testing.assert_close(ours, trl_losses, atol=1e-6, rtol=1e-6)
+    _assert_same(ours, trl_losses, beta * float(policy.abs().max() + ref.abs().max()), "losses")
     (trl_grad,) = torch.autograd.grad(trl_losses.mean(), policy)
     (our_grad,) = torch.autograd.grad(ours.mean(), policy)
-    torch.testing.assert_close(our_grad, trl_grad, atol=1e-6, rtol=1e-5)
+    _assert_same(our_grad, trl_grad, beta / 6, "gradient")
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -165,12 +180,12 @@ def test_ipo_sum_is_trls_ipo_on_one_token_answers_and_its_formula(beta, seed):
     trl_loss = DPOTrainer._compute_loss(stub, model, inputs, False)
     summed = token_logps.sum(1)
     ours, _, _ = losses.preference_loss(summed[:pairs], summed[pairs:], ref[:pairs], ref[pairs:], beta=beta, loss_type="ipo_sum")
-    assert ours.mean().item() == pytest.approx(trl_loss.item(), abs=1e-6, rel=1e-6)
+    _assert_same(ours.mean(), trl_loss, float(summed.abs().max() + ref.abs().max()), "loss")
     # longer answers: the formula written out
     pc, pr, rc, rr = (-torch.from_numpy(rng.exponential(6.0, size=pairs)).float() for _ in range(4))
     expected = (((pc - rc) - (pr - rr)) - 1 / (2 * beta)) ** 2
     got, _, _ = losses.preference_loss(pc, pr, rc, rr, beta=beta, loss_type="ipo_sum")
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
+    _assert_same(got, expected, float((pc.abs() + rc.abs() + pr.abs() + rr.abs()).max() ** 2), "formula")
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -203,14 +218,16 @@ def test_kto_equals_trls(beta, desirable_weight, undesirable_weight, labels, see
 
     ours, metrics = losses.kto_loss(token_logps.sum(1), label, ref, kl_token_logps.sum(1), ref_kl, beta=beta,
                                     desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)  # fmt: skip
-    assert ours.item() == pytest.approx(trl_loss.item(), abs=1e-6, rel=1e-6)
+    inputs = float(token_logps.sum(1).abs().max() + ref.abs().max() + kl_token_logps.sum(1).abs().max() + ref_kl.abs().max())
+    weight = max(desirable_weight, undesirable_weight)
+    _assert_same(ours, trl_loss, weight * beta * inputs, "loss")
     (trl_grad,) = torch.autograd.grad(trl_loss, token_logps)
     (our_grad,) = torch.autograd.grad(ours, token_logps)
-    torch.testing.assert_close(our_grad, trl_grad, atol=1e-6, rtol=1e-5)
+    _assert_same(our_grad, trl_grad, weight * beta / rows, "gradient")
     logged = {k for k in trl_metrics if k.startswith(("rewards/", "logps/")) or k == "kl"}
     assert logged == set(metrics)
     for name in logged:
-        assert metrics[name] == pytest.approx(trl_metrics[name], abs=1e-6), name
+        _assert_same(metrics[name], trl_metrics[name], inputs if name.startswith("logps") or name == "kl" else beta * inputs, name)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -228,13 +245,15 @@ def test_simpo_equals_trls_cpo(beta, gamma, eps, cpo_alpha, seed):
 
     ours, chosen_rewards, rejected_rewards, extra = losses.reference_free_loss("simpo", chosen, rejected, beta=beta, gamma=gamma, label_smoothing=eps)
     total = ours.mean() + cpo_alpha * nll
-    assert total.item() == pytest.approx(trl_loss.item(), abs=1e-6, rel=1e-6)
+    inputs = float(chosen.abs().max() + rejected.abs().max()) + gamma / beta  # the margin's size
+    _assert_same(total, trl_loss, beta * inputs + cpo_alpha * float(nll), "loss")
     (trl_grad,) = torch.autograd.grad(trl_loss, chosen)
     (our_grad,) = torch.autograd.grad(total, chosen)
-    torch.testing.assert_close(our_grad, trl_grad, atol=1e-6, rtol=1e-5)
+    _assert_same(our_grad, trl_grad, beta / 8, "gradient")
     metrics = losses.reward_metrics(chosen_rewards, rejected_rewards, chosen, rejected, None) | extra
-    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
-        assert metrics[name] == pytest.approx(trl_metrics[name], abs=1e-6), name
+    assert metrics["rewards/accuracies"] == trl_metrics["rewards/accuracies"]  # counts of the same comparisons over 8 pairs
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        _assert_same(metrics[name], trl_metrics[name], inputs if name.startswith("logps") else beta * inputs, name)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -252,14 +271,17 @@ def test_orpo_equals_trls(beta, seed):
 
     ours, chosen_rewards, rejected_rewards, extra = losses.reference_free_loss("orpo", chosen, rejected, beta=beta)
     total = nll + ours.mean()
-    assert total.item() == pytest.approx(trl_loss.item(), abs=1e-6, rel=1e-6)
+    log_odds = float(extra["log_odds_chosen"])
+    inputs = float(chosen.abs().max() + rejected.abs().max()) + abs(log_odds)  # log(1 - exp) near 0: the log-odds' size
+    _assert_same(total, trl_loss, float(nll) + beta * inputs, "loss")
     (trl_grad,) = torch.autograd.grad(trl_loss, chosen)
     (our_grad,) = torch.autograd.grad(total, chosen)
-    torch.testing.assert_close(our_grad, trl_grad, atol=1e-6, rtol=1e-5)
+    _assert_same(our_grad, trl_grad, beta / 8, "gradient")
     metrics = losses.reward_metrics(chosen_rewards, rejected_rewards, chosen, rejected, None) | extra
-    names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "log_odds_ratio", "log_odds_chosen")
+    assert metrics["rewards/accuracies"] == trl_metrics["rewards/accuracies"]  # counts of the same comparisons over 8 pairs
+    names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "log_odds_ratio", "log_odds_chosen")
     for name in names:
-        assert metrics[name] == pytest.approx(trl_metrics[name], abs=1e-6), name
+        _assert_same(metrics[name], trl_metrics[name], beta * inputs if name.startswith("rewards") else inputs, name)
 
 
 def test_kto_weight_advice_matches_trls_ranges():
