@@ -60,6 +60,12 @@ FUNCTION = 2
 (SLEEF's `u10` functions, which ATen's vectorised kernels call, and glibc's)."""
 
 
+HIGHS_MIP_REL_GAP = 1e-4
+"""Not rounding: HiGHS (scipy's `milp`) stops once its best allocation and its dual bound are within
+this gap relative to the objective (its default `mip_rel_gap`), so its bound and its optimum may
+differ by that much."""
+
+
 def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
     """u = eps/2: the largest relative error of one rounding to nearest in `dtype`."""
     return torch.finfo(dtype).eps / 2
