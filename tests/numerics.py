@@ -133,6 +133,13 @@ def bf16_roundings(config: Any) -> int:
     return 2 * (7 * config.num_hidden_layers + 1)
 
 
+def svd_roundings(rows: int, cols: int) -> int:
+    """The roundings behind a singular value of a `rows x cols` matrix: LAPACK's reduction to
+    bidiagonal form is backward stable within `γ̃_{rows·cols}·‖A‖` (Householder transformations,
+    Higham Theorem 19.4, its small constant taken as 1), and the bidiagonal SVD adds little."""
+    return rows * cols
+
+
 def _as_tensor(value: Any) -> torch.Tensor:
     return value.detach().double() if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=torch.float64)
 
