@@ -584,10 +584,11 @@ def stop_processes(services: dict[str, dict], timeout: float = 15.0) -> list[str
     return stopped
 
 
-def stop(root: Path) -> list[str]:
-    """Stop the recorded services (only those PIDs) and forget them; returns what was stopped."""
+def stop(root: Path, timeout: float = 15.0) -> list[str]:
+    """Stop the recorded services (only those PIDs) and forget them; returns what was stopped.
+    `timeout`: the seconds each may take to stop on its signal before it is SIGKILLed."""
     root = root.resolve()
-    stopped = stop_processes(read_record(root)["services"])
+    stopped = stop_processes(read_record(root)["services"], timeout)
     (root / STATE_DIR / RECORD).unlink(missing_ok=True)
     return stopped
 
