@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 import pipelines  # noqa: F401  (first: it keys torch.compile's kernel cache by the CPU cap before torch fixes it)
+from tests.waiting import DEADLINE, exited
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT_FILES = ["pipelines", "tasks", "flows", "params", "templates", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
@@ -340,7 +341,7 @@ def prefect_server():
     """One temporary Prefect API for every flow run in the session (instead of one per flow)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=DEADLINE):  # it polls the server's health: a bound for a broken start
         yield
 
 
@@ -478,11 +479,11 @@ def mlflow_model_server(model_uri: str, root: Path, log: Path) -> Iterator[str]:
                                    "--workers", "1", "--host", "127.0.0.1", "--port", str(port)], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # fmt: skip
     try:
-        wait_http(f"http://127.0.0.1:{port}/ping", server, "mlflow models serve", hint=f"; see {log}")
+        wait_http(f"http://127.0.0.1:{port}/ping", server, "mlflow models serve", DEADLINE, hint=f"; see {log}")
         yield f"http://127.0.0.1:{port}/invocations"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        exited(server, "mlflow models serve stopping on SIGTERM", log=log)
 
 
 def post_json(url: str, body: bytes) -> tuple[int, dict]:
