@@ -334,9 +334,13 @@ def cmd_serve_openai(args: argparse.Namespace) -> int:
     from flows import openai_api
 
     root = Path(args.project_dir).resolve()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise QllmError("serve-openai: --tls-cert and --tls-key go together")
+    tls = (str(project_path(args.tls_cert, root)), str(project_path(args.tls_key, root))) if args.tls_cert else None
     key = openai_api.read_key(args.api_key_env, args.api_key_file, root)
-    openai_api.check_host(args.host, key)  # before the model loads: a refusal takes no time
-    return openai_api.serve(args.model, root, args.host, args.port, key, args.model_name)
+    limits = openai_api.Limits(args.time_limit, args.max_waiting, args.default_max_tokens).check()
+    openai_api.check_host(args.host, key, tls, args.insecure)  # before the model loads: a refusal takes no time
+    return openai_api.serve(args.model, root, args.host, args.port, key, args.model_name, tls, args.insecure, limits)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -395,11 +399,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_openai = sub.add_parser("serve-openai", help="serve a registered model or a model directory with OpenAI's chat completions API (docs/evaluation.md)")
     serve_openai.add_argument("--model", required=True, metavar="URI|PATH", help="models:/NAME@ALIAS, models:/NAME/VERSION or a model directory")
-    serve_openai.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; any other needs an API key)")
+    serve_openai.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; any other needs an API key, and TLS or --insecure)")
     serve_openai.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     keys = serve_openai.add_mutually_exclusive_group()
     keys.add_argument("--api-key-env", metavar="VAR", help="require Authorization: Bearer KEY, KEY read from the environment variable VAR")
     keys.add_argument("--api-key-file", metavar="FILE", help="the same, KEY read from FILE (readable by its owner only)")
+    serve_openai.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (chain); with --tls-key. Needed beyond this host")
+    serve_openai.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    serve_openai.add_argument("--insecure", action="store_true", help="serve a --host beyond this machine with an API key but without TLS (a network you trust)")
+    # openai_api.Limits' defaults (tests/flows/test_openai_api.py compares them), written here: importing it costs every command
+    serve_openai.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
+                              help="seconds one answer may take to generate; it then ends with finish_reason length (default: %(default)g)")
+    serve_openai.add_argument("--max-waiting", type=int, default=16, metavar="N",
+                              help="requests that may wait for the model behind the one it answers; more get 429 with Retry-After (default: %(default)s)")
+    serve_openai.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
+                              help="max_tokens of a request that gives none, at most the context left (default: %(default)s)")
     serve_openai.add_argument("--model-name", metavar="NAME", help="the model's id in /v1/models and answers (default: NAME@ALIAS, NAME/VERSION or the directory's name)")
     serve_openai.add_argument("--project-dir", default=".", metavar="DIR", help="project root; relative paths are relative to it (default: current directory)")
     serve_openai.set_defaults(func=cmd_serve_openai)

@@ -53,7 +53,6 @@ import json
 import logging
 import math
 import os
-import re
 import secrets
 import stat
 import threading
@@ -71,7 +70,6 @@ log = logging.getLogger("qllm.openai_api")
 ROLES = ("system", "user", "assistant")
 MAX_STOP = 4  # as OpenAI
 MAX_BODY = 8 << 20  # bytes of a request body
-FALLBACK_MAX_TOKENS = 512  # when the model states no context length
 MIN_KEY_LENGTH = 16
 KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n", "stream",
          "stream_options", "user", "logprobs", "presence_penalty", "frequency_penalty"}  # fmt: skip
@@ -84,9 +82,10 @@ class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:  # fmt: skip
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.message, self.kind, self.param, self.code)
@@ -239,39 +238,141 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    ended: str | None = None  # "time limit" or "client left" when generation stopped for that
+
+
+class ClientLeft(Exception):
+    """The client went away before its request's turn came."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may take of the server (`qllm serve-openai` options of the same names)."""
+
+    time_limit: float = 300.0
+    """Seconds a request's generation may run (`--time-limit`), counted from when its turn comes:
+    then it ends with the answer so far and `finish_reason` "length"."""
+    max_waiting: int = 16
+    """Requests that may wait for the model behind the one it is answering (`--max-waiting`); one
+    more is answered 429 with `Retry-After`."""
+    default_max_tokens: int = 512
+    """A request without `max_tokens` gets at most this many tokens, or the room left in the
+    model's context when that is less (`--default-max-tokens`)."""
+
+    def check(self) -> Limits:
+        if not (math.isfinite(self.time_limit) and self.time_limit > 0):
+            raise QllmError(f"serve-openai: --time-limit must be a positive number of seconds (got {self.time_limit:g})")
+        if self.max_waiting < 0:
+            raise QllmError(f"serve-openai: --max-waiting must be 0 or more (got {self.max_waiting})")
+        if self.default_max_tokens < 1:
+            raise QllmError(f"serve-openai: --default-max-tokens must be at least 1 (got {self.default_max_tokens})")
+        return self
+
+
+def _settled_end(raw: str, stops: list[str], cleanup: bool) -> int:
+    """Where `settled`'s part of `raw` ends: found from the end, in the time the held-back tail takes."""
+    end = len(raw)
+    while end and raw[end - 1] == "\ufffd":
+        end -= 1
+    end -= max((k for s in stops for k in range(min(len(s) - 1, end), 0, -1) if raw.startswith(s[:k], end - k)), default=0)
+    while end and raw[end - 1].isspace():
+        end -= 1
+    if cleanup:  # the last word and the spaces before it
+        while end and not raw[end - 1].isspace():
+            end -= 1
+        while end and raw[end - 1].isspace():
+            end -= 1
+    return end
 
 
 def settled(raw: str, stops: list[str], cleanup: bool) -> str:
     """The part of `raw` (the answer decoded so far) that no later token or stop string can change:
     what a stream may send. Held back: leading and trailing whitespace (the answer is stripped),
     an unfinished UTF-8 character (U+FFFD at the end), an end that may be the start of a stop
-    string, and with a tokenizer that cleans up spaces (` .` to `.`) the last word."""
-    text = raw.rstrip("\ufffd")
-    hold = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
-    text = text[: len(text) - hold].rstrip()
-    if cleanup:
-        text = re.sub(r"\s*\S*$", "", text)
-    return text.lstrip()
+    string, and with a tokenizer that rewrites decoded text (` .` to `.`) the last word."""
+    return raw[: _settled_end(raw, stops, cleanup)].lstrip()
+
+
+ROUND_TRIP = "Tovik . lives , in ! Pelora ? do n't it 's we 've they 're I 'm"
+"""Text whose decoded tokens `rewrites_text` compares with it: the patterns a tokenizer's clean-up
+of spaces rewrites (transformers' `clean_up_tokenization`, WordPiece's decoder)."""
+
+
+def rewrites_text(tokenizer: Any) -> bool:
+    """Whether decoding does more than join the tokens' text: True when `ROUND_TRIP`, encoded and
+    decoded, does not come back as it was (a clean-up of spaces, lower-casing, unknown tokens).
+    Such a tokenizer may change text it decoded before (` n` then `'t` gives `n't`), so an answer
+    is decoded whole at every token and a stream holds back its last word."""
+    ids = tokenizer(ROUND_TRIP, add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(ids, skip_special_tokens=True) != ROUND_TRIP
+
+
+class AnswerText:
+    """The text of an answer as it grows, `tokenizer.decode(ids, skip_special_tokens=True)`,
+    kept up to date a token at a time by decoding a few of the last tokens (the method of vLLM's
+    detokenizer and of `tokenizers.decoders.DecodeStream`): the window from `prefix` decodes to
+    the text already had for ids[prefix:read], then what the new tokens add. A window that ends in
+    an unfinished UTF-8 character (U+FFFD) waits for the tokens that finish it; one whose text does
+    not begin with what it had (the tokenizer changed earlier text) has the answer decoded whole,
+    that once. A tokenizer that `rewrites_text` has the answer decoded whole at every token.
+
+    `text` is the answer up to `read` (what follows is an unfinished character); `kept` how much of
+    it the last `extend` left as it was."""
+
+    def __init__(self, tokenizer: Any, whole: bool) -> None:
+        self.tokenizer, self.whole = tokenizer, whole
+        self.ids: list[int] = []
+        self.text = ""
+        self.kept = 0
+        self.prefix = self.read = 0
+        self.prefix_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def extend(self, ids: list[int]) -> None:
+        self.kept = len(self.text)
+        for token in ids:
+            self.ids.append(token)
+            if self.whole:
+                continue
+            window = self._decode(self.ids[self.prefix :])
+            if len(window) <= len(self.prefix_text) or window.endswith("\ufffd"):
+                continue  # no new text yet (a special token), or an unfinished character
+            if window.startswith(self.prefix_text):
+                self.text += window[len(self.prefix_text) :]
+            else:
+                self._whole()
+            self.prefix, self.read = self.read, len(self.ids)
+            self.prefix_text = self._decode(self.ids[self.prefix : self.read])
+        if self.whole and ids:
+            self._whole()
+
+    def _whole(self) -> None:
+        old, self.text = self.text, self._decode(self.ids)
+        self.kept = min(self.kept, len(os.path.commonprefix([old, self.text])))
 
 
 class Engine:
     """One model and its tokenizer, generating one answer at a time on its own worker thread (every
-    use of the tokenizer too: a fast tokenizer is not to be shared across threads)."""
+    use of the tokenizer too: a fast tokenizer is not to be shared across threads), with a line of
+    at most `limits.max_waiting` requests behind it (`admit`)."""
 
-    def __init__(self, model: Any, tokenizer: Any, name: str) -> None:
+    def __init__(self, model: Any, tokenizer: Any, name: str, limits: Limits = Limits()) -> None:
         from pipelines.core.models.gguf_export import generation_temperature
         from pipelines.core.models.models import stop_token_ids
 
         if not getattr(tokenizer, "chat_template", None):
             raise QllmError("the model's tokenizer has no chat template (train it with the pipeline's train_tokenizer stage)")
-        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.model, self.tokenizer, self.name, self.limits = model, tokenizer, name, limits.check()
         self.stop_ids = stop_token_ids(tokenizer)
         self.default_temperature = generation_temperature(model)
         self.context = self._context_length()
-        self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.cleanup = rewrites_text(tokenizer)
         self.created = int(time.time())
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="qllm-generate")
-        self.cancels: set[threading.Event] = set()
+        self.cancels: set[threading.Event] = set()  # one per request in line: set when its client leaves
+        self.last_seconds = 1.0  # how long the last generation took: the 429's Retry-After
 
     def _context_length(self) -> int | None:
         length = getattr(self.model.config, "max_position_embeddings", None)
@@ -279,8 +380,36 @@ class Engine:
             length = getattr(self.tokenizer, "model_max_length", None)
         return int(length) if length and length < 10**8 else None
 
-    def submit(self, fn, *args) -> asyncio.Future:
-        return asyncio.wrap_future(self._worker.submit(fn, *args))
+    @property
+    def in_line(self) -> int:
+        """Requests admitted and not done: the one generating and those waiting."""
+        return len(self.cancels)
+
+    def admit(self) -> threading.Event:
+        """A place in line for a request (on the event loop's thread): the event its client's
+        leaving sets; a 429 with `Retry-After` when `limits.max_waiting` requests wait already.
+        Give it back with `leave`."""
+        if self.in_line > self.limits.max_waiting:
+            retry = max(1, math.ceil(min(self.last_seconds, self.limits.time_limit)))
+            raise ApiError(429, f"The server is busy: {self.limits.max_waiting} request{'s' * (self.limits.max_waiting != 1)} "
+                                f"already wait for the model. Retry after {retry} s.", code="rate_limit_exceeded", kind="requests",
+                           headers={"Retry-After": str(retry)})  # fmt: skip
+        cancelled = threading.Event()
+        self.cancels.add(cancelled)
+        return cancelled
+
+    def leave(self, cancelled: threading.Event) -> None:
+        self.cancels.discard(cancelled)
+
+    def submit(self, fn, *args, cancelled: threading.Event | None = None) -> asyncio.Future:
+        """`fn(*args)` on the worker thread, in turn; ClientLeft instead when `cancelled` is set by then."""
+
+        def job():
+            if cancelled is not None and cancelled.is_set():
+                raise ClientLeft
+            return fn(*args)
+
+        return asyncio.wrap_future(self._worker.submit(job))
 
     def close(self) -> None:
         for event in list(self.cancels):
@@ -289,7 +418,8 @@ class Engine:
 
     def prepare(self, request: ChatRequest) -> Prepared:
         """The prompt as the model sees it (the chat template), its token count and the answer's
-        token budget; a 400 when it does not fit in the model's context."""
+        token budget (`max_tokens`, else `limits.default_max_tokens` or the room left in the
+        context, the smaller); a 400 when it does not fit in the model's context."""
         from jinja2 import TemplateError
 
         from pipelines.core.data.chat_template import render_prompt
@@ -300,10 +430,11 @@ class Engine:
             raise _bad("messages", f"the model's chat template refused the messages: {exc}") from None
         encoded = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).to(self.model.device)
         prompt_tokens = int(encoded["input_ids"].shape[1])
+        default = self.limits.default_max_tokens
         if self.context is None:
-            return Prepared(encoded, prompt_tokens, request.max_tokens or FALLBACK_MAX_TOKENS)
+            return Prepared(encoded, prompt_tokens, request.max_tokens or default)
         room = self.context - prompt_tokens
-        wanted = request.max_tokens or room
+        wanted = request.max_tokens or min(default, room)
         if room < 1 or wanted > room:
             raise ApiError(400, f"This model's maximum context length is {self.context} tokens. However, you requested "
                                 f"{prompt_tokens + wanted} tokens ({prompt_tokens} in the messages, {wanted} in the completion). "
@@ -312,26 +443,48 @@ class Engine:
 
     def generate(self, request: ChatRequest, prepared: Prepared, on_text=None, cancelled: threading.Event | None = None) -> Completion:
         """The answer: `generation._decode`'s `model.generate` call, plus stop strings, `top_p` and,
-        for a stream, `on_text(piece)` with each settled piece (their concatenation is the answer)."""
+        for a stream, `on_text(piece)` with each settled piece (their concatenation is the answer).
+        It ends at the next token once `cancelled` is set or `limits.time_limit` has passed."""
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         tokenizer, prompt_length, stops, cleanup = self.tokenizer, prepared.prompt_tokens, request.stop, self.cleanup
-        emitted = [""]
+        answer = AnswerText(tokenizer, whole=cleanup)
+        longest = max(map(len, stops), default=1)
+        started = time.monotonic()
+        deadline = started + self.limits.time_limit
+        ended: list[str | None] = [None]
+        sent = [0, ""]  # where the answer starts in the text (after its leading whitespace), and what was sent
+
+        def send(text: str, kept: int) -> None:
+            """Send what the text settles beyond what was sent (nothing if the text changed behind it)."""
+            lead, emitted = sent
+            if not emitted or kept < lead + len(emitted):  # the first text, or one that changed where it was sent
+                lead = len(text) - len(text.lstrip())
+                if not text.startswith(emitted, lead):
+                    return  # not seen with the tokenizers here: the final check below says so
+            end = _settled_end(text, stops, cleanup)
+            if end > lead + len(emitted):
+                piece = text[lead + len(emitted) : end]
+                sent[:] = [lead, emitted + piece]
+                on_text(piece)
 
         class Watch(StoppingCriteria):
-            """After each new token: a stop string ends generation; a stream gets the settled text."""
+            """After each new token: a client gone or the time limit passed ends generation, as does
+            a stop string; a stream gets the settled text."""
 
             def __call__(self, input_ids, scores, **kwargs):
-                done = cancelled is not None and cancelled.is_set()
+                if cancelled is not None and cancelled.is_set():
+                    ended[0] = "client left"
+                elif time.monotonic() >= deadline:
+                    ended[0] = "time limit"
+                done = ended[0] is not None
                 if not done and (stops or on_text is not None):
-                    raw = tokenizer.decode(input_ids[0, prompt_length:], skip_special_tokens=True)
-                    done = any(s in raw for s in stops)
+                    answer.extend(input_ids[0, prompt_length + len(answer.ids) :].tolist())
+                    text, start = answer.text, max(0, answer.kept - longest + 1)
+                    done = any(text.find(s, start) >= 0 for s in stops)
                     if not done and on_text is not None:
-                        now = settled(raw, stops, cleanup)
-                        if len(now) > len(emitted[0]) and now.startswith(emitted[0]):
-                            on_text(now[len(emitted[0]) :])
-                            emitted[0] = now
+                        send(text, answer.kept)
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
         sampling = {"do_sample": True, "temperature": request.temperature} if request.temperature > 0 else {"do_sample": False}
@@ -345,17 +498,19 @@ class Engine:
                                          pad_token_id=tokenizer.pad_token_id, stopping_criteria=StoppingCriteriaList([Watch()]),
                                          **sampling)  # fmt: skip
         new = output[0, prompt_length:].tolist()
-        raw = tokenizer.decode(new, skip_special_tokens=True)
+        raw = tokenizer.decode(new, skip_special_tokens=True)  # the whole answer, once: what it is, streamed or not
         cut = min((raw.find(s) for s in stops if s in raw), default=-1)
         content = (raw[:cut] if cut >= 0 else raw).strip()
         finish = "stop" if cut >= 0 or (new and new[-1] in self.stop_ids) else "length"
         if on_text is not None:
-            if content.startswith(emitted[0]):
-                if len(content) > len(emitted[0]):
-                    on_text(content[len(emitted[0]) :])
+            emitted = sent[1]
+            if content.startswith(emitted):
+                if len(content) > len(emitted):
+                    on_text(content[len(emitted) :])
             else:  # not seen with the tokenizers here: the decoded text changed behind what was sent
                 log.warning("a streamed answer's text changed after it was sent; the stream differs from the answer")
-        return Completion(content, finish, prompt_length, len(new))
+        self.last_seconds = time.monotonic() - started
+        return Completion(content, finish, prompt_length, len(new), ended[0])
 
 
 # ----------------------------------------------------------------------------- the app
@@ -411,25 +566,49 @@ def create_app(engine: Engine, api_key: str | None = None):
     async def chat(request):
         body = await _read_json(request)
         chat_request = parse_request(body, engine.name, engine.default_temperature)
-        prepared = await engine.submit(engine.prepare, chat_request)
+        cancelled = engine.admit()  # a 429 when the line is full
+        watcher = asyncio.create_task(_until_disconnect(request.receive, cancelled))
+        pieces: asyncio.Queue = asyncio.Queue()
+        try:
+            prepared = await engine.submit(engine.prepare, chat_request, cancelled=cancelled)
+            request.state.tokens = (prepared.prompt_tokens, None)
+            loop = asyncio.get_running_loop()
+            on_text = (lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece)) if chat_request.stream else None
+            job = engine.submit(engine.generate, chat_request, prepared, on_text, cancelled, cancelled=cancelled)
+        except BaseException:
+            watcher.cancel()
+            engine.leave(cancelled)
+            raise
+
+        def finished(_) -> None:  # the request's place in line is free once its generation has ended
+            watcher.cancel()
+            engine.leave(cancelled)
+            pieces.put_nowait(None)
+
+        job.add_done_callback(finished)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        request.state.tokens = (prepared.prompt_tokens, None)
         if not chat_request.stream:
-            done = await engine.submit(engine.generate, chat_request, prepared)
-            request.state.tokens = (done.prompt_tokens, done.completion_tokens)
+            done = await job
+            request.state.tokens, request.state.ended = (done.prompt_tokens, done.completion_tokens), done.ended
             return _json(200, {"id": ident, "object": "chat.completion", "created": created, "model": engine.name,
                                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.content, "refusal": None},
                                             "logprobs": None, "finish_reason": done.finish_reason}],
                                "usage": _usage(done), "system_fingerprint": None})  # fmt: skip
-        return StreamingResponse(_stream(engine, request, chat_request, prepared, ident, created), media_type="text/event-stream",
+        return StreamingResponse(_stream(engine, request, chat_request, job, pieces, cancelled, ident, created), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+
+    async def client_left(request, exc: ClientLeft):
+        request.state.ended = "client left"
+        return _json(499, error_body("The client closed the request before its turn.", code="client_closed_request"))
 
     async def http_error(request, exc: HTTPException):
         codes = {404: "Not found: no such route (this server has /v1/chat/completions and /v1/models).", 405: "Method not allowed."}
         return _json(exc.status_code, error_body(codes.get(exc.status_code, str(exc.detail))))
 
     async def api_error(request, exc: ApiError):
-        return _json(exc.status, exc.body())
+        response = _json(exc.status, exc.body())
+        response.headers.update(exc.headers)
+        return response
 
     async def server_error(request, exc: Exception):
         _log_failure(exc)
@@ -437,7 +616,8 @@ def create_app(engine: Engine, api_key: str | None = None):
 
     routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{model:path}", one_model),
               Route("/v1/chat/completions", chat, methods=["POST"])]  # fmt: skip
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, ApiError: api_error, Exception: server_error})
+    handlers = {HTTPException: http_error, ApiError: api_error, ClientLeft: client_left, Exception: server_error}
+    app = Starlette(routes=routes, exception_handlers=handlers)
     return _Guard(app, api_key)
 
 
@@ -452,38 +632,39 @@ def _log_failure(exc: BaseException) -> None:
     log.error("request failed: %s\n%s", type(exc).__name__, frames.rstrip())
 
 
-async def _stream(engine: Engine, request, chat: ChatRequest, prepared: Prepared, ident: str, created: int):
-    """Server-sent events in OpenAI's chunk format: the role, the answer's pieces, the finish reason,
-    the usage when asked (`stream_options.include_usage`), then `[DONE]`."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    cancelled = threading.Event()
-    engine.cancels.add(cancelled)
+async def _until_disconnect(receive, cancelled: threading.Event) -> None:
+    """Set `cancelled` when the client goes away (ASGI's `http.disconnect`; the request's body was read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancelled.set()
+
+
+async def _stream(engine: Engine, request, chat: ChatRequest, job: asyncio.Future, pieces: asyncio.Queue, cancelled: threading.Event,
+                  ident: str, created: int):  # fmt: skip
+    """Server-sent events in OpenAI's chunk format: the role, the answer's pieces (from `pieces`, until
+    None), the finish reason, the usage when asked (`stream_options.include_usage`), then `[DONE]`."""
     usage_field = {"usage": None} if chat.include_usage else {}
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": engine.name, "system_fingerprint": None,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **usage_field}  # fmt: skip
 
-    def run() -> Completion | None:
-        if cancelled.is_set():  # the client left while it waited for its turn
-            return None
-        return engine.generate(chat, prepared, lambda piece: loop.call_soon_threadsafe(queue.put_nowait, piece), cancelled)
-
-    job = engine.submit(run)
-    job.add_done_callback(lambda _: queue.put_nowait(None))
+    request.state.ended = "client left"  # until the stream's end is sent
     try:
         yield _sse(chunk({"role": "assistant", "content": "", "refusal": None}))
-        while (piece := await queue.get()) is not None:
+        while (piece := await pieces.get()) is not None:
             yield _sse(chunk({"content": piece}))
         try:
             done = job.result()
+        except ClientLeft:
+            return
         except Exception as exc:  # the status line is sent: the error goes in the stream, as OpenAI's do
             _log_failure(exc)
+            request.state.ended = None
             yield _sse(error_body("The server had an error while processing your request.", "server_error"))
             return
-        while not queue.empty():  # pieces queued after the end marker (none expected: the job ends after its last piece)
-            if (piece := queue.get_nowait()) is not None:
+        while not pieces.empty():  # pieces queued after the end marker (none expected: the job ends after its last piece)
+            if (piece := pieces.get_nowait()) is not None:
                 yield _sse(chunk({"content": piece}))
         request.state.tokens = (done.prompt_tokens, done.completion_tokens)
         yield _sse(chunk({}, done.finish_reason))
@@ -491,9 +672,9 @@ async def _stream(engine: Engine, request, chat: ChatRequest, prepared: Prepared
             yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": engine.name,
                         "system_fingerprint": None, "choices": [], "usage": _usage(done)})  # fmt: skip
         yield _sse("[DONE]")
+        request.state.ended = done.ended
     finally:
-        cancelled.set()  # a client that left ends its generation at the next token
-        engine.cancels.discard(cancelled)
+        cancelled.set()  # a client that left ends its generation at the next token (a finished one: no effect)
 
 
 class _Guard:
@@ -524,8 +705,9 @@ class _Guard:
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, sending)
         finally:
-            tokens = scope["state"].get("tokens")
+            tokens, ended = scope["state"].get("tokens"), scope["state"].get("ended")
             counted = "" if tokens is None else f" prompt_tokens={tokens[0]} completion_tokens={'-' if tokens[1] is None else tokens[1]}"
+            counted += f" ended: {ended}" if ended else ""
             log.info("%s %s %s%s %.3fs", scope["method"], scope["path"], status[0] or "-", counted, time.perf_counter() - started)
 
     def _refusal(self, scope) -> str | None:
@@ -573,13 +755,17 @@ def read_key(env: str | None, file: str | None, root: Path) -> str | None:
     return key
 
 
-def check_host(host: str, api_key: str | None) -> None:
-    """Refuse to serve beyond this machine without an API key (anyone who reaches the port would use the model)."""
-    from flows.serve import is_loopback
+def check_host(host: str, api_key: str | None, tls: tuple[str, str] | None = None, insecure: bool = False) -> None:
+    """Refuse to serve beyond this machine without an API key (anyone who reaches the port would
+    use the model), or with one but without TLS unless `insecure` (the key, prompts and answers
+    would cross the network in clear: the rule of the team's servers, `serve.check_tls`)."""
+    from flows.serve import check_tls, is_loopback
 
     if api_key is None and not is_loopback(host):
         raise QllmError(f"serve-openai: --host {host!r} without an API key would let anyone who reaches the port use the model: give "
-                        "--api-key-env VAR or --api-key-file FILE (clients send it as Authorization: Bearer KEY), or serve 127.0.0.1")  # fmt: skip
+                        "--api-key-env VAR or --api-key-file FILE (clients send it as Authorization: Bearer KEY) with "
+                        "--tls-cert/--tls-key, or serve 127.0.0.1")  # fmt: skip
+    check_tls("serve-openai", host, tls, insecure, "the API key, the prompts and the answers")
 
 
 def default_name(model: str) -> str:
@@ -587,24 +773,38 @@ def default_name(model: str) -> str:
     return model.removeprefix("models:/") if model.startswith("models:/") else Path(model.rstrip("/")).name
 
 
-def serve(model: str, root: Path, host: str, port: int, api_key: str | None, name: str | None = None) -> int:
+def server_config(engine: Engine, api_key: str | None, host: str, port: int, tls: tuple[str, str] | None = None):
+    """uvicorn's configuration for `engine`'s app; with `tls` (cert, key) uvicorn terminates TLS
+    with the context the team's fronts use (`tls_front.server_context`: TLS 1.2 or newer)."""
+    import uvicorn
+
+    from flows.tls_front import server_context
+
+    factory = (lambda config, default: server_context(*tls)) if tls else None
+    return uvicorn.Config(create_app(engine, api_key), host=host, port=port, access_log=False, log_level="info",
+                          timeout_graceful_shutdown=10, lifespan="off", ssl_context_factory=factory)  # fmt: skip
+
+
+def serve(model: str, root: Path, host: str, port: int, api_key: str | None, name: str | None = None, tls: tuple[str, str] | None = None,
+          insecure: bool = False, limits: Limits = Limits()) -> int:  # fmt: skip
     """Load `model` as `qllm generate` does and serve it with uvicorn until stopped (Ctrl-C, SIGTERM)."""
     import uvicorn
 
     from flows import generation
 
-    check_host(host, api_key)
+    check_host(host, api_key, tls, insecure)
+    limits.check()
     if generation.is_image_model(model, root):
         raise QllmError(f"{model}: serve-openai serves text models; ask the multimodal model with qllm generate --image")
     loaded, tokenizer = generation.load(model, root)
-    engine = Engine(loaded, tokenizer, name or default_name(model))
+    engine = Engine(loaded, tokenizer, name or default_name(model), limits)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
-    config = uvicorn.Config(create_app(engine, api_key), host=host, port=port, access_log=False, log_level="info",
-                            timeout_graceful_shutdown=10, lifespan="off")  # fmt: skip
+    config = server_config(engine, api_key, host, port, tls)
     shown = f"[{host}]" if ":" in host else host
-    print(f"serving {engine.name!r} on http://{shown}:{port}/v1 (POST /v1/chat/completions, GET /v1/models); "
-          f"{'a bearer API key is required' if api_key else 'no API key (this host only)'}; Ctrl-C stops it", flush=True)  # fmt: skip
+    print(f"serving {engine.name!r} on {'https' if tls else 'http'}://{shown}:{port}/v1 (POST /v1/chat/completions, GET /v1/models); "
+          f"{'a bearer API key is required' if api_key else 'no API key (this host only)'}; at most {limits.max_waiting} requests wait, "
+          f"each answer at most {limits.time_limit:g} s; Ctrl-C stops it", flush=True)  # fmt: skip
     try:
         uvicorn.Server(config).run()
     finally:

@@ -10,12 +10,15 @@ to the token limit (the stop tokens' embeddings are scaled up so that both happe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -24,9 +27,10 @@ from pathlib import Path
 import pytest
 
 from flows import generation, openai_api
-from flows.cli import main
+from flows.cli import build_parser, main
 from flows.local_api import free_port, wait_http
 from pipelines.core.data.chat_template import render_prompt
+from pipelines.core.errors import QllmError
 from pipelines.core.models.models import stop_token_ids
 
 openai = pytest.importorskip("openai")  # the `test` extra
@@ -484,20 +488,45 @@ def test_a_cancelled_generation_stops_at_the_next_token(reference, answers):
         engine.close()
 
 
-def test_serving_beyond_this_host_needs_a_key(tmp_path, monkeypatch, capsys):
-    """Refused before the model loads (here: a model that does not exist), exit code 2."""
+def test_serving_beyond_this_host_needs_a_key_and_tls(tmp_path, monkeypatch, capsys):
+    """Refused before the model loads (here: a model that does not exist), exit code 2: beyond this
+    host without a key; with a key but over plain HTTP unless --insecure (the team servers' rule,
+    the same words); options that would do nothing or are half given."""
+    from tests.certificates import self_signed
 
     def qllm(*argv: str) -> tuple[int, str]:
         capsys.readouterr()
         code = main(["serve-openai", "--model", "data/models/none", "--project-dir", str(tmp_path), *argv])
         return code, capsys.readouterr().err
 
+    self_signed(tmp_path / "tls")
+    tls = ("--tls-cert", "tls/cert.pem", "--tls-key", "tls/key.pem")  # relative to the project
+    loads = "data/models/none: no such model directory"  # what an accepted command says next
     for host in ("0.0.0.0", "::", "10.1.2.3"):
         code, err = qllm("--host", host)
         assert code == 2 and f"--host {host!r} without an API key would let anyone who reaches the port use the model" in err
+        code, err = qllm("--host", host, *tls)
+        assert code == 2 and "without an API key" in err
     monkeypatch.setenv(KEY_ENV, KEY)
-    code, err = qllm("--host", "0.0.0.0", "--api-key-env", KEY_ENV)  # allowed: it goes on to load the model
-    assert code == 2 and "data/models/none: no such model directory" in err
+    code, err = qllm("--host", "0.0.0.0", "--api-key-env", KEY_ENV)
+    assert code == 2 and "--host '0.0.0.0' without TLS would send the API key, the prompts and the answers over the network in clear" in err
+    assert "give --tls-cert CERT.pem --tls-key KEY.pem (docs/deployments.md), or --insecure on a network you trust" in err
+    code, err = qllm("--host", "0.0.0.0", "--api-key-env", KEY_ENV, *tls)  # allowed: it goes on to load the model
+    assert code == 2 and loads in err
+    code, err = qllm("--host", "0.0.0.0", "--api-key-env", KEY_ENV, "--insecure")
+    assert code == 2 and loads in err and "warning: serve-openai serves 0.0.0.0 without TLS (--insecure)" in err
+    code, err = qllm(*tls)  # TLS on this host: allowed, with or without a key
+    assert code == 2 and loads in err
+    for argv, refusal in ((("--insecure",), "--insecure is for a --host beyond this machine; with '127.0.0.1' it would do nothing"),
+                          (("--host", "0.0.0.0", "--api-key-env", KEY_ENV, "--insecure", *tls), "with --tls-cert it would do nothing"),
+                          (tls[:2], "--tls-cert and --tls-key go together"),
+                          (("--tls-cert", "tls/key.pem", "--tls-key", "tls/key.pem"), "not a certificate and its key"),
+                          (("--time-limit", "0"), "--time-limit must be a positive number of seconds (got 0)"),
+                          (("--time-limit", "nan"), "--time-limit must be a positive number of seconds (got nan)"),
+                          (("--max-waiting", "-1"), "--max-waiting must be 0 or more (got -1)"),
+                          (("--default-max-tokens", "0"), "--default-max-tokens must be at least 1 (got 0)")):  # fmt: skip
+        code, err = qllm(*argv)
+        assert code == 2 and refusal in err, (argv, err)
     monkeypatch.setenv(KEY_ENV, "short")
     code, err = qllm("--api-key-env", KEY_ENV)
     assert code == 2 and "must be at least 16 characters" in err
@@ -511,15 +540,18 @@ def test_serving_beyond_this_host_needs_a_key(tmp_path, monkeypatch, capsys):
     assert code == 2 and "must be yours and readable by you only (mode 0644; chmod 600 key)" in err
     key_file.chmod(0o600)
     assert openai_api.read_key(None, "key", tmp_path) == KEY
-    code, err = qllm("--host", "0.0.0.0", "--api-key-file", "key")
-    assert code == 2 and "no such model directory" in err
+    code, err = qllm("--host", "0.0.0.0", "--api-key-file", "key", *tls)
+    assert code == 2 and loads in err
     with pytest.raises(SystemExit):  # one or the other
         main(["serve-openai", "--model", "x", "--api-key-env", KEY_ENV, "--api-key-file", "key"])
     with pytest.raises(SystemExit):  # no --api-key option takes the key itself
         main(["serve-openai", "--model", "x", "--api-key", KEY])
     openai_api.check_host("127.0.0.1", None)
     openai_api.check_host("localhost", None)
-    openai_api.check_host("0.0.0.0", KEY)
+    openai_api.check_host("0.0.0.0", KEY, (str(tmp_path / "tls/cert.pem"), str(tmp_path / "tls/key.pem")))
+    # the command's defaults are the library's
+    defaults = build_parser().parse_args(["serve-openai", "--model", "x"])
+    assert openai_api.Limits(defaults.time_limit, defaults.max_waiting, defaults.default_max_tokens) == openai_api.Limits()
 
 
 def test_the_command_serves_a_registered_version_as_generate_loads_it(reference, monkeypatch, tmp_path, capsys):
@@ -543,6 +575,22 @@ def test_the_command_serves_a_registered_version_as_generate_loads_it(reference,
         assert test_client.get("/v1/models").status_code == 401
         assert test_client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "qllm@champion"
     assert openai_api.default_name("models:/qllm/3") == "qllm/3" and openai_api.default_name("data/models/dpo/") == "dpo"
+    # TLS and the limits reach uvicorn and the engine
+    from tests.certificates import self_signed
+
+    self_signed(tmp_path / "tls")
+
+    def run(server) -> None:  # while the command serves
+        seen["config"] = server.config
+        with TestClient(server.config.app) as test_client:
+            seen["answer"] = test_client.post("/v1/chat/completions", json={"messages": user(PROMPTS[0]), "temperature": 0},
+                                              headers={"Authorization": f"Bearer {KEY}"}).json()  # fmt: skip
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["serve-openai", "--model", "models:/qllm@champion", "--host", "0.0.0.0", "--api-key-env", KEY_ENV, "--tls-cert", "tls/cert.pem",
+                 "--tls-key", "tls/key.pem", "--default-max-tokens", "3", "--max-waiting", "0", "--project-dir", str(tmp_path)]) == 0  # fmt: skip
+    assert seen["config"].is_ssl and "serving 'qllm@champion' on https://0.0.0.0:8000/v1" in capsys.readouterr().out
+    assert seen["answer"]["usage"]["completion_tokens"] == expected(reference, user(PROMPTS[0]), 3)[3]
 
 
 def test_settled_text_holds_back_what_may_still_change():
@@ -554,6 +602,330 @@ def test_settled_text_holds_back_what_may_still_change():
     assert settled("Pelora. Na", ["Next"], False) == "Pelora. Na"
     assert settled("Pelora is nice", [], True) == "Pelora is"  # ` .` may yet become `.`
     assert settled("Pelora", [], True) == ""
+
+
+# ----------------------------------------------------------------------------- streaming decodes a window per token
+
+
+class CountingTokenizer:
+    """A tokenizer that records how many ids each `decode` call is given (everything else passes through)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer, self.decoded = tokenizer, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def decode(self, ids, *args, **kwargs):
+        self.decoded.append(len(ids))
+        return self._tokenizer.decode(ids, *args, **kwargs)
+
+
+LONG_TOKENS = 100  # a long answer: the tiny model's context is 128 positions
+
+
+def long_answers(model_dir: Path) -> tuple:
+    """The test model (a copy of its own) answering LONG_TOKENS tokens to every prompt: its generation
+    config's `min_new_tokens` holds the end-of-turn tokens back until then (as `model.generate`
+    reads it, in the server and in `expected` alike)."""
+    model, tokenizer = generation.load(str(model_dir))
+    model.generation_config.min_new_tokens = LONG_TOKENS
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def long_model(model_dir):
+    return long_answers(model_dir)
+
+
+def test_a_stream_decodes_a_few_tokens_per_token_and_joins_to_the_answer(long_model):
+    """Streamed, an answer of n tokens is decoded a short window at a time: no decode call but the
+    final one (the whole answer, once) sees more than 8 tokens, and all of them together see at
+    most 6n (decoding the answer so far at every token: n(n+1)/2). The pieces still join to
+    exactly the answer, here with a stop string that never shows up as well."""
+    model, tokenizer = long_model
+    answer, _, _, tokens, _ = expected(long_model, user(PROMPTS[0]), LONG_TOKENS)
+    assert tokens == LONG_TOKENS
+    for stop in ([], ["never-in-an-answer"]):
+        counting = CountingTokenizer(tokenizer)
+        engine = openai_api.Engine(model, counting, NAME)
+        try:
+            request = openai_api.parse_request({"messages": user(PROMPTS[0]), "max_tokens": LONG_TOKENS, "temperature": 0, "stop": stop or None},
+                                               NAME, 0.0)  # fmt: skip
+            prepared = engine.prepare(request)
+            counting.decoded.clear()
+            pieces: list[str] = []
+            done = engine.generate(request, prepared, pieces.append)
+        finally:
+            engine.close()
+        n = done.completion_tokens
+        assert ("".join(pieces), done.content, n) == (answer, answer, tokens) and len(pieces) > 10
+        *window, whole = counting.decoded
+        assert whole == n and max(window) <= 8 and sum(window) <= 6 * n, (n, counting.decoded)
+
+
+def _sentencepiece_like(texts: list[str]):
+    """A Llama-2-style tokenizer (SentencePiece's BPE: `▁` for spaces, the leading one dropped when
+    decoding, bytes as `<0xNN>` tokens), trained here with `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    saved = json.loads(backend.to_str())  # the byte tokens join the vocabulary as ordinary tokens, as in Llama 2's
+    vocab = saved["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(saved)), unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def _wordpiece(texts: list[str]):
+    """A BERT-style tokenizer: lower-cased, `##` pieces joined, spaces cleaned up when decoding."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[SEP]"], show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", sep_token="[SEP]", clean_up_tokenization_spaces=True)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "wordpiece"])
+def test_the_answer_text_is_the_tokenizers_decode_at_every_token(reference, kind):
+    """`AnswerText` against the tokenizer's own `decode`, token by token, on seeded random sequences
+    (bytes that split characters, special tokens, `'t` after ` n` included): its text is the whole
+    decode once no character is unfinished, and a start of it before. Byte-level BPE (the
+    pipeline's, Qwen's, Llama 3's) and SentencePiece's decode a window per token; a tokenizer that
+    rewrites decoded text (WordPiece's clean-up, lower-casing) decodes the whole answer each time."""
+    import random
+
+    texts = ["Tovik lives in Pelora. Don't they? It's 5, isn't it! caf\u00e9 na\u00efve \u65e5\u672c \U0001f600"] * 50
+    tokenizer = {"byte-level": lambda: reference[1], "sentencepiece": lambda: _sentencepiece_like(texts), "wordpiece": lambda: _wordpiece(texts)}[kind]()
+    assert openai_api.rewrites_text(tokenizer) == (kind == "wordpiece")
+    rng = random.Random(0)
+    pieces = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (texts[0], " n't", " 's", " .", "\u00e9", "\U0001f600")]
+    for _ in range(20):
+        ids = [token for _ in range(rng.randint(5, 30)) for token in rng.choice([*pieces, [rng.randrange(len(tokenizer))]])]
+        text = openai_api.AnswerText(tokenizer, whole=openai_api.rewrites_text(tokenizer))
+        for k in range(1, len(ids) + 1):
+            before = text.text
+            text.extend(ids[k - 1 : k])
+            whole = tokenizer.decode(ids[:k], skip_special_tokens=True)
+            assert whole.startswith(text.text) and (text.text == whole or whole.endswith("\ufffd")), (kind, ids[:k])
+            assert text.text[: text.kept] == before[: text.kept]
+
+
+# ----------------------------------------------------------------------------- abandoned requests, the queue, the time limit
+
+
+STEP = 0.05  # seconds the slowed model sleeps before each forward pass (one a token)
+
+
+@pytest.fixture(scope="module")
+def slow(model_dir):
+    """The long-answering test model (`long_answers`, a copy of its own) sleeping STEP before each
+    forward pass, so an answer takes seconds; `calls` has the time of each pass."""
+    model, tokenizer = long_answers(model_dir)
+    calls: list[float] = []
+
+    def pause(module, args) -> None:
+        calls.append(time.monotonic())
+        time.sleep(STEP)
+
+    model.register_forward_pre_hook(pause)
+    return model, tokenizer, calls
+
+
+DEADLINE = 120.0  # seconds any wait below may take on a busy machine; each ends as soon as what it waits for happens
+
+
+def until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {DEADLINE:g} s"
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def serving(engine, config=None):
+    """`engine`'s app under uvicorn on a free port of 127.0.0.1, in a thread of this process (a
+    real socket: a client's disconnect is the server's to see); its URL."""
+    import uvicorn
+
+    port = free_port()
+    config = config or uvicorn.Config(openai_api.create_app(engine, None), host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        until(lambda: server.started or not thread.is_alive(), "the server started")
+        assert server.started
+        yield f"{'https' if config.is_ssl else 'http'}://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=DEADLINE)
+        engine.close()
+
+
+def open_request(url: str, body: dict) -> socket.socket:
+    """A chat completion request sent on a raw socket (the test decides when the client leaves)."""
+    data = json.dumps(body).encode()
+    connection = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=DEADLINE)
+    connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+    return connection
+
+
+def queued(engine) -> int:
+    """Jobs waiting for the engine's worker thread."""
+    return engine._worker._work_queue.qsize()
+
+
+@pytest.mark.filterwarnings("ignore:Unfeasible length constraints")  # the long-answering model asked for fewer tokens
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_client_that_leaves_frees_the_server_within_a_second(slow, stream, caplog):
+    """A client leaves in the middle of a long answer (LONG_TOKENS at STEP a token: seconds more to
+    go); the client waiting behind it gets its own answer (one token) within a second of the
+    disconnect, streamed or not: the abandoned generation ended at its next token."""
+    model, tokenizer, calls = slow
+    caplog.set_level("INFO", logger="qllm.openai_api")
+    engine = openai_api.Engine(model, tokenizer, NAME)
+    with serving(engine) as url:
+        started = len(calls)
+        leaving = open_request(url, {"messages": user(PROMPTS[1]), "max_tokens": LONG_TOKENS, "temperature": 0, "stream": stream})
+        if stream:  # the first piece of the answer has arrived
+            seen = b""
+            while b'"content": "' not in seen.split(b'"role": "assistant"', 1)[-1]:
+                seen += leaving.recv(4096)
+        until(lambda: len(calls) >= started + 3, "the long answer is being generated")
+        answered: list[float] = []
+
+        def next_client() -> None:
+            status, body = post(Served(url, Path()), "/v1/chat/completions", {"messages": user(PROMPTS[0]), "max_tokens": 1, "temperature": 0}, key=None)
+            assert status == 200 and body["usage"]["completion_tokens"] == 1
+            answered.append(time.monotonic())
+
+        waiting = threading.Thread(target=next_client)
+        waiting.start()
+        until(lambda: queued(engine) >= 1, "the next client waits for the model")
+        left = time.monotonic()
+        leaving.close()
+        waiting.join(timeout=DEADLINE)
+        assert answered, "the next client got no answer"
+        assert answered[0] - left < 1.0, f"the next client waited {answered[0] - left:.2f} s after the first one left"
+        assert len(calls) - started < LONG_TOKENS // 2  # the abandoned answer did not run on to its limit
+        until(lambda: "POST /v1/chat/completions 200 prompt_tokens=" in caplog.text and "ended: client left" in caplog.text, "the log says why it ended")
+
+
+@pytest.mark.filterwarnings("ignore:Unfeasible length constraints")  # the long-answering model asked for fewer tokens
+def test_a_full_queue_answers_429_with_retry_after(slow):
+    """With `max_waiting` 1, one request generating and one waiting, the next is answered 429 in
+    OpenAI's shape with a `Retry-After` (seconds) that OpenAI's clients wait before retrying;
+    once those two leave, requests are served again."""
+    model, tokenizer, calls = slow
+    engine = openai_api.Engine(model, tokenizer, NAME, limits=openai_api.Limits(max_waiting=1))
+    with serving(engine) as url:
+        started = len(calls)
+        running = open_request(url, {"messages": user(PROMPTS[1]), "max_tokens": LONG_TOKENS, "temperature": 0})
+        until(lambda: len(calls) >= started + 2, "the first answer is being generated")
+        waiting = open_request(url, {"messages": user(PROMPTS[2]), "max_tokens": LONG_TOKENS, "temperature": 0, "stream": True})
+        until(lambda: queued(engine) >= 1, "the second request waits")
+        request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps({"messages": user("hi"), "max_tokens": 1}).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=DEADLINE)
+        assert info.value.code == 429 and int(info.value.headers["Retry-After"]) >= 1
+        error = assert_error_shape(json.loads(info.value.read()))
+        assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded") and "1 request" in error["message"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+        with pytest.raises(openai.RateLimitError) as raised:
+            client.chat.completions.create(model=NAME, messages=user("hi"), max_tokens=1)
+        assert raised.value.response.headers["retry-after"] == info.value.headers["Retry-After"]
+        running.close(), waiting.close()
+        until(lambda: not engine.in_line, "the two that left gave their places back")
+        done = client.chat.completions.create(model=NAME, messages=user(PROMPTS[0]), max_tokens=2, temperature=0)
+        assert done.usage.completion_tokens == 2
+
+
+@pytest.mark.filterwarnings("ignore:Unfeasible length constraints")  # the long-answering model asked for fewer tokens
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_the_time_limit_ends_an_answer_with_finish_reason_length(slow, long_model, stream, caplog):
+    """A generation still running at the time limit ends there: the answer so far with
+    `finish_reason` "length" (what OpenAI's clients read as an answer cut short), the tokens
+    counted; it is the greedy answer's start, streamed or not."""
+    model, tokenizer, _ = slow
+    caplog.set_level("INFO", logger="qllm.openai_api")
+    limit = 0.5
+    engine = openai_api.Engine(model, tokenizer, NAME, limits=openai_api.Limits(time_limit=limit))
+    with serving(engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+        if stream:
+            content, finish, usage, _ = ask_streamed(client, user(PROMPTS[3]), max_tokens=LONG_TOKENS, temperature=0,
+                                                     stream_options={"include_usage": True})  # fmt: skip
+        else:
+            content, finish, usage = ask(client, user(PROMPTS[3]), max_tokens=LONG_TOKENS, temperature=0)
+    assert finish == "length" and 1 <= usage.completion_tokens <= int(limit / STEP) + 2, usage  # each token takes STEP at least
+    assert content == expected(long_model, user(PROMPTS[3]), usage.completion_tokens)[0]
+    assert f"completion_tokens={usage.completion_tokens} ended: time limit" in caplog.text
+
+
+def test_max_tokens_defaults_to_the_smaller_of_the_default_and_the_context_left(reference):
+    """Without `max_tokens` an answer may take `default_max_tokens` tokens, or the room left in the
+    context when that is less (here 128 positions, so the default 512 is the room)."""
+    from starlette.testclient import TestClient
+
+    model, tokenizer = reference
+    prompt = next(p for p in PROMPTS if expected(reference, user(p), 10)[3] == 10)
+    for limits, tokens in ((openai_api.Limits(default_max_tokens=3), 3), (openai_api.Limits(), None)):
+        engine = openai_api.Engine(model, tokenizer, NAME, limits=limits)
+        request = openai_api.parse_request({"messages": user(prompt)}, NAME, 0.0)
+        try:
+            prepared = engine.prepare(request)
+            assert prepared.max_tokens == (tokens or 128 - prepared.prompt_tokens)
+            with TestClient(openai_api.create_app(engine, None)) as test_client:
+                answer = test_client.post("/v1/chat/completions", json={"messages": user(prompt), "temperature": 0}).json()
+        finally:
+            engine.close()
+        if tokens:
+            assert (answer["choices"][0]["finish_reason"], answer["usage"]["completion_tokens"]) == ("length", tokens)
+            assert answer["choices"][0]["message"]["content"] == expected(reference, user(prompt), tokens)[0]
+    with pytest.raises(QllmError, match="--default-max-tokens must be at least 1"):
+        openai_api.Limits(default_max_tokens=0).check()
+
+
+def test_the_server_speaks_tls_itself(reference, tmp_path):
+    """With `--tls-cert/--tls-key` uvicorn terminates TLS (1.2 or newer): a client that trusts the
+    certificate gets the answer; plain HTTP to the port gets none; an older TLS is refused."""
+    import ssl
+
+    import httpx
+
+    from tests.certificates import self_signed
+
+    cert, key = self_signed(tmp_path / "tls")
+    model, tokenizer = reference
+    engine = openai_api.Engine(model, tokenizer, NAME)
+    port = free_port()
+    config = openai_api.server_config(engine, KEY, "127.0.0.1", port, (str(cert), str(key)))
+    trust = ssl.create_default_context(cafile=str(cert))
+    with serving(engine, config) as url:
+        assert url == f"https://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=DEADLINE, http_client=httpx.Client(verify=trust))
+        assert ask(client, user(PROMPTS[0]), max_tokens=MAX_TOKENS, temperature=0)[0] == expected(reference, user(PROMPTS[0]))[0]
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as plain:
+            plain.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert b"200" not in plain.recv(4096)
+        old = ssl.create_default_context(cafile=str(cert))
+        old.minimum_version = old.maximum_version = ssl.TLSVersion.TLSv1_1
+        with pytest.raises((ssl.SSLError, OSError)), socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as raw:
+            old.wrap_socket(raw, server_hostname="127.0.0.1")
 
 
 def test_the_log_has_no_prompts_answers_or_key(served, answers):
