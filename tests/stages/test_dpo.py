@@ -16,10 +16,30 @@ from pipelines.core.config import DpoParams, RefLogprobsParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import load_for_inference
 from pipelines.core.training import preference_data
+from tests import numerics
 from tests.conftest import record_dpo_losses
 
 TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=2, log_every=1,
                     checkpoint_every=0, precision="fp32", weight_decay=0.0)
+
+
+FORMULA = 24
+"""A preference loss's own roundings: at most four elementwise functions and 16 other operations."""
+
+
+def logp_tolerance(root, magnitude: float) -> float:
+    """How far two forward passes of the start model in other batch shapes (the reference cache's,
+    the policy's at step 1, one sequence at a time here) may put a log-probability sum of size
+    `magnitude` apart: the tiny model's chain at up to 128 positions (tests/numerics.py)."""
+    from transformers import AutoConfig
+
+    return numerics.tolerance(numerics.model_roundings(AutoConfig.from_pretrained(root / "data/models/sft"), 128), magnitude=magnitude)
+
+
+def cached_magnitude(root) -> float:
+    """The largest |log-probability sum| in the reference cache."""
+    cached = pd.read_parquet(root / "data/ref_logprobs/train.parquet")
+    return float(cached[["ref_chosen_logp", "ref_rejected_logp"]].abs().max().max())
 
 
 @pytest.fixture
@@ -51,10 +71,12 @@ def test_dpo_starts_at_log2_and_never_runs_the_reference(workspace, monkeypatch)
     monkeypatch.setattr(preference_data, "sequence_logps", counting)
     first_losses = record_dpo_losses(monkeypatch)
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(beta=0.1, train=TRAIN))
-    # Step 1: the policy *is* the reference, so every pair's logits are 0 and the loss is log 2.
+    # Step 1: the policy *is* the reference, so every pair's logits are 0 and the loss is log 2, up
+    # to two forward passes' rounding of each log-ratio's two sums (-logsigmoid's slope at 0 is 1/2)
     loss, step_metrics = first_losses[0]
-    assert loss == pytest.approx(math.log(2), abs=1e-4)
-    assert step_metrics["rewards/chosen"] == pytest.approx(0, abs=1e-4) and step_metrics["kl/chosen"] == pytest.approx(0, abs=1e-4)
+    tol = logp_tolerance(root, cached_magnitude(root))
+    assert loss == pytest.approx(math.log(2), abs=0.5 * 0.1 * 2 * tol + numerics.tolerance(FORMULA, magnitude=math.log(2)))
+    assert step_metrics["rewards/chosen"] == pytest.approx(0, abs=0.1 * tol) and step_metrics["kl/chosen"] == pytest.approx(0, abs=tol)
     # One policy forward per batch (chosen and rejected concatenated): 4 training batches of 2
     # pairs, 2 validation evaluations of 1 batch, 2 held-out batches. No reference forward at all.
     assert calls == [4] * 4 + [4] * 2 + [4, 4]
@@ -154,8 +176,12 @@ def test_simpo_first_step_is_its_formula_on_average_log_probs(tiny_base, tmp_pat
     loss, first = seen[0]
     pairs = start_logps(root)
     margins = torch.tensor([c / nc - r / nr for c, nc, r, nr in pairs])
-    assert loss == pytest.approx(float(-torch.nn.functional.logsigmoid(2.0 * margins - 0.5).mean()), abs=1e-4)
-    assert first["logps/chosen"] == pytest.approx(sum(c / nc for c, nc, _, _ in pairs) / 6, abs=1e-4)
+    # the stage's batch against one sequence at a time: a margin of two per-token averages within
+    # `tol` (on both averages' size), and -logsigmoid's slope at most 1 on beta times it
+    tol = logp_tolerance(root, max(abs(c) / nc for c, nc, *_ in pairs) + max(abs(r) / nr for *_, r, nr in pairs))
+    expected = float(-torch.nn.functional.logsigmoid(2.0 * margins - 0.5).mean())
+    assert loss == pytest.approx(expected, abs=2.0 * tol + numerics.tolerance(FORMULA, magnitude=expected))
+    assert first["logps/chosen"] == pytest.approx(sum(c / nc for c, nc, _, _ in pairs) / 6, abs=tol)
     assert "kl/chosen" not in first and "nll/chosen" not in first
     assert metrics["steps"] == 4 and "heldout/rewards/margins" in metrics and metrics["reference"] is None
     config = json.loads((root / "data/models/dpo" / preference_data.PREFERENCE_CONFIG).read_text())
@@ -176,8 +202,15 @@ def test_orpo_first_step_is_the_nll_plus_the_odds_ratio_term(tiny_base, tmp_path
     pc = torch.tensor([c / nc for c, nc, _, _ in pairs], dtype=torch.float64)
     pr = torch.tensor([r / nr for _, _, r, nr in pairs], dtype=torch.float64)
     log_odds = (pc - pr) - (torch.log(1 - torch.exp(pc)) - torch.log(1 - torch.exp(pr)))
-    assert loss == pytest.approx(nll - 0.25 * float(torch.nn.functional.logsigmoid(log_odds).mean()), abs=1e-4)
-    assert first["nll_loss"] == pytest.approx(nll, abs=1e-4)
+    # the stage's batch against one sequence at a time: the NLL within its sums' tolerance; the log
+    # odds within tol x (1 + e^p / (1 - e^p)) (tol on both averages' size), < 2 tol here (p < -log 2),
+    # logsigmoid's slope <= 1
+    tol = logp_tolerance(root, float(pc.abs().max() + pr.abs().max()))
+    assert float(pc.max()) < -math.log(2) and float(pr.max()) < -math.log(2)
+    nll_tol = logp_tolerance(root, abs(nll))
+    expected = nll - 0.25 * float(torch.nn.functional.logsigmoid(log_odds).mean())
+    assert loss == pytest.approx(expected, abs=nll_tol + 0.25 * 2 * tol + numerics.tolerance(FORMULA, magnitude=abs(expected)))
+    assert first["nll_loss"] == pytest.approx(nll, abs=nll_tol)
     config = json.loads((root / "data/models/dpo" / preference_data.PREFERENCE_CONFIG).read_text())
     assert config == {"method": "orpo", "beta": 0.25, "reference": None}  # nothing it did not read
 
@@ -203,7 +236,9 @@ def test_kto_starts_at_one_half_with_zero_kl(tiny_base, tmp_path, monkeypatch):
     seen = record_dpo_losses(monkeypatch)
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(method="kto", train=TRAIN))
     loss, first = seen[0]
-    assert loss == pytest.approx(0.5, abs=1e-4) and first["kl"] == pytest.approx(0.0, abs=1e-4)
+    # up to two forward passes' rounding of the log-ratio and of the KL estimate (tol each); 1 - sigmoid's slope is 1/4
+    tol = logp_tolerance(root, cached_magnitude(root))
+    assert loss == pytest.approx(0.5, abs=0.25 * 0.1 * 2 * tol + numerics.tolerance(FORMULA, magnitude=0.5)) and first["kl"] == pytest.approx(0.0, abs=tol)
     assert metrics["train_examples"] == 12 and "heldout/kl" in metrics
 
 
@@ -230,8 +265,14 @@ def test_every_dpo_loss_trains_from_the_cache(workspace, loss_type, monkeypatch)
     seen = record_dpo_losses(monkeypatch)
     params = DpoParams(loss_type=loss_type, label_smoothing=smoothing, train=TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0}))
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params)
-    assert seen[0][0] == pytest.approx(expected, rel=1e-3, abs=1e-3)
-    assert seen[0][1]["rewards/margins"] == pytest.approx(0.0, abs=1e-3)
+    # each log-ratio is 0 up to two forward passes' rounding of its sums (tol each, chosen and
+    # rejected); the losses' slopes at 0 on each are at most 1/beta for the ipo family ((z - 1/(2b))^2,
+    # a term per side for sppo_hard) and 2 beta for the rest (exo_pair's beta (log(1/e)/4 + 1/2) =
+    # 1.9 beta is the largest)
+    tol = logp_tolerance(root, cached_magnitude(root))
+    slope = 1 / 0.1 if loss_type in ("ipo", "ipo_sum", "sppo_hard") else 2 * 0.1
+    assert seen[0][0] == pytest.approx(expected, abs=slope * 2 * tol + numerics.tolerance(FORMULA, magnitude=expected))
+    assert seen[0][1]["rewards/margins"] == pytest.approx(0.0, abs=0.1 * 2 * tol)
     assert metrics["steps"] == 2 and math.isfinite(metrics["heldout/loss"]) and math.isfinite(metrics["heldout/rewards/margins"])
     config = json.loads((root / "data/models/dpo" / preference_data.PREFERENCE_CONFIG).read_text())
     assert config["loss_type"] == loss_type and config["label_smoothing"] == smoothing
@@ -272,9 +313,11 @@ def test_kto_runs_each_prompt_once_for_the_example_and_its_kl_row(tiny_base, tmp
     monkeypatch.setattr(preference_data, "shares_prompt", lambda m: False)
     rows_logps, rows_kl = dpo._kto_logps(model, batch)
     rows_grad = torch.autograd.grad(rows_logps.sum(), model.lm_head.weight)[0]
-    torch.testing.assert_close(shared_logps.detach(), rows_logps.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(shared_kl, rows_kl, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(shared_grad, rows_grad, atol=1e-5, rtol=1e-4)
+    # two forward (and backward) passes in other batch shapes: the model's chain (tests/numerics.py)
+    forward = numerics.model_roundings(model.config, 128)
+    numerics.assert_close_as(shared_logps.detach(), rows_logps.detach(), n=forward, what="log-probabilities")
+    numerics.assert_close_as(shared_kl, rows_kl, n=forward, what="KL rows")
+    numerics.assert_close_as(shared_grad, rows_grad, n=numerics.model_roundings(model.config, 128, tokens=batch["input_ids"].numel(), backward=True), what="gradient")
 
 
 def test_kto_warns_as_trl_does_when_the_weights_do_not_balance_the_data(tiny_base, tmp_path):
