@@ -25,7 +25,8 @@ Decoding, per request:
 - `top_p` (sampling only) and `seed`; without a seed a sampled answer takes a random one. The
   model's generation config supplies the rest (e.g. `top_k`), as for `qllm generate`: a request with
   temperature T and seed S answers what `qllm generate --temperature T --seed S` prints.
-- `max_tokens` (or `max_completion_tokens`): default, the room left in the model's context.
+- `max_tokens` (or `max_completion_tokens`): default, `--default-max-tokens` (512) or the room left
+  in the model's context, the smaller.
 - `stop`: a string or up to 4; the answer ends before the first one (`finish_reason` "stop").
 - Answers stop at the end of the assistant turn (`models.stop_token_ids`), special tokens removed and
   surrounding whitespace stripped as `qllm generate` does; `usage` counts the prompt's tokens and
@@ -34,14 +35,20 @@ Decoding, per request:
   OpenAI does not define are refused with a 400 naming the field, never silently ignored.
 
 One model is in memory and one generation runs at a time (one worker thread, first come first
-served), so concurrent clients queue; a streaming client that disconnects ends its generation.
-Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`; a 500 says only that
-the server failed (the log has the exception's type and frames, not its message). The log has one
-line per request (method, path, status, token counts, seconds): never prompts, answers or keys.
+served), so concurrent clients wait in line: at most `--max-waiting` (16) behind the one being
+answered, one more gets a 429 with `Retry-After`. A client that disconnects, streamed or not, ends
+its generation at the next token (or leaves the line); a generation still running after
+`--time-limit` seconds (300) ends there with `finish_reason` "length". A stream decodes a few tokens
+per token (`AnswerText`), not the whole answer again. Errors have OpenAI's shape, `{"error":
+{"message", "type", "param", "code"}}`; a 500 says only that the server failed (the log has the
+exception's type and frames, not its message). The log has one line per request (method, path,
+status, token counts, why it ended early, seconds): never prompts, answers or keys.
 
 It binds 127.0.0.1 unless told otherwise. With an API key (`--api-key-env VAR`, or `--api-key-file
 FILE` readable by its owner only; never a command-line value, which `ps` shows) every route but
-`/health` needs `Authorization: Bearer KEY`; a host beyond this machine is refused without one.
+`/health` needs `Authorization: Bearer KEY`. A host beyond this machine is refused without a key,
+and with one over plain HTTP unless `--insecure`: `--tls-cert/--tls-key` has uvicorn speak TLS
+itself (`serve.check_tls`, the team servers' rule).
 """
 
 from __future__ import annotations
@@ -307,12 +314,20 @@ def rewrites_text(tokenizer: Any) -> bool:
     return tokenizer.decode(ids, skip_special_tokens=True) != ROUND_TRIP
 
 
+UNFINISHED_TOKENS = 4
+"""A window ending in U+FFFD waits for the tokens that may finish its character while fewer than
+this many came since the text last grew: a character has at most 4 bytes in UTF-8, so its
+unfinished start is at most 3 tokens. After that the U+FFFD are invalid bytes, and the window's
+text is taken as it is (were a character finished after all, the next window would not begin with
+it, and the answer is decoded whole, once)."""
+
+
 class AnswerText:
     """The text of an answer as it grows, `tokenizer.decode(ids, skip_special_tokens=True)`,
     kept up to date a token at a time by decoding a few of the last tokens (the method of vLLM's
     detokenizer and of `tokenizers.decoders.DecodeStream`): the window from `prefix` decodes to
     the text already had for ids[prefix:read], then what the new tokens add. A window that ends in
-    an unfinished UTF-8 character (U+FFFD) waits for the tokens that finish it; one whose text does
+    an unfinished UTF-8 character (U+FFFD) waits for the tokens that finish it (`UNFINISHED_TOKENS`); one whose text does
     not begin with what it had (the tokenizer changed earlier text) has the answer decoded whole,
     that once. A tokenizer that `rewrites_text` has the answer decoded whole at every token.
 
@@ -337,8 +352,8 @@ class AnswerText:
             if self.whole:
                 continue
             window = self._decode(self.ids[self.prefix :])
-            if len(window) <= len(self.prefix_text) or window.endswith("\ufffd"):
-                continue  # no new text yet (a special token), or an unfinished character
+            if window == self.prefix_text or (window.endswith("\ufffd") and len(self.ids) - self.read < UNFINISHED_TOKENS):
+                continue  # no text from the new tokens (special ones), or an unfinished character
             if window.startswith(self.prefix_text):
                 self.text += window[len(self.prefix_text) :]
             else:
@@ -507,7 +522,8 @@ class Engine:
             if content.startswith(emitted):
                 if len(content) > len(emitted):
                     on_text(content[len(emitted) :])
-            else:  # not seen with the tokenizers here: the decoded text changed behind what was sent
+            else:  # not seen with the tokenizers here (SentencePiece's byte fallback could: a character from byte tokens, sent,
+                # then a bad byte after it, which makes the whole decode replace both): the text changed behind what was sent
                 log.warning("a streamed answer's text changed after it was sent; the stream differs from the answer")
         self.last_seconds = time.monotonic() - started
         return Completion(content, finish, prompt_length, len(new), ended[0])

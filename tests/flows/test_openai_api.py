@@ -645,15 +645,16 @@ def test_a_stream_decodes_a_few_tokens_per_token_and_joins_to_the_answer(long_mo
     """Streamed, an answer of n tokens is decoded a short window at a time: no decode call but the
     final one (the whole answer, once) sees more than 8 tokens, and all of them together see at
     most 6n (decoding the answer so far at every token: n(n+1)/2). The pieces still join to
-    exactly the answer, here with a stop string that never shows up as well."""
+    exactly the answer, here with a stop string that never shows up as well. The answers (of the
+    chaotic test model) hold runs of bytes that are no UTF-8 character."""
     model, tokenizer = long_model
-    answer, _, _, tokens, _ = expected(long_model, user(PROMPTS[0]), LONG_TOKENS)
-    assert tokens == LONG_TOKENS
-    for stop in ([], ["never-in-an-answer"]):
+    for prompt, stop in [(prompt, []) for prompt in PROMPTS[:4]] + [(PROMPTS[0], ["never-in-an-answer"])]:
+        answer, _, _, tokens, _ = expected(long_model, user(prompt), LONG_TOKENS)
+        assert tokens == LONG_TOKENS
         counting = CountingTokenizer(tokenizer)
         engine = openai_api.Engine(model, counting, NAME)
         try:
-            request = openai_api.parse_request({"messages": user(PROMPTS[0]), "max_tokens": LONG_TOKENS, "temperature": 0, "stop": stop or None},
+            request = openai_api.parse_request({"messages": user(prompt), "max_tokens": LONG_TOKENS, "temperature": 0, "stop": stop or None},
                                                NAME, 0.0)  # fmt: skip
             prepared = engine.prepare(request)
             counting.decoded.clear()
@@ -664,7 +665,7 @@ def test_a_stream_decodes_a_few_tokens_per_token_and_joins_to_the_answer(long_mo
         n = done.completion_tokens
         assert ("".join(pieces), done.content, n) == (answer, answer, tokens) and len(pieces) > 10
         *window, whole = counting.decoded
-        assert whole == n and max(window) <= 8 and sum(window) <= 6 * n, (n, counting.decoded)
+        assert whole == n and max(window) <= 8 and sum(window) <= 6 * n, (prompt, counting.decoded)
 
 
 def _sentencepiece_like(texts: list[str]):
@@ -700,8 +701,10 @@ def _wordpiece(texts: list[str]):
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "wordpiece"])
 def test_the_answer_text_is_the_tokenizers_decode_at_every_token(reference, kind):
     """`AnswerText` against the tokenizer's own `decode`, token by token, on seeded random sequences
-    (bytes that split characters, special tokens, `'t` after ` n` included): its text is the whole
-    decode once no character is unfinished, and a start of it before. Byte-level BPE (the
+    (bytes that split characters or are none, special tokens, `'t` after ` n` included): its text is
+    the whole decode whenever that ends in a finished character (before, it may lag; with
+    SentencePiece's byte fallback, a byte token's character that a following bad byte turns into
+    U+FFFD in the whole decode may still show), and what `kept` says is unchanged. Byte-level BPE (the
     pipeline's, Qwen's, Llama 3's) and SentencePiece's decode a window per token; a tokenizer that
     rewrites decoded text (WordPiece's clean-up, lower-casing) decodes the whole answer each time."""
     import random
@@ -711,14 +714,14 @@ def test_the_answer_text_is_the_tokenizers_decode_at_every_token(reference, kind
     assert openai_api.rewrites_text(tokenizer) == (kind == "wordpiece")
     rng = random.Random(0)
     pieces = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (texts[0], " n't", " 's", " .", "\u00e9", "\U0001f600")]
-    for _ in range(20):
+    for _ in range(100):
         ids = [token for _ in range(rng.randint(5, 30)) for token in rng.choice([*pieces, [rng.randrange(len(tokenizer))]])]
         text = openai_api.AnswerText(tokenizer, whole=openai_api.rewrites_text(tokenizer))
         for k in range(1, len(ids) + 1):
             before = text.text
             text.extend(ids[k - 1 : k])
             whole = tokenizer.decode(ids[:k], skip_special_tokens=True)
-            assert whole.startswith(text.text) and (text.text == whole or whole.endswith("\ufffd")), (kind, ids[:k])
+            assert text.text == whole or whole.endswith("\ufffd"), (kind, ids[:k])
             assert text.text[: text.kept] == before[: text.kept]
 
 
