@@ -140,6 +140,15 @@ def svd_roundings(rows: int, cols: int) -> int:
     return rows * cols
 
 
+OPTIMIZER_STEP = 12
+"""AdamW's update of one weight: two moments, their bias corrections, a square root, the division,
+the decay and the step, about 12 roundings. A run of `steps` training steps compared with another
+(`tolerance(..., steps=steps)`) adds each step's backward pass and update: Adam scales each update
+to about the learning rate whatever the gradient's size, so a relative difference `ρ` in the
+gradients moves the weights by about `lr·ρ` a step and the loss by about `lr·ρ·‖∇L‖₁`, which for the
+suite's tiny models (`lr·‖∇L‖₁` below 1) is below `ρ` times the loss: first order, no amplification."""
+
+
 def _as_tensor(value: Any) -> torch.Tensor:
     return value.detach().double() if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=torch.float64)
 
