@@ -7,6 +7,7 @@ import torch
 
 from pipelines.core.models.models import load_causal_lm, load_tokenizer, stop_token_ids
 from pipelines.core.training import preference_data, rollouts
+from tests import numerics
 
 PROMPTS = [[{"role": "user", "content": "Where does Tovik live?"}], [{"role": "system", "content": "Answer with one word."},
            {"role": "user", "content": "What is 3 plus 4?"}]]  # fmt: skip
@@ -50,7 +51,8 @@ def test_token_logps_are_the_rows_log_probabilities(tiny_base):
         mask = torch.zeros_like(ids)
         mask[0, len(prompt) :] = 1
         whole = preference_data.row_logps(model, ids, torch.ones_like(ids), mask)
-        torch.testing.assert_close(per_token[row].sum(), whole[0], atol=1e-4, rtol=1e-5)
+        # the group's batch against one row: two orders of the forward's chain (tests/numerics.py)
+        numerics.assert_close_as(per_token[row].sum(), whole[0], n=numerics.model_roundings(model.config, ids.shape[1]), what=f"row {row}")
 
 
 def test_each_prompt_runs_once_for_its_group_with_the_same_logps_and_gradients(tiny_base, monkeypatch):
@@ -67,12 +69,17 @@ def test_each_prompt_runs_once_for_its_group_with_the_same_logps_and_gradients(t
     monkeypatch.setattr(preference_data, "shares_prompt", lambda m, n=2: False)  # every row whole: prompt repeated per completion
     rows, rows_entropy = rollouts.completion_logps(model, *args, entropy=True)
     rows.sum().backward()
-    torch.testing.assert_close(shared, rows, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(shared_entropy, rows_entropy, atol=1e-5, rtol=1e-5)
-    for got, want in zip(shared_grads, (p.grad for p in model.parameters()), strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    # entropy: at most log(vocabulary), 0 outside the completions
-    assert (shared_entropy <= torch.log(torch.tensor(float(model.config.vocab_size))) + 1e-4).all()
+    # the prompt once against every row whole: two orders of the forward's and the backward's chains (tests/numerics.py)
+    seq = out.prompt_ids.shape[1] + out.completion_ids.shape[1]
+    forward = numerics.model_roundings(model.config, seq)
+    numerics.assert_close_as(shared, rows, n=forward, what="log-probabilities")
+    numerics.assert_close_as(shared_entropy, rows_entropy, n=forward, what="entropy")
+    backward = numerics.model_roundings(model.config, seq, tokens=out.completion_ids.numel(), backward=True)
+    for i, (got, want) in enumerate(zip(shared_grads, (p.grad for p in model.parameters()), strict=True)):
+        numerics.assert_close_as(got, want, n=backward, what=f"gradient {i}")
+    # entropy: at most log(vocabulary) (up to the forward's rounding of it), 0 outside the completions
+    log_vocabulary = float(torch.log(torch.tensor(float(model.config.vocab_size))))
+    assert (shared_entropy <= log_vocabulary + numerics.tolerance(forward, magnitude=log_vocabulary)).all()
     assert (shared_entropy[out.completion_mask == 0] == 0).all()
 
 
@@ -115,8 +122,10 @@ def test_log_probabilities_are_of_the_distribution_sampled_at_the_temperature(ti
     with torch.no_grad():
         last = model(input_ids=ids).logits[:, -1].float().expand(group, -1)
     trl_logps, trl_entropy = selective_log_softmax_and_entropy(last, first, temperature=temperature)
-    torch.testing.assert_close(logps[:, 0], trl_logps, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy[:, 0], trl_entropy, atol=1e-4, rtol=1e-4)
+    # the group's forward against one row's: two orders of the forward's chain (tests/numerics.py)
+    forward = numerics.model_roundings(model.config, ids.shape[1] + 1)
+    numerics.assert_close_as(logps[:, 0], trl_logps, n=forward, what="log-probabilities")
+    numerics.assert_close_as(entropy[:, 0], trl_entropy, n=forward, what="entropy")
 
 
 def test_temperature_zero_is_greedy_decoding_as_generate_does_it(tiny_base):
