@@ -58,7 +58,8 @@ ARMS = ("qubo", "qubo_in_loop", "greedy", "uniform", "adalora", "random")
 def train_and_score(root: Path, params, allocation: str, ranks: dict | None, seed: int, questions, scratch: Path, name: str) -> dict:
     base = params.lora.model_copy(update={"base_model": str(root / params.lora.base_model), "allocation": "uniform" if ranks is not None else allocation})
     base = base.model_copy(update={"adapter": base.adapter.model_copy(update={"merge": True})})
-    run_params = lora.apply_allocation(base, {"rank_pattern": ranks}) if ranks is not None else base
+    allocation_file = {"rank_pattern": ranks, "budget_rank": params.quantum_opt.budget_rank}  # as quantum_opt writes it
+    run_params = lora.apply_allocation(base, allocation_file) if ranks is not None else base
     run_params = run_params.model_copy(update={"train": run_params.train.model_copy(update={"seed": seed, "checkpoint_every": 0, "extensions": []})})
     out = scratch / f"{name}-{seed}"
     started = time.perf_counter()

@@ -37,8 +37,8 @@ WARMUP = 3
 # policy -> changes to params.yaml's `dpo` section ("default": none, i.e. what `make run` trains)
 POLICIES = {
     "default": {},
-    "all-weights": {"adapter": "none"},
-    "lora-every-layer": {"adapter": "lora", "lora": {"layers_to_transform": []}},
+    "all-weights": {"adapter": {"enabled": False}},
+    "lora-every-layer": {"adapter": {"enabled": True, "layers_to_transform": []}},
 }
 
 
@@ -86,15 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.policies:
         dpo_params = params.dpo.model_copy(update={"train": cfg})
         changes = POLICIES[name]
-        if "lora" in changes:
-            changes = {**changes, "lora": dpo_params.lora.model_copy(update=changes["lora"])}
+        if "adapter" in changes:
+            adapter = {key: value for key, value in changes["adapter"].items() if changes["adapter"]["enabled"] or key == "enabled"}
+            changes = {**changes, "adapter": (dpo_params.adapter if adapter["enabled"] else type(dpo_params.adapter)()).model_copy(update=adapter)}
         dpo_params = dpo_params.model_copy(update=changes)
         cached, live = [], []
         for _ in range(args.trials):
             for mode in ("cached", "live"):
                 policy = copy.deepcopy(base)
-                if dpo_params.adapter == "lora":
-                    policy = adapters.wrap(dpo_params.lora, "dpo.lora")(policy, None)
+                if dpo_params.adapter.enabled:
+                    policy = adapters.wrap(dpo_params.adapter, "dpo.adapter")(policy, None)
 
                     def reference(batch, policy=policy):
                         with policy.disable_adapter(), loop.autocast(torch.device("cpu"), cfg.precision):
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 loss_fn = dpo.dpo_loss(dpo_params, None if mode == "cached" else reference)
                 (cached if mode == "cached" else live).append(step_seconds(policy, loss_fn, pairs, cfg))
         ratio = statistics.median(cached) / statistics.median(live)
-        layers = dpo_params.lora.layers_to_transform or "all"
-        print(f"{name} (adapter={dpo_params.adapter}{f', layers {layers}' if dpo_params.adapter == 'lora' else ''}): "
+        layers = dpo_params.adapter.layers_to_transform or "all"
+        print(f"{name} (adapter={'lora' if dpo_params.adapter.enabled else 'none'}{f', layers {layers}' if dpo_params.adapter.enabled else ''}): "
               f"cached {1000 * statistics.median(cached):.1f} ms/step, live reference "
               f"{1000 * statistics.median(live):.1f} ms/step, ratio {ratio:.3f} (expected <= 0.75)")
     return 0

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             probe_objective = qubo.objective(ranks, values, redundancy, q.lam)
             losses, exact = [], []
             for seed in args.seeds:
-                run_params = lora.apply_allocation(base, {"rank_pattern": ranks})
+                run_params = lora.apply_allocation(base, {"rank_pattern": ranks, "budget_rank": q.budget_rank})  # as quantum_opt writes it
                 run_params = run_params.model_copy(update={"train": run_params.train.model_copy(update={"seed": seed, "checkpoint_every": 0})})
                 out = Path(tmp) / f"{name}-{seed}"
                 metrics = lora.run(root / "data/prepared/chat", out, stage.resolve_precision("lora", run_params))

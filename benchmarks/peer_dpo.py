@@ -122,9 +122,9 @@ def trl_trainer(model, tokenizer, records: pd.DataFrame, dpo_params, cfg, *, pre
         precompute_ref_log_probs=precompute, max_length=max_length,
     )  # fmt: skip
     policy, peft_config, reference = copy.deepcopy(model), None, None
-    if dpo_params.adapter == "lora":
-        lora = dpo_params.lora
-        peft_config = adapters.lora_config(lora, adapters.token_ids(tokenizer, lora.trainable_tokens, "dpo.lora"), adapters.layer_indices(policy, lora, "dpo.lora"))
+    if dpo_params.adapter.enabled:
+        lora = dpo_params.adapter
+        peft_config = adapters.lora_config(lora, adapters.token_ids(tokenizer, lora.trainable_tokens, "dpo.adapter"), adapters.layer_indices(policy, lora, "dpo.adapter"))
     elif not precompute:
         reference = copy.deepcopy(model).eval().requires_grad_(False)  # as ours-live: a frozen copy, not a reload from disk
     return DPOTrainer(policy, reference, args=args, train_dataset=trl_dataset(records), processing_class=tokenizer,
@@ -210,12 +210,12 @@ def same_split(prepared: pd.DataFrame, pairs: list[preference_data.Pair], tails:
 
 def fresh_policy(base, tokenizer, params, section: str, seed: int):
     """A copy of `base` as a stage trains it: all weights, or under the LoRA adapter `params`
-    (`params.adapter`, `params.lora`) builds, initialised from `seed`."""
+    (`params.adapter`) builds, initialised from `seed`."""
     policy = copy.deepcopy(base)
     with CONSTRUCTION:
         torch.manual_seed(seed)
-        if params.adapter == "lora":
-            policy = adapters.wrap(params.lora, f"{section}.lora")(policy, tokenizer)
+        if params.adapter.enabled:
+            policy = adapters.wrap(params.adapter, f"{section}.adapter")(policy, tokenizer)
     return policy
 
 
@@ -223,7 +223,7 @@ def time_ours(base, tokenizer, pairs, dpo_params, cfg, live: bool) -> float:
     """Seconds per step of the `dpo` stage's loop (reference cached, or computed every step)."""
     policy = fresh_policy(base, tokenizer, dpo_params, "dpo", cfg.seed)
     reference = None
-    if live and dpo_params.adapter == "lora":
+    if live and dpo_params.adapter.enabled:
 
         def reference(batch):  # under the loop's autocast and dpo_loss's no_grad
             with policy.disable_adapter():
@@ -285,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = params.dpo.train.model_copy(update={"max_steps": args.steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0,
                                               "log_every": 10, "precision": resolved, "extensions": []})  # fmt: skip
     dpo_params = params.dpo.model_copy(update={"train": cfg})
-    lora = dpo_params.lora
+    lora = dpo_params.adapter
     policy = (f"LoRA r={lora.r} alpha={lora.lora_alpha:g} on {'/'.join(lora.target_modules)} of layers "
-              f"{adapters.layer_indices(base, lora, 'dpo.lora') or 'all'}" if dpo_params.adapter == "lora" else "all weights")  # fmt: skip
+              f"{adapters.layer_indices(base, lora, 'dpo.adapter') or 'all'}" if lora.enabled else "all weights")  # fmt: skip
     print(f"dpo step: {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M-parameter reference, policy {policy}, {len(pairs)} pairs, "
           f"{cfg.micro_batch_size} pairs/step, max_length {max_length}, loss {dpo_params.loss_type} beta {dpo_params.beta:g}, {resolved}, "
           f"optimizer {cfg.optimizer}, {torch.get_num_threads()} threads, {args.steps - WARMUP} timed steps x {args.trials} trials")  # fmt: skip

@@ -87,8 +87,9 @@ def time_trl(base, tokenizer, questions, p, cfg) -> tuple[float, float, list[flo
 
     policy = copy.deepcopy(base)
     peft_config = None
-    if p.adapter == "lora":
-        peft_config = adapters.lora_config(p.lora, adapters.token_ids(tokenizer, p.lora.trainable_tokens, "grpo.lora"), adapters.layer_indices(policy, p.lora, "grpo.lora"))
+    if p.adapter.enabled:
+        peft_config = adapters.lora_config(p.adapter, adapters.token_ids(tokenizer, p.adapter.trainable_tokens, "grpo.adapter"),
+                                           adapters.layer_indices(policy, p.adapter, "grpo.adapter"))  # fmt: skip
     data = Dataset.from_dict({"prompt": [q.prompt for q in questions], "answer": [q.answer for q in questions]})
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(**trainer_args(cfg, out) | {"logging_steps": 1}, num_generations=p.group_size, max_completion_length=p.max_completion_length,
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = params.grpo.train.model_copy(update={"max_steps": args.steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0,
                                                "log_every": 1, "precision": resolved, "extensions": []})  # fmt: skip
     p = params.grpo.model_copy(update={"train": cfg})
-    print(f"grpo step: {sum(x.numel() for x in base.parameters()) / 1e6:.2f}M-parameter model, policy {p.adapter}, {len(questions)} questions, "
+    print(f"grpo step: {sum(x.numel() for x in base.parameters()) / 1e6:.2f}M-parameter model, policy {'LoRA' if p.adapter.enabled else 'all weights'}, {len(questions)} questions, "
           f"{cfg.micro_batch_size} completions a step in groups of {p.group_size}, max_completion_length {p.max_completion_length}, loss {p.loss_type}, "
           f"beta {p.beta}, {resolved}, {torch.get_num_threads()} threads, {args.steps - WARMUP} timed steps x {args.trials} trials", flush=True)  # fmt: skip
     ours, trl, ours_gen, trl_gen, ours_reward, trl_reward_runs = [], [], [], [], [], []

@@ -63,11 +63,11 @@ def trl_trainer(method: str, model, tokenizer, records: pd.DataFrame, dpo_params
 
     common = trainer_args(cfg, out) | {"beta": dpo_params.beta, "max_length": max_length}
     prompts = [parse_messages(p) for p in records["prompt"]]
-    lora = dpo_params.lora
+    lora = dpo_params.adapter
     policy = copy.deepcopy(model)
     peft_config = None
-    if dpo_params.adapter == "lora":
-        peft_config = adapters.lora_config(lora, adapters.token_ids(tokenizer, lora.trainable_tokens, "dpo.lora"), adapters.layer_indices(policy, lora, "dpo.lora"))
+    if lora.enabled:
+        peft_config = adapters.lora_config(lora, adapters.token_ids(tokenizer, lora.trainable_tokens, "dpo.adapter"), adapters.layer_indices(policy, lora, "dpo.adapter"))
     if method == "kto":
         from trl import KTOConfig, KTOTrainer
 

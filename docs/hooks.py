@@ -61,12 +61,13 @@ def _models(annotation) -> list:
 
 def _params_page() -> str:
     sys.path.insert(0, str(ROOT))
-    from pipelines.core.config import Params, field_docs
+    from pipelines.core.config import Params, applies_when, field_docs
 
     out = ["# Parameters", "",
            "Every key of `params.yaml` (and of `--set`, `--params` files), generated from the pydantic schemas in "
            "`pipelines/core/config.py` when the site is built: type, default and what it means. A nested section's "
-           "keys are listed once, under its schema's name.", ""]  # fmt: skip
+           "keys are listed once, under its schema's name. A key marked *only with ...* acts only under that "
+           "condition; set to another value than its default elsewhere, it is refused by name.", ""]  # fmt: skip
     seen, todo = set(), []
     out += ["## Stages", "", "| section | schema | what it is |", "|---|---|---|"]
     for name, field in Params.model_fields.items():
@@ -83,7 +84,8 @@ def _params_page() -> str:
         for key, field in model.model_fields.items():
             nested = _models(field.annotation)
             kind = ", ".join(f"[{m.__name__}](#{m.__name__.lower()})" for m in nested) or _type(field.annotation)
-            meaning = re.sub(r"\s+", " ", field.description or docs.get(key, "")).replace("|", "\\|")
+            only = "; ".join(f"only with {c.when}" + (f" ({', '.join(c.keys)})" if c.keys else "") for c in applies_when(field))
+            meaning = re.sub(r"\s+", " ", (f"*{only[0].upper()}{only[1:]}.* " if only else "") + (field.description or docs.get(key, ""))).replace("|", "\\|")
             out.append(f"| `{key}` | {kind} | {_default(field)} | {meaning} |")
             todo += [m for m in nested if m not in seen]
     return "\n".join(out) + "\n"

@@ -3,8 +3,8 @@
     python -m pipelines.dpo        # what dvc.yaml runs; writes data/models/dpo/
 
 The policy starts from the model `ref_logprobs` names (`dpo.start`: the SFT model, or the base),
-either with all weights trainable (`dpo.adapter: none`) or with a LoRA adapter built by the LoRA
-stage's code (`dpo.adapter: lora`, settings in `dpo.lora`). Each step runs the policy once over the
+either with all weights trainable or with a LoRA adapter built by the LoRA stage's code
+(`dpo.adapter.enabled: true`, the same `adapter` block as `lora.adapter`). Each step runs the policy once over the
 concatenated chosen and rejected sequences (KTO: over its examples, and once more without
 gradients over their mismatched KL pairs). The reference log-probabilities come from
 `data/ref_logprobs/`, so the reference model is never run here. The losses are
@@ -55,6 +55,8 @@ from pipelines.core.training.losses import (
 )
 
 NAME = "dpo"
+SECTION = "dpo.adapter"
+"""Where the adapter's settings are in params (errors name their keys under it)."""
 HEADLINE = ("heldout/rewards/accuracies", "heldout/rewards/margins", "heldout/kl")
 
 Reference = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
@@ -181,7 +183,8 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     cfg = params.train
     meta = read_json(ref_dir / "meta.json")
     start = meta.get("start", meta["reference"])  # the model the policy starts from (and the reference pass used, if any)
-    qconfig = quantize.from_params(params.lora, cfg.precision, "dpo.lora") if params.adapter == "lora" else None
+    adapter = params.adapter
+    qconfig = quantize.from_params(adapter, cfg.precision, SECTION) if adapter.enabled else None
     data, longest = _data(ref_dir, params, meta)
     if params.method == "kto":
         train = data["train"]
@@ -189,14 +192,15 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         advice = kto_weight_advice(desirable, len(train) - desirable, params.desirable_weight, params.undesirable_weight)
         if advice and log is not None:
             log.warning("dpo.method kto: %s", advice)
-    method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
-    estimates = footprint.preflight(root / start, cfg, method=method, seq_len=longest, micro_batch=2 * cfg.micro_batch_size, lora_rank=params.lora.r,
+    method = footprint.method_for(adapter.enabled, adapter.quantization)
+    lora_rank = max([adapter.r, *adapter.rank_pattern.values()]) if adapter.enabled else 0
+    estimates = footprint.preflight(root / start, cfg, method=method, seq_len=longest, micro_batch=2 * cfg.micro_batch_size, lora_rank=lora_rank,
                                     desc=NAME)  # two rows an item: chosen and rejected, or an example and its KL pair  # fmt: skip
-    model, tokenizer = load_for_inference(root / start, root) if qconfig is None else quantize.load(root / start, qconfig, "dpo.lora")
+    model, tokenizer = load_for_inference(root / start, root) if qconfig is None else quantize.load(root / start, qconfig, SECTION)
     with seeded(cfg.seed):
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
-        if params.adapter == "lora":
-            model = adapters.wrap(params.lora, "dpo.lora")(model, tokenizer)
+        if adapter.enabled:
+            model = adapters.wrap(adapter, SECTION)(model, tokenizer)
     counts = parameter_counts(model)
     if qconfig is not None:
         counts |= quantize.linear_weight_bytes(model)
@@ -220,9 +224,9 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
         tracker.log_metrics(heldout_metrics, step=result["steps"])
 
     def save(tmp: Path) -> None:
-        if params.adapter == "lora":
+        if adapter.enabled:
             quantized_base = (str(root / start), qconfig) if qconfig is not None else None
-            adapters.save(start, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
+            adapters.save(start, adapter.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
         else:
             save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
         # how the policy was trained, so `evaluate` can report its implicit rewards β·(π − ref)

@@ -54,6 +54,8 @@ from pipelines.core.training import diffusion, episodes, grpo, loop, rewards, ro
 from pipelines.core.training.checkpoint import CheckpointManager
 
 NAME = "grpo"
+SECTION = "grpo.adapter"
+"""Where the adapter's settings are in params (errors name their keys under it)."""
 log = logging.getLogger(f"qllm.{NAME}")
 
 DISABLED_README = """\
@@ -138,21 +140,22 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     # an episode: each turn's tokens and, between turns, the tool's answer as the template renders it (about as long again)
     episode_tokens = episodes.added_tokens(params.max_completion_length, params.tools.max_turns if offered else 1)
     reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
-    qconfig = quantize.from_params(params.lora, cfg.precision, "grpo.lora") if params.adapter == "lora" else None
-    method = footprint.method_for(params.adapter == "lora", params.lora.quantization)
+    adapter = params.adapter
+    qconfig = quantize.from_params(adapter, cfg.precision, SECTION) if adapter.enabled else None
+    method = footprint.method_for(adapter.enabled, adapter.quantization)
     longest = episodes.longest_prompt(load_tokenizer(start_dir), [q.prompt for q in train])  # before the model loads: the memory estimate needs it
     estimates = footprint.preflight(start_dir, cfg, method=method, seq_len=longest + episode_tokens, micro_batch=cfg.micro_batch_size,
-                                    lora_rank=params.lora.r, desc=NAME)  # fmt: skip
-    model, tokenizer = load_for_inference(start_dir, root) if qconfig is None else quantize.load(start_dir, qconfig, "grpo.lora")
+                                    lora_rank=max([adapter.r, *adapter.rank_pattern.values()]) if adapter.enabled else 0, desc=NAME)  # fmt: skip
+    model, tokenizer = load_for_inference(start_dir, root) if qconfig is None else quantize.load(start_dir, qconfig, SECTION)
     if diffusion.objective_of(model) == "masked_diffusion":
         raise QllmError(f"{start}: a masked-diffusion model has no left-to-right sampling or token log-probabilities for GRPO; set grpo.enabled: false")
     with seeded(cfg.seed):
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
-        if params.adapter == "lora":
-            model = adapters.wrap(params.lora, "grpo.lora")(model, tokenizer)
+        if adapter.enabled:
+            model = adapters.wrap(adapter, SECTION)(model, tokenizer)
     reference = None
     if params.beta:  # LoRA: the model under its adapter; full training: a frozen copy of the start
-        reference = model.disable_adapter if params.adapter == "lora" else copy.deepcopy(model).eval().requires_grad_(False)
+        reference = model.disable_adapter if adapter.enabled else copy.deepcopy(model).eval().requires_grad_(False)
     counts = parameter_counts(model)
     if qconfig is not None:
         counts |= quantize.linear_weight_bytes(model)
@@ -176,9 +179,9 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     last = batches.metrics(result["steps"])
 
     def save(tmp: Path) -> None:
-        if params.adapter == "lora":
+        if adapter.enabled:
             quantized_base = (str(start_dir), qconfig) if qconfig is not None else None
-            adapters.save(start, params.lora.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
+            adapters.save(start, adapter.merge, quantized_base)(model if qconfig is not None else model.cpu(), tokenizer, tmp)
         else:
             save_pretrained(model.cpu(), tokenizer, tmp, max_length=model.config.max_position_embeddings)
 

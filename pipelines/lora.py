@@ -9,10 +9,12 @@ plus the embedding rows of `lora.adapter.trainable_tokens` (the chat markers, wh
 has never seen).
 
 With `lora.allocation: qubo_in_loop` (the default: the QUBO re-solved every `adaptive.every`
-steps) and `adalora` (PEFT's AdaLoRA) every module starts at rank `adaptive.init_r` and the budget
-is allocated while training (`pipelines.core.quantum.rank_allocation`); with `quantum_opt` the targeted
-modules and their ranks come from `data/quantum_opt/allocation.json` (`apply_allocation`);
-`uniform` uses rank `r` on every `target_modules` entry.
+steps) and `adalora` (PEFT's AdaLoRA) every module starts at rank `adaptive.init_r` and the budget,
+the parameters of rank `adapter.r` on every module, is allocated while training
+(`pipelines.core.quantum.rank_allocation`); with `quantum_opt` the targeted modules and their ranks
+come from `data/quantum_opt/allocation.json` (`apply_allocation`); `uniform` uses rank `r` on every
+`target_modules` entry. Every allocation scales each module's update by `lora_alpha` over the uniform
+rank of its budget, whatever rank the module gets.
 
 Output: a PEFT adapter directory (`PeftModel.from_pretrained(base, "data/models/lora")`, or
 `AutoPeftModelForCausalLM.from_pretrained` from the project root: the adapter records its base as
@@ -42,15 +44,18 @@ ALLOCATION_FILE = "allocation.json"
 
 
 def apply_allocation(params: LoraParams, allocation: dict, where: str | Path = ALLOCATION_FILE) -> LoraParams:
-    """Target exactly the allocated modules with their ranks. The per-module alphas keep the
-    update scale alpha/r of the uniform configuration (`lora_alpha / r`) for every rank; with
-    rsLoRA the scaling alpha/sqrt(r) already adapts to each rank. `where`: the allocation's file,
-    for the error message."""
+    """Target exactly the allocated modules with their ranks. The per-module alphas keep the update
+    scale `lora_alpha / budget_rank` of the uniform adapter of the same parameter budget (the
+    allocation's `budget_rank`) at every rank; with rsLoRA the scaling alpha/sqrt(r) already adapts
+    to each rank. `where`: the allocation's file, for the error message."""
     ranks = {module: int(rank) for module, rank in allocation["rank_pattern"].items() if rank > 0}
     if not ranks:
         raise QllmError(f"{where}: no module was given a rank; use lora.allocation: uniform or a larger quantum_opt budget")
+    if "budget_rank" not in allocation:
+        raise QllmError(f"{where}: no budget_rank (the uniform rank of the allocation's budget): it was written by an older quantum_opt; "
+                        "rerun quantum_opt (qllm run reruns it)")  # fmt: skip
     adapter = params.adapter
-    alphas = {} if adapter.use_rslora else {m: adapter.lora_alpha * r / adapter.r for m, r in ranks.items()}
+    alphas = {} if adapter.use_rslora else {m: adapter.lora_alpha * r / allocation["budget_rank"] for m, r in ranks.items()}
     allocated = adapter.model_copy(update={"target_modules": sorted(ranks), "rank_pattern": ranks, "alpha_pattern": alphas})
     return params.model_copy(update={"adapter": allocated})
 
@@ -63,10 +68,6 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
     qconfig = quantize.from_params(adapter, params.train.precision, SECTION)
     quantized_base = (params.base_model, qconfig) if qconfig is not None else None
     wrap, extensions = adapters.wrap(adapter, SECTION), None
-    if params.allocation in ADAPTIVE and (adapter.use_dora or adapter.init_lora_weights != "default"):
-        setting = "use_dora" if adapter.use_dora else "init_lora_weights"
-        raise QllmError(f"{SECTION}.{setting}: the {params.allocation} allocation trains its own SVD-form adapters; "
-                        "use lora.allocation: uniform or quantum_opt for DoRA and PiSSA/OLoRA")  # fmt: skip
     if params.allocation in ADAPTIVE:  # SVD-form adapters whose ranks are allocated while they train
         steps = params.train.max_steps
         wrap = rank_allocation.wrap(adapter, params.adaptive, steps, SECTION)
@@ -75,11 +76,21 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
                 return [rank_allocation.AdaLoraSchedule(model, tracker)]
         else:
             def extensions(model, tracker):
-                return [rank_allocation.QuboReallocation(model, params.adaptive, steps, tracker, NAME)]
+                return [rank_allocation.QuboReallocation(model, params.adaptive, adapter.r, steps, tracker, NAME)]
     return finetune.run(
         chat_dir, out, params, wrap=wrap, save=adapters.save(base_for_users, adapter.merge, quantized_base),
         tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME, quantization=adapter, quantization_section=SECTION, extensions=extensions,
+        lora_rank=trained_rank(params),
     )
+
+
+def trained_rank(params: LoraParams) -> int:
+    """The largest rank a module trains at, which the memory estimate counts on every module: the
+    in-training allocations' starting rank `adaptive.init_r`, else the largest of `r` and the
+    per-module ranks (quantum_opt's, once `apply_allocation` has set them)."""
+    if params.allocation in ADAPTIVE:
+        return params.adaptive.init_r
+    return max([params.adapter.r, *params.adapter.rank_pattern.values()]) if params.allocation == "uniform" else max(params.adapter.rank_pattern.values())
 
 
 def body(ctx: stage.StageContext) -> dict:

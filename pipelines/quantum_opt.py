@@ -76,6 +76,8 @@ def run(scores_path: Path, out: Path, params: QuantumOptParams, tracker=None) ->
     record = {
         **{k: v for k, v in allocation.as_dict().items() if k != "wall_seconds"},
         "lam": params.lam,
+        # the uniform rank of the same parameter budget: lora scales every module's update by lora_alpha over it
+        "budget_rank": round(budget / sum(s["d_in"] + s["d_out"] for s in shapes.values()), 6),
         "target_modules": sorted(chosen),
         "rank_pattern": dict(sorted(chosen.items())),
         "greedy_objective": score(greedy),

@@ -15,8 +15,10 @@ import hashlib
 import inspect
 import json
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -32,16 +34,59 @@ class ParamsError(QllmError, ValueError):
     """A params file or override is invalid; the message names the file, key and expectation."""
 
 
-def _only_with(section: BaseModel, key: str, needed: str, why: str):
-    """`section` itself, or a ValueError if `key` is set while `needed` is not."""
-    if getattr(section, key) is not None and getattr(section, needed) is None:
-        raise ValueError(f"{key} is set but {needed} is not ({why})")
-    return section
+def _shown(value: Any) -> str:
+    """A value as params.yaml writes it (`true`, `null`, `discopop`)."""
+    return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
+
+
+@dataclass(frozen=True)
+class AppliesWhen:
+    """Field metadata: the key acts only when `holds(section)` is true. Set to anything but its default
+    where it does not hold, it is refused by `Section` with an error naming the key and `when`, so a
+    setting that would change nothing never passes silently. Declared once, on the field:
+
+        discopop_tau: Annotated[float, only_with("loss_type", "discopop")] = Field(0.05, gt=0)
+
+    `keys`: the sub-keys of a nested block the condition governs (`("r",)` for `adapter.r`); empty,
+    the whole field. `shows`: keys of the section whose values the error quotes; `hint`: what the
+    error adds. tests/core/test_config.py walks every declared field of every section and checks the
+    refusal."""
+
+    when: str
+    holds: Callable[[Any], bool]
+    keys: tuple[str, ...] = ()
+    shows: tuple[str, ...] = ()
+    hint: str = ""
+
+
+def only_with(key: str, *values: Any, keys: tuple[str, ...] = (), hint: str = "") -> AppliesWhen:
+    """The field acts only when the section's `key` is one of `values`."""
+    shown = [_shown(v) for v in values]
+    listed = shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+    return AppliesWhen(f"{key}: {listed}", lambda section: getattr(section, key) in values, keys, (key,), hint)
+
+
+WHEN_ENABLED = only_with("enabled", True, hint="to switch a block off, give it whole: `{enabled: false}` "
+                                              "(e.g. --set 'dpo.adapter={enabled: false}')")  # fmt: skip
+"""The settings of a block switched by its own `enabled`."""
+
+
+def applies_when(info) -> list[AppliesWhen]:
+    """The conditions declared on a field (`FieldInfo.metadata`)."""
+    return [m for m in info.metadata if isinstance(m, AppliesWhen)]
+
+
+def _leaves(value: Any, prefix: str) -> dict[str, Any]:
+    """A value's leaves by dotted key: a nested section's keys, or the value itself under `prefix`."""
+    if isinstance(value, BaseModel):
+        return {key: leaf for name in type(value).model_fields for key, leaf in _leaves(getattr(value, name), f"{prefix}.{name}").items()}
+    return {prefix: value}
 
 
 class Section(BaseModel):
-    """Base of every params section: frozen, no unknown keys, no bool-for-number mix-ups. What a key
-    means is the string under it (`field_docs`)."""
+    """Base of every params section: frozen, no unknown keys, no bool-for-number mix-ups, and no key
+    set where it would change nothing (`AppliesWhen`). What a key means is the string under it
+    (`field_docs`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -52,6 +97,23 @@ class Section(BaseModel):
         if isinstance(value, bool) and annotation in (int, float):
             raise ValueError(f"expected a number, got a boolean ({value})")
         return value
+
+    @model_validator(mode="after")
+    def _only_what_acts(self) -> Section:
+        for name, info in type(self).model_fields.items():
+            for condition in applies_when(info):
+                if condition.holds(self):
+                    continue
+                default = info.get_default(call_default_factory=True)
+                now, then = _leaves(getattr(self, name), name), _leaves(default, name)
+                governed = [f"{name}.{key}" for key in condition.keys] if condition.keys else list(now)
+                changed = [key for key in governed if now.get(key) != then.get(key)]
+                if changed:
+                    here = ", ".join(f"{key} is {_shown(getattr(self, key))}" for key in condition.shows)
+                    raise ValueError(f"{changed[0]}: applies only with {condition.when}{f' (here {here})' if here else ''}, so here it "
+                                     f"would change nothing: leave it at its default ({_shown(then.get(changed[0]))})"
+                                     f"{f'; {condition.hint}' if condition.hint else ''}")  # fmt: skip
+        return self
 
 
 def field_docs(model: type[BaseModel]) -> dict[str, str]:
@@ -109,14 +171,14 @@ class ToolArithmeticParams(Section):
 
     enabled: bool = False
     """Add the questions to the sample chats (off: the chats are byte for byte what they were)."""
-    train: int = Field(120, ge=1)
+    train: Annotated[int, WHEN_ENABLED] = Field(120, ge=1)
     """Demonstrations per difficulty: the question, the calculator call, its answer, the final answer."""
-    heldout: int = Field(40, ge=1)
+    heldout: Annotated[int, WHEN_ENABLED] = Field(40, ge=1)
     """Held-out questions per difficulty (chat_heldout, with the calculator offered; ids
     `heldout-toolarith-d<digits>-N`, so `evaluate` reports exact match per difficulty)."""
-    digits: list[int] = Field(default_factory=lambda: [2, 3, 4], min_length=1)
+    digits: Annotated[list[int], WHEN_ENABLED] = Field(default_factory=lambda: [2, 3, 4], min_length=1)
     """The difficulties: operands of this many digits, in products of two and sums of four."""
-    calls: bool = True
+    calls: Annotated[bool, WHEN_ENABLED] = True
     """The demonstrations call the calculator and the held-out questions offer it. False: the same
     questions (same ids and answers) answered directly, with no tool anywhere: the baseline of a
     model doing the arithmetic in its head."""
@@ -128,12 +190,9 @@ class ToolArithmeticParams(Section):
             raise ValueError(f"digits: distinct numbers from 1 to 6 (operands of that many digits), got {digits}")
         return digits
 
-    @model_validator(mode="after")
-    def _used(self) -> ToolArithmeticParams:
-        changed = [name for name in ("train", "heldout", "digits", "calls") if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)]
-        if changed and not self.enabled:
-            raise ValueError(f"{', '.join(changed)}: set, but `enabled` is false, so no such question is made; set enabled: true")
-        return self
+
+SYNTHETIC = only_with("corpus", "synthetic")
+"""The invented world's settings, which `corpus: real_text` does not read."""
 
 
 class SampleDataParams(Section):
@@ -148,38 +207,38 @@ class SampleDataParams(Section):
     `seed`)."""
     seed: int = 0
     """Seed of the world and of every rendering choice; same seed, same bytes."""
-    n_entities: int = Field(60, ge=4, le=10_000)
+    n_entities: Annotated[int, SYNTHETIC] = Field(60, ge=4, le=10_000)
     """Number of invented people; each has a city, a favourite colour, a pet and a job."""
-    bios_per_entity: int = Field(64, ge=1)
+    bios_per_entity: Annotated[int, SYNTHETIC] = Field(64, ge=1)
     """Pretraining documents per entity, each a different paraphrase and sentence order."""
-    heldout_entity_fraction: float = Field(0.3, gt=0, lt=1)
+    heldout_entity_fraction: Annotated[float, SYNTHETIC] = Field(0.3, gt=0, lt=1)
     """Share of entities whose questions are never trained on (held-out evaluation)."""
-    max_operand: int = Field(10, ge=2)
+    max_operand: Annotated[int, SYNTHETIC] = Field(10, ge=2)
     """Arithmetic facts are `a + b` with `0 <= a, b < max_operand`."""
-    sum_renderings: int = Field(24, ge=1)
+    sum_renderings: Annotated[int, SYNTHETIC] = Field(24, ge=1)
     """How often each sum is written in the pretraining text (in random wordings)."""
-    arithmetic_heldout_fraction: float = Field(0.2, gt=0, lt=1)
+    arithmetic_heldout_fraction: Annotated[float, SYNTHETIC] = Field(0.2, gt=0, lt=1)
     """Share of arithmetic questions held out of SFT/DPO (their facts stay in pretraining)."""
-    qa_in_pretrain: bool = True
+    qa_in_pretrain: Annotated[bool, SYNTHETIC] = True
     """Also write plain `Question: … Answer: …` lines (training entities and arithmetic) into pretraining text."""
-    qa_renderings: int = Field(1, ge=1)
+    qa_renderings: Annotated[int, SYNTHETIC, only_with("qa_in_pretrain", True)] = Field(1, ge=1)
     """With `qa_in_pretrain`, how often each training fact is asked in the pretraining text (in
     random wordings). Seeing the question form often enough in pretraining is what lets SFT
     answer about held-out people (benchmarks/RESULTS.md, issue 13)."""
-    preference_errors: Literal["copy", "confusion", "value"] = "copy"
+    preference_errors: Annotated[Literal["copy", "confusion", "value"], SYNTHETIC] = "copy"
     """How each preference pair's rejected answer is wrong: `copy` (a weak model repeating the
     person's name or a number from the question), `confusion` (another true fact about the same
     person, e.g. the pet when asked for the city) or `value` (another value of the right kind: a
     different city, the sum off by a little). Measured in benchmarks/RESULTS.md: DPO generalises
     `copy` to held-out pairs without changing answers; `confusion` generalises but biases answer
     values; `value` needs knowledge DPO cannot add and barely generalises."""
-    multi_turn_fraction: float = Field(0.2, ge=0, le=1)
+    multi_turn_fraction: Annotated[float, SYNTHETIC] = Field(0.2, ge=0, le=1)
     """Share of SFT conversations with two question/answer turns."""
-    system_prompt: str = "Answer with one word or number."
+    system_prompt: Annotated[str, SYNTHETIC] = "Answer with one word or number."
     """System message of every chat; empty for none."""
     images: SampleImagesParams = SampleImagesParams()
     """Real digit images with questions, for the optional multimodal stage (docs/multimodal.md)."""
-    tool_arithmetic: ToolArithmeticParams = ToolArithmeticParams()
+    tool_arithmetic: Annotated[ToolArithmeticParams, SYNTHETIC] = ToolArithmeticParams()
     """Multi-digit products and sums with calculator demonstrations, for GRPO with tools (off by default)."""
 
 
@@ -340,15 +399,15 @@ class CurriculumParams(Section):
 
     strategy: Literal["none", "length"] = "none"
     """`length`: warm the sequence length up from `start_length` to `end_length` over `steps`."""
-    start_length: int = Field(64, ge=1)
-    end_length: int | None = None
+    start_length: Annotated[int, only_with("strategy", "length")] = Field(64, ge=1)
+    end_length: Annotated[int | None, only_with("strategy", "length")] = None
     """null: the data's full sequence length (`tokenize.seq_len` for pretrain)."""
-    steps: int = Field(200, ge=1)
+    steps: Annotated[int, only_with("strategy", "length")] = Field(200, ge=1)
     """Optimizer steps of the warmup; from then on every step sees full-length sequences."""
-    schedule: Literal["linear", "root"] = "linear"
+    schedule: Annotated[Literal["linear", "root"], only_with("strategy", "length")] = "linear"
     """How the length grows: linearly in the step, or with its square root (DeepSpeed's
     `fixed_root`: faster at first)."""
-    step_size: int = Field(8, ge=1)
+    step_size: Annotated[int, only_with("strategy", "length")] = Field(8, ge=1)
     """Lengths are multiples of this (rounded down, never below `start_length`)."""
 
     @model_validator(mode="after")
@@ -368,7 +427,7 @@ class TrainParams(Section):
     grad_accum_steps: int = Field(1, ge=1)
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate."""
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    min_lr_ratio: Annotated[float, only_with("schedule", "cosine", "linear")] = Field(0.1, ge=0, le=1)
     """Final learning rate as a share of `lr` (cosine/linear schedules)."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(50, ge=0)
@@ -433,13 +492,13 @@ class TrainParams(Section):
     `torchrun --nproc_per_node nproc` (DDP; gloo on CPU, nccl on CUDA). The global batch stays
     `micro_batch_size * grad_accum_steps`: each rank runs `grad_accum_steps / nproc` micro-batches
     per step, so `grad_accum_steps` must be divisible by `nproc`."""
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Annotated[Literal["ddp", "fsdp"], AppliesWhen("nproc above 1", lambda s: s.nproc > 1, shows=("nproc",))] = "ddp"
     """How the `nproc` > 1 ranks share the model. `ddp`: every rank holds the whole model, gradients
     are averaged (all-reduce). `fsdp`: FSDP2 (`fully_shard` per decoder layer and at the root)
     shards parameters, gradients and AdamW state across the ranks, each layer gathered for its
     own forward/backward only: less accelerator memory per rank for more communication; the same
     loss curve as `ddp` and 1 process. Checkpoints and outputs hold the full (gathered) weights.
-    Ignored with `nproc` 1."""
+    Refused with `nproc` 1, where there is nothing to share."""
 
     curriculum: CurriculumParams = CurriculumParams()
     """Sequence-length curriculum (`strategy: none | length`; pretrain only: its packed rows can be
@@ -556,12 +615,12 @@ class DiffusionParams(Section):
     time_steps: Literal["continuous", "discrete"] = "continuous"
     """`continuous`: t ~ U(eps, 1) per sequence; `discrete`: one of `num_time_steps` steps, with the
     mask fractions of `time_step_mask_fractions`."""
-    eps: float = Field(1e-3, gt=0, lt=1)
+    eps: Annotated[float, only_with("time_steps", "continuous")] = Field(1e-3, gt=0, lt=1)
     """Smallest continuous time step (the 1/t weight stays bounded)."""
     sampling: Literal["antithetic", "iid"] = "antithetic"
     """Time steps of a batch: evenly spread from one draw (less variance), or independent."""
-    num_time_steps: int = Field(10, ge=1)
-    time_step_mask_fractions: dict[int, float] = Field(default_factory=lambda: {0: 0.15, 5: 0.5, 9: 0.9})
+    num_time_steps: Annotated[int, only_with("time_steps", "discrete")] = Field(10, ge=1)
+    time_step_mask_fractions: Annotated[dict[int, float], only_with("time_steps", "discrete")] = Field(default_factory=lambda: {0: 0.15, 5: 0.5, 9: 0.9})
     """Mask fraction at the listed discrete steps, interpolated linearly between them."""
     val_samples: int = Field(4, ge=1)
     """Time steps per validation sequence for the NELBO estimate (Monte Carlo, fixed seed)."""
@@ -585,8 +644,8 @@ class PretrainParams(Section):
     objective: Literal["causal", "masked_diffusion"] = "causal"
     """`causal`: next-token prediction; `masked_diffusion`: predict masked tokens with bidirectional
     attention (MDLM/LLaDA; the model is then a `QllmDiffusionLlamaForMaskedDiffusion`)."""
-    diffusion: DiffusionParams = DiffusionParams()
-    """The masked-diffusion objective's settings (used with `objective: masked_diffusion`)."""
+    diffusion: Annotated[DiffusionParams, only_with("objective", "masked_diffusion")] = DiffusionParams()
+    """The masked-diffusion objective's settings (`objective: masked_diffusion` only)."""
     progressive: ProgressiveParams = ProgressiveParams()
     """Grow the model stack by stack (`enabled: true`); off: the whole model trains from step 0."""
     continue_base: bool = False
@@ -633,57 +692,87 @@ class FinetuneParams(Section):
     train: TrainParams = TrainParams()
 
 
+QUANTIZED = ("nf4", "fp4", "int8", "fp8")
+FOUR_BIT = ("nf4", "fp4")
+
+
 class QuantizationParams(Section):
     """A quantized, frozen base under full-precision adapters (QLoRA; `pipelines/core/models/quantize.py`)."""
 
     quantization: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
     """`nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and x86 CPUs from bitsandbytes 0.48); `int8`:
     LLM.int8(); `fp8`: CUDA compute capability 8.9+ only; `none`: the base as it is."""
-    double_quant: bool = True
+    double_quant: Annotated[bool, only_with("quantization", *FOUR_BIT)] = True
     """4-bit only: quantize the per-block scales too (QLoRA's double quantization)."""
-    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    compute_dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32"], only_with("quantization", *QUANTIZED)] = "auto"
     """dtype the 4-bit weights are dequantized to for each matmul; `auto`: the stage's
     `train.precision` as resolved on this machine."""
 
 
 class LoraAdapterParams(QuantizationParams):
-    """PEFT LoRA adapter settings (the `lora` stage, and `dpo.lora` when `dpo.adapter: lora`)."""
+    """A PEFT LoRA adapter: the `adapter` block of every stage that can train one (`lora`, `dpo`,
+    `grpo`), the same keys in each. `enabled: false` trains all weights instead (`dpo`, `grpo`); the
+    `lora` stage always trains an adapter."""
 
-    r: int = Field(4, ge=1)
-    """LoRA rank of every targeted module (unless `rank_pattern` says otherwise)."""
-    lora_alpha: float = Field(8.0, gt=0)
-    """Scaling numerator: updates are scaled by alpha/r (alpha/sqrt(r) with `use_rslora`)."""
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(ALL_PROJECTIONS), min_length=1
-    )
+    enabled: bool = False
+    """Train a LoRA adapter on the frozen model (the settings below) instead of all its weights."""
+    r: Annotated[int, WHEN_ENABLED] = Field(4, ge=1)
+    """The adapter's rank: every targeted module's (unless `rank_pattern` says otherwise). Under the
+    lora stage's in-training allocations (`lora.allocation: adalora | qubo_in_loop`) the rank budget:
+    the parameters of rank `r` on every module, allocated unevenly (AdaLoRA's `target_r`); with
+    `quantum_opt`, the ranks come from that stage and `r` is not read."""
+    lora_alpha: Annotated[float, WHEN_ENABLED] = Field(8.0, gt=0)
+    """Scaling numerator: updates are scaled by alpha/r (alpha/sqrt(r) with `use_rslora`), r the rank
+    above; an allocation keeps that scale at every module's rank."""
+    lora_dropout: Annotated[float, WHEN_ENABLED] = Field(0.05, ge=0, lt=1)
+    target_modules: Annotated[list[str], WHEN_ENABLED] = Field(default_factory=lambda: list(ALL_PROJECTIONS), min_length=1)
     """Module names (suffixes) to adapt; an entry that matches no module is an error."""
-    rank_pattern: dict[str, int] = Field(default_factory=dict)
+    rank_pattern: Annotated[dict[str, int], WHEN_ENABLED] = Field(default_factory=dict)
     """Per-module ranks, `{module name or regex: rank}` (PEFT semantics)."""
-    alpha_pattern: dict[str, float] = Field(default_factory=dict)
+    alpha_pattern: Annotated[dict[str, float], WHEN_ENABLED] = Field(default_factory=dict)
     """Per-module alphas, `{module name or regex: alpha}`."""
-    bias: Literal["none", "all", "lora_only"] = "none"
-    use_rslora: bool = False
+    bias: Annotated[Literal["none", "all", "lora_only"], WHEN_ENABLED] = "none"
+    use_rslora: Annotated[bool, WHEN_ENABLED] = False
     """Rank-stabilised scaling alpha/sqrt(r), which keeps update size comparable across ranks."""
-    use_dora: bool = False
+    use_dora: Annotated[bool, WHEN_ENABLED] = False
     """DoRA (Liu et al. 2024; PEFT `use_dora`): each adapted weight split into a magnitude vector,
     trained, and a direction that LoRA updates. Slower a step than plain LoRA (the weight norm is
     recomputed every forward); `lora.allocation: uniform` or `quantum_opt` only."""
-    init_lora_weights: str = Field("default", pattern=r"^(default|gaussian|pissa|pissa_niter_[1-9][0-9]*|olora)$")
+    init_lora_weights: Annotated[str, WHEN_ENABLED] = Field("default", pattern=r"^(default|gaussian|pissa|pissa_niter_[1-9][0-9]*|olora)$")
     """How the adapters start (PEFT `init_lora_weights`): `default` (A random, B zero: the model
     starts unchanged), `gaussian`, `pissa` (the principal singular vectors of each weight, the
     rest left in the base; `pissa_niter_N`: by N iterations of randomized SVD, much faster on large
     weights), `olora` (QR). With pissa/olora the saved adapter is converted to a plain LoRA of
     rank 2r against the original base, so it loads on that base like any other; not with a
     quantized base. `lora.allocation: uniform` or `quantum_opt` only."""
-    layers_to_transform: list[int] = Field(default_factory=list)
+    layers_to_transform: Annotated[list[int], WHEN_ENABLED] = Field(default_factory=list)
     """Decoder layers to adapt (PEFT `layers_to_transform`); negative indices count from the end
-    (`[-1]`: the last layer only); empty: every layer."""
-    trainable_tokens: list[str] = Field(default_factory=lambda: ["<|im_start|>", "<|im_end|>"])
+    (`[-1]`: the last layer only); empty: every layer. `lora.allocation: uniform` only."""
+    trainable_tokens: Annotated[list[str], WHEN_ENABLED] = Field(default_factory=lambda: ["<|im_start|>", "<|im_end|>"])
     """Tokens whose embedding rows are trained too (PEFT `trainable_token_indices`): the chat
     markers a pretrained base has never seen, so the model can learn to end its turn."""
-    merge: bool = True
+    merge: Annotated[bool, WHEN_ENABLED] = True
     """Also write the adapter merged into the base as a full model (`<out>/merged/`)."""
+    quantization: Annotated[Literal["none", "nf4", "fp4", "int8", "fp8"], WHEN_ENABLED] = "none"
+    """QLoRA: the frozen base quantized under the adapter. `nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and
+    x86 CPUs from bitsandbytes 0.48); `int8`: LLM.int8(); `fp8`: CUDA compute capability 8.9+ only;
+    `none`: the base as it is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _the_switch_is_enabled(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            raise ValueError(f"the adapter is a block now, the same in lora, dpo and grpo: write `adapter: {{enabled: {json.dumps(data == 'lora')}}}` "
+                             f"(enabled: true for a LoRA adapter, false for all weights) instead of `adapter: {data}`")  # fmt: skip
+        return data
+
+
+def _adapter_moved(data: Any, section: str) -> Any:
+    """Refuse the old `<section>.lora` block, with where its keys go now."""
+    if isinstance(data, dict) and "lora" in data:
+        raise ValueError(f"lora: the adapter's settings are in {section}.adapter now, the same block as lora.adapter, with "
+                         f"`enabled: true` for a LoRA adapter (was `{section}.adapter: lora`): move {section}.lora's keys there")  # fmt: skip
+    return data
 
 
 class SftParams(FinetuneParams):
@@ -697,13 +786,10 @@ class SftParams(FinetuneParams):
 class AdaptiveParams(Section):
     """Ranks allocated while training (`lora.allocation: adalora | qubo_in_loop`;
     `pipelines/core/quantum/rank_allocation.py`): SVD-form adapters on `adapter.target_modules`, starting at
-    rank `init_r`, masked down to the budget of rank `budget_rank` on every module."""
+    rank `init_r`, masked down to the budget of rank `adapter.r` on every module."""
 
     init_r: int = Field(12, ge=1)
-    """Rank every module starts with."""
-    budget_rank: int = Field(8, ge=1)
-    """The final budget: rank `budget_rank` on every module (AdaLoRA: its `target_r`, an average rank;
-    qubo_in_loop: the parameters of that, as quantum_opt's `budget_rank` counts them)."""
+    """Rank every module starts with (at least `adapter.r`, the budget it is masked down to)."""
     tinit: int = Field(10, ge=0)
     """Steps before the first re-allocation (all `init_r` components train)."""
     tfinal: int = Field(30, ge=0)
@@ -726,7 +812,7 @@ class AdaptiveParams(Section):
     """qubo_in_loop: seconds a solve may take (`qubo.allocate_ranks`): milp and exact stop at it, tabu
     fits its reads into it; sa runs all `num_reads` and warns past it, so its allocation is the same
     on every machine."""
-    num_reads: int = Field(300, ge=0)
+    num_reads: Annotated[int, only_with("solver", "sa", "tabu")] = Field(300, ge=0)
     """qubo_in_loop: samples per solve for sa/tabu (0: the library default, 1000 for sa). 300 found
     the allocation 1000 reads found in 23 of the 24 solves of the default run on two worlds (the
     other: a different allocation of equal objective) in a third of the time (RESULTS, issue 22)."""
@@ -736,28 +822,56 @@ class AdaptiveParams(Section):
     whose allocation the adapter keeps: one reference per solve cost 12 s of the default lora
     stage (the 12 solves), on the pipeline's critical path."""
 
-    @model_validator(mode="after")
-    def _fits(self) -> AdaptiveParams:
-        if self.budget_rank > self.init_r:
-            raise ValueError(f"budget_rank ({self.budget_rank}) must not exceed init_r ({self.init_r}): the budget is reached by masking")
-        if max(self.ranks) > self.init_r or min(self.ranks) < 1:
-            raise ValueError(f"ranks {self.ranks} must lie in 1..init_r ({self.init_r})")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _budget_is_the_rank(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "budget_rank" in data:
+            raise ValueError("budget_rank: the rank budget is lora.adapter.r now (the parameters of rank r on every module, allocated "
+                             f"unevenly), so that r means the rank under every allocation: write lora.adapter.r: {data['budget_rank']}")  # fmt: skip
+        return data
+
+
+
+IN_TRAINING = ("adalora", "qubo_in_loop")
+"""The lora stage's allocations made while training: SVD-form (AdaLoRA) adapters masked down to the budget."""
+PLAIN_LORA_ONLY = ("bias", "use_rslora", "use_dora", "init_lora_weights", "quantization")
+"""Adapter keys of plain LoRA (PEFT's `LoraConfig`), which the in-training allocations' SVD-form adapters do not have."""
+LORA_STAGE_ADAPTER = {"enabled": True, "r": 8, "lora_alpha": 16.0}
+"""The lora stage's own defaults of the adapter block (LitGPT's per-method defaults): always an adapter,
+and the rank budget 8 of the in-training allocation at the update scale 16 / 8. An `adapter` mapping
+given to the section changes these where it says."""
 
 
 class LoraParams(FinetuneParams):
     """LoRA instruction tuning: the `sft` procedure (the fields above) with an `adapter`."""
 
-    adapter: LoraAdapterParams = LoraAdapterParams()
-    """The adapter: rank, targets, a quantized base, merging (the same block as `dpo.lora`)."""
+    adapter: Annotated[
+        LoraAdapterParams,
+        only_with("allocation", "uniform", "adalora", "qubo_in_loop", keys=("r", "target_modules")),
+        only_with("allocation", "uniform", "quantum_opt", keys=PLAIN_LORA_ONLY),
+        only_with("allocation", "uniform", keys=("rank_pattern", "alpha_pattern", "layers_to_transform")),
+    ] = LoraAdapterParams(**LORA_STAGE_ADAPTER)
+    """The adapter (the same block as `dpo.adapter` and `grpo.adapter`): its rank (the budget, under
+    the in-training allocations), targets, a quantized base, merging. `quantum_opt` chooses the
+    modules and their ranks itself, so `r` and `target_modules` are not read there; the in-training
+    allocations train SVD-form adapters, which have no `bias`, rsLoRA, DoRA, PiSSA/OLoRA or
+    quantized base, and allocate per module, so only `uniform` reads `rank_pattern`, `alpha_pattern`
+    and `layers_to_transform`."""
     allocation: Literal["quantum_opt", "uniform", "adalora", "qubo_in_loop"] = "qubo_in_loop"
     """`qubo_in_loop` (the QUBO re-solved during training; the measured winner, tied with AdaLoRA)
-    and `adalora` (PEFT's AdaLoRA): ranks allocated while training, as `adaptive` says;
-    `quantum_opt`: target modules and per-module ranks from the `quantum_opt` stage (its
-    `data/quantum_opt/allocation.json`); `uniform`: rank `adapter.r` on every `adapter.target_modules`
-    entry."""
-    adaptive: AdaptiveParams = AdaptiveParams()
-    """The in-training allocations' settings (`allocation: adalora | qubo_in_loop`)."""
+    and `adalora` (PEFT's AdaLoRA): ranks allocated while training within the parameters of rank
+    `adapter.r` on every module, as `adaptive` says; `quantum_opt`: target modules and per-module
+    ranks from the `quantum_opt` stage (its `data/quantum_opt/allocation.json`); `uniform`: rank
+    `adapter.r` on every `adapter.target_modules` entry. Every allocation scales a module's update
+    by `adapter.lora_alpha` over the uniform rank of its budget (`adapter.r`, or quantum_opt's
+    budget), whatever rank the module gets."""
+    adaptive: Annotated[
+        AdaptiveParams,
+        only_with("allocation", *IN_TRAINING),
+        only_with("allocation", "qubo_in_loop", keys=("lam", "ranks", "solver", "timeout", "num_reads", "reference_timeout")),
+    ] = AdaptiveParams()
+    """The in-training allocations' settings (`allocation: adalora | qubo_in_loop`; the QUBO's own
+    ones, `qubo_in_loop` only)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -765,22 +879,28 @@ class LoraParams(FinetuneParams):
         if isinstance(data, dict):
             moved = sorted(set(data) & set(LoraAdapterParams.model_fields))
             if moved:
-                raise ValueError(f"{', '.join(moved)}: the adapter settings are under lora.adapter now (as under dpo.lora): "
+                raise ValueError(f"{', '.join(moved)}: the adapter settings are under lora.adapter now (as under dpo.adapter): "
                                  f"write lora.adapter.{moved[0]}, not lora.{moved[0]}")  # fmt: skip
+            if isinstance(data.get("adapter"), dict):
+                if data["adapter"].get("enabled") is False:
+                    raise ValueError("adapter.enabled: the lora stage trains an adapter (it must be true); to train all weights, use the sft stage")
+                data = {**data, "adapter": {**LORA_STAGE_ADAPTER, **data["adapter"]}}
         return data
 
     @model_validator(mode="after")
-    def _layers_with_allocation(self) -> LoraParams:
-        if self.allocation != "uniform" and self.adapter.layers_to_transform:
-            raise ValueError(f"adapter.layers_to_transform applies to allocation: uniform; the {self.allocation} allocation chooses the modules of every layer itself")
-        if self.allocation in ("adalora", "qubo_in_loop"):
+    def _adapter_and_budget(self) -> LoraParams:
+        if not self.adapter.enabled:  # an adapter given as a built block
+            raise ValueError("adapter.enabled: the lora stage trains an adapter (it must be true); to train all weights, use the sft stage")
+        if self.allocation in IN_TRAINING:
             adaptive = self.adaptive
             if adaptive.tinit + adaptive.tfinal >= self.train.max_steps:
                 raise ValueError(f"adaptive.tinit ({adaptive.tinit}) + adaptive.tfinal ({adaptive.tfinal}) must leave steps of train.max_steps "
                                  f"({self.train.max_steps}) to re-allocate in")  # fmt: skip
-            if self.adapter.quantization != "none":
-                raise ValueError(f"allocation {self.allocation} trains SVD-form (AdaLoRA) adapters, which do not sit on a quantized base here: "
-                                 "use adapter.quantization: none, or allocation: quantum_opt or uniform for QLoRA")  # fmt: skip
+            if self.adapter.r > adaptive.init_r:
+                raise ValueError(f"adapter.r ({self.adapter.r}), the rank budget of the {self.allocation} allocation, must not exceed "
+                                 f"adaptive.init_r ({adaptive.init_r}), the rank every module starts at: the budget is reached by masking")  # fmt: skip
+            if self.allocation == "qubo_in_loop" and (max(adaptive.ranks) > adaptive.init_r or min(adaptive.ranks) < 1):
+                raise ValueError(f"adaptive.ranks {adaptive.ranks} must lie in 1..adaptive.init_r ({adaptive.init_r})")
         return self
 
 
@@ -825,8 +945,10 @@ class QuantumOptParams(Section):
     chat *validation* loss over {0, 0.02, 0.1} averaged over two worlds (benchmarks/RESULTS.md,
     issue 22); with the detrended redundancy it leaves part of the budget unspent (65,536 of
     94,208 parameters on the default world)."""
-    budget_rank: int = Field(8, ge=1)
-    """Budget B = the trainable parameters of rank `budget_rank` on every candidate module."""
+    budget_rank: Annotated[int, only_with("budget", 0)] = Field(8, ge=1)
+    """Budget B = the trainable parameters of rank `budget_rank` on every candidate module. The lora
+    stage scales every module's update by `lora.adapter.lora_alpha` over this rank (with `budget`:
+    over the uniform rank of that many parameters), whatever rank the module gets."""
     budget: int = Field(0, ge=0)
     """An absolute parameter budget instead (0: use `budget_rank`)."""
     seed: int = 0
@@ -837,9 +959,9 @@ class QuantumOptParams(Section):
     reference_timeout: float = Field(15.0, ge=0)
     """Seconds for the MILP reference optimum the gap is measured against (0: skip it). With
     dense redundancy HiGHS rarely proves optimality; its best point at the limit is then used."""
-    max_qubits: int = Field(16, ge=1)
+    max_qubits: Annotated[int, only_with("solver", "qaoa")] = Field(16, ge=1)
     """QAOA refuses problems with more binary variables (statevector simulation is 2^n)."""
-    num_reads: int = Field(0, ge=0)
+    num_reads: Annotated[int, only_with("solver", "sa", "tabu")] = Field(0, ge=0)
     """Samples drawn by sa/tabu (0: the library default)."""
 
 
@@ -859,11 +981,11 @@ class RefLogprobsParams(Section):
     batch_size: int = Field(32, ge=1)
     """Pairs per forward pass."""
     quantization: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
-    """The SFT model quantized as `dpo.lora.quantization` quantizes it (QLoRA DPO): the reference
+    """The SFT model quantized as `dpo.adapter.quantization` quantizes it (QLoRA DPO): the reference
     must be the model DPO starts from, so the two must be equal (checked)."""
-    double_quant: bool = True
-    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """As in `dpo.lora`; `auto` here is fp32 (the reference pass scores in fp32)."""
+    double_quant: Annotated[bool, only_with("quantization", *FOUR_BIT)] = True
+    compute_dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32"], only_with("quantization", *QUANTIZED)] = "auto"
+    """As in `dpo.adapter`; `auto` here is fp32 (the reference pass scores in fp32)."""
 
 
 PREFERENCE_METHODS = ("dpo", "kto", "orpo", "simpo")
@@ -885,31 +1007,40 @@ class DpoParams(Section):
     beta: float = Field(0.1, gt=0)
     """dpo/kto: strength of the implicit KL penalty (higher: stay closer to the reference); simpo:
     the reward scale (the paper uses 2-2.5); orpo: lambda, the odds-ratio term's weight."""
-    loss_type: DPO_LOSS_TYPES | None = None
+    loss_type: Annotated[DPO_LOSS_TYPES | None, only_with("method", "dpo", hint="kto, orpo and simpo have their own loss: set dpo.loss_type=null")] = None
     """method dpo's loss, TRL's names: sigmoid (DPO), hinge, ipo (TRL 1.16's, per-token), ipo_sum
     (IPO on summed log-ratios), robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down,
     discopop (docs/preference.md); null: sigmoid. kto, orpo and simpo have their own loss: with them it
     must be null (as TRL's KTO, ORPO and CPO configs take none of these)."""
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    label_smoothing: Annotated[float, AppliesWhen(
+        "method dpo with loss_type sigmoid, robust or exo_pair, or method simpo",
+        lambda s: s.method == "simpo" or (s.method == "dpo" and s.dpo_loss_type in ("sigmoid", "robust", "exo_pair")),
+        shows=("method", "loss_type"), hint="kto's and orpo's losses have no label smoothing")] = Field(0.0, ge=0, lt=0.5)
     """The assumed share of flipped preference labels: dpo's sigmoid (conservative DPO), robust and
     exo_pair (needs > 0), and simpo; kto and orpo have none (it must be 0)."""
-    discopop_tau: float = Field(0.05, gt=0)
+    discopop_tau: Annotated[float, only_with("loss_type", "discopop")] = Field(0.05, gt=0)
     """loss_type discopop: the temperature of its log-ratio modulation (TRL's default)."""
-    simpo_gamma: float = Field(0.5, ge=0)
+    simpo_gamma: Annotated[float, only_with("method", "simpo")] = Field(0.5, ge=0)
     """simpo: the target reward margin gamma (TRL's `simpo_gamma`)."""
-    desirable_weight: float = Field(1.0, gt=0)
+    desirable_weight: Annotated[float, only_with("method", "kto")] = Field(1.0, gt=0)
     """kto: weight of the desirable examples' losses (TRL's guidance on imbalance is checked)."""
-    undesirable_weight: float = Field(1.0, gt=0)
+    undesirable_weight: Annotated[float, only_with("method", "kto")] = Field(1.0, gt=0)
     """kto: weight of the undesirable examples' losses."""
-    sft_weight: float = Field(0.0, ge=0)
+    sft_weight: Annotated[float, only_with("method", "dpo", "simpo", hint="orpo's loss already holds the NLL of the chosen answers with weight 1 "
+                                                                       "(beta weighs the odds ratio); kto's has no NLL term (TRL's KTO has none)")] = Field(0.0, ge=0)
     """dpo and simpo: add this times the per-token NLL of the chosen answers to the loss (RPO; TRL's
     `rpo_alpha`, or CPO's `cpo_alpha` for simpo): keeps the policy generating what it is rewarded
     for, limiting drift. orpo's loss has the NLL itself (weight 1, its odds-ratio term weighted by
     `beta`) and kto none: with them it must be 0."""
-    adapter: Literal["none", "lora"] = "none"
-    """Train all weights of the policy, or a LoRA adapter on it (`dpo.lora`)."""
-    lora: LoraAdapterParams = LoraAdapterParams()
+    adapter: LoraAdapterParams = LoraAdapterParams()
+    """A LoRA adapter on the policy (`enabled: true`; the same block as `lora.adapter`), or all its
+    weights trained (`enabled: false`)."""
     train: TrainParams = TrainParams()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_moved(cls, data: Any) -> Any:
+        return _adapter_moved(data, "dpo")
 
     @model_validator(mode="after")
     def _no_loss_chunks(self) -> DpoParams:
@@ -918,25 +1049,10 @@ class DpoParams(Section):
         return self
 
     @model_validator(mode="after")
-    def _method_settings(self) -> DpoParams:
-        # Every setting acts or is refused: a loss type, smoothing or NLL weight the method would not
-        # read is an error naming what to set (the neutral values, null and 0, are what other methods take).
-        if self.method == "dpo":
-            loss = self.dpo_loss_type
-            if self.label_smoothing and loss not in ("sigmoid", "robust", "exo_pair"):
-                raise ValueError(f"label_smoothing applies to loss_type sigmoid, robust or exo_pair, not {loss}")
-            if loss == "exo_pair" and not self.label_smoothing:
-                raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper uses 1e-3)")
-            return self
-        if self.loss_type is not None:
-            raise ValueError(f"loss_type {self.loss_type} is a loss of method dpo; method {self.method} has its own loss: set "
-                             f"dpo.loss_type=null (e.g. qllm run --set dpo.method={self.method} --set dpo.loss_type=null)")  # fmt: skip
-        if self.label_smoothing and self.method in ("kto", "orpo"):
-            raise ValueError(f"label_smoothing applies to methods dpo and simpo; {self.method}'s loss has no label smoothing: set it to 0")
-        if self.sft_weight and self.method in ("kto", "orpo"):
-            why = "its loss already holds the NLL of the chosen answers with weight 1 (beta weighs the odds ratio)" if self.method == "orpo" \
-                else "its loss has no NLL term (TRL's KTO has none)"  # fmt: skip
-            raise ValueError(f"sft_weight applies to methods dpo (RPO) and simpo (CPO-SimPO); {self.method}: {why}; set it to 0")
+    def _exo_needs_smoothing(self) -> DpoParams:
+        # what each setting applies to is declared on it (`AppliesWhen`); this is a value a loss needs
+        if self.method == "dpo" and self.dpo_loss_type == "exo_pair" and not self.label_smoothing:
+            raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper uses 1e-3)")
         return self
 
     @property
@@ -949,13 +1065,14 @@ class DpoParams(Section):
         return self.method in ("dpo", "kto")
 
 
-BUILT_IN_REWARDS = ("exact_match", "flexible_match", "format", "environment")
+BUILT_IN_REWARDS = ("exact_match", "strict_match", "format", "environment")
 """The reward functions `pipelines.core.training.rewards` has built in."""
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "answer", "id", "source", "split",
-                    "environments")
+                    "candidates", "environments")
 """What a reward function is called with: TRL's arguments and the records' columns (the prepared
-chat records' `id`, `source`, `split`, and `answer`, the reference), and in episodes with
-`grpo.tools.environment`, `environments` (each completion's environment instance, as TRL's)."""
+chat records' `id`, `source`, `split`, and `answer`, the reference), `candidates` (the answers of
+the question's group), and in episodes with `grpo.tools.environment`, `environments` (each
+completion's environment instance, as TRL's)."""
 
 
 def user_reward(name: str, where: str):
@@ -964,6 +1081,10 @@ def user_reward(name: str, where: str):
     is neither. Used when params load and by `pipelines.core.training.rewards.load`."""
     if name in BUILT_IN_REWARDS:
         return None
+    if name == "flexible_match":
+        raise QllmError(f"{where}: flexible_match is evaluate's lenient score: as a reward, an answer naming every candidate (\"Pelora, Dunmar or "
+                        "Kestwick\") scores 1 and the policy learns to list them; use strict_match, the same score that gives 0 when another "
+                        "candidate answer of the question's group is named")  # fmt: skip
     if ":" not in name:
         if Path(name).is_dir() or name.count("/") == 1:
             raise QllmError(f"{where}: {name!r} looks like a reward model (a directory or hub id): grpo takes reward functions only, not TRL's "
@@ -980,10 +1101,10 @@ class RewardParams(Section):
     """One reward function of `grpo.rewards` and its weight."""
 
     function: str = Field(min_length=1)
-    """A built-in reward (`exact_match`, `flexible_match`, `format`, `environment`: the environment's `reward()`) or a user's `package.module:function` (importable
+    """A built-in reward (`exact_match`, `strict_match`, `format`, `environment`: the environment's `reward()`) or a user's `package.module:function` (importable
     from the project, e.g. a module next to params.yaml; plain or `async def`), called as TRL calls one
     (`prompts`, `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric`, and the
-    records' columns `answer`, `id`, `source`, `split`). Reward models are refused."""
+    records' columns `answer`, `id`, `source`, `split`, and `candidates`). Reward models are refused."""
     weight: float = 1.0
     """The function's weight in the summed reward (TRL's `reward_weights`)."""
 
@@ -1021,6 +1142,10 @@ def user_tool(name: str, where: str):
     return fn
 
 
+WITH_TOOLS = AppliesWhen("tools listed in `functions` or an `environment`", lambda s: s.enabled)
+"""Episode settings, which one-turn rollouts (no tool) do not read."""
+
+
 class ToolsParams(Section):
     """Tools the model may call: multi-turn episodes in GRPO's rollouts, and in evaluate's answers to
     the held-out questions that offer tools (docs/grpo.md "Tools")."""
@@ -1029,11 +1154,11 @@ class ToolsParams(Section):
     """`calculator` (built in: exact arithmetic) or a user's `package.module:function` with type hints and a
     Google-style docstring (its JSON schema is made from them, as TRL's tools); each is imported and described when
     params load. Empty: one-turn rollouts, as without tools."""
-    max_turns: int = Field(3, ge=2)
+    max_turns: Annotated[int, WITH_TOOLS] = Field(3, ge=2)
     """The model's turns per episode, its calls and its answer; an episode still calling tools at the last one is truncated."""
-    timeout_seconds: float = Field(5.0, gt=0)
+    timeout_seconds: Annotated[float, WITH_TOOLS] = Field(5.0, gt=0)
     """A call running longer is abandoned and the model reads a time-out error."""
-    style: Literal["auto", "hermes", "llama3"] = "auto"
+    style: Annotated[Literal["auto", "hermes", "llama3"], WITH_TOOLS] = "auto"
     """How calls are written: `hermes` (`<tool_call>` blocks: Qwen2.5, Hermes), `llama3` (one JSON object: Llama 3.1),
     or `auto`, from the chat template."""
     environment: str | None = None
@@ -1067,14 +1192,6 @@ class ToolsParams(Section):
                 raise ValueError(str(exc)) from None
         return name
 
-    @model_validator(mode="after")
-    def _used(self) -> ToolsParams:
-        changed = [name for name in ("max_turns", "timeout_seconds", "style") if getattr(self, name) != type(self).model_fields[name].default]
-        if changed and not self.enabled:
-            raise ValueError(f"{', '.join(changed)}: set, but `functions` and `environment` are empty, so rollouts are one turn and no tool "
-                             "is called; list the tools")  # fmt: skip
-        return self
-
     @property
     def enabled(self) -> bool:
         """Episodes with tools: `functions` or an `environment` given."""
@@ -1093,7 +1210,8 @@ class GrpoParams(Section):
     """Completions sampled per prompt (TRL's `num_generations`); the advantages are normalised
     within each group. `train.micro_batch_size` counts completions and must be a multiple of it."""
     max_completion_length: int = Field(16, ge=1)
-    """Tokens a completion may have; one that reaches it without a stop token is truncated."""
+    """Tokens a completion may have; one that reaches it without a stop token is truncated. With
+    tools, each of the model's turns, and the tools' answers between two turns (cut to fit, saying so)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of the rollouts (TRL's default 1.0)."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -1119,12 +1237,16 @@ class GrpoParams(Section):
     """Leave truncated completions (no stop token within `max_completion_length`) out of the loss (DAPO)."""
     log_completions_every: int = Field(10, ge=0)
     """Log a table of sample completions with their rewards to MLflow every N steps (0: never)."""
-    adapter: Literal["none", "lora"] = "none"
-    """Train all weights of the policy, or a LoRA adapter on it (`grpo.lora`; with `beta` > 0 the
-    reference is the model under the adapter, so no copy is held)."""
-    lora: LoraAdapterParams = LoraAdapterParams()
+    adapter: LoraAdapterParams = LoraAdapterParams()
+    """A LoRA adapter on the policy (`enabled: true`; the same block as `lora.adapter`), or all its
+    weights trained (`enabled: false`)."""
     tools: ToolsParams = ToolsParams()
     train: TrainParams = TrainParams()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_moved(cls, data: Any) -> Any:
+        return _adapter_moved(data, "grpo")
 
     @model_validator(mode="after")
     def _environment_reward(self) -> GrpoParams:
@@ -1234,13 +1356,9 @@ class EvaluateParams(Section):
     with this local `save_pretrained` directory of a BERT-like encoder (bert, roberta, deberta, ...;
     relative to the project). Never downloaded. None: no BERTScore. The path is a param (changing
     it reruns evaluate); the encoder's files are not a dvc.yaml dependency."""
-    bertscore_layer: int | None = Field(None, ge=0)
+    bertscore_layer: Annotated[int | None, AppliesWhen("bertscore_model set", lambda s: s.bertscore_model is not None)] = Field(None, ge=0)
     """The encoder's hidden state that embeds the tokens (0: the embeddings, n: after layer n);
     None: the last. bert-score's defaults: 17 for roberta-large, 9 for bert-base-uncased."""
-
-    @model_validator(mode="after")
-    def _layer_needs_a_model(self) -> EvaluateParams:
-        return _only_with(self, "bertscore_layer", "bertscore_model", "the layer is one of that encoder's")
 
 
 GgufType = Literal["f16", "q8_0", "bf16", "f32", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k"]
@@ -1259,18 +1377,16 @@ class ExportParams(Section):
     (q4_k_m, q4_k_s, q5_k_m, q6_k) by llama.cpp's quantizer from the f16 file, which needs llama-cpp-python."""
     modelfile: bool = True
     """Also write an Ollama Modelfile: the chat template in Ollama's template language, its stop tokens, greedy decoding."""
-    modelfile_type: GgufType = "q8_0"
+    modelfile_type: Annotated[GgufType, only_with("modelfile", True)] = "q8_0"
     """The file the Modelfile's FROM names (one of `types`)."""
-    system: str | None = None
+    system: Annotated[str | None, only_with("modelfile", True)] = None
     """The Modelfile's default system prompt (SYSTEM); null: none (the sample chats' is "Answer with one word or number.")."""
-    temperature: float | None = Field(None, ge=0)
+    temperature: Annotated[float | None, only_with("modelfile", True)] = Field(None, ge=0)
     """The Modelfile's `PARAMETER temperature`; null: what the model's generation_config.json says
     (0 where it decodes greedily, as the pipeline's models do; else its temperature)."""
 
     @model_validator(mode="after")
     def _modelfile_type_written(self) -> ExportParams:
-        if self.temperature is not None and not self.modelfile:
-            raise ValueError("temperature is the Modelfile's, but modelfile is false: set modelfile: true or leave temperature null")
         if len(set(self.types)) != len(self.types):
             raise ValueError(f"types: each type once (got {self.types})")
         if self.modelfile and self.modelfile_type not in self.types:
@@ -1316,6 +1432,9 @@ class RegisterParams(Section):
 warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows', category=UserWarning)
 
 
+WITH_A_BASE = AppliesWhen("a base model named (`name`)", lambda s: s.name is not None, shows=("name",))
+
+
 class BaseModelParams(Section):
     """Where the fine-tuning stages start from (docs/fine-tuning.md)."""
 
@@ -1324,20 +1443,15 @@ class BaseModelParams(Section):
     or a `save_pretrained` directory (relative to the project): `train_tokenizer` then takes its
     tokenizer, `pretrain` trains nothing, and sft, probe_lora, lora, dpo, evaluate and register
     use it with its own tokenizer and chat template."""
-    revision: str | None = None
+    revision: Annotated[str | None, WITH_A_BASE] = None
     """Hub only: a branch, tag or commit; resolved to the commit it names (in data/base_model.json),
     so a new revision reruns everything downstream. None: the hub's default branch."""
-    chat_template_path: str | None = None
+    chat_template_path: Annotated[str | None, WITH_A_BASE] = None
     """A Jinja chat template file (relative to the project) that replaces the base's own in every
     stage, as TRL's `chat_template_path` does: for a base whose template cannot render tools
     (SmolLM2's: `templates/smollm2-tools.jinja`, its own rendering plus Qwen2.5's Hermes-style
     tools). Its text is recorded in data/base_model.json, so editing it reruns what follows.
     None: the base's own template."""
-
-    @model_validator(mode="after")
-    def _revision_needs_a_name(self) -> BaseModelParams:
-        _only_with(self, "chat_template_path", "name", "it replaces a base model's chat template; the project's own tokenizer has the project's")
-        return _only_with(self, "revision", "name", "a revision names a version of a hub model")
 
 
 class ProbeDeviceParams(Section):
@@ -1427,12 +1541,11 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _reference_quantized_like_the_policy(self) -> Params:
-        policy = self.dpo.lora.quantization if self.dpo.adapter == "lora" else "none"
+        policy = self.dpo.adapter.quantization
         if policy != self.ref_logprobs.quantization:
             raise ValueError(
                 f"ref_logprobs.quantization is {self.ref_logprobs.quantization!r} but DPO starts from the SFT model quantized as "
-                f"{policy!r} (dpo.adapter: {self.dpo.adapter}, dpo.lora.quantization: {self.dpo.lora.quantization}); the reference "
-                "must be the model DPO starts from: set both to the same value"
+                f"{policy!r} (dpo.adapter.quantization); the reference must be the model DPO starts from: set both to the same value"
             )
         return self
 

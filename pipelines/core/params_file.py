@@ -161,10 +161,24 @@ def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
     return model
 
 
+def _named_key(loc: tuple[str, ...], msg: str) -> str | None:
+    """The dotted key a section's own check names at the start of its message (`lora.r: ...`), when
+    its first part is a key of the section at `loc`; else None."""
+    head, sep, _ = msg.partition(": ")
+    model = _model_at(loc)
+    if not sep or model is None or not all(part.isidentifier() for part in head.split(".")):
+        return None
+    return head if head.split(".")[0] in model.model_fields else None
+
+
 def _format_errors(exc: ValidationError, source: str, lines: dict[tuple[str, ...], int]) -> str:
     messages = []
     for error in exc.errors():
         loc = tuple(str(part) for part in error["loc"])
+        msg = error["msg"].removeprefix("Value error, ")
+        named = _named_key(loc, msg)
+        if named:  # a section's check that names its own key ("discopop_tau: ..."): the key's full path and its line
+            loc, msg = loc + tuple(named.split(".")), msg.removeprefix(f"{named}: ")
         key = ".".join(loc) or "<top level>"
         line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
         where = f"{source}:{line}" if line else source
@@ -176,8 +190,7 @@ def _format_errors(exc: ValidationError, source: str, lines: dict[tuple[str, ...
             messages.append(f"{where}: {key}: required key is missing")
         else:
             got = error.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            msg = error["msg"].removeprefix("Value error, ")
+            shown = "" if isinstance(got, dict) or named else f" (got {got!r})"
             messages.append(f"{where}: {key}: {msg}{shown}")
     return "\n".join(messages)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import sys
+import typing
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from pipelines.core import config, params_file
 from pipelines.core.config import ParamsError
@@ -86,7 +89,7 @@ def test_negative_learning_rate_is_rejected_with_line(tmp_path):
         ("ingest:\n  sources:\n    - {path: a, kind: audio}\n", "ingest.sources.0.kind: Input should be 'text', 'chat', 'preference', 'image_chat' or 'feedback'"),
         ("bogus_stage: {}\n", "bogus_stage: unknown key (expected one of: base_model, dpo, evaluate, export, grpo, ingest, lora"),
         ("generate:\n  seed: 1\n", "generate: the stage that writes the sample data is called sample_data now"),
-        ("lora:\n  r: 8\n", "lora: r: the adapter settings are under lora.adapter now (as under dpo.lora): write lora.adapter.r"),
+        ("lora:\n  r: 8\n", "lora: r: the adapter settings are under lora.adapter now (as under dpo.adapter): write lora.adapter.r"),
         ("pretrain:\n  model:\n    hidden_size: 30\n    num_heads: 4\n", "hidden_size (30) must be divisible by num_heads (4)"),
     ],
 )
@@ -201,3 +204,173 @@ def test_field_docs_are_the_descriptions_pydantic_reads_from_the_source(tmp_path
         compared += len(expected)
     assert compared > 200  # keys that say what they mean, of every section
     assert config.field_docs(config.SftParams)["loss_on"] == config.field_docs(config.FinetuneParams)["loss_on"]  # inherited
+
+
+# ------------------------------------------------------------------ every key acts or is refused
+
+
+def _sections() -> dict[str, type[config.Section]]:
+    """Every section class reachable from `Params`, by the dotted path of its first appearance."""
+    found: dict[str, type[config.Section]] = {}
+
+    def walk(cls: type[config.Section], path: str) -> None:
+        if cls in found.values():
+            return
+        found[path] = cls
+        for name, info in cls.model_fields.items():
+            for candidate in (info.annotation, *getattr(info.annotation, "__args__", ())):
+                if isinstance(candidate, type) and issubclass(candidate, config.Section):
+                    walk(candidate, f"{path}.{name}".lstrip("."))
+
+    walk(config.Params, "")
+    return found
+
+
+def _field_at(cls: type[config.Section], dotted: str):
+    """The `FieldInfo` of a dotted key below `cls`."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        cls = cls.model_fields[part].annotation
+    return cls.model_fields[last]
+
+
+def _other_values(info, value) -> list:
+    """Values of the field's type other than `value`, to try (constraints may refuse some)."""
+    return [v for v in _values_to_try(info.annotation, value) if v != value]
+
+
+def _values_to_try(annotation, value) -> list:
+    options = list(getattr(annotation, "__args__", ()))
+    if getattr(annotation, "__origin__", None) is typing.Literal:
+        return [o for o in options if o != value]
+    if type(None) in options:  # Optional: a value of the other member, or None
+        inner = next(o for o in options if o is not type(None))
+        return [None] if value is not None else [*{int: [3, 1024], float: [0.5], str: ["x"]}.get(inner, ["x"]), *(getattr(inner, "__args__", ()))]
+    if annotation is bool:
+        return [not value]
+    if annotation is int:
+        return [value + 1, value + 2, 2 * value + 1, 1024]
+    if annotation is float:
+        return [value / 2 if value else 0.01, value + 0.1, 2 * value + 1]
+    if annotation is str:
+        return ["gaussian", "x", value + "x"]
+    origin = getattr(annotation, "__origin__", None)
+    if origin is list:
+        return [value[:1] if len(value) > 1 else [], [0], ["q_proj"], [-1], ["calculator"]]
+    if origin is dict:
+        return [{"q_proj": 2}, {0: 0.5, 9: 0.9}]
+    return []
+
+
+def _set(data: dict, dotted: str, value) -> dict:
+    """A deep copy of `data` with `dotted` set to `value`."""
+    out = copy.deepcopy(data)
+    node = out
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return out
+
+
+def _validates(cls, data: dict):
+    try:
+        return cls.model_validate(data)
+    except ValidationError:
+        return None
+
+
+def _conditional_keys() -> list:
+    """(section path, class, field, condition, governed leaf key) for every declared `AppliesWhen`."""
+    cases = []
+    for path, cls in _sections().items():
+        for name, info in cls.model_fields.items():
+            for condition in config.applies_when(info):
+                keys = [f"{name}.{key}" for key in condition.keys] if condition.keys else [name]
+                cases += [pytest.param(cls, key, condition, id=f"{path}.{key}".lstrip(".")) for key in keys]
+    return cases
+
+
+def _states(cls, base: dict):
+    """The section's default, then every state one other value of one of its own keys away, then two."""
+    yield base
+    changes = [(name, value) for name, info in cls.model_fields.items() for value in _other_values(info, base.get(name))]
+    for name, value in changes:
+        yield _set(base, name, value)
+    for (first, one), (second, other) in itertools.combinations(changes, 2):
+        if first != second:
+            yield _set(_set(base, first, one), second, other)
+
+
+def _leaf_keys(cls, key: str) -> list[str]:
+    """`key` itself, or, for a nested section, each of its leaves."""
+    annotation = _field_at(cls, key).annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [leaf for name in annotation.model_fields for leaf in _leaf_keys(cls, f"{key}.{name}")]
+    return [key]
+
+
+def _value_at(data: dict, dotted: str):
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+@pytest.mark.parametrize(("cls", "key", "condition"), _conditional_keys())
+def test_every_conditional_key_acts_where_it_applies_and_is_refused_elsewhere(cls, key, condition):
+    """Each key declared with the condition under which it applies (`config.AppliesWhen`): with the
+    condition holding, some value other than its default is accepted (the key does something); with
+    it failing, that value is refused with an error naming the key and the condition."""
+    base = cls().model_dump(mode="json")
+    name = key.split(".")[0]
+    others = [c for c in config.applies_when(cls.model_fields[name]) if c is not condition and (not c.keys or key.split(".", 1)[-1] in c.keys)]
+    acting = failing = None  # (leaf, value) accepted where the condition holds; a valid state where only it fails
+    for state in _states(cls, base):
+        section = _validates(cls, state)
+        if section is None:
+            continue
+        if condition.holds(section) and acting is None:
+            acting = next(((leaf, value) for leaf in _leaf_keys(cls, key) for value in _other_values(_field_at(cls, leaf), _value_at(state, leaf))
+                           if _validates(cls, _set(state, leaf, value)) is not None), None)  # fmt: skip
+        elif not condition.holds(section) and failing is None and all(c.holds(section) for c in others):
+            failing = state
+        if acting and failing:
+            break
+    assert acting is not None, f"{key}: no state found where {condition.when} holds and a value other than the default is accepted"
+    assert failing is not None, f"{key}: no valid state found where {condition.when} fails"
+    leaf, value = acting
+    with pytest.raises(ValidationError) as refused:
+        cls.model_validate(_set(failing, leaf, value))
+    assert f"{leaf}: applies only with {condition.when}" in str(refused.value)
+
+
+def test_every_params_section_is_walked():
+    """The walk above reaches every section class of this module, so a section added later is walked too."""
+    defined = {c for c in vars(config).values() if isinstance(c, type) and issubclass(c, config.Section)}
+    walked = {base for cls in _sections().values() for base in cls.__mro__}  # a base's fields are walked in its subclasses
+    assert defined - walked == set()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dpo.loss_type=sigmoid", "dpo.discopop_tau=0.1"], "dpo.discopop_tau: applies only with loss_type: discopop (here loss_type is sigmoid)"),
+        (["dpo.simpo_gamma=1.0"], "dpo.simpo_gamma: applies only with method: simpo (here method is dpo)"),
+        (["dpo.desirable_weight=2.0"], "dpo.desirable_weight: applies only with method: kto (here method is dpo)"),
+        (["dpo.undesirable_weight=0.5"], "dpo.undesirable_weight: applies only with method: kto (here method is dpo)"),
+        (["dpo.adapter.enabled=false", "dpo.adapter.r=8"], "dpo.adapter.r: applies only with enabled: true (here enabled is false)"),
+        (["dpo.adapter.enabled=false"], "dpo.adapter.lora_dropout: applies only with enabled: true (here enabled is false)"),
+        (["grpo.adapter.r=16"], "grpo.adapter.r: applies only with enabled: true (here enabled is false)"),
+        (["grpo.adapter.quantization=nf4"], "grpo.adapter.quantization: applies only with enabled: true (here enabled is false)"),
+        (["lora.allocation=quantum_opt", "lora.adapter.r=16"],
+         "lora.adapter.r: applies only with allocation: uniform, adalora or qubo_in_loop (here allocation is quantum_opt)"),
+        (["lora.adaptive.budget_rank=4"], "lora.adaptive: budget_rank: the rank budget is lora.adapter.r now"),
+        (["dpo.lora.r=8"], "dpo: lora: the adapter's settings are in dpo.adapter now"),
+        (["grpo.adapter=lora"], "grpo.adapter: the adapter is a block now, the same in lora, dpo and grpo: write `adapter: {enabled: true}`"),
+    ],
+)
+def test_the_options_the_review_found_inert_are_refused_by_name(overrides, message):
+    """Issue 78: each of these was accepted and changed nothing."""
+    with pytest.raises(ParamsError) as refused:
+        params_file.load(REPO, overrides=overrides)
+    assert message in str(refused.value)

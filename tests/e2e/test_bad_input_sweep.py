@@ -311,14 +311,19 @@ CASES = [
          "error: params.yaml:14: pretrian: unknown key (expected one of: …, pretrain, …)", 2),
     Case("params-layers-with-in-loop-allocation", "params", "`lora.adapter.layers_to_transform: [-1]` with the default `allocation: qubo_in_loop`", "qllm run",
          params_file(BASE + "    layers_to_transform: [-1]\n"),
-         "error: params.yaml:11: lora: adapter.layers_to_transform applies to allocation: uniform; the qubo_in_loop allocation chooses the modules of every layer itself", 2),
+         "error: params.yaml:14: lora.adapter.layers_to_transform: applies only with allocation: uniform (here allocation is qubo_in_loop), so here it "
+         "would change nothing: leave it at its default ([])", 2),
     Case("params-qlora-with-in-loop-allocation", "params", "`lora.adapter.quantization: nf4` with the default `allocation: qubo_in_loop`", "qllm run",
          params_file(BASE + "    quantization: nf4\n"),
-         "error: params.yaml:11: lora: allocation qubo_in_loop trains SVD-form (AdaLoRA) adapters, which do not sit on a quantized base here: "
-         "use adapter.quantization: none, or allocation: quantum_opt or uniform for QLoRA", 2),
+         "error: params.yaml:14: lora.adapter.quantization: applies only with allocation: uniform or quantum_opt (here allocation is "
+         "qubo_in_loop), so here it would change nothing: leave it at its default (none)", 2),
+    Case("params-option-that-changes-nothing", "params", "`dpo.simpo_gamma: 1.0` with `method: dpo` (only SimPO reads it)", "qllm run",
+         params_file(BASE + "dpo:\n  simpo_gamma: 1.0\n"),
+         "error: params.yaml:15: dpo.simpo_gamma: applies only with method: simpo (here method is dpo), so here it would change nothing: "
+         "leave it at its default (0.5)", 2),
     Case("params-lora-adapter-key-at-the-old-place", "params", "`lora.r: 8` (the adapter's settings are under `lora.adapter`)", "qllm run",
          params_file(BASE + "  r: 8\n"),
-         "error: params.yaml:11: lora: r: the adapter settings are under lora.adapter now (as under dpo.lora): write lora.adapter.r, not lora.r", 2),
+         "error: params.yaml:11: lora: r: the adapter settings are under lora.adapter now (as under dpo.adapter): write lora.adapter.r, not lora.r", 2),
     Case("params-duplicate-key", "params", "`pretrain.train.lr` given twice (`0.002` on line 6, `0.5` on line 9)", "qllm run",
          params_file(BASE.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    lr: 0.5\n")),
          "error: {project}/params.yaml:9: pretrain.train.lr: duplicate key (first given on line 6)", 2),

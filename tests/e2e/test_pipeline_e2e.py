@@ -395,7 +395,7 @@ def test_the_in_loop_qubo_allocates_lora_ranks_while_it_trains(first, project):
         assert "`lora.allocation` is not `quantum_opt`" in (project / "data" / name / "README.md").read_text()
         assert json.loads((project / f"data/metrics/{name}.json").read_text())["used"] is False
     lora = json.loads((project / "data/metrics/lora.json").read_text())
-    budget = 4 * TINY_MODULES  # lora.adaptive.budget_rank 4 on every module (tiny profile)
+    budget = 4 * TINY_MODULES  # lora.adapter.r 4 on every module: the budget of the tiny profile's in-loop allocation
     assert 0 < lora["allocation/active_parameters"] <= budget and 1 <= lora["allocation/modules_with_rank"] <= 7
     client = mlflow_client(project)
     energy = client.get_metric_history(lora["mlflow_run_id"], "qubo/energy")

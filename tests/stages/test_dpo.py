@@ -87,19 +87,19 @@ def test_dpo_starts_at_log2_and_never_runs_the_reference(workspace, monkeypatch)
 
 def test_dpo_with_a_lora_adapter_reuses_the_lora_code(workspace):
     root, _ = workspace
-    params = DpoParams(adapter="lora", train=TRAIN, lora={"r": 2, "trainable_tokens": []})
+    params = DpoParams(train=TRAIN, adapter={"enabled": True, "r": 2, "trainable_tokens": []})
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params)
     assert metrics["trainable_parameters"] < metrics["total_parameters"] * 0.2
     assert (root / "data/models/dpo/adapter_config.json").exists() and (root / "data/models/dpo/merged/config.json").exists()
 
 
 def test_dpo_on_the_last_layer_leaves_the_earlier_layers_as_sft_made_them(workspace):
-    """The default `dpo.lora.layers_to_transform: [-1]`: the merged policy differs from SFT in
+    """The default `dpo.adapter.layers_to_transform: [-1]`: the merged policy differs from SFT in
     the last decoder layer only (embeddings, earlier layers and norms are bit-identical)."""
     from safetensors.torch import load_file
 
     root, _ = workspace
-    params = DpoParams(adapter="lora", train=TRAIN, lora={"r": 2, "trainable_tokens": [], "layers_to_transform": [-1]})
+    params = DpoParams(train=TRAIN, adapter={"enabled": True, "r": 2, "trainable_tokens": [], "layers_to_transform": [-1]})
     dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params)
     sft = load_file(root / "data/models/sft/model.safetensors")
     merged = load_file(root / "data/models/dpo/merged/model.safetensors")
@@ -364,13 +364,13 @@ def test_kto_pairs_each_example_with_another_prompts_answer(tiny_base, tmp_path)
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"method": "kto", "loss_type": "ipo_sum"}, "loss_type ipo_sum is a loss of method dpo; method kto has its own loss: set dpo.loss_type=null"),
-    ({"method": "simpo", "loss_type": "sigmoid"}, "method simpo has its own loss"),
-    ({"method": "orpo", "label_smoothing": 0.1}, "label_smoothing applies to methods dpo and simpo; orpo's loss has no label smoothing"),
-    ({"method": "kto", "label_smoothing": 0.1}, "kto's loss has no label smoothing"),
-    ({"method": "kto", "sft_weight": 0.5}, "sft_weight applies to methods dpo (RPO) and simpo (CPO-SimPO); kto: its loss has no NLL term"),
-    ({"method": "orpo", "sft_weight": 1.0}, "orpo: its loss already holds the NLL of the chosen answers with weight 1"),
-    ({"method": "dpo", "loss_type": "hinge", "label_smoothing": 0.1}, "label_smoothing applies to loss_type sigmoid, robust or exo_pair, not hinge"),
+    ({"method": "kto", "loss_type": "ipo_sum"}, "loss_type: applies only with method: dpo (here method is kto)"),
+    ({"method": "simpo", "loss_type": "sigmoid"}, "kto, orpo and simpo have their own loss: set dpo.loss_type=null"),
+    ({"method": "orpo", "label_smoothing": 0.1}, "label_smoothing: applies only with method dpo with loss_type sigmoid, robust or exo_pair, or method simpo"),
+    ({"method": "kto", "label_smoothing": 0.1}, "kto's and orpo's losses have no label smoothing"),
+    ({"method": "kto", "sft_weight": 0.5}, "sft_weight: applies only with method: dpo or simpo (here method is kto)"),
+    ({"method": "orpo", "sft_weight": 1.0}, "orpo's loss already holds the NLL of the chosen answers with weight 1"),
+    ({"method": "dpo", "loss_type": "hinge", "label_smoothing": 0.1}, "label_smoothing: applies only with method dpo with loss_type sigmoid, robust or exo_pair, or method simpo (here method is dpo, loss_type is hinge)"),
 ])  # fmt: skip
 def test_settings_a_method_would_not_read_are_refused(settings, message):
     from pydantic import ValidationError

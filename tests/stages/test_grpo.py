@@ -170,7 +170,7 @@ def test_the_stage_trains_and_logs_what_users_watch(workspace, user_rewards):
 @pytest.mark.parametrize("adapter", ["none", "lora"])
 def test_beta_adds_the_kl_to_the_start_model(workspace, user_rewards, adapter):
     tracker = Recorder()
-    p = params(user_rewards, beta=0.1, adapter=adapter, train=TRAIN.model_copy(update={"lr": 0.05, "extensions": ["mlflow_metrics"]}))
+    p = params(user_rewards, beta=0.1, adapter={"enabled": adapter == "lora"}, train=TRAIN.model_copy(update={"lr": 0.05, "extensions": ["mlflow_metrics"]}))
     grpo.run(workspace, workspace / "data/models/sft", workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
     kl = [m["kl"] for _, m in tracker.metrics if "kl" in m]
     assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference

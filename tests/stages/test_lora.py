@@ -20,7 +20,8 @@ TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, ev
 def lora_params(tiny_base, **kw) -> LoraParams:
     """`LoraParams` from flat keywords: the adapter's go to `adapter`; plain LoRA (`allocation:
     uniform`) unless `allocation` says otherwise."""
-    adapter = {"r": 4, "lora_alpha": 8} | {k: kw.pop(k) for k in list(kw) if k in LoraAdapterParams.model_fields}
+    adapter = {"lora_alpha": 8} | ({} if kw.get("allocation") == "quantum_opt" else {"r": 4})  # quantum_opt's ranks are its stage's
+    adapter |= {k: kw.pop(k) for k in list(kw) if k in LoraAdapterParams.model_fields}
     return LoraParams(base_model=str(tiny_base / "model"), train=TRAIN, adapter=adapter, **{"allocation": "uniform", **kw})
 
 
@@ -72,7 +73,7 @@ def test_layer_outside_the_model_is_a_clear_error(tiny_base, index):
 
 @pytest.mark.parametrize("allocation", ["quantum_opt", "adalora", "qubo_in_loop"])
 def test_layers_to_transform_needs_the_uniform_allocation(tiny_base, allocation):
-    with pytest.raises(ValueError, match=f"layers_to_transform applies to allocation: uniform; the {allocation} allocation chooses"):
+    with pytest.raises(ValueError, match=rf"adapter.layers_to_transform: applies only with allocation: uniform \(here allocation is {allocation}\)"):
         lora_params(tiny_base, layers_to_transform=[-1], allocation=allocation)
 
 
@@ -197,9 +198,38 @@ def test_pissa_and_olora_adapters_load_on_the_original_base(tiny_base, tmp_path,
 
 
 def test_dora_and_pissa_need_a_plain_lora_allocation(tiny_base, tmp_path):
-    with pytest.raises(QllmError, match=r"lora.adapter.use_dora: the qubo_in_loop allocation trains its own SVD-form adapters"):
-        lora.run(tiny_base / "chat", tmp_path / "a", lora_params(tiny_base, use_dora=True, allocation="qubo_in_loop", adaptive={"tinit": 1, "tfinal": 1, "every": 1}))
+    with pytest.raises(ValueError, match=r"adapter.use_dora: applies only with allocation: uniform or quantum_opt \(here allocation is qubo_in_loop\)"):
+        lora_params(tiny_base, use_dora=True, allocation="qubo_in_loop", adaptive={"tinit": 1, "tfinal": 1, "every": 1})
     with pytest.raises(QllmError, match=r"lora.adapter.init_lora_weights: pissa moves part of each weight into the adapter"):
         lora.run(tiny_base / "chat", tmp_path / "b", lora_params(tiny_base, init_lora_weights="pissa", quantization="nf4"))
     with pytest.raises(ValueError, match="init_lora_weights"):
         LoraAdapterParams(init_lora_weights="svd")
+
+class _EstimateSeen(Exception):
+    """Raised in place of loading the base: the stage's memory estimate has been made."""
+
+
+@pytest.mark.parametrize(
+    ("allocation", "settings", "expected"),
+    [
+        ("uniform", {"adapter": {"r": 4, "rank_pattern": {"q_proj": 6}}}, 6),
+        ("qubo_in_loop", {"adapter": {"r": 4}, "adaptive": {"init_r": 12, "tinit": 1, "tfinal": 1}}, 12),  # every module starts at init_r, masked down to r
+        ("adalora", {"adapter": {"r": 4}, "adaptive": {"init_r": 10, "tinit": 1, "tfinal": 1}}, 10),
+        ("quantum_opt", {"adapter": {"rank_pattern": {"q_proj": 16, "v_proj": 4}}}, 16),  # rank_pattern as apply_allocation sets it
+    ],
+)
+def test_the_memory_estimate_counts_the_rank_training_starts_at(tiny_base, tmp_path, monkeypatch, allocation, settings, expected):
+    """Issue 78: preflight estimated at `adapter.r` (4) while the in-training allocations train at
+    `init_r` from the first step."""
+    from pipelines.core.models import footprint
+    from pipelines.core.training import finetune
+
+    seen = []
+    monkeypatch.setattr(footprint, "preflight", lambda *args, **kw: seen.append(kw["lora_rank"]) or {})
+    monkeypatch.setattr(finetune, "load_model_and_tokenizer", lambda *args: (_ for _ in ()).throw(_EstimateSeen()))
+    params = LoraParams(base_model=str(tiny_base / "model"), allocation=allocation, train=TRAIN.model_copy(update={"max_steps": 6}),
+                        **{key: value for key, value in settings.items() if key != "adapter"})  # fmt: skip
+    params = params.model_copy(update={"adapter": params.adapter.model_copy(update=settings["adapter"])})
+    with pytest.raises(_EstimateSeen):
+        lora.run(tiny_base / "chat", tmp_path / "out", params)
+    assert seen == [expected]

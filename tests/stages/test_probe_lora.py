@@ -76,16 +76,19 @@ def test_unknown_candidate_is_a_clear_error(tiny_base, tmp_path):
 
 
 def test_lora_applies_an_allocation_with_consistent_scaling():
-    params = LoraParams(allocation="quantum_opt", adapter={"r": 4, "lora_alpha": 8.0})
-    allocation = {"rank_pattern": {"model.layers.0.self_attn.q_proj": 16, "model.layers.1.mlp.up_proj": 4, "model.layers.1.mlp.down_proj": 0}}
+    params = LoraParams(allocation="quantum_opt", adapter={"lora_alpha": 10.0})
+    allocation = {"rank_pattern": {"model.layers.0.self_attn.q_proj": 16, "model.layers.1.mlp.up_proj": 4, "model.layers.1.mlp.down_proj": 0},
+                  "budget_rank": 5}  # fmt: skip
     applied = lora.apply_allocation(params, allocation).adapter
     assert applied.target_modules == ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"]
     assert applied.rank_pattern == {"model.layers.0.self_attn.q_proj": 16, "model.layers.1.mlp.up_proj": 4}
-    # alpha / r stays lora_alpha / r = 2 for every rank
+    # every module's alpha / r is lora_alpha over the budget's uniform rank: 10 / 5 = 2, whatever its rank
     assert {m: applied.alpha_pattern[m] / r for m, r in applied.rank_pattern.items()} == {m: 2.0 for m in applied.rank_pattern}
     assert lora.apply_allocation(params.model_copy(update={"adapter": params.adapter.model_copy(update={"use_rslora": True})}), allocation).adapter.alpha_pattern == {}
     with pytest.raises(QllmError, match="no module was given a rank"):
-        lora.apply_allocation(params, {"rank_pattern": {"x": 0}})
+        lora.apply_allocation(params, {"rank_pattern": {"x": 0}, "budget_rank": 5})
+    with pytest.raises(QllmError, match="no budget_rank .* rerun quantum_opt"):
+        lora.apply_allocation(params, {"rank_pattern": allocation["rank_pattern"]})  # an allocation.json of an older quantum_opt
 
 
 def _scores_file(path):

@@ -1,8 +1,8 @@
 """LoRA adapters on a causal LM with PEFT: which modules, the config, wrapping, saving and merging.
 
-Shared by the stages that train an adapter (`lora`, and `dpo` with `dpo.lora`). `wrap(params)` and
+Shared by the stages that train an adapter (`lora`, and `dpo` and `grpo` with `adapter.enabled`). `wrap(params)` and
 `save(params, ...)` return the callables `finetune.run` and the DPO loop take; the checks name the
-params section (`lora` or `dpo.lora`) in their errors.
+params section (`lora.adapter`, `dpo.adapter`, `grpo.adapter`) in their errors.
 """
 
 from __future__ import annotations

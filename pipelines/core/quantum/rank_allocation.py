@@ -7,7 +7,7 @@ rank `init_r`, an orthogonality penalty on P and Q) and mask rank components (ze
 - `AdaLoraSchedule` (`lora.allocation: adalora`): PEFT's own `RankAllocator`, called after every
   optimizer step as PEFT documents: a component's importance is the smoothed sensitivity
   |θ·∇θ| of its Λ entry and its P/Q rows times its uncertainty; the total rank budget falls
-  from `init_r` per module to `budget_rank` per module on a cubic schedule between `tinit` and
+  from `init_r` per module to `adapter.r` per module on a cubic schedule between `tinit` and
   `max_steps - tfinal`, each time keeping the most important components across all modules.
 - `QuboReallocation` (`lora.allocation: qubo_in_loop`): the quantum training agent's
   `if should_optimize(): quantum_optimize(context)`. Every `every` steps in the same window it
@@ -16,7 +16,7 @@ rank `init_r`, an orthogonality penalty on P and Q) and mask rank components (ze
   parameters, the redundancy between two modules the correlation of their gradient energies'
   step-to-step changes (log, first differences: detrended, so the common downward drift of all
   energies is not mistaken for shared information); solved within the *parameter* budget of rank
-  `budget_rank` on every module, with the chosen solver, and each solve's energy, feasibility,
+  `adapter.r` on every module, with the chosen solver, and each solve's energy, feasibility,
   gap to the MILP optimum and wall time logged to MLflow. Each module keeps its r best
   components, the others are masked after every step until the next solve.
 
@@ -44,14 +44,14 @@ ADAPTER = "default"
 
 def adalora_config(adapter: LoraAdapterParams, adaptive: AdaptiveParams, max_steps: int, trainable_token_ids: list[int] = ()):
     """PEFT's `AdaLoraConfig`: `adapter.target_modules` at rank `init_r`, target average rank
-    `budget_rank`, the schedule of `adaptive` over `max_steps`. AdaLoRA scales its update by
-    `lora_alpha / init_r` at every rank; `lora_alpha` is set so that this is the uniform adapter's
-    `adapter.lora_alpha / adapter.r`, the update scale every allocation of the lora stage keeps
-    (as `lora.apply_allocation` does per module)."""
+    `adapter.r` (the budget), the schedule of `adaptive` over `max_steps`. AdaLoRA scales its update
+    by `lora_alpha / init_r` at every rank; `lora_alpha` is set so that this is
+    `adapter.lora_alpha / adapter.r`, the scale of the uniform adapter of the same budget, which every
+    allocation of the lora stage keeps (as `lora.apply_allocation` does per module)."""
     from peft import AdaLoraConfig
 
     return AdaLoraConfig(
-        init_r=adaptive.init_r, target_r=adaptive.budget_rank, tinit=adaptive.tinit, tfinal=adaptive.tfinal, deltaT=adaptive.every,
+        init_r=adaptive.init_r, target_r=adapter.r, tinit=adaptive.tinit, tfinal=adaptive.tfinal, deltaT=adaptive.every,
         beta1=adaptive.beta1, beta2=adaptive.beta2, orth_reg_weight=adaptive.orth_reg_weight, total_step=max_steps,
         lora_alpha=adapter.lora_alpha * adaptive.init_r / adapter.r, lora_dropout=adapter.lora_dropout, target_modules=list(adapter.target_modules),
         trainable_token_indices={"embed_tokens": list(trainable_token_ids)} if trainable_token_ids else None, task_type="CAUSAL_LM",
@@ -159,14 +159,15 @@ class QuboReallocation(_Logging):
 
     name = "qubo_reallocation"
 
-    def __init__(self, model: torch.nn.Module, adaptive: AdaptiveParams, max_steps: int, tracker=None, section: str = "lora") -> None:
+    def __init__(self, model: torch.nn.Module, adaptive: AdaptiveParams, budget_rank: int, max_steps: int, tracker=None,
+                 section: str = "lora") -> None:  # fmt: skip
         super().__init__(model, tracker)
         self.params, self.max_steps = adaptive, max_steps
         self.setting = f"{section}.adaptive"  # where its settings are, for messages
         self.modules = svd_modules(model)
         self.names = sorted(self.modules)
         self.shapes = {n: (m.lora_A[ADAPTER].shape[1], m.lora_B[ADAPTER].shape[0]) for n, m in self.modules.items()}
-        self.budget = budget(model, adaptive.budget_rank)
+        self.budget = budget(model, budget_rank)
         self.ranks = [r for r in adaptive.ranks if r <= adaptive.init_r]
         self.importance = {n: torch.zeros(adaptive.init_r) for n in self.names}
         self.uncertainty = {n: torch.zeros(adaptive.init_r) for n in self.names}

@@ -77,10 +77,12 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
     return rows["train"], rows["validation"], metrics
 
 
-def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str, probe: bool = False, seq_len: int = 0) -> dict[str, float]:
+def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str, probe: bool = False, seq_len: int = 0,
+              lora_rank: int = 0) -> dict[str, float]:  # fmt: skip
     """Before the base loads: what the stage will need (`footprint.preflight`) for micro-batches of
     rows of `seq_len` tokens (0: `max_seq_len`, else the model's context). `probe`: probe_lora at a
-    frozen base (gradients recorded, no optimizer)."""
+    frozen base (gradients recorded, no optimizer). `lora_rank`: the rank adapters train at (the
+    largest, counted on every module)."""
     method = footprint.method_for(quantization is not None, getattr(quantization, "quantization", "none"), probe)
     try:
         base = follow(params.base_model)
@@ -88,11 +90,11 @@ def preflight(params: FinetuneParams, quantization: QuantizationParams | None, d
         log.info("%s: no memory estimate for this base (%s)", desc, exc)
         return {}
     return footprint.preflight(base, params.train, method=method, seq_len=seq_len or params.max_seq_len, micro_batch=params.train.micro_batch_size,
-                               lora_rank=getattr(quantization, "r", 8), desc=desc)  # fmt: skip
+                               lora_rank=lora_rank, desc=desc)  # fmt: skip
 
 
 def rows_and_estimate(params: FinetuneParams, chat_dir: Path, quantization: QuantizationParams | None, desc: str,
-                      probe: bool = False) -> tuple[list, list, dict[str, float], dict[str, float]]:  # fmt: skip
+                      probe: bool = False, lora_rank: int = 0) -> tuple[list, list, dict[str, float], dict[str, float]]:  # fmt: skip
     """(train rows, validation rows, their counts, the stage's estimate), before the model loads:
     the rows are built with the base's tokenizer (`max_seq_len`, else the model's context), and
     the estimate is for micro-batches of the longest of them, the shape training will have (not the
@@ -101,7 +103,7 @@ def rows_and_estimate(params: FinetuneParams, chat_dir: Path, quantization: Quan
     max_len = params.max_seq_len or context_length(params.base_model)
     train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
     longest = max(len(row.input_ids) for row in train_rows)
-    return train_rows, val_rows, metrics, preflight(params, quantization, desc, probe, seq_len=longest)
+    return train_rows, val_rows, metrics, preflight(params, quantization, desc, probe, seq_len=longest, lora_rank=lora_rank)
 
 
 def run(
@@ -117,13 +119,15 @@ def run(
     quantization: QuantizationParams | None = None,
     quantization_section: str = "",
     extensions: Callable[[torch.nn.Module, Any], list] | None = None,
+    lora_rank: int = 0,
 ) -> dict[str, Any]:
     """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`.
     `quantization`: a quantized, frozen base (QLoRA), as the section `quantization_section` asks.
-    `extensions(model, tracker)`: loop extensions for the wrapped model (e.g. rank allocation)."""
+    `extensions(model, tracker)`: loop extensions for the wrapped model (e.g. rank allocation).
+    `lora_rank`: the largest rank the adapters train at, for the memory estimate."""
     cfg = params.train
     qconfig = quantize.from_params(quantization, cfg.precision, quantization_section or desc)
-    train_rows, val_rows, metrics, estimates = rows_and_estimate(params, chat_dir, quantization, desc)
+    train_rows, val_rows, metrics, estimates = rows_and_estimate(params, chat_dir, quantization, desc, lora_rank=lora_rank)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     with seeded(cfg.seed):  # adapter initialisation is random: make it a function of the seed
         model = wrap(quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing), tokenizer)

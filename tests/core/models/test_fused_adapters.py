@@ -1,6 +1,6 @@
 """PEFT's LoRA layers in fewer passes (`fused_adapters`): the same loss and gradients as PEFT's own
-forward, for plain LoRA (`lora.Linear`: the uniform and quantum_opt allocations, `dpo.lora`,
-`grpo.lora`) and the SVD form (`SVDLinear`: both in-loop allocations), and PEFT's forward wherever
+forward, for plain LoRA (`lora.Linear`: the uniform and quantum_opt allocations, `dpo.adapter`,
+`grpo.adapter`) and the SVD form (`SVDLinear`: both in-loop allocations), and PEFT's forward wherever
 the fused one does not apply."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ def _model(tiny_base, kind: str, **adapter):
     from pipelines.core.models.models import load_causal_lm, load_tokenizer
 
     torch.manual_seed(0)  # PEFT's initialisation of A
-    params = LoraAdapterParams(**{"r": 3, "lora_alpha": 6, "lora_dropout": 0.0, "target_modules": TARGETS, "trainable_tokens": [], **adapter})
+    params = LoraAdapterParams(**{"enabled": True, "r": 3, "lora_alpha": 6, "lora_dropout": 0.0, "target_modules": TARGETS, "trainable_tokens": [], **adapter})
     base, tokenizer = load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model")
     if kind == "svd":
-        adaptive = AdaptiveParams(init_r=6, budget_rank=3, tinit=2, tfinal=4, every=3, ranks=[1, 2, 3, 4, 6])
+        adaptive = AdaptiveParams(init_r=6, tinit=2, tfinal=4, every=3, ranks=[1, 2, 3, 4, 6])  # the budget: rank r=3
         model = rank_allocation.wrap(params, adaptive, 16)(base, tokenizer)
     else:
         model = adapters.wrap(params, "lora.adapter")(base, tokenizer)

@@ -61,8 +61,8 @@ def test_fp8_needs_a_recent_cuda_device(monkeypatch):
 
 def test_missing_or_old_bitsandbytes_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    with pytest.raises(QllmError, match=r"dpo.lora.quantization: nf4 needs bitsandbytes \(pip install 'bitsandbytes>=0.48'\)"):
-        quantize.check("nf4", torch.device("cpu"), "dpo.lora")
+    with pytest.raises(QllmError, match=r"dpo.adapter.quantization: nf4 needs bitsandbytes \(pip install 'bitsandbytes>=0.48'\)"):
+        quantize.check("nf4", torch.device("cpu"), "dpo.adapter")
     monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
     monkeypatch.setattr(bnb, "__version__", "0.45.5")
     with pytest.raises(QllmError, match=r"bitsandbytes 0.45.5 has no CPU backend for int8 .*>= 0.48"):
@@ -182,8 +182,8 @@ def test_qlora_dpo_starts_from_the_reference_it_was_scored_against(qbase, tmp_pa
     assert ref["train"]["pairs"] == 6
     first = record_dpo_losses(monkeypatch)
     train = TRAIN.model_copy(update={"micro_batch_size": 2, "eval_every": 0, "checkpoint_every": 0, "weight_decay": 0.0})
-    params = DpoParams(beta=0.1, loss_type="sigmoid", adapter="lora", train=train,
-                       lora={"r": 2, "trainable_tokens": [], "quantization": "nf4", "compute_dtype": "fp32"})
+    params = DpoParams(beta=0.1, loss_type="sigmoid", train=train,
+                       adapter={"enabled": True, "r": 2, "trainable_tokens": [], "quantization": "nf4", "compute_dtype": "fp32"})
     metrics = dpo.run(tmp_path, tmp_path / "data/ref_logprobs", tmp_path / "data/models/dpo", params)
     assert first[0][0] == pytest.approx(math.log(2), abs=1e-3) and metrics["steps"] == 4
     assert metrics["linear_weight_bytes"] > 0
@@ -199,8 +199,8 @@ def test_qlora_grpo_takes_its_reference_from_the_quantized_base_under_the_adapte
 
     shutil.copytree(qbase / "model", tmp_path / "data/models/sft")
     train = TRAIN.model_copy(update={"micro_batch_size": 8, "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "extensions": []})
-    params = GrpoParams(rewards=[{"function": "format"}], group_size=4, max_completion_length=6, beta=0.1, adapter="lora", train=train,
-                        lora={"r": 2, "trainable_tokens": [], "quantization": "nf4", "compute_dtype": "fp32"})  # fmt: skip
+    params = GrpoParams(rewards=[{"function": "format"}], group_size=4, max_completion_length=6, beta=0.1, train=train,
+                        adapter={"enabled": True, "r": 2, "trainable_tokens": [], "quantization": "nf4", "compute_dtype": "fp32"})  # fmt: skip
     kl = []
     real = grpo.grpo_loss
 
@@ -225,7 +225,7 @@ def test_qlora_grpo_takes_its_reference_from_the_quantized_base_under_the_adapte
 def test_reference_and_policy_must_be_quantized_alike(tmp_path):
     from pipelines.core import config
 
-    (tmp_path / "params.yaml").write_text("ingest:\n  sources:\n    - {path: a.txt, kind: text}\ndpo:\n  adapter: lora\n  lora:\n    quantization: nf4\n")
+    (tmp_path / "params.yaml").write_text("ingest:\n  sources:\n    - {path: a.txt, kind: text}\ndpo:\n  adapter:\n    enabled: true\n    quantization: nf4\n")
     with pytest.raises(config.ParamsError, match=r"ref_logprobs.quantization is 'none' but DPO starts from the SFT model quantized as 'nf4'"):
         params_file.load(tmp_path)
 

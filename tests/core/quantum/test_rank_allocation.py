@@ -15,12 +15,17 @@ from pipelines.core.training import loop
 
 TRAIN = TrainParams(max_steps=16, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=8, eval_batches=1, log_every=1,
                     checkpoint_every=3, precision="fp32", weight_decay=0.0, extensions=[])  # fmt: skip
-ADAPTIVE = AdaptiveParams(init_r=6, budget_rank=3, tinit=2, tfinal=4, every=3, ranks=[1, 2, 3, 4, 6], timeout=2.0, reference_timeout=1.0)
+BUDGET_RANK = 3
+"""`adapter.r` under the in-training allocations: the parameters of rank 3 on every module."""
+ADAPTIVE = {"init_r": 6, "tinit": 2, "tfinal": 4, "every": 3}
+QUBO = {"ranks": [1, 2, 3, 4, 6], "timeout": 2.0, "reference_timeout": 1.0}
+"""The settings only qubo_in_loop reads (adalora refuses them)."""
 
 
 def params(tiny_base, allocation: str, **train) -> LoraParams:
-    return LoraParams(base_model=str(tiny_base / "model"), allocation=allocation, adaptive=ADAPTIVE, train=TRAIN.model_copy(update=train),
-                      adapter={"r": 3, "lora_alpha": 6, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]})  # fmt: skip
+    adaptive = ADAPTIVE | (QUBO if allocation == "qubo_in_loop" else {})
+    return LoraParams(base_model=str(tiny_base / "model"), allocation=allocation, adaptive=adaptive, train=TRAIN.model_copy(update=train),
+                      adapter={"r": BUDGET_RANK, "lora_alpha": 6, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]})  # fmt: skip
 
 
 class Recorder:
@@ -72,7 +77,7 @@ def test_adalora_reaches_its_rank_budget_inside_the_shared_loop(tiny_base, tmp_p
     tracker = Recorder()
     metrics = train_lora(tiny_base, tmp_path / "out", "adalora", tracker=tracker)
     modules = 4 * 2  # four target modules in each of the two layers
-    assert metrics["allocation/active_ranks"] == ADAPTIVE.budget_rank * modules  # AdaLoRA's budget: an average rank
+    assert metrics["allocation/active_ranks"] == BUDGET_RANK * modules  # AdaLoRA's budget: an average rank
     assert metrics["allocation/modules_with_rank"] <= modules
     assert any("allocation/active_parameters" in m for _, m in tracker.metrics)
     assert (tmp_path / "out" / "adapter_config.json").exists() and (tmp_path / "out" / "merged" / "config.json").exists()
@@ -84,7 +89,7 @@ def test_qubo_in_loop_solves_on_schedule_within_the_parameter_budget(tiny_base, 
     solves = [(step, m) for step, m in tracker.metrics if "qubo/energy" in m]
     # tinit 2, every 3, last re-allocation at max_steps - tfinal = 12: steps 2, 5, 8, 11, 12 (0-based), logged 1-based
     assert [step for step, _ in solves] == [3, 6, 9, 12, 13]
-    budget = ADAPTIVE.budget_rank * 2 * (2 * (32 + 32) + (32 + 64) + (64 + 32))
+    budget = BUDGET_RANK * 2 * (2 * (32 + 32) + (32 + 64) + (64 + 32))
     for _, m in solves:
         assert m["qubo/feasible"] == 1.0 and m["qubo/active_parameters"] <= budget and m["qubo/wall_seconds"] > 0
     last = solves[-1][1]  # the allocation the adapter keeps: the one compared with the MILP reference
@@ -122,7 +127,7 @@ def test_qubo_in_loop_masks_the_components_it_did_not_keep(tiny_base):
 
     p = params(tiny_base, "qubo_in_loop")
     model = rank_allocation.wrap(p.adapter, p.adaptive, p.train.max_steps)(load_causal_lm(tiny_base / "model"), load_tokenizer(tiny_base / "model"))
-    allocator = rank_allocation.QuboReallocation(model, p.adaptive, p.train.max_steps)
+    allocator = rank_allocation.QuboReallocation(model, p.adaptive, p.adapter.r, p.train.max_steps)
     for module in rank_allocation.svd_modules(model).values():  # some signal to score (PEFT starts Λ at zero)
         with torch.no_grad():
             module.lora_E["default"].normal_()
@@ -158,10 +163,15 @@ def test_resume_across_re_allocations_is_exact(tiny_base, tmp_path, allocation):
 
 
 def test_adaptive_settings_are_checked():
-    with pytest.raises(ValueError, match=r"budget_rank \(8\) must not exceed init_r \(4\)"):
-        AdaptiveParams(init_r=4, budget_rank=8)
+    with pytest.raises(ValueError, match=r"adapter.r \(8\), the rank budget of the qubo_in_loop allocation, must not exceed adaptive.init_r \(4\)"):
+        LoraParams(allocation="qubo_in_loop", adapter={"r": 8}, adaptive={"init_r": 4, "ranks": [2, 4]})
+    with pytest.raises(ValueError, match=r"adaptive.ranks \[2, 4, 6\] must lie in 1..adaptive.init_r \(4\)"):
+        LoraParams(allocation="qubo_in_loop", adapter={"r": 4}, adaptive={"init_r": 4, "ranks": [2, 4, 6]})
+    assert LoraParams(allocation="adalora", adapter={"r": 4}, adaptive={"init_r": 6}).adaptive.ranks == [2, 4, 6, 8, 10, 12]  # not read: the default stands
+    with pytest.raises(ValueError, match=r"budget_rank: the rank budget is lora.adapter.r now .* write lora.adapter.r: 6"):
+        AdaptiveParams(budget_rank=6)
     with pytest.raises(ValueError, match=r"must leave steps of train.max_steps \(16\)"):
         LoraParams(allocation="adalora", adaptive={"tinit": 10, "tfinal": 6}, train={"max_steps": 16, "warmup_steps": 1})
-    with pytest.raises(ValueError, match=r"allocation qubo_in_loop trains SVD-form .* use adapter.quantization: none, or allocation: quantum_opt or uniform for QLoRA"):
-        LoraParams(adapter={"quantization": "nf4"})  # the default allocation: QLoRA names the way out
+    with pytest.raises(ValueError, match=r"adapter.quantization: applies only with allocation: uniform or quantum_opt \(here allocation is qubo_in_loop\)"):
+        LoraParams(adapter={"quantization": "nf4"})  # the default allocation: QLoRA names the allocations that have it
     assert LoraParams(allocation="uniform", adapter={"quantization": "nf4"}).adapter.quantization == "nf4"

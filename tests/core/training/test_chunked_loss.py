@@ -56,7 +56,7 @@ def test_the_chunked_loss_and_gradients_are_the_models_own(tiny_base, chunk):
 
 def test_under_peft_the_adapters_get_the_same_gradients(tiny_base):
     tokenizer = load_tokenizer(tiny_base / "model")
-    params = LoraAdapterParams(r=4, lora_alpha=8, lora_dropout=0.0, trainable_tokens=[])  # no dropout: both passes see one function
+    params = LoraAdapterParams(enabled=True, r=4, lora_alpha=8, lora_dropout=0.0, trainable_tokens=[])  # no dropout: both passes see one function
     torch.manual_seed(0)
     model = adapters.wrap(params)(load_causal_lm(tiny_base / "model"), tokenizer)
     data = batch(len(tokenizer))

@@ -2,7 +2,7 @@
 
 The loss: TRL's `GRPOTrainer._compute_loss`, called unbound on a stand-in `self` whose
 `_get_per_token_logps_and_entropies` returns the random per-token log-probabilities: loss, gradient
-and TRL's clip-ratio and KL metrics must equal ours to 1e-6. The advantages: TRL writes them inline
+and TRL's clip-ratio and KL metrics must equal ours up to rounding (tests/numerics.py). The advantages: TRL writes them inline
 in its generation step, so they are checked by the numbers of its formula computed with TRL's own
 `nanstd`, and by hand on small groups.
 """
@@ -20,6 +20,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import nanstd
 
 from pipelines.core.training import grpo
+from tests import numerics
 
 
 class _Accelerator:
@@ -52,6 +53,11 @@ def _stub(loss_type: str, beta: float, eps_low: float, eps_high: float, max_len:
     return stub
 
 
+ROUNDINGS = 7 + 8 + 24
+"""Ours and TRL's loss, gradient and metrics each go through at most: a completion's sum over its
+7 tokens, the sum over 8 completions, and the per-token formula (the ratio's exp, the clipping, the
+KL's exp and the products and normalisations: 24)."""
+
 CASES = [("grpo", 0.0, 0.2, 0.2), ("dr_grpo", 0.04, 0.2, 0.2), ("dapo", 0.0, 0.2, 0.28), ("bnpo", 0.04, 0.2, 0.2), ("dapo", 0.1, 0.1, 0.3)]
 
 
@@ -77,12 +83,15 @@ def test_policy_loss_equals_trls(loss_type, beta, eps_low, eps_high, seed):
 
     ours, metrics = grpo.policy_loss(logps, old, ref if beta else None, advantages, mask, loss_type=loss_type, beta=beta, epsilon_low=eps_low,
                                      epsilon_high=eps_high, max_completion_length=max_len, num_items=float(mask.sum()))  # fmt: skip
-    assert ours.item() == pytest.approx(trl_loss.item(), abs=1e-6, rel=1e-6)
+    # one token's term: the ratio times the advantage, and beta times the KL's
+    kl = ((ref - logps).exp() - (ref - logps) - 1).detach()
+    term = float(advantages.abs().max() * (logps - old).exp().max()) + beta * float(kl.max())
+    numerics.assert_close_as(ours, trl_loss, n=ROUNDINGS, magnitude=term, what="loss")
     (trl_grad,) = torch.autograd.grad(trl_loss, logps)
     (our_grad,) = torch.autograd.grad(ours, logps)
-    torch.testing.assert_close(our_grad, trl_grad, atol=1e-6, rtol=1e-5)
-    for name, value in metrics.items():
-        assert value == pytest.approx(trl_metrics[name], abs=1e-6), name
+    numerics.assert_close_as(our_grad, trl_grad, n=ROUNDINGS, magnitude=term, what="gradient")  # a token's share of the term, at most all of it
+    for name, value in metrics.items():  # the clip ratios are fractions of tokens (size 1), the KL a mean of kl
+        assert value == numerics.approx(trl_metrics[name], n=ROUNDINGS, magnitude=float(kl.max()) if name == "kl" else 1.0), name
     assert ("kl" in metrics) == bool(beta) and 0 < metrics["clip_ratio/region_mean"] < 1
 
 
@@ -91,8 +100,8 @@ def test_one_pass_over_each_generation_has_ratio_one_and_no_clipping():
     loss, metrics = grpo.policy_loss(logps, None, None, torch.tensor([1.0, -1.0, 0.5, 0.0]), torch.ones(4, 5), loss_type="grpo")
     assert metrics["clip_ratio/region_mean"] == 0
     # d/dlogp of -r A at r = 1 is -A, averaged per completion over its 5 tokens, then over 4
-    (grad,) = torch.autograd.grad(loss, logps)
-    torch.testing.assert_close(grad, (-torch.tensor([1.0, -1.0, 0.5, 0.0]) / 20).unsqueeze(1).expand(4, 5))
+    (grad,) = torch.autograd.grad(loss, logps)  # a mean over 5 tokens, then over 4 completions, against one division: 4 roundings
+    numerics.assert_close_as(grad, (-torch.tensor([1.0, -1.0, 0.5, 0.0]) / 20).unsqueeze(1).expand(4, 5), n=4, magnitude=1 / 20)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -111,8 +120,11 @@ def test_advantages_follow_trls_formula(scale, seed):
     mean = torch.nanmean(summed.view(-1, group), 1).repeat_interleave(group)
     std = nanstd(summed).expand_as(summed) if scale == "batch" else nanstd(summed.view(-1, group), dim=1).repeat_interleave(group)
     expected = summed - mean if scale == "none" else (summed - mean) / (std + 1e-4)
-    torch.testing.assert_close(ours, torch.nan_to_num(expected, nan=0.0))
-    assert ours[7] == 0 and torch.equal(zero_std, torch.isclose(std, torch.zeros_like(std)))
+    # the same formula in another order: the weighted sum over 2 functions, the mean and the standard
+    # deviation over a group of 4 (or a batch of 12: its sums, square root and division) (tests/numerics.py)
+    numerics.assert_close_as(ours, torch.nan_to_num(expected, nan=0.0), n=2 + 2 * 12 + 6)
+    # rewards are multiples of 0.5: a group of equal ones has a standard deviation of exactly 0, others of at least 0.2
+    assert ours[7] == 0 and torch.equal(zero_std, std == 0)
 
 
 def test_advantages_by_hand():
@@ -121,7 +133,8 @@ def test_advantages_by_hand():
     rewards = torch.tensor([[1.0], [0.0], [0.0], [1.0], [2.0], [2.0], [2.0], [2.0]])
     advantages, zero_std = grpo.group_advantages(rewards, torch.tensor([1.0]), 4)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
-    torch.testing.assert_close(advantages, torch.tensor([a, -a, -a, a, 0, 0, 0, 0]))
+    # fp32 against float64: the mean and the standard deviation over 4 (sums, square root, division) and the division
+    numerics.assert_close_as(advantages, torch.tensor([a, -a, -a, a, 0, 0, 0, 0], dtype=torch.float64), n=2 * 4 + 6)
     assert zero_std.tolist() == [False] * 4 + [True] * 4
     with pytest.raises(ValueError, match="7 completions do not make groups of 4"):
         grpo.group_advantages(rewards[:7], torch.tensor([1.0]), 4)

@@ -103,7 +103,7 @@ def test_each_prompt_once_gives_the_whole_rows_logps_and_gradients(tiny_base, ad
     assert len({p.prompt_length for p in pairs}) == 3
     model = load_causal_lm(tiny_base / "model")
     if adapter:
-        model = adapters.wrap(LoraAdapterParams(r=2, trainable_tokens=[]), "dpo.lora")(model, tokenizer)
+        model = adapters.wrap(LoraAdapterParams(enabled=True, r=2, trainable_tokens=[]), "dpo.adapter")(model, tokenizer)
         for name, weight in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(weight, std=0.05)  # non-zero, so the adapter's gradients matter
