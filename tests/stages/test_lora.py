@@ -205,6 +205,7 @@ def test_dora_and_pissa_need_a_plain_lora_allocation(tiny_base, tmp_path):
     with pytest.raises(ValueError, match="init_lora_weights"):
         LoraAdapterParams(init_lora_weights="svd")
 
+
 class _EstimateSeen(Exception):
     """Raised in place of loading the base: the stage's memory estimate has been made."""
 
