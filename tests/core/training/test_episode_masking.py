@@ -10,6 +10,7 @@ import torch
 from pipelines import grpo
 from pipelines.core.config import GrpoParams
 from pipelines.core.training import rollouts
+from tests import numerics
 
 GROUP = 2
 
@@ -75,9 +76,13 @@ def test_the_tools_tokens_reach_neither_the_loss_nor_its_gradient():
     loss.backward()
     got = gradients(model)
     want = surrogate_gradients(model, batch, "loss_mask")
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
-    assert float(loss.detach()) == pytest.approx(-float((batch["advantages"] * batch["loss_mask"].sum(-1)).sum() / batch["num_items"]), abs=1e-6)
+    # the loss's batch against a forward per row: two orders of the backward's chain (tests/numerics.py)
+    seq = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+    backward = numerics.model_roundings(model.config, seq, tokens=int(batch["num_items"]), backward=True)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        numerics.assert_close_as(g, w, n=backward, what=f"gradient {i}")
+    # every ratio is exp(0) = 1 exactly and the advantages are halves: each sum is exact, then one division
+    assert float(loss.detach()) == -float((batch["advantages"] * batch["loss_mask"].sum(-1)).sum() / batch["num_items"])
     # the check can tell: had the tool's tokens been scored, the gradient would differ
     leaked = surrogate_gradients(model, batch | {"num_items": batch["completion_mask"].sum().float()}, "completion_mask")
     assert max(float((g - w).abs().max()) for g, w in zip(got, leaked, strict=True)) > 1e-3
@@ -90,13 +95,21 @@ def test_the_kl_to_the_reference_counts_the_models_tokens_only():
                                         loss_mask=batch["loss_mask"])[0]  # fmt: skip
     assert bool((ref[batch["loss_mask"] == 0] == 0).all())  # nothing scored outside the model's turns
     _, metrics = grpo.grpo_loss(GrpoParams(loss_type="dapo", beta=0.1))(model, batch | {"ref_logps": ref})
-    terms = []
+    terms, differences, sizes = [], [], []
     with torch.no_grad():
         for row in range(4):
             mask = batch["loss_mask"][row][batch["completion_mask"][row].bool()].bool()
             mine, theirs = plain_logps(model, batch, row)[mask], plain_logps(reference, batch, row)[mask]
             terms.append(torch.exp(theirs - mine) - (theirs - mine) - 1)
-    assert metrics["kl"] == pytest.approx(float(torch.cat(terms).mean()), rel=1e-4)
+            differences.append(theirs - mine)
+            sizes.append(mine.abs() + theirs.abs())
+    # each log-ratio d from two forward passes in other batch shapes, within tol on both log-probabilities'
+    # size; a term's slope e^d - 1 on it; then the formula and the mean (tests/numerics.py)
+    seq = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+    tol = numerics.tolerance(numerics.model_roundings(model.config, seq), magnitude=float(torch.cat(sizes).max()))
+    slope = float((torch.cat(differences).exp() - 1).abs().max())
+    expected = float(torch.cat(terms).mean())
+    assert metrics["kl"] == pytest.approx(expected, abs=slope * tol + numerics.tolerance(numerics.FUNCTION + 4 + len(torch.cat(terms)), magnitude=float(torch.cat(terms).max())))
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
