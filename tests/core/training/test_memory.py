@@ -17,6 +17,7 @@ from pipelines.core.models.models import build_llama, load_causal_lm
 from pipelines.core.training import loop
 from pipelines.core.training.checkpoint import CheckpointManager
 from pipelines.core.training.memory import MemoryUsage
+from tests import numerics
 from tests.conftest import load_with_remote_code
 from tests.core.training.test_loop import FakeTokenizer, Interrupt, cfg, collate, rows
 
@@ -41,8 +42,12 @@ def test_product_keys_find_the_exact_top_k_of_all_rows():
         every = (left[:, None] + right[None, :]).flatten()  # row i * num_keys + j scores left[i] + right[j]
         best = every.topk(3)
         assert rows[token, head].tolist() == best.indices.tolist()
-        assert torch.allclose(weights[token, head], torch.softmax(best.values, -1), atol=1e-6)
-    assert torch.allclose(weights.sum(-1), torch.ones(5, 2))
+        # the scores in another order (two half-key dot products of 2 and their sum: 4 roundings, on
+        # at most key_dim x max|query| x max|key|), then the softmax over 3 (its sum, exp and division: 6);
+        # a softmax moves by at most its inputs' error (tests/numerics.py)
+        scores = 4 * float(query.abs().max() * memory.keys.abs().max())
+        numerics.assert_close_as(weights[token, head], torch.softmax(best.values, -1), n=4 + 6, magnitude=scores)
+    numerics.assert_close_as(weights.sum(-1), torch.ones(5, 2), n=3 + 3)  # three weights, each one division, summed
 
 
 def test_memory_output_is_the_gated_weighted_sum_of_the_rows_read():
@@ -51,8 +56,12 @@ def test_memory_output_is_the_gated_weighted_sum_of_the_rows_read():
     x = torch.randn(3, 8)
     rows, weights = memory.lookup(x)
     read = (memory.values.weight[rows[:, 0]] * weights[:, 0, :, None]).sum(1)  # [3, 8]
-    expected = memory.out(read * torch.nn.functional.silu(memory.gate(x)))
-    assert torch.allclose(memory(x), expected, atol=1e-6)
+    gated = read * torch.nn.functional.silu(memory.gate(x))
+    expected = memory.out(gated)
+    # EmbeddingBag's weighted sum of 2 rows in another order, the gate's product (8) and silu, then
+    # the output product (8): worst case on the chain in absolute values (tests/numerics.py)
+    magnitude = numerics.abs_product((memory.values.weight[rows[:, 0]].abs() * weights[:, 0, :, None]).sum(1) * torch.nn.functional.silu(memory.gate(x)).abs(), memory.out.weight)
+    numerics.assert_within(memory(x), expected, numerics.tolerance(2 + 8 + numerics.FUNCTION + 1 + 8, magnitude=magnitude, worst=True))
     assert memory.last_indices.shape == (3, 2)
 
 
@@ -69,7 +78,7 @@ def test_model_class_saves_loads_and_adds_the_memory_to_the_mlp(tmp_path):
         memory.out.weight.zero_()  # a silent memory: the model is a plain Llama with the same weights
         silent = model(input_ids=ids).logits
         memory.out.weight.copy_(original_out)
-    assert not torch.allclose(logits, silent)
+    assert not numerics.within(logits, silent, numerics.tolerance(numerics.model_roundings(model.config, 8), magnitude=float(silent.abs().max())))
     model.save_pretrained(tmp_path / "m")
     config = json.loads((tmp_path / "m/config.json").read_text())
     assert config["model_type"] == "qllm_memory_llama" and config["auto_map"]["AutoModelForCausalLM"].startswith("memory_model.")
@@ -80,7 +89,8 @@ def test_model_class_saves_loads_and_adds_the_memory_to_the_mlp(tmp_path):
     # elsewhere: transformers' custom-code path, in a fresh interpreter that cannot import the pipeline
     name, imported, total = load_with_remote_code(tmp_path / "m", ids.tolist())
     assert name == "QllmMemoryLlamaForCausalLM" and not imported
-    assert total == pytest.approx(logits.sum().item(), abs=1e-4)
+    # another process: the forward's chain, and the sum of its 2 x 8 x 16 logits (tests/numerics.py)
+    assert total == numerics.approx(logits.sum().item(), n=numerics.model_roundings(model.config, 8) + logits.numel(), magnitude=float(logits.abs().sum()))
 
 
 def test_memory_layers_must_exist():
