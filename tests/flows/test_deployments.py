@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from flows import serve
 from tests.conftest import REPO, assert_stopped_by_itself, make_project
+from tests.waiting import DEADLINE, until
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
@@ -23,22 +23,24 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, mlflow_template_db):
     """A tiny project with its services started by `flows.serve` (as `make serve` does); stopped
-    afterwards, even when a test fails."""
+    afterwards, even when a test fails. Every wait (the servers answering, the deployments made, the
+    services gone after SIGTERM) is for that state, bounded by `tests.waiting.DEADLINE`."""
     project = make_project(tmp_path_factory.mktemp("served") / "project", mlflow_template_db)
     shutil.copy(REPO / "prefect.yaml", project / "prefect.yaml")
-    record = serve.start(project, prefect_port=0, mlflow_port=0)
+    record = serve.start(project, prefect_port=0, mlflow_port=0, timeout=DEADLINE)
     try:
         env = serve.service_env(project, record["prefect_api_url"])
-        deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=project, env=env, capture_output=True, text=True, timeout=180)
+        deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=project, env=env, capture_output=True, text=True, timeout=DEADLINE)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield project, record, env
     finally:
-        stopped = serve.stop(project)
+        stopped = serve.stop(project, timeout=DEADLINE)  # the worker's own shutdown on SIGTERM, however long a busy machine makes it
         assert len(stopped) == 3 and all(not serve._alive(s["pid"]) for s in record["services"].values())
         assert_stopped_by_itself(Path(record["services"]["prefect-worker"]["log"]))
 
 
-def deployment_run(env: dict, project: Path, name: str, *params: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def deployment_run(env: dict, project: Path, name: str, *params: str, timeout: float = DEADLINE) -> subprocess.CompletedProcess:
+    """`prefect deployment run NAME --watch`: it returns when the flow run ends (`timeout` bounds a broken one)."""
     command = [PREFECT, "deployment", "run", name, "--watch", "--watch-timeout", str(int(timeout))]
     for param in params:
         command += ["--param", param]
@@ -148,7 +150,7 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
     extensions = f"pretrain.train.extensions=[mlflow_metrics, {{name: '{hold}', step: 20, marker: '{held}'}}]"
     params = ["until=pretrain", "overrides=" + json.dumps(["pretrain.train.max_steps=30", extensions])]
     started = subprocess.run([PREFECT, "deployment", "run", "qllm-pipeline/default", *[a for p in params for a in ("--param", p)]],
-                             cwd=project, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+                             cwd=project, env=env, capture_output=True, text=True, timeout=DEADLINE)  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
 
@@ -157,19 +159,13 @@ def test_cancelling_a_deployment_run_checkpoints_training_and_the_rerun_resumes(
             log.seek(seen)
             return log.read().decode(errors="replace")
 
-    deadline = time.monotonic() + 300  # a bound for a broken run only: the wait is for the state "held at step 20"
     with flow_run_states(env, flow_run_id) as state:
-        while not held.exists():
-            assert time.monotonic() < deadline, new_log()[-3000:]
-            assert state() not in ("COMPLETED", "FAILED", "CRASHED"), new_log()[-3000:]
-            time.sleep(0.2)
+        until(held.exists, "the flow run's pretrain held after step 20", state=state, final=("COMPLETED", "FAILED", "CRASHED", "CANCELLED"),
+              log=new_log, poll=0.2)  # fmt: skip
         assert int(held.read_text()) == 20
-        cancelled = subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], cwd=project, env=env, capture_output=True, text=True, timeout=60)
+        cancelled = subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], cwd=project, env=env, capture_output=True, text=True, timeout=DEADLINE)
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
-        asked = time.monotonic()
-        while state() != "CANCELLED":
-            assert time.monotonic() - asked < 60, new_log()[-3000:]
-            time.sleep(0.5)
+        until(lambda: state() == "CANCELLED", "the flow run cancelled", state=state, final=("COMPLETED", "FAILED", "CRASHED"), log=new_log, poll=0.5)
     stopped = re.search(r"pretrain: SIGTERM at step (\d+): checkpoint saved in (\S+);", new_log())
     assert stopped and int(stopped.group(1)) == 20, new_log()[-3000:]  # the step it was held after
     assert (Path(stopped.group(2)) / f"step-{int(stopped.group(1)):08d}" / "manifest.json").exists()
