@@ -149,6 +149,17 @@ gradients moves the weights by about `lr·ρ` a step and the loss by about `lr·
 suite's tiny models (`lr·‖∇L‖₁` below 1) is below `ρ` times the loss: first order, no amplification."""
 
 
+def weights_tolerance(n: int, steps: int, lr: float, dtype: torch.dtype = torch.float32) -> float:
+    """How far two runs' weights may be after `steps` AdamW steps at learning rates up to `lr`,
+    whose backward passes and updates each go through `n` roundings (`OPTIMIZER_STEP` included):
+    an update is `lr·m̂/√v̂`, and gradients `ρ = tolerance(n)` apart (relative to the tensor's size)
+    move that ratio by about `2ρ` for a gradient of the tensor's size (first order), so `steps·lr·2ρ`.
+    An element whose gradient is within `ρ` of zero can flip its first update's sign, `2·lr`: no
+    tolerance short of that covers it, so such a comparison holds for data whose gradients are not
+    that small, which the test's fixed seed decides, on every CPU alike."""
+    return steps * lr * 2 * tolerance(n, dtype)
+
+
 def _as_tensor(value: Any) -> torch.Tensor:
     return value.detach().double() if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=torch.float64)
 
