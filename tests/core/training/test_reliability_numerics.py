@@ -20,6 +20,7 @@ from pipelines.core.extensions import Hook
 from pipelines.core.run import tracking
 from pipelines.core.training import loop
 from pipelines.core.training.checkpoint import CheckpointManager
+from tests import numerics
 from tests.core.training.test_loop import tiny_model
 
 
@@ -90,7 +91,7 @@ def test_skipped_batches_do_not_step_the_optimizer_or_schedule_and_are_counted(c
     assert "non-finite loss" in caplog.text and "gradient norm (nan) at step 3: batch skipped (no optimizer step), 2 of at most 2" in caplog.text
     # The schedule advanced once per real step (same learning rates as the clean run), the skipped
     # batches reached no callback, and their tokens are not counted as trained.
-    assert [row[2] for row in result["history"]["train"]] == pytest.approx([row[2] for row in clean["history"]["train"]])
+    assert [row[2] for row in result["history"]["train"]] == [row[2] for row in clean["history"]["train"]]  # one function of the same steps
     assert events == ["gradients"] * 6
     assert result["tokens"] == clean["tokens"] == 6 * 4 * 8
     assert np.isfinite(result["train_loss"])
@@ -178,7 +179,9 @@ def test_gradient_checkpointing_trains_the_same_and_is_switched_off_after():
                                   extensions=[record])
     assert seen == [True, True, True] and not state_model.is_activation_checkpointing
     losses = lambda r: [row[1] for row in r["history"]["train"]]  # noqa: E731
-    assert losses(checkpointed) == pytest.approx(losses(plain), rel=1e-5)
+    # the recomputed forward may round otherwise: 3 steps of the backward's chain and AdamW (tests/numerics.py)
+    n = numerics.model_roundings(state_model.config, 8, tokens=4 * 8, backward=True) + numerics.OPTIMIZER_STEP
+    assert losses(checkpointed) == numerics.approx(losses(plain), n=n, steps=3)
 
 
 def test_shipped_params_default_to_no_skips_and_no_checkpointing():
