@@ -9,11 +9,13 @@ per `qllm run` with its own stage runs, and the registry one version per run.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -21,18 +23,49 @@ import yaml
 from pipelines.core import dag, workspace
 from pipelines.core.run import repro
 from tests.conftest import ALWAYS_CHANGED, REPO, dvc_up_to_date, make_project, run
+from tests.waiting import DEADLINE, exited, until
 
 # --- the lock by inputs, on a toy DAG (fast) ---------------------------------------------------------
+
+class WaitsFor(logging.Handler):
+    """`event` is set (and `then` called) once a run logs that it waits for another process's or
+    thread's lock on `what` (`workspace.file_lock`), on the logger `qllm.workspace` while in use."""
+
+    def __init__(self, what: str, then: Callable[[], object] = lambda: None) -> None:
+        super().__init__()
+        self.what, self.then, self.event = what, then, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if f"is using {self.what}" in message and message.endswith("waiting for it to finish"):
+            self.event.set()
+            self.then()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[WaitsFor]:
+        logger = logging.getLogger("qllm.workspace")
+        level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+
 
 def test_the_same_stage_in_two_workspaces_at_once_runs_once(toy):
     root = toy  # the toy DAG (tests/conftest.py)
     # Same `a`, different `b`: two workspaces that share stage `a`'s inputs.
     workspaces = [workspace.prepare(root, {"a": {"n": 2}, "b": {"m": m}}) for m in (2, 3)]
     executed: list[Path] = []
+    waiting = WaitsFor("stage a with the same inputs")
 
     def slow_a(ws: Path, name: str, parent_run_id) -> None:
         executed.append(ws)
-        time.sleep(1.0)  # long enough for the other workspace to arrive while this one runs
+        # runs until the other workspace waits for this stage (a state, on any machine's speed); a
+        # second run of the stage would wait here too, and fail once the deadline passes
+        until(waiting.event.is_set, "the other workspace to wait for stage a's lock", state=lambda: len(executed))
         (ws / "data/a").mkdir(parents=True, exist_ok=True)
         (ws / "data/a/out.txt").write_text("x" * 2)
 
@@ -43,15 +76,16 @@ def test_the_same_stage_in_two_workspaces_at_once_runs_once(toy):
 
     threads = [threading.Thread(target=reproduce, args=(ws,)) for ws in workspaces]
     try:
-        for thread in threads:
-            thread.start()
-            time.sleep(0.2)
-        for thread in threads:
-            thread.join(timeout=60)
+        with waiting.installed():
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=DEADLINE)
+        assert not any(thread.is_alive() for thread in threads)
     finally:
         for ws in workspaces:
             repro.close(ws)
-    assert len(executed) == 1
+    assert waiting.event.is_set() and len(executed) == 1
     assert sorted((o.status, o.reason) for o in outcomes.values()) == [("cached", "run-cache"), ("ran", "executed")]
     assert all((ws / "data/a/out.txt").read_text() == "xx" for ws in workspaces)
     for ws in workspaces:
@@ -60,14 +94,15 @@ def test_the_same_stage_in_two_workspaces_at_once_runs_once(toy):
 
 # DVC writes a run-cache entry to a temporary it then renames; a reader loads the newest file of the
 # entry's directory and deletes one it cannot parse. This writer (another process, as another
-# `qllm run` is) stops for 2 s with its temporary half written.
+# `qllm run` is) stops with its temporary half written until the file `release` exists (the reader
+# has come to the entry), or 10 minutes at most.
 SLOW_RUN_CACHE_WRITER = """
 import sys, time
 from pathlib import Path
 import dvc.utils.serialize as serialize
 from pipelines.core.run import repro
 
-ws, started = Path(sys.argv[1]), Path(sys.argv[2])
+ws, started, release = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 real = serialize.dump_yaml
 
 def slow_dump(path, data, **kwargs):
@@ -78,7 +113,9 @@ def slow_dump(path, data, **kwargs):
             file.write(text[: len(text) // 2])
             file.flush()
             started.write_text("")
-            time.sleep(2)
+            deadline = time.monotonic() + 600
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             file.write(text[len(text) // 2 :])
 
 def body(ws, name, parent_run_id):
@@ -92,22 +129,23 @@ print(repro.reproduce(ws, "a", execute=body).reason)
 
 def test_a_run_cache_entry_being_written_is_not_read_by_another_workspace(toy, tmp_path):
     writer_ws, reader_ws = (workspace.prepare(toy, {"a": {"n": 2}, "b": {"m": m}}) for m in (2, 3))
-    started = tmp_path / "writing"
-    command = [sys.executable, "-c", SLOW_RUN_CACHE_WRITER, str(writer_ws), str(started)]
+    started, release = tmp_path / "writing", tmp_path / "release"
+    command = [sys.executable, "-c", SLOW_RUN_CACHE_WRITER, str(writer_ws), str(started), str(release)]
     writer = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not started.exists() and writer.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert started.exists(), writer.communicate()[1][-3000:]
+    until(started.exists, "the other process to half-write its run-cache entry", process=writer, log=lambda: writer.communicate()[1])
 
     def must_not_run(ws: Path, name: str, parent_run_id) -> None:
         raise AssertionError("the reader ran stage a: it should have restored the writer's outputs")
 
+    reading = WaitsFor("DVC's run-cache", then=lambda: release.write_text(""))  # the reader has come to the half-written entry
     try:
-        outcome = repro.reproduce(reader_ws, "a", execute=must_not_run)  # while the temporary is half written
+        with reading.installed():
+            outcome = repro.reproduce(reader_ws, "a", execute=must_not_run)  # while the temporary is half written
     finally:
-        out, err = writer.communicate(timeout=120)
+        release.write_text("")
+        out, err = writer.communicate(timeout=DEADLINE)
         repro.close(reader_ws)
+    assert reading.event.is_set()  # the reader met the entry while it was being written
     assert writer.returncode == 0, err[-3000:]
     assert out.strip() == "executed"
     assert (outcome.status, outcome.reason) == ("cached", "run-cache")
@@ -131,7 +169,7 @@ def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypat
     project = make_project(tmp_path / "project", mlflow_template_db)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # a fresh Prefect database: both APIs create it
     started = [qllm_run(project, tmp_path, f"run{n}", "--set", f"evaluate.max_new_tokens={n}") for n in (1, 2)]
-    codes = [process.wait(timeout=600) for process, _, _ in started]  # both finish before any assert
+    codes = [exited(process, f"qllm run {tag}", log=output)[0] for (process, _, output), tag in zip(started, ("run1", "run2"), strict=True)]  # both finish before any assert
     results = []
     for code, (_, summary, output) in zip(codes, started, strict=True):
         text = output.read_text(errors="replace")
@@ -154,7 +192,7 @@ def test_two_qllm_runs_at_once_from_cold(tmp_path, mlflow_template_db, monkeypat
 
     # Each workspace is consistent: outputs match its dvc.lock, shared outputs are the same bytes.
     checks = [subprocess.Popen([sys.executable, "-m", "dvc", "status"], cwd=ws, stdout=subprocess.PIPE, text=True) for ws in wss]
-    assert all(dvc_up_to_date(check.communicate(timeout=120)[0]) for check in checks)
+    assert all(dvc_up_to_date(check.communicate(timeout=DEADLINE)[0]) for check in checks)
     locks = [yaml.safe_load((ws / "dvc.lock").read_text())["stages"] for ws in wss]
     for name in statuses:
         if name not in ("evaluate", "register"):
