@@ -32,6 +32,7 @@ import yaml
 from pipelines.core import dag
 from pipelines.core.run import repro
 from tests.conftest import REPO, make_project, run
+from tests.waiting import exited, until
 
 UPSTREAM = ["sample_data", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
 MAX_STEPS = 40
@@ -72,22 +73,9 @@ def stage_process(root: Path, *args: str, stderr) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], cwd=root, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
 
 
-def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        if process.poll() is not None:
-            pytest.fail(f"the process exited ({process.returncode}) before {what}")
-        time.sleep(0.01)
-    process.kill()
-    pytest.fail(f"timed out waiting for {what}")
-
-
 def kill9(process: subprocess.Popen) -> None:
     os.kill(process.pid, signal.SIGKILL)
-    assert process.wait(timeout=30) == -signal.SIGKILL
+    assert exited(process, "the stage process after SIGKILL")[0] == -signal.SIGKILL
 
 
 def checkpoint_steps(root: Path) -> list[int]:
@@ -117,7 +105,7 @@ def test_kill9_mid_training_resumes_exactly_and_continues_its_mlflow_run(base, t
 
     with open(tmp_path / "killed.log", "wb") as log:
         process = stage_process(killed, "-m", "pipelines.pretrain", stderr=log)
-        wait_for((killed / HELD).exists, process, "pretrain held after step 12")
+        until((killed / HELD).exists, "pretrain held after step 12", process=process, log=tmp_path / "killed.log")
         kill9(process)
     killed_at_ms = int(time.time() * 1000)
     at_kill = checkpoint_steps(killed)
@@ -185,7 +173,7 @@ def test_kill9_mid_grpo_resumes_with_the_samplers_generator(base, tmp_path, capl
     reference = copy_project(killed, tmp_path / "reference")
     with open(tmp_path / "killed.log", "wb") as log:
         process = stage_process(killed, "-m", "pipelines.grpo", stderr=log)
-        wait_for((killed / "grpo-held").exists, process, "grpo held after step 6")
+        until((killed / "grpo-held").exists, "grpo held after step 6", process=process, log=tmp_path / "killed.log")
         kill9(process)
     steps = sorted(int(p.name[5:]) for p in killed.glob(".qllm/checkpoints/grpo/*/step-*"))
     assert steps == [4] and not (killed / "data/models/grpo").exists()
@@ -249,7 +237,7 @@ def test_kill9_before_the_rename_leaves_no_finished_looking_output(base, tmp_pat
 
     with open(tmp_path / "killed.log", "wb") as log:
         process = stage_process(root, str(tmp_path / "paused_stage.py"), "sample_data", str(marker), stderr=log)
-        wait_for(marker.exists, process, "the stage to finish writing")
+        until(marker.exists, "the stage to finish writing", process=process, log=tmp_path / "killed.log")
         kill9(process)
 
     assert Path(f"{marker}.imported").read_text() == ""  # sample_data imported none of torch, transformers, PEFT
