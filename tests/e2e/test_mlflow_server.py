@@ -23,6 +23,7 @@ import pytest
 
 from flows.local_api import free_port, wait_http
 from tests.conftest import make_project
+from tests.waiting import DEADLINE, exited
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +40,12 @@ def postgres():
     with open(home / "postgres.log", "wb") as log:
         process = subprocess.Popen(cluster.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        cluster.wait(process, 120, home / "postgres.log")
+        cluster.wait(process, DEADLINE, home / "postgres.log")
         cluster.create_database("mlflow")
         yield cluster.url("mlflow")
     finally:
         os.killpg(process.pid, signal.SIGINT)  # PostgreSQL's fast shutdown
-        process.wait(timeout=60)
+        exited(process, "PostgreSQL's fast shutdown", log=home / "postgres.log")
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -59,10 +60,10 @@ def mlflow_server(postgres, tmp_path_factory):
                                 "--artifacts-destination", str(home / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
                                 "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/health", process, "the MLflow server", hint=f"; see {home / 'server.log'}")
+    wait_http(f"{url}/health", process, "the MLflow server", DEADLINE, hint=f"; see {home / 'server.log'}")
     yield {"url": url, "artifacts": home / "artifacts"}
-    os.killpg(process.pid, 15)
-    process.wait(timeout=30)
+    os.killpg(process.pid, signal.SIGTERM)
+    exited(process, "the MLflow server stopping on SIGTERM", log=home / "server.log")
     log.close()
 
 
