@@ -32,6 +32,7 @@ import yaml
 
 from flows.local_api import free_port
 from tests.conftest import git_identity, make_project, run
+from tests.waiting import DEADLINE, exited, until
 
 ALWAYS = {"base_model", "probe_device"}  # they read the world: they run on every machine
 
@@ -56,13 +57,10 @@ def sshd(tmp_path_factory):
         Path("/run/sshd").mkdir(exist_ok=True)  # its privilege-separation directory
     log = open(home / "sshd.log", "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen([server, "-D", "-e", "-f", str(home / "sshd_config")], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while not _keyscan(port):
-        assert process.poll() is None and time.monotonic() < deadline, (home / "sshd.log").read_text()
-        time.sleep(0.1)
+    until(lambda: _keyscan(port), f"sshd to answer on 127.0.0.1:{port}", process=process, log=home / "sshd.log", poll=0.1)
     yield {"port": port, "user": getpass.getuser(), "key": home / "user_key", "known_host": f"[127.0.0.1]:{port} " + " ".join((home / "host_key.pub").read_text().split()[:2])}
     process.terminate()
-    process.wait(timeout=10)
+    exited(process, "sshd stopping on SIGTERM", log=home / "sshd.log")
     log.close()
 
 
@@ -81,17 +79,18 @@ def s3(tmp_path_factory):
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{port}"
     client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
-    deadline = time.monotonic() + 60
-    while True:
+
+    def bucket_made() -> bool:
         try:
             client.create_bucket(Bucket="qllm-dvc")
-            break
         except Exception:  # noqa: BLE001 - not listening yet
-            assert process.poll() is None and time.monotonic() < deadline, (home / "moto.log").read_text()
-            time.sleep(0.2)
+            return False
+        return True
+
+    until(bucket_made, f"moto's S3 server to make a bucket on {endpoint}", process=process, log=home / "moto.log", poll=0.2)
     yield {"endpoint": endpoint, "client": client}
     process.terminate()
-    process.wait(timeout=10)
+    exited(process, "moto's S3 server stopping on SIGTERM", log=home / "moto.log")
     log.close()
 
 
@@ -207,7 +206,7 @@ def test_a_second_machine_restores_every_stage_from_the_shared_remote(shared_rem
     # DVC's own way on a third machine: `dvc repro --pull` restores each stage from the remote's run-cache
     third = _clone(first, tmp_path / "third", mlflow_template_db, remote)
     env = os.environ | {"HOME": str(_home(third, remote))}
-    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "--pull", *([until] if until else [])], cwd=third, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "--pull", *([until] if until else [])], cwd=third, env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert out.returncode == 0, out.stdout + out.stderr
     for name in {"pretrain", "sft", "grpo", "evaluate"} & set(stages):
         assert f"Stage '{name}' is cached - skipping run, checking out outputs" in out.stdout, out.stdout
@@ -261,7 +260,7 @@ def test_a_second_machine_restores_the_toy_dag_from_the_shared_remote(shared_rem
 
     third = _clone(first, tmp_path / "third", None, remote)
     env = os.environ | {"HOME": str(_home(third, remote))}
-    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "--pull", "b"], cwd=third, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "--pull", "b"], cwd=third, env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert out.returncode == 0, out.stdout + out.stderr
     for name in ("a", "b"):
         assert f"Stage '{name}' is cached - skipping run, checking out outputs" in out.stdout, out.stdout
