@@ -34,6 +34,10 @@ TEST_ENV = {
     # Prefect workers started here look for scheduled flow runs every 2 s, not every 10: each
     # deployment run otherwise waited 5 s on average, idle, before a worker took it
     "PREFECT_WORKER_QUERY_SECONDS": "2",
+    # Every server the project starts in a test (a `qllm run`'s temporary Prefect API, `make serve`'s
+    # services, docs/screenshots.py's) waits for its health check under the suite's deadline, not the
+    # 120 s default a quiet machine meets (tests/waiting.py)
+    "QLLM_SERVER_START_TIMEOUT": str(int(DEADLINE)),
 }
 
 
