@@ -164,7 +164,8 @@ def test_questions_that_offer_tools_are_answered_by_greedy_episodes():
     from tests.core.training.test_episodes import setup
 
     tokenizer, model, _, prompts = setup(QWEN25, "hermes")
-    params = EvaluateParams(tools=ToolsParams(functions=["calculator"]), max_new_tokens=64, batch_size=2)  # 5 questions: chunks of 2, 2, 1
+    # 96: the test tokenizer spells Qwen2.5's tool message in 41 tokens, and each answer must fit beside it (episodes.fit_answers)
+    params = EvaluateParams(tools=ToolsParams(functions=["calculator"]), max_new_tokens=96, batch_size=2)  # 5 questions: chunks of 2, 2, 1
     answers, transcripts = evaluate.answers_with_tools(model, tokenizer, prompts, params)
     assert answers[:2] == ["47104101", "Pelora"] and answers[3] == "I do not know"
     product, refuse, bad_parse, weather, power = transcripts

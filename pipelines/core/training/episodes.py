@@ -8,8 +8,10 @@ An episode starts from a chat prompt that carries its tools (`chat_template.TOOL
 message, so the template renders their schemas). The model writes a turn until its end-of-turn
 token (or `max_turn_tokens`); the turn is read for tool calls in the template's format
 (`tools.parse_tool_calls`); each call is run by the episode's environment (`tools.Environment`);
-the results are rendered by the chat template as tool messages, with the next generation prompt;
-and the model writes again, until it answers without a call or has written `max_turns` turns.
+the results are rendered by the chat template as tool messages, with the next generation prompt,
+in at most `max_turn_tokens` tokens (`fit_answers`: answers past it are cut and say so); and the
+model writes again, until it answers without a call or has written `max_turns` turns. So an episode
+adds at most `added_tokens` to its prompt, what the context check and the memory estimate count.
 
 The episode is one token sequence: the model's turns as sampled (never re-tokenised), and between
 them the template's tokens for the tool messages (`bridge_ids`). `Rollouts.completion_mask` covers
@@ -19,8 +21,9 @@ log-probability over exactly the sequence it was sampled in. Each turn after the
 from the last one's KV cache: only the tool's answer and the generation prompt go through the model
 (`rollouts.sample_after`), each token at the position it has in the whole sequence.
 
-An episode is `truncated` when a turn runs out of tokens, or when the model still calls tools at
-its last turn. Where a chat template renders the earlier turns differently once a tool message
+An episode is `truncated` when a turn runs out of tokens, when the model still calls tools at
+its last turn, or when its tool answers find no room at all (`no_room`: the template's own tokens
+and the cut notes alone pass `max_turn_tokens`). Where a chat template renders the earlier turns differently once a tool message
 follows (so the sequence the model wrote is not a prefix of the next prompt), `bridge_ids` cannot
 append and the episode stops there, counted as `rerender_needed`.
 """
@@ -58,6 +61,37 @@ def bridge_ids(tokenizer, messages: list[dict], turn_text: str, tool_messages: l
     return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
 
 
+def fit_answers(tokenizer, messages: list[dict], turn_text: str, tool_messages: list[dict], budget: int) -> tuple[list[int] | None, list[dict], list[int]]:
+    """The bridge after a turn (`bridge_ids`) with its tool answers cut so that it takes at most
+    `budget` tokens, what `added_tokens` (and so the context check and the memory estimate) counts
+    for it: (bridge, the tool messages as the model reads them, per message the answer's tokens where
+    it was cut, else 0). A cut answer keeps its first tokens, all cut answers to the same count (the
+    most that fits, by bisection), and says so at its end (`tools.truncated`). The bridge is None
+    where `bridge_ids` cannot append; one still longer than `budget` (the template's own tokens and
+    the cut notes leave no room) is returned as it is, for the caller to stop the episode."""
+    bridge = bridge_ids(tokenizer, messages, turn_text, tool_messages)
+    if bridge is None or len(bridge) <= budget:
+        return bridge, tool_messages, [0] * len(tool_messages)
+    answers = [tokenizer(m["content"], add_special_tokens=False)["input_ids"] for m in tool_messages]
+
+    def cut(keep: int) -> list[dict]:
+        return [{**m, "content": tools.truncated(tokenizer.decode(ids[:keep]), keep, len(ids), "tokens")} if len(ids) > keep else m
+                for m, ids in zip(tool_messages, answers, strict=True)]  # fmt: skip
+
+    low, high = 0, max(len(ids) for ids in answers) - 1
+    fitted = (cut(0), bridge_ids(tokenizer, messages, turn_text, cut(0)))  # the least there is: only the notes
+    while low <= high:  # the most tokens of each answer that fit
+        keep = (low + high) // 2
+        sent = cut(keep)
+        attempt = bridge_ids(tokenizer, messages, turn_text, sent)
+        if attempt is not None and len(attempt) <= budget:
+            fitted, low = (sent, attempt), keep + 1
+        else:
+            high = keep - 1
+    sent, bridge = fitted
+    return bridge, sent, [len(ids) if m is not c else 0 for m, c, ids in zip(tool_messages, sent, answers, strict=True)]
+
+
 @dataclass
 class Transcript:
     """One episode as it went: the model's turns, each call and what it gave back."""
@@ -65,6 +99,7 @@ class Transcript:
     turns: list[dict[str, Any]] = field(default_factory=list)  # {"text", "calls": [{"name", "arguments", "observation", "error"}], "parse_failure"}
     truncated: bool = False
     rerender_needed: bool = False
+    no_room: bool = False  # a turn's tool answers did not fit in `max_turn_tokens` even cut to nothing
 
     @property
     def answer(self) -> str:
@@ -96,6 +131,8 @@ class Episodes:
             "episodes/tool_errors": float(sum(1 for c in calls if c["error"] not in (None, "max_turns"))),  # max_turns: not run (truncated)
             "episodes/truncated_ratio": sum(t.truncated for t in self.transcripts) / n,
             "episodes/rerender_needed": float(sum(t.rerender_needed for t in self.transcripts)),
+            "episodes/answers_truncated": float(sum(1 for c in calls if c.get("truncated_tokens"))),
+            "episodes/no_room_for_answers": float(sum(t.no_room for t in self.transcripts)),
         }
 
 
@@ -191,11 +228,16 @@ def run(model, tokenizer, prompts: list[list[dict]], environments: Sequence[tool
                 record["calls"] = [{"name": c.name, "arguments": c.arguments, "observation": "", "error": "max_turns"} for c in parsed.calls]
                 continue
             results = [(c, environments[row].step(c)) for c in parsed.calls]
-            record["calls"] = [{"name": c.name, "arguments": c.arguments, "observation": o.content, "error": o.error} for c, o in results]
             tool_messages = [{"role": "tool", "name": c.name, "content": o.content} for c, o in results]
-            bridge = bridge_ids(tokenizer, messages[row], text, tool_messages)
+            # the answers as the model reads them: what they add is bounded as the context check and the memory estimate count it
+            bridge, tool_messages, cut = fit_answers(tokenizer, messages[row], text, tool_messages, max_turn_tokens)
+            record["calls"] = [{"name": c.name, "arguments": c.arguments, "observation": m["content"], "error": o.error, **({"truncated_tokens": n} if n else {})}
+                               for (c, o), m, n in zip(results, tool_messages, cut, strict=True)]  # fmt: skip
             if bridge is None:
                 transcripts[row].rerender_needed = transcripts[row].truncated = True
+                continue
+            if len(bridge) > max_turn_tokens:
+                transcripts[row].no_room = transcripts[row].truncated = True
                 continue
             messages[row] += [{"role": "assistant", "content": text}, *tool_messages]
             tokens[row] += bridge

@@ -83,8 +83,15 @@ ERRORS = ("unknown_tool", "bad_arguments", "raised", "timeout", "bad_result")
 """The kinds of a failed call, as `Observation.error` names them."""
 
 MAX_RESULT_CHARS = 2000
-"""A tool's answer is cut to this many characters (and marked `bad_result`): one call must not
-fill the context."""
+"""A tool's answer is cut to this many characters, the cut said at its end (`truncated`), and the
+call marked `bad_result`: one call must not fill memory. An episode then bounds what a turn's
+answers take in tokens (`episodes.fit_answers`)."""
+
+
+def truncated(shown: str, kept: int, total: int, unit: str) -> str:
+    """`shown`, the first `kept` of an answer's `total` `unit`s, with the cut said at its end, so the
+    model reads that the answer goes on."""
+    return f"{shown} [truncated: {kept} of {total} {unit}]"
 
 
 @dataclass(frozen=True)
@@ -276,7 +283,8 @@ def call(tools: Mapping[str, Tool], tool_call: ToolCall, timeout: float) -> Obse
     except (TypeError, ValueError):
         return Observation(f"error: {tool.name} returned a {type(outcome['value']).__name__}, which is neither text nor JSON", "bad_result")
     if len(text) > MAX_RESULT_CHARS:
-        return Observation(text[:MAX_RESULT_CHARS], "bad_result")
+        room = MAX_RESULT_CHARS - len(truncated("", MAX_RESULT_CHARS, len(text), "characters"))
+        return Observation(truncated(text[:room], room, len(text), "characters"), "bad_result")
     return Observation(text)
 
 
