@@ -32,6 +32,7 @@ from pipelines.core import dag
 from pipelines.core.extensions import Hook
 from pipelines.core.run import repro
 from tests.conftest import REPO, make_project
+from tests.waiting import DEADLINE, exited, until
 
 MAX_STEPS = 30  # held after step 20 until the signal; the rerun trains the last 10
 HELD = "held"
@@ -71,11 +72,11 @@ def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path
     thread = threading.Thread(target=train)
     thread.start()
     try:
-        assert in_step_3.wait(60)
+        assert in_step_3.wait(DEADLINE)
         errors.request_stop(signal.SIGTERM)  # first: training would stop after this step...
         with pytest.raises(KeyboardInterrupt):
             errors.request_stop(signal.SIGTERM)  # ...second: at once
-        thread.join(30)
+        thread.join(DEADLINE)
     finally:
         errors.clear_stop()
     assert not thread.is_alive()
@@ -106,26 +107,9 @@ def start(root: Path, command: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT, env=with_repo())
 
 
-def wait_until_held(process: subprocess.Popen, root: Path, log: Path, timeout: float = 300.0) -> None:
-    """Until pretrain is held at step 20 (a state); `timeout` only bounds a broken run."""
-    deadline = time.monotonic() + timeout
-    while not (root / HELD).exists():
-        if process.poll() is not None:
-            pytest.fail(f"exited ({process.returncode}) before pretrain reached step 20:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"pretrain did not reach step 20 in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-
-
-def exit_within(process: subprocess.Popen, seconds: float, log: Path) -> tuple[int, float]:
-    started = time.monotonic()
-    try:
-        returncode = process.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail(f"still running {seconds:.0f}s after the signal:\n{log.read_text()[-3000:]}")
-    return returncode, time.monotonic() - started
+def wait_until_held(process: subprocess.Popen, root: Path, log: Path) -> None:
+    """Until pretrain is held at step 20 (a state)."""
+    until((root / HELD).exists, "pretrain held after step 20", process=process, log=log)
 
 
 def children(pid: int) -> list[int]:
@@ -151,7 +135,7 @@ def test_sigterm_to_qllm_run_checkpoints_stops_and_the_rerun_resumes(base, tmp_p
     process = start(root, [QLLM, "run", "--until", "pretrain"], log)
     wait_until_held(process, root, log)
     process.send_signal(signal.SIGTERM)
-    returncode, seconds = exit_within(process, 60, log)
+    returncode, seconds = exited(process, "qllm run stopping on SIGTERM", log=log)  # held until the stop: it exits only if the stop works
     text = log.read_text()
     assert returncode == 128 + signal.SIGTERM, text[-3000:]
     stopped = re.search(r"pretrain: SIGTERM at step (\d+): checkpoint saved in", text)
@@ -162,7 +146,7 @@ def test_sigterm_to_qllm_run_checkpoints_stops_and_the_rerun_resumes(base, tmp_p
     statuses = run_statuses(root)
     assert statuses["pretrain"] == "KILLED" and statuses["pipeline"] == "KILLED", statuses
 
-    rerun = subprocess.run([QLLM, "run", "--until", "pretrain"], cwd=root, capture_output=True, text=True, timeout=300, env=with_repo())
+    rerun = subprocess.run([QLLM, "run", "--until", "pretrain"], cwd=root, capture_output=True, text=True, timeout=DEADLINE, env=with_repo())
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     assert f"pretrain: resumed from step {stopped.group(1)}" in rerun.stderr, rerun.stderr[-3000:]
     assert run_statuses(root)["pretrain"] == "FINISHED" and (root / "data/models/pretrain").exists()
@@ -176,7 +160,7 @@ def test_qllm_run_ends_with_a_clear_error_when_its_prefect_api_dies(base, tmp_pa
     wait_until_held(process, root, log)
     (api,) = [pid for pid in children(process.pid) if "uvicorn" in Path(f"/proc/{pid}/cmdline").read_text()]
     os.kill(api, signal.SIGKILL)
-    returncode, seconds = exit_within(process, 60, log)
+    returncode, seconds = exited(process, "qllm run after its Prefect API died", log=log)
     text = log.read_text()
     assert returncode == 1, text[-3000:]
     assert f"error: the temporary Prefect API (pid {api}) exited with code -9 during the run, so the run stopped" in text, text[-3000:]
@@ -195,15 +179,14 @@ def test_sigterm_to_dvc_repro_stops_its_stage_with_a_checkpoint(base, tmp_path):
     wait_until_held(process, root, log)
     stage = children(process.pid)  # the stage command (`$SHELL -c` execs it)
     process.send_signal(signal.SIGTERM)  # to dvc only, as `kill PID` does
-    exit_within(process, 30, log)
-    deadline = time.monotonic() + 60
-    while any(Path(f"/proc/{pid}").exists() for pid in stage) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    exited(process, "dvc repro stopping on SIGTERM", log=log)
+    until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in stage), "the stage process ending after its parent dvc repro",
+          state=lambda: [pid for pid in stage if Path(f"/proc/{pid}").exists()], log=log)  # fmt: skip
     text = log.read_text()
     stopped = re.search(r"pretrain: the parent process \(dvc repro\) exited at step (\d+): checkpoint saved in", text)
     assert stopped, text[-3000:]
     assert max(checkpoint_steps(root)) == int(stopped.group(1))
 
-    rerun = subprocess.run(dvc, cwd=root, capture_output=True, text=True, timeout=300, env=with_repo())
+    rerun = subprocess.run(dvc, cwd=root, capture_output=True, text=True, timeout=DEADLINE, env=with_repo())
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     assert f"pretrain: resumed from step {stopped.group(1)}" in rerun.stdout + rerun.stderr
