@@ -50,7 +50,7 @@ def user_module(tmp_path, monkeypatch):
 def test_a_users_function_is_called_with_trls_signature(user_module):
     fn = rewards.load(f"{user_module}:brevity", "grpo.rewards[1]")
     values = rewards.score(fn, "brevity", [CHAT, CHAT], ["abc", as_message("a")], {"answer": ["x", ""]})
-    assert values[0] == pytest.approx(0.25) and math.isnan(values[1])  # None: not scored
+    assert values[0] == 1 / (1 + 3) and math.isnan(values[1])  # 1 / 4 is exact; None: not scored
 
 
 @pytest.mark.parametrize(("name", "message"), [
