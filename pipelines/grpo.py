@@ -25,7 +25,7 @@ mean_terminated_length`, `kl` (beta > 0), `clip_ratio/low_mean|high_mean|region_
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from pipelines.core import paths
 from pipelines.core.config import GrpoParams
 from pipelines.core.data.chat_template import (
     TOOLS_KEY,
+    answer_group,
     check_tool_support,
     parse_messages,
     split_last_answer,
@@ -99,7 +100,8 @@ def questions(chat_dir: Path, split: str = "train", offered: list[dict] | None =
     if not found:
         raise QllmError(f"{path}: no chat record ends with an assistant's text answer, so GRPO has no questions with a reference answer"
                         + (f" ({tool_calls} end with a tool call)" if tool_calls else ""))  # fmt: skip
-    return Questions(found, tool_calls)
+    groups = rewards.candidate_answers([(q.id, q.answer) for q in found])  # what `strict_match` counts as another answer
+    return Questions([dataclasses.replace(q, candidates=groups[answer_group(q.id)]) for q in found], tool_calls)
 
 
 def grpo_loss(params: GrpoParams):
@@ -137,7 +139,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     start = paths.named(start_dir, root)  # as users name it (an adapter's base)
     make_environment, offered = tools.environments(params.tools, "grpo.tools")
     train = questions(chat_dir, offered=[t.schema for t in offered] if offered else None)
-    # an episode: each turn's tokens and, between turns, the tool's answer as the template renders it (about as long again)
+    # an episode: each turn's tokens and, between turns, the tools' answers as the template renders them, cut to as many (episodes.fit_answers)
     episode_tokens = episodes.added_tokens(params.max_completion_length, params.tools.max_turns if offered else 1)
     reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
     adapter = params.adapter
@@ -153,9 +155,8 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
         model = quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing)
         if adapter.enabled:
             model = adapters.wrap(adapter, SECTION)(model, tokenizer)
-    reference = None
-    if params.beta:  # LoRA: the model under its adapter; full training: a frozen copy of the start
-        reference = model.disable_adapter if adapter.enabled else copy.deepcopy(model).eval().requires_grad_(False)
+    # beta's reference: the policy as it starts (its trainable weights copied: a LoRA's adapter, or every weight)
+    reference = rollouts.start_weights(model) if params.beta else None
     counts = parameter_counts(model)
     if qconfig is not None:
         counts |= quantize.linear_weight_bytes(model)
@@ -164,7 +165,8 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     settings = rollouts.Settings(group_size=params.group_size, max_completion_length=params.max_completion_length, temperature=params.temperature,
                                  top_p=params.top_p, scale_rewards=params.scale_rewards, num_iterations=params.num_iterations,
                                  mask_truncated_completions=params.mask_truncated_completions, micro_batch_size=cfg.micro_batch_size,
-                                 grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, precision=cfg.precision, max_steps=cfg.max_steps)  # fmt: skip
+                                 grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, precision=cfg.precision, max_steps=cfg.max_steps,
+                                 log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every)  # fmt: skip
     sampler = rollouts.one_turn
     if offered:  # episodes: the template must render the tools, and says how calls are written
         check_tool_support(tokenizer, train[0].prompt)
@@ -175,7 +177,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     batches = rollouts.RolloutBatches(model, tokenizer, train, settings, reward_fns, reference=reference,
                                       on_generation=completions_logger(tracker, params.log_completions_every), sampler=sampler)  # fmt: skip
     checkpoints = CheckpointManager(checkpoint_dir, cfg.keep_checkpoints) if checkpoint_dir else None
-    result = loop.train(model, grpo_loss(params), batches, cfg, tracker=tracker, checkpoints=checkpoints, desc=NAME)
+    result = loop.train(model, grpo_loss(params), batches, cfg, tracker=tracker, checkpoints=checkpoints, extensions=[batches.log_history], desc=NAME)
     last = batches.metrics(result["steps"])
 
     def save(tmp: Path) -> None:

@@ -205,7 +205,7 @@ def test_a_reused_generation_resumes_exactly(workspace, user_rewards, monkeypatc
     chat = workspace / "data/prepared/chat"
     grpo.run(workspace, workspace / "data/models/sft", chat, workspace / "reference", p, checkpoint_dir=workspace / "ckpt-reference")
     real_train = loop.train
-    monkeypatch.setattr(loop, "train", lambda *a, **k: real_train(*a, **k, extensions=[StopAt(3)]))
+    monkeypatch.setattr(loop, "train", lambda *a, **k: real_train(*a, **{**k, "extensions": [*k.get("extensions", []), StopAt(3)]}))
     with pytest.raises(TrainingInterrupted):
         grpo.run(workspace, workspace / "data/models/sft", chat, workspace / "resumed", p, checkpoint_dir=workspace / "ckpt")
     assert sorted(c.name for c in (workspace / "ckpt").iterdir()) == ["step-00000003"]
@@ -252,7 +252,7 @@ def test_a_users_reward_functions_get_the_records_columns(workspace, user_reward
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"rewards": [{"function": "nosuch"}]}, "'nosuch' is neither a built-in reward (exact_match, flexible_match, format, environment) nor `package.module:function`"),
+    ({"rewards": [{"function": "nosuch"}]}, "'nosuch' is neither a built-in reward (exact_match, strict_match, format, environment) nor `package.module:function`"),
     ({"rewards": [{"function": "my_grpo_rewards:missing"}]}, "module 'my_grpo_rewards' has no 'missing'"),
     ({"rewards": [{"function": "exact_match"}, {"function": "exact_match", "weight": 2}]}, "two functions share a name"),
     ({"group_size": 3}, "train.micro_batch_size (8) counts completions and must be a multiple of group_size (3)"),

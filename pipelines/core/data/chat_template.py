@@ -28,7 +28,7 @@ import functools
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -338,6 +338,12 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _WORDS = re.compile(r"\w+")
 
 
+def _word_run(text: str) -> str:
+    """`text`'s words, case-folded, one space apart, with a space at each end: a whole-word run of
+    words is a substring of another's."""
+    return f" {' '.join(_WORDS.findall(text.casefold()))} "
+
+
 def _as_number(text: str) -> float | None:
     """The number a whole (normalised) answer is, else None: `12`, `-3`, `4.50`, `1,200`."""
     text = normalize_answer(text).replace(",", "")
@@ -353,18 +359,58 @@ def extract_answer(prediction: str, reference: str) -> str:
         numbers = _NUMBER.findall(prediction.replace(",", ""))
         return numbers[-1] if numbers else ""
     first = prediction.strip().split("\n", 1)[0] if prediction.strip() else ""
-    return " ".join(_WORDS.findall(first.casefold()))
+    return _word_run(first).strip()
 
 
 def flexible_match(prediction: str, reference: str) -> bool:
     """Whether a free-form answer holds the reference answer: equal numbers for a numeric
     reference (the last number of the answer: `extract_answer`), else the reference's words as a
     whole-word run of the answer's first line. Scores what a real model answers, not its phrasing,
-    and is lenient by design: an answer that names the reference among other words counts;
-    `exact_match` (`normalize_answer` on both sides) is the strict one."""
+    and is lenient by design: an answer that names the reference among other words counts, a list
+    of every candidate too; `strict_match` also gives 0 to an answer naming another candidate (the
+    rule GRPO's reward scores by), `exact_match` (`normalize_answer` on both sides) is the strictest."""
     extracted = extract_answer(prediction, reference)
     number = _as_number(reference)
     if number is not None:
         return bool(extracted) and float(extracted) == number
-    words = " ".join(_WORDS.findall(reference.casefold()))
-    return bool(words) and f" {words} " in f" {extracted} "
+    words = _word_run(reference)
+    return bool(words.strip()) and words in f" {extracted} "
+
+
+def answer_group(example_id: str) -> str:
+    """The group of questions an id belongs to: the id without its trailing `-<n>` (`heldout-fact-city-7`:
+    `heldout-fact-city`; a user's record without an id of its own is `<source>-<n>`, so its source)."""
+    return re.sub(r"-\d+$", "", example_id)
+
+
+def _names(text: str, value: str) -> bool:
+    """Whether `text` names `value` anywhere: an equal number for a numeric value, else its words as
+    a whole-word run."""
+    number = _as_number(value)
+    if number is not None:
+        return any(float(n) == number for n in _NUMBER.findall(text.replace(",", "")))
+    words = _word_run(value)
+    return bool(words.strip()) and words in _word_run(text)
+
+
+def strict_match(prediction: str, reference: str, candidates: Iterable[str] = (), question: str = "") -> bool:
+    """The strict fact score: `flexible_match`, and the answer names no other candidate answer, so
+    that listing every value the question could have ("Pelora, Dunmar or Kestwick") scores 0.
+    `candidates`: the answers the question's kind can have (the references of its group's questions:
+    every city for "Where does X live?"); one is named when the answer holds it anywhere (an equal
+    number; its words as a whole-word run, any line). Not counted: a candidate equal to the
+    reference, one inside the reference's words ("York" for "New York"), and one the `question`
+    itself names (the operands of "What is 1 plus 6?" in "1 + 6 = 7")."""
+    if not flexible_match(prediction, reference):
+        return False
+    reference_words = _word_run(reference)
+    number = _as_number(reference)
+    for candidate in candidates:
+        value = _as_number(candidate)
+        if (value is not None and value == number) or normalize_answer(candidate) == normalize_answer(reference):
+            continue
+        if value is None and _word_run(candidate) in reference_words:
+            continue
+        if _names(prediction, candidate) and not _names(question, candidate):
+            return False
+    return True

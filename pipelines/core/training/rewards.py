@@ -8,8 +8,9 @@ A reward function is called as TRL's `GRPOTrainer` calls one (`_calculate_reward
 `completions` as lists (message lists for chat data, each completion `[{"role": "assistant",
 "content": ...}]`), `completion_ids` (each completion's token ids, up to and including its stop
 token), every other column of the records as a keyword list (`id`, `source`, `split`, and `answer`:
-the reference answer, the final assistant turn of each prompt's chat record), `trainer_state`
-(`RewardState`: `global_step`, `max_steps`), `log_extra(column, values)` (a column of the logged
+the reference answer, the final assistant turn of each prompt's chat record), `candidates` (the
+answers of the question's group, `candidate_answers`), `trainer_state`
+(a `transformers.TrainerState` as TRL's: `trainer_state`), `log_extra(column, values)` (a column of the logged
 completions table) and `log_metric(name, value)` (a scalar logged with the step's metrics). It
 returns a list with one float per completion, or None where it does not apply (TRL drops those
 from the mean). An `async def` function is awaited, all of a step's together on one event loop,
@@ -21,9 +22,14 @@ Built in:
 - `exact_match`: 1.0 when the completion's first line equals the reference answer after
   `evaluate`'s normalisation (`chat_template.normalize_answer`: trimmed, case-folded, without
   trailing punctuation), else 0.0;
-- `flexible_match`: 1.0 when the completion holds the reference answer as `evaluate`'s
+- `strict_match`: 1.0 when the completion holds the reference answer as `evaluate`'s
   `flexible_match` finds it (the last number for a numeric answer, the answer's words in the
-  first line otherwise): a signal for a model that answers in sentences;
+  first line otherwise) and names no other candidate answer (`chat_template.strict_match`): a
+  signal for a model that answers in sentences that listing every candidate cannot game. A
+  question's `candidates` are the reference answers of the training questions in its group (ids
+  `<group>-<n>`, as `evaluate` groups them: every city for the sample's city questions; a user's
+  records without ids of their own are `<source>-<n>`, so a source is one group). `evaluate`'s
+  lenient `flexible_match` is refused as a reward, naming this one;
 - `format`: 1.0 when the completion is one non-empty line, the form the held-out questions'
   answers take, else 0.0;
 - `environment`: the episode's own reward, its environment's `reward()` (`grpo.tools.environment`).
@@ -38,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pipelines.core import config
@@ -67,10 +72,29 @@ def exact_match(prompts: list, completions: list, answer: list[str], **_: Any) -
     return [1.0 if normalize_answer(text_of(c)) == normalize_answer(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
-def flexible_match(prompts: list, completions: list, answer: list[str], **_: Any) -> list[float]:
-    """1.0 where the completion holds the reference answer (evaluate's `flexible_match`: the last
-    number for a numeric answer, the answer's words in the first line otherwise), else 0.0."""
-    return [1.0 if chat_template.flexible_match(text_of(c), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+def question_of(prompt: Any) -> str:
+    """A prompt's question as text: its user turns (a chat prompt), or the prompt itself."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(m.get("content") or "") for m in prompt if isinstance(m, dict) and m.get("role") == "user")
+
+
+def strict_match(prompts: list, completions: list, answer: list[str], candidates: list | None = None, **_: Any) -> list[float]:
+    """1.0 where the completion holds the reference answer and names no other of the question's
+    `candidates` that the question does not name itself (`chat_template.strict_match`), else 0.0."""
+    if candidates is None:
+        raise RewardError("reward 'strict_match' reads each question's candidate answers (`candidates`), and these completions came with none")
+    return [1.0 if chat_template.strict_match(text_of(c), a, others, question_of(p)) else 0.0
+            for p, c, a, others in zip(prompts, completions, answer, candidates, strict=True)]  # fmt: skip
+
+
+def candidate_answers(questions: Sequence[tuple[str, str]]) -> dict[str, tuple[str, ...]]:
+    """Per question group (`chat_template.answer_group` of each id), the distinct reference answers
+    of `questions` (`(id, answer)` pairs), sorted: what `strict_match` counts as the other answers."""
+    groups: dict[str, set[str]] = {}
+    for example_id, answer in questions:
+        groups.setdefault(chat_template.answer_group(example_id), set()).add(answer)
+    return {group: tuple(sorted(answers)) for group, answers in groups.items()}
 
 
 def format_reward(prompts: list, completions: list, **_: Any) -> list[float]:
@@ -86,7 +110,7 @@ def environment(prompts: list, completions: list, environments: list | None = No
     return [env.reward() for env in environments]
 
 
-BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "flexible_match": flexible_match, "format": format_reward, "environment": environment}
+BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "strict_match": strict_match, "format": format_reward, "environment": environment}
 
 
 def load(name: str, where: str = "reward") -> RewardFn:
@@ -99,14 +123,26 @@ def load(name: str, where: str = "reward") -> RewardFn:
     return BUILT_IN[name] if fn is None else fn
 
 
-@dataclass(frozen=True)
-class RewardState:
-    """What a reward function gets as `trainer_state` (TRL passes its `TrainerState`): the step
-    being generated for (`global_step`, 0-based as TRL's at the first generation) and the run's
-    `max_steps`, for rewards shaped by training progress."""
+def trainer_state(*, global_step: int, steps_per_epoch: int, max_steps: int, train_batch_size: int, logging_steps: int, save_steps: int,
+                  num_input_tokens_seen: int, log_history: Sequence[dict[str, float]]):  # fmt: skip
+    """What a reward function gets as `trainer_state`: a `transformers.TrainerState`, with the values
+    TRL's `GRPOTrainer` holds in its own when it scores the generation for 0-based `global_step`
+    (the optimizer steps done): `epoch`, the steps done over `steps_per_epoch` (TRL's
+    `num_update_steps_per_epoch`: steps over every question once); `num_train_epochs`, as `Trainer`
+    derives it from `max_steps`; `train_batch_size`, the completions of a micro-batch;
+    `logging_steps` and `save_steps` (`train.log_every`, `train.checkpoint_every`);
+    `num_input_tokens_seen`, the prompt and model tokens of every generation so far, this one
+    included, as TRL counts them; `log_history`, what was logged so far (a copy). The rest are as
+    TRL's GRPO run has them: `total_flos` 0 (`Trainer` counts the FLOPs of an `input_ids` batch, and
+    GRPO's has none), no evaluation (`eval_steps` at its default, no `best_*`), one process, no
+    hyperparameter search, no stateful callbacks."""
+    from transformers import TrainerState
 
-    global_step: int
-    max_steps: int
+    per_epoch = max(steps_per_epoch, 1)
+    return TrainerState(epoch=global_step / per_epoch, global_step=global_step, max_steps=max_steps, logging_steps=logging_steps, save_steps=save_steps,
+                        train_batch_size=train_batch_size, num_train_epochs=max_steps // per_epoch + int(max_steps % per_epoch > 0),
+                        num_input_tokens_seen=num_input_tokens_seen, total_flos=0.0, log_history=[dict(entry) for entry in log_history],
+                        is_local_process_zero=True, is_world_process_zero=True, stateful_callbacks=[])  # fmt: skip
 
 
 def _values(name: str, values: Any, n: int) -> list[float]:

@@ -24,6 +24,7 @@ the generation time saved (benchmarks/RESULTS.md "GRPO").
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from pipelines.core.data.chat_template import left_padding, render_prompt
+from pipelines.core.extensions import Extension
 from pipelines.core.models.models import stop_token_ids
 from pipelines.core.training import grpo, loop, preference_data, rewards
 
@@ -231,12 +233,14 @@ def token_logps(model, rollouts: Rollouts, temperature: float = 1.0) -> torch.Te
 @dataclass(frozen=True)
 class Question:
     """A prompt to sample for, and the columns its reward functions get (`answer`: the reference;
-    `columns`: the record's other columns, `source`, `split`, ...)."""
+    `columns`: the record's other columns, `source`, `split`, ...; `candidates`: the answers of its
+    group, `rewards.candidate_answers`)."""
 
     id: str
     prompt: list[dict]
     answer: str
     columns: dict[str, Any] = field(default_factory=dict)
+    candidates: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,8 @@ class Settings:
     seed: int
     precision: str
     max_steps: int = 0  # what reward functions see as `trainer_state.max_steps`
+    log_every: int = 1  # `trainer_state.logging_steps`
+    checkpoint_every: int = 0  # `trainer_state.save_steps`
 
 
 @dataclass
@@ -302,7 +308,7 @@ class RolloutBatches:
     micro-batches; `metrics` reports the generation's rewards, lengths and timing in TRL's names.
 
     `reference` is a context manager factory under which `model` computes the reference
-    log-probabilities (a LoRA policy's `disable_adapter`), or a frozen model. `on_generation(step,
+    log-probabilities (`start_weights`: the policy as it started). `on_generation(step,
     generation)`: called after each generation (the stage logs the sample table from it).
     Checkpoints hold the question order and, with `num_iterations` > 1, the generation in use, so a
     resumed run continues the same generation."""
@@ -320,6 +326,11 @@ class RolloutBatches:
         self.generation_index = -1
         self.micro = 0
         self.generated_at = time.perf_counter()
+        # TRL's epoch: optimizer steps over the questions once, in whole generations (a partial last one is dropped)
+        self.steps_per_epoch = (len(self.questions) // self.order.batch_size) * settings.num_iterations
+        self.tokens_seen = 0  # prompt and model tokens of every generation so far: TRL's `num_input_tokens_seen`
+        self.log_history = LogHistory(self.steps_per_epoch)
+        """What the loop logs, as TRL's `TrainerState.log_history`: pass it to `loop.train` as an extension."""
 
     # The loop's batches protocol (`loop.Batches`).
     def __iter__(self):
@@ -350,7 +361,7 @@ class RolloutBatches:
         return self.generation.metrics | {"timing/optimisation_seconds": round(time.perf_counter() - self.generated_at, 4)}
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"order": self.order.state_dict(), "generation_index": self.generation_index}
+        state: dict[str, Any] = {"order": self.order.state_dict(), "generation_index": self.generation_index, "tokens_seen": self.tokens_seen}
         if self.settings.num_iterations > 1 and self.generation is not None:  # reused by the next steps: a resume needs it
             state["micro_batches"] = self.generation.micro_batches
             state["metrics"] = self.generation.metrics
@@ -359,6 +370,7 @@ class RolloutBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.order.load_state_dict(state["order"])
         self.generation_index = int(state["generation_index"])
+        self.tokens_seen = int(state.get("tokens_seen", 0))  # absent from checkpoints written before it was kept
         self.generation = Generation(state["micro_batches"], dict(state["metrics"])) if "micro_batches" in state else None
 
     # Generation.
@@ -371,6 +383,8 @@ class RolloutBatches:
             drawn = self.sampler(model, self.tokenizer, chosen, s)
         out, completions = drawn.rollouts, drawn.completions
         sampled = time.perf_counter()
+        model_tokens = out.completion_mask if out.loss_mask is None else out.loss_mask  # an episode's tool answers are not the model's
+        self.tokens_seen += int(out.prompt_mask.sum()) * s.group_size + int(model_tokens.sum())  # as TRL counts it, before the rewards
         prompts = [q.prompt for q in chosen for _ in range(s.group_size)]
         extra_columns: dict[str, list] = {}
         logged: dict[str, list[float]] = {}
@@ -378,8 +392,9 @@ class RolloutBatches:
             **{key: [q.columns.get(key) for q in chosen for _ in range(s.group_size)] for key in sorted({k for q in chosen for k in q.columns})},
             "id": [q.id for q in chosen for _ in range(s.group_size)],
             "answer": [q.answer for q in chosen for _ in range(s.group_size)],
+            "candidates": [list(q.candidates) for q in chosen for _ in range(s.group_size)],
             "completion_ids": [ids[: int(n)].tolist() for ids, n in zip(out.completion_ids.cpu(), out.completion_mask.sum(-1).cpu(), strict=True)],
-            "trainer_state": rewards.RewardState(global_step=step, max_steps=s.max_steps),
+            "trainer_state": self.trainer_state(step),
             "log_extra": lambda column, values: extra_columns.setdefault(str(column), []).extend(values),
             "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
             **drawn.columns,
@@ -403,6 +418,14 @@ class RolloutBatches:
                   **{column: values[row] for column, values in extra_columns.items() if row < len(values)}}
                  for row, q in ((r, chosen[r // s.group_size]) for r in range(len(out.texts)))]  # fmt: skip
         return Generation(micro_batches, metrics, table)
+
+    def trainer_state(self, step: int):
+        """What reward functions get as `trainer_state` at the generation for 0-based `step`: TRL's
+        `TrainerState` as its `GRPOTrainer` holds it then (`rewards.trainer_state`)."""
+        s = self.settings
+        return rewards.trainer_state(global_step=step, steps_per_epoch=self.steps_per_epoch, max_steps=s.max_steps, train_batch_size=s.micro_batch_size,
+                                     logging_steps=s.log_every, save_steps=s.checkpoint_every, num_input_tokens_seen=self.tokens_seen,
+                                     log_history=self.log_history.history)  # fmt: skip
 
     def _micro_batches(self, out: Rollouts, mask: torch.Tensor, advantages: torch.Tensor) -> list[dict[str, Any]]:
         """The generation cut into micro-batches of whole groups, each with what the loss needs."""
@@ -432,10 +455,72 @@ class RolloutBatches:
         return batches
 
     def _reference_logps(self, batch: dict[str, Any]) -> torch.Tensor:
-        if isinstance(self.reference, torch.nn.Module):
-            return _logps(self.reference, batch, self.settings.temperature)
         with self.reference():
             return _logps(self.model, batch, self.settings.temperature)
+
+
+def start_weights(model: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context manager factory under which `model` computes with the weights it has now: GRPO's
+    reference, the policy as it starts. Its trainable parameters are copied once (a LoRA policy: the
+    adapter's weights, not the base; full training: every weight, as a frozen copy of the model
+    would hold), and put in their modules' places for the block, then the trained ones back.
+
+    Not the adapter switched off: PiSSA and OLoRA start the adapter from the principal part of each
+    weight and leave only the rest in the base, so the base alone is not the start model (nor is a
+    quantized base under QLoRA's init, which this also covers: the start is what the policy computes).
+    The copies are other tensors, never requiring grad, so an autocast cache of the trained weights
+    stays theirs; keyed by name, so a tied weight is one copy in both places, and a resume that
+    loads a checkpoint into the parameters leaves the copies as they started."""
+    copies: dict[int, torch.nn.Parameter] = {}
+    at_start: dict[str, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            copy = copies.setdefault(id(param), torch.nn.Parameter(param.detach().clone(), requires_grad=False))
+            at_start[name] = copy
+
+    @contextlib.contextmanager
+    def swapped():
+        trained = []
+        try:
+            for prefix, module in model.named_modules(remove_duplicate=False):
+                for name in list(module._parameters):
+                    copy = at_start.get(f"{prefix}.{name}" if prefix else name)
+                    if copy is not None:
+                        trained.append((module, name, module._parameters[name]))
+                        module._parameters[name] = copy
+            yield
+        finally:
+            for module, name, param in reversed(trained):
+                module._parameters[name] = param
+
+    return swapped
+
+
+TRL_LOGGED = {"train/loss": "loss", "train/lr": "learning_rate", "train/grad_norm": "grad_norm"}
+"""The loop's names of what TRL's `Trainer.log` calls otherwise (the rest already have TRL's names)."""
+
+
+class LogHistory(Extension):
+    """TRL's `TrainerState.log_history` for GRPO's reward functions: what the loop logs (`on_log`:
+    the training metrics every `train.log_every` steps, under TRL's names, with `epoch` and `step`
+    as `Trainer.log` adds them). In checkpoints (`state_dict`), so a resumed run's reward functions
+    read the whole history, as TRL's read it from `trainer_state.json`."""
+
+    name = "grpo_log_history"
+
+    def __init__(self, steps_per_epoch: int) -> None:
+        self.steps_per_epoch = steps_per_epoch
+        self.history: list[dict[str, float]] = []
+
+    def on_log(self, state, metrics: dict[str, float], step: int) -> None:
+        epoch = round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else 0.0
+        self.history.append({TRL_LOGGED.get(k, k): v for k, v in metrics.items()} | {"epoch": epoch, "step": step})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = [dict(entry) for entry in state["history"]]
 
 
 def _logps(model, batch: dict[str, Any], temperature: float) -> torch.Tensor:

@@ -21,10 +21,11 @@ def test_exact_match_uses_evaluates_normalisation_on_text_and_messages():
     assert rewards.exact_match([CHAT] * 4, completions, answer=["Pelora"] * 4) == [1.0, 1.0, 0.0, 0.0]
 
 
-def test_flexible_match_rewards_the_answer_inside_a_sentence():
+def test_strict_match_rewards_the_answer_inside_a_sentence():
     completions = ["1 + 6 = 7", as_message("The answer is 7."), "7 or 8", as_message("seven")]
-    assert rewards.flexible_match([CHAT] * 4, completions, answer=["7"] * 4) == [1.0, 1.0, 0.0, 0.0]
-    assert rewards.flexible_match([CHAT] * 2, ["Tovik lives in Pelora.", "Dunmar"], answer=["Pelora"] * 2) == [1.0, 0.0]
+    sum_question = [[{"role": "user", "content": "What is 1 plus 6?"}]] * 4
+    assert rewards.strict_match(sum_question, completions, answer=["7"] * 4, candidates=[["7", "8"]] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert rewards.strict_match([CHAT] * 2, ["Tovik lives in Pelora.", "Dunmar"], answer=["Pelora"] * 2, candidates=[["Dunmar", "Pelora"]] * 2) == [1.0, 0.0]
 
 
 def test_format_rewards_one_non_empty_line():
@@ -54,12 +55,12 @@ def test_a_users_function_is_called_with_trls_signature(user_module):
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("nosuch", "grpo.rewards[0]: 'nosuch' is neither a built-in reward (exact_match, flexible_match, format, environment) nor `package.module:function`"),
+    ("nosuch", "grpo.rewards[0]: 'nosuch' is neither a built-in reward (exact_match, strict_match, format, environment) nor `package.module:function`"),
     ("no_such_module_xyz:f", "grpo.rewards[0]: cannot import module 'no_such_module_xyz'"),
     ("my_rewards:missing", "grpo.rewards[0]: module 'my_rewards' has no 'missing'"),
     ("my_rewards:NOT_A_FUNCTION", "grpo.rewards[0]: 'my_rewards:NOT_A_FUNCTION' is a int, not a reward function"),
-    ("my_rewards:wrong_args", "'my_rewards:wrong_args' requires texts, which it would not be given (it gets prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer, id, source, split, environments)"),
-    ("my_rewards:no_kwargs", "must accept **kwargs: it is called with keywords (prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer, id, source, split, environments, ...)"),
+    ("my_rewards:wrong_args", "'my_rewards:wrong_args' requires texts, which it would not be given (it gets prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer, id, source, split, candidates, environments)"),
+    ("my_rewards:no_kwargs", "must accept **kwargs: it is called with keywords (prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer, id, source, split, candidates, environments, ...)"),
 ])  # fmt: skip
 def test_what_cannot_be_a_reward_is_refused_before_training(user_module, name, message):
     with pytest.raises(rewards.RewardError) as refused:
