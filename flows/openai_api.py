@@ -331,13 +331,14 @@ class AnswerText:
     not begin with what it had (the tokenizer changed earlier text) has the answer decoded whole,
     that once. A tokenizer that `rewrites_text` has the answer decoded whole at every token.
 
-    `text` is the answer up to `read` (what follows is an unfinished character); `kept` how much of
-    it the last `extend` left as it was."""
+    `text` is the answer up to `read`, `pending` the window's text after it while a character is
+    unfinished (ending in U+FFFD: `text + pending` is the whole decode); `kept` how much of `text`
+    the last `extend` left as it was."""
 
     def __init__(self, tokenizer: Any, whole: bool) -> None:
         self.tokenizer, self.whole = tokenizer, whole
         self.ids: list[int] = []
-        self.text = ""
+        self.text = self.pending = ""
         self.kept = 0
         self.prefix = self.read = 0
         self.prefix_text = ""
@@ -352,8 +353,12 @@ class AnswerText:
             if self.whole:
                 continue
             window = self._decode(self.ids[self.prefix :])
-            if window == self.prefix_text or (window.endswith("\ufffd") and len(self.ids) - self.read < UNFINISHED_TOKENS):
-                continue  # no text from the new tokens (special ones), or an unfinished character
+            if window == self.prefix_text:
+                continue  # no text from the new tokens (special ones)
+            if window.endswith("\ufffd") and len(self.ids) - self.read < UNFINISHED_TOKENS:  # an unfinished character
+                self.pending = window[len(self.prefix_text) :] if window.startswith(self.prefix_text) else ""
+                continue
+            self.pending = ""
             if window.startswith(self.prefix_text):
                 self.text += window[len(self.prefix_text) :]
             else:
@@ -496,8 +501,9 @@ class Engine:
                 done = ended[0] is not None
                 if not done and (stops or on_text is not None):
                     answer.extend(input_ids[0, prompt_length + len(answer.ids) :].tolist())
-                    text, start = answer.text, max(0, answer.kept - longest + 1)
-                    done = any(text.find(s, start) >= 0 for s in stops)
+                    text = answer.text
+                    tail = text[max(0, answer.kept - longest + 1) :] + answer.pending  # where a new stop string can be
+                    done = any(s in tail for s in stops)
                     if not done and on_text is not None:
                         send(text, answer.kept)
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
