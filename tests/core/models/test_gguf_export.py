@@ -20,7 +20,7 @@ import torch
 from pipelines.core.data.chat_template import CHAT_TEMPLATE, EOS, IM_END, IM_START
 from pipelines.core.models import gguf_export
 from pipelines.core.models.gguf_export import ExportError
-from tests import chat_families
+from tests import chat_families, numerics
 from tests.chat_families import Family, tokenizer_for
 
 TEXTS = [f"Where does {name} live? {name} lives in {city}. 1 + {i} = {i + 1}." for i, (name, city) in
@@ -118,8 +118,9 @@ def test_f16_file_reads_back_as_the_models_tensors_and_tokenizer(tmp_path, kind)
     assert [field(read, f"{kind}.{key}") for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                                                       "attention.head_count_kv", "context_length", "rope.dimension_count", "vocab_size")] == [
         2, 64, 128, 4, 2, 128, 16, len(tokenizer) + 3]  # fmt: skip
-    assert field(read, f"{kind}.rope.freq_base") == pytest.approx(config.rope_parameters["rope_theta"])
-    assert field(read, f"{kind}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+    # GGUF keeps these as fp32: the config's values rounded once, exactly
+    assert field(read, f"{kind}.rope.freq_base") == float(np.float32(config.rope_parameters["rope_theta"]))
+    assert field(read, f"{kind}.attention.layer_norm_rms_epsilon") == float(np.float32(1e-6))
 
     tensors = tensor_map(read)
     expected = expected_tensors(model)
@@ -225,6 +226,12 @@ Gemma's and Qwen3's heads are wider than hidden/heads); Gemma 2 and 3 with enoug
 sliding-window pattern (every 2nd, every 6th layer global) and a 16-token window."""
 
 
+ROPE_ROUNDINGS = numerics.FUNCTION + 8
+"""A frequency factor: transformers' inverse frequency in fp32 (a power and a division) and its
+Llama 3 bands (a smooth interpolation of a few operations), against float64 here, and the fp32 the
+GGUF file keeps (tests/numerics.py)."""
+
+
 def yarn_mscale(factor: float) -> float:
     """The magnitude llama.cpp's YaRN multiplies cos/sin by itself (ggml's rope_yarn: 1 + 0.1 ln factor)."""
     return 1 + 0.1 * np.log(factor)
@@ -242,7 +249,8 @@ def test_llama3_rope_is_written_as_the_frequency_factors_transformers_applies(tm
     assert tensor.tensor_type == gguf.GGMLQuantizationType.F32
     factors = np.asarray(tensor.data)
     default = 1.0 / (10000.0 ** (np.arange(0, 16, 2) / 16))
-    np.testing.assert_allclose(factors, default / model.model.rotary_emb.inv_freq.double().numpy(), rtol=1e-6)
+    expected = default / model.model.rotary_emb.inv_freq.double().numpy()
+    numerics.assert_within(factors, expected, numerics.tolerance(ROPE_ROUNDINGS, torch.float32, np.abs(expected)))
     assert factors[0] == 1.0 and 1.0 < factors[1] < 4.0 and np.all(factors[2:] == 4.0)  # the three bands
     assert "llama.rope.scaling.type" not in read.fields and "llama.rope.scaling.factor" not in read.fields  # the factors are the whole scaling
 
@@ -261,7 +269,8 @@ def test_rope_settings_are_read_from_transformers_4_and_5_configs():
     v4 = SimpleNamespace(**shape, rope_scaling={"type": "llama3", **llama31}, rope_theta=500000.0)
     written = [gguf_export.rope_scaling(c, "x")["rope_freqs"] for c in (v5, v4)]
     default = 1.0 / (500000.0 ** (np.arange(0, 128, 2) / 128))
-    np.testing.assert_allclose(written[0], default / ROPE_INIT_FUNCTIONS["llama3"](v5, "cpu")[0].double().numpy(), rtol=1e-6)
+    expected = default / ROPE_INIT_FUNCTIONS["llama3"](v5, "cpu")[0].double().numpy()
+    numerics.assert_within(written[0], expected, numerics.tolerance(ROPE_ROUNDINGS, torch.float32, np.abs(expected)))
     assert np.array_equal(written[0], written[1])
     assert gguf_export.rope_theta(v4) == gguf_export.rope_theta(v5) == 500000.0
     old_yarn = SimpleNamespace(**{**shape, "model_type": "qwen2"}, rope_scaling={"type": "yarn", "original_max_position_embeddings": 32768}, rope_theta=1e6)
@@ -285,10 +294,10 @@ def test_linear_and_yarn_scaling_are_the_keys_llama_cpp_reads(tmp_path, rope):
     assert field(read, "llama.rope.scaling.original_context_length") == 32
     assert (field(read, "llama.rope.scaling.yarn_beta_fast"), field(read, "llama.rope.scaling.yarn_beta_slow")) == (32.0, 1.0)
     magnitude = model.model.rotary_emb.attention_scaling  # what transformers multiplies cos and sin by
-    if magnitude == pytest.approx(yarn_mscale(4.0)):
+    if magnitude == numerics.approx(yarn_mscale(4.0), n=numerics.FUNCTION + 2, dtype=torch.float64):  # 1 + 0.1 ln 4 in float64
         assert "llama.rope.scaling.attn_factor" not in read.fields
-    else:
-        assert field(read, "llama.rope.scaling.attn_factor") == pytest.approx(magnitude / yarn_mscale(4.0), rel=1e-6)
+    else:  # the ratio in float64, stored as fp32
+        assert field(read, "llama.rope.scaling.attn_factor") == numerics.approx(magnitude / yarn_mscale(4.0), n=2)
 
 
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}
