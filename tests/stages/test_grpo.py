@@ -5,6 +5,7 @@ of a generation (num_iterations) resumed exactly, and a reward function from a u
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import sys
@@ -22,6 +23,7 @@ from pipelines.core.extensions import Extension
 from pipelines.core.models.models import load_causal_lm, load_tokenizer
 from pipelines.core.training import loop, rewards, rollouts
 from pipelines.core.training.loop import TrainingInterrupted
+from tests import numerics
 
 TRAIN = TrainParams(max_steps=4, micro_batch_size=8, warmup_steps=1, lr=0.01, log_every=1, checkpoint_every=0, precision="fp32",
                     weight_decay=0.0, extensions=[])  # fmt: skip
@@ -121,8 +123,8 @@ def test_micro_batches_hold_whole_groups_and_the_first_step_is_the_policy_gradie
     assert [b["prompt_ids"].shape[0] for b in micro] == [2, 2] and [b["completion_ids"].shape[0] for b in micro] == [8, 8]  # 2 questions x 4
     tokens = sum(float(b["completion_mask"].sum()) for b in micro)
     assert all(float(b["num_items"]) == tokens / 2 for b in micro)  # dapo: the generation's tokens (the loop divides by the 2 steps)
-    for b in micro:
-        assert torch.allclose(b["advantages"].view(-1, 4).sum(-1), torch.zeros(2), atol=1e-4)  # centred within each group
+    for b in micro:  # centred within each group: up to the rounding of the group's mean, deviation and divisions (tests/numerics.py)
+        numerics.assert_close_as(b["advantages"].view(-1, 4).sum(-1), torch.zeros(2), n=4 + 8 + 4, magnitude=float(b["advantages"].view(-1, 4).abs().sum(-1).max()))
     metrics = batches.metrics(1)
     assert 0 <= metrics["reward"] <= 1 and metrics["completions/max_length"] <= 6 and 0 <= metrics["frac_reward_zero_std"] <= 1
     assert metrics["timing/generation_seconds"] > 0 and "rewards/brevity/mean" in metrics
@@ -137,14 +139,19 @@ def test_micro_batches_hold_whole_groups_and_the_first_step_is_the_policy_gradie
         total += float(loss.detach()) / 2
         assert step_metrics["clip_ratio/region_mean"] == 0 and step_metrics["entropy"] > 0
     expected = -sum(float((b["advantages"] * b["completion_mask"].sum(-1)).sum()) for b in micro) / tokens
-    assert total == pytest.approx(expected, abs=1e-5)
+    # every ratio is exp(0) = 1 exactly: the same sums over 8 completions' tokens in another order, and the divisions
+    magnitude = sum(float((b["advantages"].abs() * b["completion_mask"].sum(-1)).sum()) for b in micro) / tokens
+    assert total == numerics.approx(expected, n=8 + 8 + 3, magnitude=magnitude)
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     surrogate = sum(-(b["advantages"] * rollouts.completion_logps(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
                                                                    b["completion_mask"], 4)[0].sum(-1)).sum() for b in micro) / tokens  # fmt: skip
     surrogate.backward()
-    for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # the loss's batches against the surrogate's: two orders of the backward's chain (tests/numerics.py)
+    seq = micro[0]["prompt_ids"].shape[1] + micro[0]["completion_ids"].shape[1]
+    backward = numerics.model_roundings(model.config, seq, tokens=int(tokens), backward=True)
+    for i, (got, want) in enumerate(zip(grads, (p.grad for p in model.parameters()), strict=True)):
+        numerics.assert_close_as(got, want, n=backward, what=f"gradient {i}")
 
 
 def test_the_stage_trains_and_logs_what_users_watch(workspace, user_rewards):
@@ -173,7 +180,12 @@ def test_beta_adds_the_kl_to_the_start_model(workspace, user_rewards, adapter):
     p = params(user_rewards, beta=0.1, adapter={"enabled": adapter == "lora"}, train=TRAIN.model_copy(update={"lr": 0.05, "extensions": ["mlflow_metrics"]}))
     grpo.run(workspace, workspace / "data/models/sft", workspace / "data/prepared/chat", workspace / "data/models/grpo", p, tracker)
     kl = [m["kl"] for _, m in tracker.metrics if "kl" in m]
-    assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+    # step 1: the policy is the reference, each log-ratio d 0 up to two forward passes' rounding `tol`
+    # (on a sampled token's log-probability: about ln V for the near-uniform tiny model, 4 ln V at
+    # most); e^d - d - 1 <= d^2 there, and the formula's own rounding on its terms' size (3) (tests/numerics.py)
+    config = load_causal_lm(workspace / "data/models/sft").config
+    tol = numerics.tolerance(numerics.model_roundings(config, 128), magnitude=4 * math.log(config.vocab_size))
+    assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=tol**2 + numerics.tolerance(numerics.FUNCTION + 2, magnitude=3.0))
     assert kl[-1] > 1e-6  # then it moves away (a frozen copy, or the model under its disabled adapter)
     saved = workspace / "data/models/grpo"
     assert (saved / ("adapter_config.json" if adapter == "lora" else "model.safetensors")).exists()
@@ -236,7 +248,8 @@ def test_reward_std_is_trls_over_the_whole_batch():
     out = rollouts.Rollouts(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), torch.zeros(4, 2, dtype=torch.long),
                             torch.ones(4, 2, dtype=torch.long), torch.zeros(4, dtype=torch.bool), ["a"] * 4, 2)  # fmt: skip
     metrics = rollouts._rollout_metrics(out, per_func, torch.tensor([1.0]), torch.tensor([True, True]), ["r"], 2)
-    assert metrics["reward_std"] == pytest.approx(nanstd(per_func[:, 0]).item(), abs=1e-6) == pytest.approx(0.57735, abs=1e-5)
+    # two orders of a standard deviation over 4 (the mean, the deviations' squares and sum, a division and a square root)
+    assert metrics["reward_std"] == numerics.approx(nanstd(per_func[:, 0]).item(), n=12) == numerics.approx(0.57735, n=12, decimals=5)
 
 
 def test_a_users_reward_functions_get_the_records_columns(workspace, user_rewards):
@@ -248,7 +261,7 @@ def test_a_users_reward_functions_get_the_records_columns(workspace, user_reward
     answers = [q.answer for q in grpo.questions(workspace / "data/prepared/chat")]
     assert first["frac_reward_zero_std"] == 1.0  # the reward is the answer's length: the same within each group
     assert min(len(a) for a in answers) <= first["rewards/echo_answer/mean"] <= max(len(a) for a in answers)
-    assert first["reward"] == pytest.approx(2 * first["rewards/echo_answer/mean"])  # weighted
+    assert first["reward"] == 2 * first["rewards/echo_answer/mean"]  # weighted: integer rewards doubled, the same division: exact
 
 
 @pytest.mark.parametrize(("change", "message"), [
