@@ -56,7 +56,7 @@ def test_bad_tool_specs_are_refused_when_params_load_naming_the_key(tmp_path, mo
         GrpoParams(tools={"functions": ["calculator"], "max_turns": 1})
     with pytest.raises(ValidationError, match="tools.styl"):
         GrpoParams(tools={"style": "xml"})
-    with pytest.raises(ValidationError, match="max_turns, style: set, but `functions` and `environment` are empty"):  # an option that would do nothing
+    with pytest.raises(ValidationError, match=r"max_turns: applies only with tools listed in `functions` or an `environment`, so here it would change nothing"):  # an option that would do nothing
         GrpoParams(tools={"max_turns": 4, "style": "hermes"})
     assert GrpoParams(tools={"max_turns": 3}).tools.functions == []  # the default, as params.yaml spells it out
 

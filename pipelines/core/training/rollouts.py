@@ -513,7 +513,7 @@ class LogHistory(Extension):
         self.history: list[dict[str, float]] = []
 
     def on_log(self, state, metrics: dict[str, float], step: int) -> None:
-        epoch = round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else 0.0
+        epoch = step / self.steps_per_epoch if self.steps_per_epoch else 0.0  # as Trainer.log adds it, unrounded
         self.history.append({TRL_LOGGED.get(k, k): v for k, v in metrics.items()} | {"epoch": epoch, "step": step})
 
     def state_dict(self) -> dict[str, Any]:
