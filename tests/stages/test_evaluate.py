@@ -12,19 +12,22 @@ from pipelines.core.errors import QllmError
 from pipelines.core.models.models import load_for_inference
 from pipelines.core.run import plots
 from pipelines.core.training import loop, preference_data
+from tests import numerics
 
 
 def test_text_similarity_by_hand():
     same = evaluate.text_similarity(["Tovik lives in Pelora"], ["Tovik lives in Pelora"])
-    assert same == {"bleu": pytest.approx(100.0), "rougeL": 1.0}
+    # sacrebleu's 100 * exp(mean log precision) (two functions and a few operations) in float64, rounded to 4 decimals
+    assert same == {"bleu": numerics.approx(100.0, n=2 * numerics.FUNCTION + 6, dtype=torch.float64, decimals=4), "rougeL": 1.0}
     # ROUGE-L F: LCS "lives in" (2 tokens) of 3-token prediction and 4-token reference:
     # P = 2/3, R = 2/4, F = 2PR/(P+R) = 4/7
     partial = evaluate.text_similarity(["she lives in"], ["Tovik lives in Pelora"])
-    assert partial["rougeL"] == pytest.approx(4 / 7, abs=1e-4) and 0 <= partial["bleu"] < 100
+    assert partial["rougeL"] == round(4 / 7, 4) and 0 <= partial["bleu"] < 100  # rounded to 4 decimals from a float64 4/7 that rounding cannot move
     assert evaluate.text_similarity([], []) == {"bleu": 0.0, "rougeL": 0.0}
     # one-word answers (the held-out sets): sentence BLEU with effective order is 100 per exact
     # answer and 0 per wrong one, where corpus BLEU-4 would be 0 for every model
-    assert evaluate.text_similarity(["Pelora", "Dunmar", "7"], ["Pelora", "Kestal", "7"])["bleu"] == pytest.approx(200 / 3, abs=1e-3)
+    bleu = evaluate.text_similarity(["Pelora", "Dunmar", "7"], ["Pelora", "Kestal", "7"])["bleu"]
+    assert bleu == numerics.approx(200 / 3, n=2 * numerics.FUNCTION + 6 + 3, dtype=torch.float64, magnitude=100.0, decimals=4)  # as above, and the mean of 3
 
 
 def test_rouge_l_is_rouge_scores_on_real_text_without_importing_nltk():
@@ -48,7 +51,8 @@ def test_rouge_l_is_rouge_scores_on_real_text_without_importing_nltk():
                   (reference, " ".join(rng.sample(words, len(words)))), (reference, " ".join(w for w in words if rng.random() < 0.7))]  # fmt: skip
     scorer = rouge_scorer.RougeScorer(["rougeL"])
     expected = [scorer.score(r, p)["rougeL"].fmeasure for r, p in pairs]
-    assert [evaluate.rouge_l(r, p) for r, p in pairs] == pytest.approx(expected, abs=1e-12)
+    # rouge-score's F-measure of the same counts: two divisions and the harmonic mean in float64 (6 roundings)
+    assert [evaluate.rouge_l(r, p) for r, p in pairs] == numerics.approx(expected, n=6, dtype=torch.float64, magnitude=1.0)
     assert len({round(e, 3) for e in expected}) > 50  # the cases are varied, not all 0 or 1
     code = "import sys; from pipelines import evaluate; evaluate.text_similarity(['a b'], ['a c']); print('nltk' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
@@ -112,14 +116,20 @@ def test_preference_metrics_and_dpo_rewards(tiny_base):
     for pair, c, r in zip(pairs, chosen.tolist(), rejected.tolist(), strict=True):  # a reference 1 nat below the policy
         pair.ref_chosen, pair.ref_rejected = c - 1.0, r + 1.0
 
+    # evaluate's batches of 2 and 3 against one batch here: two orders of the forward's chain (tests/numerics.py)
+    tol = numerics.tolerance(numerics.model_roundings(model.config, batch["input_ids"].shape[1]), magnitude=float(torch.cat([chosen, rejected]).abs().max()))
+    assert float((chosen - rejected).abs().min()) > 2 * tol  # no pair within rounding of a tie: the comparisons cannot flip
     plain = evaluate.preference_metrics(model, pairs, pad, batch_size=2, beta=None)
-    assert plain["preference_accuracy"] == pytest.approx(float((chosen > rejected).float().mean()), abs=1e-4)
+    assert plain["preference_accuracy"] == round(float((chosen > rejected).float().mean()), 4)  # the same comparisons: exact
     assert plain["preference_pairs"] == len(pairs) and "rewards/accuracies" not in plain
 
     dpo = evaluate.preference_metrics(model, pairs, pad, batch_size=3, beta=0.5)
-    # rewards: β·(policy − ref) = 0.5·1 on chosen and 0.5·(−1) on rejected, for every pair
-    assert dpo["rewards/chosen"] == pytest.approx(0.5, abs=1e-3) and dpo["rewards/rejected"] == pytest.approx(-0.5, abs=1e-3)
-    assert dpo["rewards/accuracies"] == 1.0 and dpo["rewards/margins"] == pytest.approx(1.0, abs=1e-3)
+    # rewards: β·(policy − ref) = 0.5·1 on chosen and 0.5·(−1) on rejected, for every pair, up to
+    # β·tol (the policy's log-probabilities in other batches), the mean's rounding, and 6 decimals
+    for name, value in (("rewards/chosen", 0.5), ("rewards/rejected", -0.5), ("rewards/margins", 1.0)):
+        rounding = 0.5 * (2 if name == "rewards/margins" else 1) * tol + numerics.tolerance(len(pairs) + 4, magnitude=1.0) + 0.5e-6
+        assert dpo[name] == pytest.approx(value, abs=rounding), name
+    assert dpo["rewards/accuracies"] == 1.0
     assert evaluate.preference_metrics(model, [], pad, 2, None) == {}
 
 
