@@ -23,6 +23,7 @@ from pipelines.core.config import ExportParams
 from pipelines.core.models.gguf_export import ExportError
 from tests.chat_families import QWEN25
 from tests.core.models.test_gguf_export import ARCH_SETTINGS, LINEAR_ROPE, LLAMA3_ROPE, QLLM, TEXTS, YARN_ROPE, tiny
+from tests.waiting import DEADLINE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -242,6 +243,7 @@ def trained(tmp_path_factory, mlflow_template_db):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * DEADLINE)  # a bound for a broken run: its setup runs the default profile's pipeline
 def test_llama_cpp_answers_the_held_out_questions_as_evaluate_does(trained):
     """llama-cpp-python's chat completion (the chat template from the file's metadata, greedy, the
     same token limit) on every held-out question: f16's exact match within one question of
