@@ -268,6 +268,6 @@ def test_llama_cpp_answers_the_held_out_questions_as_evaluate_does(trained):
         same[dtype] = sum(a == e["prediction"] for a, e in zip(answers, evaluated, strict=True))
     n = len(questions)
     print(f"held-out questions {n}: right {right}, answers equal to evaluate's {same}")
-    assert right["evaluate"] / n == pytest.approx(reference["exact_match"], abs=1e-4)
+    assert round(right["evaluate"] / n, 4) == reference["exact_match"]  # the same count over n, to evaluate's 4 decimals: exact
     assert abs(right["f16"] - right["evaluate"]) <= 1, right
     assert abs(right["q8_0"] - right["evaluate"]) / n <= 0.02, right
