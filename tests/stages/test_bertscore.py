@@ -82,7 +82,7 @@ def test_identical_answers_score_one_and_different_ones_less(encoder):
     same = scorer.scores(["Tovik lives in Pelora", "7"], ["Tovik lives in Pelora", "7"])
     assert same.flatten().tolist() == pytest.approx([1.0] * 6, abs=score_tolerance(encoder))
     different = scorer.scores(["Marela lives in Dunmar", "8", "", "Pelora"], ["Tovik lives in Pelora", "7", "Kestal", ""])
-    assert (different[:2] < 1 - 1e-3).all() and (different[:2] > -1).all()
+    assert (different[:2] < 1 - score_tolerance(encoder)).all() and (different[:2] > -1).all()  # below 1 beyond rounding
     assert different[2:].tolist() == [[0.0, 0.0, 0.0]] * 2  # an empty answer or reference scores 0
     metrics = scorer.metrics(["Tovik lives in Pelora", "8"], ["Tovik lives in Pelora", "7"])
     assert set(metrics) == {"bertscore_precision", "bertscore_recall", "bertscore_f1"}
