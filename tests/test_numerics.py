@@ -18,6 +18,7 @@ import torch
 from pipelines.core.config import ModelParams
 from pipelines.core.models.models import build_llama
 from tests import numerics
+from tests.core.training.test_loop import FakeTokenizer
 
 
 def _dot(x: torch.Tensor, w: torch.Tensor, order) -> torch.Tensor:
@@ -114,14 +115,9 @@ def _unpermuted(grads: dict[str, torch.Tensor], hidden: torch.Tensor, inner: tor
     return out
 
 
-class _Tokenizer:
-    eos_token_id, pad_token_id, unk_token_id = 0, 1, None
-
+class _Tokenizer(FakeTokenizer):
     def __len__(self):
-        return 320
-
-    def convert_tokens_to_ids(self, token):
-        return 2
+        return 320  # tiny_base's vocabulary
 
 
 def _loss_and_grads(model, ids):
