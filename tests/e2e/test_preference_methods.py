@@ -18,6 +18,7 @@ import pytest
 
 from pipelines.core import dag
 from tests.conftest import copy_first_pipeline, run
+from tests.waiting import DEADLINE
 
 STAGES = list(dag.stages(Path(__file__).resolve().parents[2]))
 ALWAYS = ["base_model", "probe_device"]
@@ -44,8 +45,16 @@ def metrics(root: Path, stage: str) -> dict:
     return json.loads((root / f"data/metrics/{stage}.json").read_text())
 
 
-def test_simpo_encodes_without_a_reference_pass(project):
-    ran, workspace = method_run(project, "dpo.method=simpo", "dpo.loss_type=null", "dpo.beta=2.0")
+@pytest.fixture(scope="module")
+def simpo_run(project) -> tuple[list[str], Path]:
+    """The pipeline with SimPO at beta 2.0 in a run workspace (what ran, the workspace): from then on
+    ref_logprobs' SimPO encoding is in the project's run-cache. A fixture, so that the slow test
+    below has it whether the default tests ran first (`make test-all`) or not (`make test-slow`)."""
+    return method_run(project, "dpo.method=simpo", "dpo.loss_type=null", "dpo.beta=2.0")
+
+
+def test_simpo_encodes_without_a_reference_pass(simpo_run):
+    ran, workspace = simpo_run
     assert ran == [*ALWAYS, "ref_logprobs", "dpo", "export", "evaluate", "register"]
     ref = metrics(workspace, "ref_logprobs")
     assert ref["method"] == "simpo" and "tokens_per_second" not in ref  # no model ran
@@ -78,10 +87,11 @@ def test_a_loss_change_restores_the_reference_pass_from_the_run_cache(project):
     assert "heldout/rewards/margins" in metrics(workspace, "dpo")
 
 
+@pytest.mark.timeout(2 * DEADLINE)  # a bound for a broken run: in the slow set its setup may make the session's first tiny pipeline
 @pytest.mark.slow  # four stage processes under DVC (about 30 s of CPU, imitated); in the default suite: the method and loss decisions above, DVC's own run-cache restores of the runner's entries (test_remote), `dvc exp run` (test_pipeline_e2e)
-def test_dvc_exp_run_switches_the_method_rerunning_only_what_it_must(project):
+def test_dvc_exp_run_switches_the_method_rerunning_only_what_it_must(project, simpo_run):
     """The project itself to SimPO at another beta: ref_logprobs' SimPO encoding comes back from the
-    run-cache (the workspace run above made it), dpo and what follows run, nothing before them."""
+    run-cache (the workspace run `simpo_run` made it), dpo and what follows run, nothing before them."""
     result = run([sys.executable, "-m", "dvc", "exp", "run", "-S", "dpo.method=simpo", "-S", "dpo.loss_type=null", "-S", "dpo.beta=2.5"], project, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
