@@ -19,7 +19,7 @@ from pipelines.core.config import LoraAdapterParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import fused_adapters
 from pipelines.core.models.models import QUANTIZATION_FILE, merged_into_dequantized, save_pretrained
-from pipelines.core.models.quantize import describe
+from pipelines.core.models.quantize import describe, embeddings_in_float32
 
 MERGED = "merged"
 """Subdirectory of an adapter directory holding the merged full model (`merge: true`)."""
@@ -105,7 +105,10 @@ def wrap(params: LoraAdapterParams, section: str = "lora.adapter"):
         if moves_the_base(params) and getattr(model, "is_quantized", False):
             raise QllmError(f"{section}.init_lora_weights: {params.init_lora_weights} moves part of each weight into the adapter, "
                             f"which a quantized base cannot give back here; use default or gaussian, or {section}.quantization: none")  # fmt: skip
-        peft_model = get_peft_model(model, lora_config(params, token_ids(tokenizer, params.trainable_tokens, section), layers))
+        tokens = token_ids(tokenizer, params.trainable_tokens, section)
+        if tokens:
+            embeddings_in_float32(model)  # PEFT writes fp32 rows into the embedding a 4-bit base holds in 16 bits
+        peft_model = get_peft_model(model, lora_config(params, tokens, layers))
         if moves_the_base(params):
             keep_initial_adapter(peft_model)
         fused_adapters.fuse(peft_model)

@@ -9,9 +9,10 @@ full precision.
 4- and 8-bit weights come from bitsandbytes through transformers' `BitsAndBytesConfig`, on CUDA
 and, since bitsandbytes 0.48, on x86 CPUs too (its CPU backend; 0.50.2 is the version tested
 here: NF4/FP4 and LLM.int8() matmuls run, dequantizing on the fly, so a CPU step is slower than
-in bf16/fp32, see benchmarks/RESULTS.md). The model is then prepared with PEFT's
-`prepare_model_for_kbit_training` (layer norms and embeddings in fp32, input gradients on) before
-the adapters are added. `fp8` is CUDA-only (compute capability 8.9 or newer: Ada, Hopper), through
+in bf16/fp32, see benchmarks/RESULTS.md). Before the adapters are added the base is prepared as
+PEFT's `prepare_model_for_kbit_training` prepares it (frozen, layer norms in fp32, input gradients
+on), less one cast: a 16-bit checkpoint's embedding and output head, frozen and left unquantized,
+stay in their 16 bits instead of becoming an fp32 copy (`for_adapters`). `fp8` is CUDA-only (compute capability 8.9 or newer: Ada, Hopper), through
 transformers' `FineGrainedFP8Config`; anywhere else it is a clear error, as is a missing or too old
 bitsandbytes.
 
@@ -66,7 +67,7 @@ def load(path: Any, qconfig: Any, section: str):
 
     model, tokenizer = load_model_and_tokenizer(path, quantization=qconfig)
     release_checkpoint_pages()
-    return keep_standard_layout(model), tokenizer
+    return autocast_outputs(keep_standard_layout(model)), tokenizer
 
 
 MADV_PAGEOUT = 21
@@ -105,16 +106,135 @@ def release_checkpoint_pages(maps: Path | str = "/proc/self/maps") -> int:
     return advised
 
 
+HALF = (torch.bfloat16, torch.float16)
+QUANTIZED_PARAMETERS = ("Params4bit", "Int8Params")
+"""bitsandbytes' classes of quantized weights, which PEFT's preparation leaves as they are too."""
+
+
 def for_adapters(model: torch.nn.Module, qconfig: Any, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Before adapters go on: a quantized base gets PEFT's `prepare_model_for_kbit_training`
-    (norms and embeddings in fp32, input gradients on; `from_pretrained` already placed it); a
-    full-precision one moves to this process's device."""
+    """Before adapters go on. A full-precision base moves to this process's device. A quantized one
+    (`from_pretrained` already placed it) is prepared as PEFT's `prepare_model_for_kbit_training`
+    does (every weight frozen, 16-bit norms and biases cast to fp32, activation checkpointing on)
+    except for the embedding and output head, which keep the 16 bits they were
+    loaded in (`hold_embeddings`): PEFT casts them to fp32 too, a full copy of the largest matrix
+    left unquantized (Qwen2.5-0.5B's tied 151,936 x 896 embedding: 0.55 GB in fp32 against 0.27 in
+    bf16, 1.5B's 0.93 against 0.47), which is what kept QLoRA near LoRA's memory."""
     if qconfig is None:
 
         return model.to(device())
-    from peft import prepare_model_for_kbit_training
+    model.requires_grad_(False)
+    held = hold_embeddings(model)
+    for parameter in model.parameters():
+        if parameter.dtype in HALF and type(parameter).__name__ not in QUANTIZED_PARAMETERS and id(parameter) not in held:
+            parameter.data = parameter.data.to(torch.float32)
+    if gradient_checkpointing:  # non-reentrant, as the training loop sets it (PEFT's reentrant default needs input gradients on)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+
+HEAD_BLOCK_BYTES = 32 * 2**20
+"""The output head's 16-bit weight meets fp32 activations this many bytes of rows at a time."""
+
+
+def hold_embeddings(model: torch.nn.Module) -> set[int]:
+    """Keep a 16-bit input embedding and output head (tied or not) in their dtype while the rest of
+    the model computes in fp32; returns the ids of the weights kept. The embedding's output is cast
+    to fp32 (the same numbers: a 16-bit value is exact in fp32); the head's product upcasts
+    `HEAD_BLOCK_BYTES` of rows at a time (`_upcast_rows`), and under an autocast of its own dtype it
+    uses the weight as it is, where an fp32 head was cast whole at every use. Nothing is kept where
+    the checkpoint is fp32 or the head is not a plain `Linear` (another kind could not compute
+    against a 16-bit weight)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embedding is None or embedding.weight.dtype not in HALF:
+        return set()
+    weights = {id(embedding.weight)}
+    if head is not None and head.weight.dtype in HALF:
+        if type(head) is not torch.nn.Linear:
+            if head.weight is embedding.weight:
+                return set()  # tied to a head that would meet fp32 activations with it
+        else:
+            head.forward = _head_forward.__get__(head)
+            weights.add(id(head.weight))
+    embedding._qllm_held = embedding.register_forward_hook(_as_float32)
+    return weights
+
+
+def embeddings_in_float32(model: torch.nn.Module) -> None:
+    """Undo `hold_embeddings`: the embedding and head in fp32 again, for PEFT's trainable tokens,
+    which write fp32 rows into the embedding (their memory is PEFT's: a copy of the embedding at
+    every forward)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    hook = getattr(embedding, "_qllm_held", None)
+    if hook is None:
+        return
+    hook.remove()
+    del embedding._qllm_held
+    if head is not None and "forward" in vars(head):
+        del head.forward
+    for module in (embedding, head):
+        if module is not None and module.weight.dtype in HALF:
+            module.weight.data = module.weight.data.to(torch.float32)
+
+
+def _as_float32(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.to(torch.float32)
+
+
+def _head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    autocast = torch.is_autocast_enabled(x.device.type)
+    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    if self.weight.dtype == dtype:  # under autocast: only x is cast, as for any Linear
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    with torch.autocast(x.device.type, enabled=False):
+        out = _UpcastRows.apply(x.to(dtype), self.weight, max(1, HEAD_BLOCK_BYTES // (self.weight.shape[1] * 4)))
+        return out if self.bias is None else out + self.bias.to(dtype)
+
+
+class _UpcastRows(torch.autograd.Function):
+    """`x @ weight.T` for a frozen `weight` of another dtype than `x`, `rows` of it converted to
+    x's dtype at a time, in the forward and in the backward (the gradient of `x` only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.rows = rows
+        out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+        for start in range(0, weight.shape[0], rows):
+            out[..., start:start + rows] = x @ weight[start:start + rows].to(x.dtype).t()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        grad_x = grad.new_zeros((*grad.shape[:-1], weight.shape[1]))
+        for start in range(0, weight.shape[0], ctx.rows):
+            grad_x += grad[..., start:start + ctx.rows] @ weight[start:start + ctx.rows].to(grad.dtype)
+        return grad_x, None, None
+
+
+def autocast_outputs(model: torch.nn.Module) -> torch.nn.Module:
+    """Under autocast, a 4-bit layer that computes in the autocast dtype returns that dtype, as
+    torch's `Linear` does. bitsandbytes' `Linear4bit` casts its input to its compute dtype and its
+    output back to the input's dtype: with the residual stream in fp32, every activation after a
+    4-bit layer (attention, the MLP's products, what backward keeps of them) was fp32 where LoRA's
+    are bf16. Its input is cast before it instead (the product is the same: it ran in that dtype)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # fp8 (transformers' own layers) needs no bitsandbytes
+        return model
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.register_forward_pre_hook(_autocast_input)
+    return model
+
+
+def _autocast_input(module: torch.nn.Module, args: tuple):
+    x = args[0]
+    if torch.is_autocast_enabled(x.device.type) and module.compute_dtype == torch.get_autocast_dtype(x.device.type):
+        return (x.to(module.compute_dtype), *args[1:])
+    return None
 
 
 def check(quantization: str, device: torch.device, section: str = "lora.adapter") -> None:

@@ -316,3 +316,139 @@ def test_the_checkpoint_pages_loading_read_are_given_back_and_the_weights_still_
     del view
     (tmp_path / "maps").write_text("7f00-7f10 r--p 00000000 00:00 1 /nowhere/lib.so\n")
     assert quantize.release_checkpoint_pages(tmp_path / "maps") == 0  # no checkpoint mapped: nothing advised
+
+
+# ------------------------------------------------- what a quantized base holds (issue 78, point 11)
+
+
+@pytest.fixture(scope="module")
+def qbase_bf16(qbase, tmp_path_factory):
+    """qbase's model saved in bf16, as the hub ships models, with a vocabulary wide enough that the
+    embedding (tied to the output head) is the largest matrix, as in Qwen2.5 and SmolLM2."""
+    from pipelines.core.config import ModelParams
+    from pipelines.core.models.models import build_llama, load_tokenizer, save_pretrained
+
+    root = tmp_path_factory.mktemp("qbase_bf16")
+    tokenizer = load_tokenizer(qbase / "model")
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(2048 - len(tokenizer))])  # 2,048 rows x 64: 2x an MLP matrix
+    model = build_llama(ModelParams(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2), tokenizer, max_positions=128, seed=0)
+    save_pretrained(model.to(torch.bfloat16), tokenizer, root / "model", max_length=128)
+    (root / "chat").symlink_to(qbase / "chat")
+    return root
+
+
+def _prepared(base, quantization="nf4", trainable_tokens=(), precision="fp32"):
+    from pipelines.core.models import adapters
+
+    adapter = LoraAdapterParams(enabled=True, quantization=quantization, r=4, lora_alpha=8, lora_dropout=0.0, trainable_tokens=list(trainable_tokens))
+    qconfig = quantize.from_params(adapter, precision, "lora.adapter")
+    model, tokenizer = quantize.load(base / "model", qconfig, "lora")
+    return model, tokenizer, lambda m: adapters.wrap(adapter)(quantize.for_adapters(m, qconfig, True), tokenizer)
+
+
+def _batch(tokenizer, rows=2, length=24):
+    ids = torch.arange(rows * length).reshape(rows, length) % (len(tokenizer) - 1) + 1
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _copies_of(weight_shape, run) -> list[str]:
+    """The ops that produce a new tensor of `weight_shape` while `run()` runs: a copy of that
+    matrix (a cast, a clone), whatever the dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == tuple(weight_shape) and tensor.untyped_storage().data_ptr() not in inputs:
+                    made.append(f"{func} -> {tensor.dtype}")  # new memory, not a view (detach, t, slices)
+            return out
+
+    with Record():
+        run()
+    return made
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_4_bit_base_holds_its_16_bit_embedding_as_loaded_and_never_copies_it_whole(qbase_bf16, precision, monkeypatch):
+    """The frozen, unquantized embedding (tied to the output head) of a bf16 checkpoint stays in
+    bf16: preparing the base for adapters, a training step (forward, chunked loss, backward) and
+    validation make no full-size copy of it, neither the fp32 cast PEFT's
+    `prepare_model_for_kbit_training` made (0.55 GB at Qwen2.5-0.5B's shape, 0.93 GB at 1.5B) nor
+    autocast's bf16 cast of an fp32 head at every use."""
+    from pipelines.core.training import chunked_loss, loop
+
+    monkeypatch.setattr(quantize, "HEAD_BLOCK_BYTES", 256 * 64 * 4)  # 256 of the 2,048 rows a block, as 32 MB are of a real vocabulary's
+    model, tokenizer, prepare = _prepared(qbase_bf16, precision=precision)
+    weight = model.get_input_embeddings().weight
+    assert weight.dtype == torch.bfloat16 and model.get_output_embeddings().weight is weight  # as loaded: the checkpoint's dtype, tied
+    batch = _batch(tokenizer)
+
+    def prepare_and_step():
+        peft_model = prepare(model)
+        peft_model.train()
+        with loop.autocast(torch.device("cpu"), precision):
+            loss, _ = chunked_loss.causal(16)(peft_model, batch)
+        loss.backward()
+        with torch.no_grad(), loop.autocast(torch.device("cpu"), precision):
+            peft_model(input_ids=batch["input_ids"])
+
+    assert _copies_of(weight.shape, prepare_and_step) == []
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+
+
+def test_the_16_bit_embedding_gives_the_loss_and_gradients_of_the_fp32_one(qbase_bf16):
+    """Held in bf16 (its checkpoint's values) instead of cast to fp32, the embedding and head give
+    the same loss and adapter gradients up to fp32 rounding: the values are the same numbers, only
+    the head's product runs a block of rows at a time."""
+    from peft import prepare_model_for_kbit_training
+
+    from pipelines.core.models import adapters
+    from pipelines.core.training import chunked_loss
+    from tests import numerics
+
+    model, tokenizer, prepare = _prepared(qbase_bf16)
+    reference, _, _ = _prepared(qbase_bf16)
+    adapter = LoraAdapterParams(enabled=True, quantization="nf4", r=4, lora_alpha=8, lora_dropout=0.0, trainable_tokens=[], init_lora_weights="gaussian")
+    results = []
+    for built in (prepare_model_for_kbit_training(reference, use_gradient_checkpointing=False), quantize.for_adapters(model, quantize.from_params(adapter, "fp32", "x"), False)):
+        torch.manual_seed(0)
+        peft_model = adapters.wrap(adapter)(built, tokenizer)
+        loss, _ = chunked_loss.causal(16)(peft_model, _batch(tokenizer))
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for n, p in sorted(peft_model.named_parameters()) if p.requires_grad])
+        results.append((loss.detach(), grads))
+    assert reference.get_input_embeddings().weight.dtype == torch.float32  # PEFT's way: the reference is the fp32 embedding
+    (loss_fp32, grads_fp32), (loss_held, grads_held) = results
+    n = numerics.model_roundings(model.config, 24, backward=True)
+    numerics.assert_close_as(loss_held, loss_fp32, n=n, what="loss")
+    numerics.assert_close_as(grads_held, grads_fp32, n=n, what="adapter gradients")
+
+
+def test_trainable_tokens_on_a_4_bit_base_train_the_embedding_in_fp32(qbase_bf16):
+    """PEFT's trainable tokens write fp32 rows into the embedding: a base whose embedding was held
+    in bf16 gets it back in fp32 for them, and trains."""
+    from pipelines.core.training import chunked_loss
+
+    model, tokenizer, prepare = _prepared(qbase_bf16, trainable_tokens=["<|im_start|>"])
+    peft_model = prepare(model)
+    loss, _ = chunked_loss.causal(16)(peft_model, _batch(tokenizer))
+    loss.backward()
+    delta = [p for n, p in peft_model.named_parameters() if "trainable_tokens_delta" in n]
+    assert delta and delta[0].grad is not None and bool(torch.isfinite(loss))
+
+
+def test_a_4_bit_layer_under_bf16_autocast_returns_bf16_as_torch_linear_does(qbase_bf16):
+    """Under autocast torch's Linear returns the autocast dtype; bitsandbytes' 4-bit layer cast its
+    output back to its input's fp32, so every activation after it (attention, the MLP's products)
+    was held in fp32 where LoRA's are bf16."""
+    model, _, prepare = _prepared(qbase_bf16, precision="bf16")
+    four_bit = next(m for m in prepare(model).modules() if isinstance(m, bnb.nn.Linear4bit))
+    plain = torch.nn.Linear(four_bit.in_features, four_bit.out_features)
+    x = torch.randn(3, four_bit.in_features)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert four_bit(x).dtype == plain(x).dtype == torch.bfloat16
+    assert four_bit(x).dtype == torch.float32  # without autocast: as before
