@@ -3,7 +3,10 @@ fine-tuning profile measured at real sizes.
 
     python -m benchmarks.real_sizes make-base --shape qwen2.5-0.5b --out models/qwen05   # a base directory
     python -m benchmarks.real_sizes stage --project DIR --base models/qwen05 --stage lora [--quantization nf4]
-        [--steps 3] [--seq-len 256] [--no-gradient-checkpointing] [--loss-chunk 0] [--merge] [--optimizer adamw_bnb_8bit]
+        [--steps 3] [--seq-len 256] [--micro-batch 1] [--eval-batches 0] [--precision auto] [--no-gradient-checkpointing]
+        [--loss-chunk 0] [--merge] [--optimizer adamw_bnb_8bit]
+    python -m benchmarks.real_sizes qlora-memory --project DIR --base models/qwen05 [--precisions fp32 bf16]
+        [--steps 1] [--seq-len 256] [--micro-batch 1] [--eval-batches 1] [--loss-chunk 256]
 
 `make-base` writes a `save_pretrained` directory: a randomly initialised model with the shape of
 the named model (hidden size, layers, heads, the full 151,936-row vocabulary of Qwen2.5, tied
@@ -13,7 +16,11 @@ answers are noise; its memory and time per step are those of the real model.
 
 `stage` runs one stage of the fine-tuning profile (`params/finetune.yaml`) against such a base in
 its own process and prints one JSON line: seconds per step, the stage's peak resident memory
-(`ru_maxrss` of the process: the stage is all it ran), tokens/s.
+(`ru_maxrss` of the process: the stage is all it ran), tokens/s, the dtypes the frozen base is held in.
+
+`qlora-memory` runs the lora stage without and with a 4-bit base (`--quantization`, nf4 by default),
+one process each, in each of `--precisions` (bf16 on a CPU without bf16 units is emulated: slower,
+the same memory), and prints the CPU, each run and the ratios of their peaks.
 """
 
 from __future__ import annotations
@@ -126,9 +133,9 @@ def stage(args: argparse.Namespace) -> dict:
     params, _ = params_file.load(repo, overlays=[repo / "params" / "finetune.yaml"], overrides=[f"base_model.name={args.base}"])
     section = getattr(params, args.stage)
     train = section.train.model_copy(update={
-        "max_steps": args.steps, "micro_batch_size": 1, "grad_accum_steps": 1, "warmup_steps": 0, "eval_every": 0,
+        "max_steps": args.steps, "micro_batch_size": args.micro_batch, "eval_batches": args.eval_batches, "grad_accum_steps": 1, "warmup_steps": 0, "eval_every": 0,
         "checkpoint_every": 0, "gradient_checkpointing": not args.no_gradient_checkpointing,
-        "precision": precision.resolve("auto"), "loss_chunk_tokens": args.loss_chunk, "optimizer": args.optimizer,
+        "precision": precision.resolve(args.precision), "loss_chunk_tokens": args.loss_chunk, "optimizer": args.optimizer,
     })
     update = {"base_model": str(Path(args.base).resolve()), "train": train, "max_seq_len": args.seq_len, "packing": True}
     if args.stage == "lora":
@@ -146,7 +153,57 @@ def stage(args: argparse.Namespace) -> dict:
             "seconds_per_step": round(metrics["train_seconds"] / steps, 2), "stage_seconds": round(time.perf_counter() - start, 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "peak_anonymous_mb": round(peak.peak_anonymous / 2**20, 1),
             "total_parameters": metrics["total_parameters"], "trainable_parameters": metrics["trainable_parameters"],
-            "tokens_per_second": round(metrics.get("tokens_per_second", 0.0), 1), **_cuda_peak()}
+            "base_held_in": _held_in(args, metrics), "tokens_per_second": round(metrics.get("tokens_per_second", 0.0), 1), **_cuda_peak()}
+
+
+def _held_in(args: argparse.Namespace, metrics: dict) -> str:
+    """The dtypes of the frozen base: a full-precision base loads in fp32 whatever the stage's
+    precision (bf16 autocasts it); a quantized one keeps its linear layers in their bits, the
+    embedding (and tied head) as `embedding_dtype` says, the norms in fp32."""
+    if args.stage != "lora" or args.quantization == "none":
+        return "fp32 (every weight)"
+    return f"{args.quantization} linear layers, {metrics['embedding_dtype']} embedding and head, fp32 norms"
+
+
+def cpu() -> str:
+    """This CPU's model name and the bf16 units that decide `precision: auto` (Linux /proc/cpuinfo)."""
+    from pipelines.core.training import precision
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    units = [flag for flag in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if flag in flags]
+    cores = sum(1 for line in lines if line.startswith("processor"))
+    return f"{name}, {cores} cores, {'/'.join(units) or 'no AVX2'}, bf16 native: {'yes' if precision.capability().bf16_native else 'no'}"
+
+
+def qlora_memory(args: argparse.Namespace) -> int:
+    """The lora stage with and without a 4-bit base, each in its own process, one after another,
+    in each precision asked; prints each run and the ratio of the peaks (QLoRA over LoRA)."""
+    import subprocess
+
+    print(json.dumps({"cpu": cpu()}), flush=True)
+    for name in args.precisions:
+        rows = {}
+        for quantization in ("none", args.quantization):
+            command = [sys.executable, "-m", "benchmarks.real_sizes", "stage", "--project", args.project, "--base", args.base, "--stage", "lora",
+                       "--quantization", quantization, "--precision", name, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+                       "--micro-batch", str(args.micro_batch), "--eval-batches", str(args.eval_batches), "--loss-chunk", str(args.loss_chunk)]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode or not lines:
+                print(done.stderr[-3000:], file=sys.stderr)
+                return 1
+            rows[quantization] = json.loads(lines[-1])
+            print(lines[-1], flush=True)
+        quantized, full = rows[args.quantization], rows["none"]
+        print(json.dumps({"precision": name, "base": Path(args.base).name, f"{args.quantization}/none peak_rss": round(quantized["peak_rss_mb"] / full["peak_rss_mb"], 3),
+                          f"{args.quantization}/none peak_anonymous": round(quantized["peak_anonymous_mb"] / full["peak_anonymous_mb"], 3),
+                          "none": full["base_held_in"], args.quantization: quantized["base_held_in"]}), flush=True)  # fmt: skip
+    return 0
 
 
 def _cuda_peak() -> dict[str, float]:
@@ -174,11 +231,27 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--loss-chunk", type=int, default=0)
     run.add_argument("--merge", action="store_true", help="lora: write merged/ too (the full model)")
     run.add_argument("--optimizer", default="adamw_fused", help="train.optimizer (adamw_bnb_8bit: 8-bit AdamW)")
+    run.add_argument("--micro-batch", type=int, default=1, help="rows of --seq-len tokens a step")
+    run.add_argument("--eval-batches", type=int, default=0, help="validation batches at the end (0: the whole validation set)")
+    run.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
+                     help="train.precision (auto: bf16 where the CPU has bf16 matrix units, else fp32)")
     run.add_argument("--work", default=None)
+    memory = sub.add_parser("qlora-memory", help="the lora stage with and without a 4-bit base, in each precision: peaks and their ratio")
+    memory.add_argument("--project", required=True)
+    memory.add_argument("--base", required=True)
+    memory.add_argument("--quantization", default="nf4")
+    memory.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"))
+    memory.add_argument("--steps", type=int, default=1)
+    memory.add_argument("--seq-len", type=int, default=256)
+    memory.add_argument("--micro-batch", type=int, default=1)
+    memory.add_argument("--eval-batches", type=int, default=1)
+    memory.add_argument("--loss-chunk", type=int, default=256)
     args = parser.parse_args(argv)
     if args.command == "make-base":
         print(make_base(args.shape, Path(args.out)))
         return 0
+    if args.command == "qlora-memory":
+        return qlora_memory(args)
     import tempfile
 
     with tempfile.TemporaryDirectory() as work:

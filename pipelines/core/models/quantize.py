@@ -309,6 +309,13 @@ def linear_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     return {"linear_weight_bytes": linear, "other_parameter_bytes": other}
 
 
+def embedding_dtype(model: torch.nn.Module) -> str:
+    """The dtype the input embedding is held in (`bf16`, `fp16`, `fp32`): the checkpoint's 16 bits
+    under a quantized base (`hold_embeddings`), fp32 where it was cast."""
+    dtype = model.get_input_embeddings().weight.dtype
+    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def _is_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt", "FP8Linear")
 

@@ -133,7 +133,8 @@ def run(
         model = wrap(quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing), tokenizer)
     counts = parameter_counts(model)
     if qconfig is not None:
-        counts |= quantize.linear_weight_bytes(model) | {"quantization": quantization.quantization}  # the base the adapter fits
+        counts |= quantize.linear_weight_bytes(model) | {"quantization": quantization.quantization,  # the base the adapter fits
+                                                         "embedding_dtype": quantize.embedding_dtype(model)}  # fmt: skip
     counts["trainable_fraction"] = round(counts["trainable_parameters"] / counts["total_parameters"], 6)
     log.info("%s: %d of %d parameters trainable (%.2f%%)", desc, counts["trainable_parameters"], counts["total_parameters"], 100 * counts["trainable_fraction"])
     if tracker is not None:
