@@ -67,6 +67,7 @@ _absl_handler_writes_to_the_real_stderr()
 
 
 LONGEST_FIRST = (
+    "tests/e2e/test_real_smoke.py", "tests/stages/test_export.py",  # the slow set's longest (`make test-slow`); seconds in `make test`
     "tests/e2e/test_pipeline_e2e.py", "tests/flows/test_deployments.py", "tests/docs/test_screenshots.py", "tests/e2e/test_team.py",
     "tests/e2e/test_preference_methods.py", "tests/e2e/test_remote.py", "tests/e2e/test_concurrent_runs.py", "tests/core/training/test_stop_signals.py",
     "tests/e2e/test_mlflow_server.py", "tests/e2e/test_worker_image.py", "tests/e2e/test_resume_kill.py",
@@ -77,7 +78,9 @@ LONGEST_FIRST = (
 longest first, which `make test` starts first and the short ones after: the longest job first
 balances the two workers best. pytest-xdist (`--dist loadscope --no-loadscope-reorder`) hands
 modules to its workers in collection order; with its default reordering (most tests first) these
-modules, which have few tests each, ran last and one of them alone at the end."""
+modules, which have few tests each, ran last and one of them alone at the end. The slow set's two
+longest modules come first for the same reason (`make test-slow`: each a pipeline on a model that
+answers); in `make test` they take seconds."""
 
 
 def pytest_collection_modifyitems(config, items) -> None:
