@@ -141,7 +141,7 @@ def trl_precomputed(model, tokenizer, records: pd.DataFrame, max_length: int, ba
 
     datasets.disable_progress_bars()
     os.environ.setdefault("TQDM_DISABLE", "1")
-    params = DpoParams(adapter="none", train=TrainParams(max_steps=1, warmup_steps=0, micro_batch_size=batch_size, precision="fp32"))
+    params = DpoParams(adapter={"enabled": False}, train=TrainParams(max_steps=1, warmup_steps=0, micro_batch_size=batch_size, precision="fp32"))
     with tempfile.TemporaryDirectory() as out:
         dataset = trl_trainer(model, tokenizer, records, params, params.train, precompute=True, max_length=max_length, out=out).train_dataset
         columns = ["id", "prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps"]

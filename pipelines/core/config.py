@@ -492,13 +492,15 @@ class TrainParams(Section):
     `torchrun --nproc_per_node nproc` (DDP; gloo on CPU, nccl on CUDA). The global batch stays
     `micro_batch_size * grad_accum_steps`: each rank runs `grad_accum_steps / nproc` micro-batches
     per step, so `grad_accum_steps` must be divisible by `nproc`."""
-    strategy: Annotated[Literal["ddp", "fsdp"], AppliesWhen("nproc above 1", lambda s: s.nproc > 1, shows=("nproc",))] = "ddp"
+    strategy: Literal["ddp", "fsdp"] = "ddp"
     """How the `nproc` > 1 ranks share the model. `ddp`: every rank holds the whole model, gradients
     are averaged (all-reduce). `fsdp`: FSDP2 (`fully_shard` per decoder layer and at the root)
     shards parameters, gradients and AdamW state across the ranks, each layer gathered for its
     own forward/backward only: less accelerator memory per rank for more communication; the same
     loss curve as `ddp` and 1 process. Checkpoints and outputs hold the full (gathered) weights.
-    Refused with `nproc` 1, where there is nothing to share."""
+    Read whenever the stage runs on several processes: `nproc` > 1, or the stage started under
+    `torchrun` by hand with `nproc` 1 (its world size is torchrun's, which params cannot know), so
+    it is not refused with `nproc` 1; one process ignores it."""
 
     curriculum: CurriculumParams = CurriculumParams()
     """Sequence-length curriculum (`strategy: none | length`; pretrain only: its packed rows can be

@@ -109,7 +109,7 @@ def test_bad_encoders_name_the_key_and_the_path(encoder, tiny_base, tmp_path):
         evaluate.BertScore(str(tiny_base / "model"), tmp_path)
     with pytest.raises(QllmError, match=r"evaluate.bertscore_layer=4: .*tiny-bert has 3 layers"):
         evaluate.BertScore(str(encoder), tmp_path, layer=4)
-    with pytest.raises(ValidationError, match="bertscore_layer is set but bertscore_model is not"):
+    with pytest.raises(ValidationError, match="bertscore_layer: applies only with bertscore_model set"):
         EvaluateParams(bertscore_layer=2)
 
 

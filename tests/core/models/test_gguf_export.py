@@ -527,5 +527,5 @@ def test_the_modelfile_temperature_is_the_models_or_the_setting(tmp_path):
                            temperature=setting), "qllm", "dpo", "data/models/dpo")  # fmt: skip
         parsed = parse_modelfile((tmp_path / f"out-{expected}" / "Modelfile").read_text())
         assert ("temperature", expected) in parsed["parameters"]
-    with pytest.raises(ValidationError, match="temperature is the Modelfile's, but modelfile is false"):
+    with pytest.raises(ValidationError, match=r"temperature: applies only with modelfile: true \(here modelfile is false\)"):
         ExportParams(enabled=True, modelfile=False, temperature=0.5)
