@@ -218,7 +218,9 @@ def make_project(dest: Path, mlflow_db: Path, params_overlay: dict | None = None
     With `tiny`, params.yaml is the shipped one merged with params/tiny.yaml (and `params_overlay`),
     so the whole pipeline runs in seconds in the project itself (no run workspace).
     """
-    from pipelines.core.params_file import deep_merge
+    from pydantic import ValidationError
+
+    from pipelines.core.params_file import Layers, deep_merge
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in PROJECT_FILES:
@@ -228,11 +230,18 @@ def make_project(dest: Path, mlflow_db: Path, params_overlay: dict | None = None
         else:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    layers = [("params.yaml", yaml.safe_load((REPO / "params.yaml").read_text()))]
     if tiny:
-        params = deep_merge(params, yaml.safe_load((REPO / "params" / "tiny.yaml").read_text()))
+        layers.append(("params/tiny.yaml", yaml.safe_load((REPO / "params" / "tiny.yaml").read_text())))
     if params_overlay:
-        params = deep_merge(params, params_overlay)
+        layers.append(("the test's overlay", params_overlay))
+    try:  # as `qllm run --params tiny.yaml --params <overlay>` merges them: a key the overlay made inert back at its default
+        merged = Layers()
+        for source, layer in layers:
+            merged.merge(source, layer)
+        params = merged.data
+    except ValidationError:  # a test of bad params: written as given, for the run to refuse
+        params = functools.reduce(deep_merge, (layer for _, layer in layers[1:]), layers[0][1])
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     shutil.copy2(mlflow_db, dest / "mlflow.db")
     run(["git", "init", "-q"], dest)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pipelines.core import extensions
 from pipelines.core.errors import QllmError
@@ -71,6 +72,11 @@ WHEN_ENABLED = only_with("enabled", True, hint="to switch a block off, give it w
 """The settings of a block switched by its own `enabled`."""
 
 
+INERT_KEY = "inert_key"
+"""The pydantic error type of a key set where it would change nothing; its context names the `key`
+(dotted, within the section), the `deciding` keys and the key's `default`."""
+
+
 def applies_when(info) -> list[AppliesWhen]:
     """The conditions declared on a field (`FieldInfo.metadata`)."""
     return [m for m in info.metadata if isinstance(m, AppliesWhen)]
@@ -110,9 +116,12 @@ class Section(BaseModel):
                 changed = [key for key in governed if now.get(key) != then.get(key)]
                 if changed:
                     here = ", ".join(f"{key} is {_shown(getattr(self, key))}" for key in condition.shows)
-                    raise ValueError(f"{changed[0]}: applies only with {condition.when}{f' (here {here})' if here else ''}, so here it "
-                                     f"would change nothing: leave it at its default ({_shown(then.get(changed[0]))})"
-                                     f"{f'; {condition.hint}' if condition.hint else ''}")  # fmt: skip
+                    message = (f"{changed[0]}: applies only with {condition.when}{f' (here {here})' if here else ''}, so here it "
+                               f"would change nothing: leave it at its default ({_shown(then.get(changed[0]))})"
+                               f"{f'; {condition.hint}' if condition.hint else ''}")  # fmt: skip
+                    # the context lets `params_file.load` tell a key a later layer made inert from one given with its switch
+                    raise PydanticCustomError(INERT_KEY, "{message}", {"message": message, "key": changed[0],
+                                                                      "deciding": list(condition.shows), "default": then.get(changed[0])})  # fmt: skip
         return self
 
 
@@ -1144,7 +1153,7 @@ def user_tool(name: str, where: str):
     return fn
 
 
-WITH_TOOLS = AppliesWhen("tools listed in `functions` or an `environment`", lambda s: s.enabled)
+WITH_TOOLS = AppliesWhen("tools listed in `functions` or an `environment`", lambda s: s.enabled, shows=("functions", "environment"))
 """Episode settings, which one-turn rollouts (no tool) do not read."""
 
 
@@ -1358,7 +1367,7 @@ class EvaluateParams(Section):
     with this local `save_pretrained` directory of a BERT-like encoder (bert, roberta, deberta, ...;
     relative to the project). Never downloaded. None: no BERTScore. The path is a param (changing
     it reruns evaluate); the encoder's files are not a dvc.yaml dependency."""
-    bertscore_layer: Annotated[int | None, AppliesWhen("bertscore_model set", lambda s: s.bertscore_model is not None)] = Field(None, ge=0)
+    bertscore_layer: Annotated[int | None, AppliesWhen("bertscore_model set", lambda s: s.bertscore_model is not None, shows=("bertscore_model",))] = Field(None, ge=0)
     """The encoder's hidden state that embeds the tokens (0: the embeddings, n: after layer n);
     None: the last. bert-score's defaults: 17 for roberta-large, 9 for bert-base-uncased."""
 

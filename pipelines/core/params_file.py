@@ -10,6 +10,8 @@ A key given twice, bad YAML, an unknown key or a wrong type are `ParamsError`s.
 from __future__ import annotations
 
 import copy
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipelines.core import dag
-from pipelines.core.config import PARAMS_FILE, Params, ParamsError
+from pipelines.core.config import INERT_KEY, PARAMS_FILE, Params, ParamsError
 from pipelines.core.paths import project_path
+
+log = logging.getLogger("qllm.params")
 
 FAST_LOADER = dag.FAST_YAML
 """PyYAML's safe loader on libyaml where it is built in (8x faster on params.yaml: every stage
@@ -212,24 +216,117 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+class Layers:
+    """Params layers merged in order (`params.yaml`, the `--params` profiles, the `--set`s) and
+    validated after each, as `load` reads them. Where a key is refused as inert (`config.INERT_KEY`)
+    only because a later layer changed what decides it (a profile's `lora.adapter.r` under
+    `--set lora.allocation=quantum_opt`), the key goes back to its default with a warning: the later
+    layer's choice stands, as it would have with the key unset. A key given in the same layer as its
+    switch, or after it, stays an error: that is a setting that would change nothing."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+        self.sources: list[str] = []
+        self._by: dict[tuple[str, ...], int] = {}  # the layer that last set each key path
+
+    def merge(self, source: str, layer: dict[str, Any]) -> Params:
+        """Merge a mapping layer (a params file) and validate; raises pydantic's `ValidationError`."""
+        self.sources.append(source)
+        self._record(layer, ())
+        self.data = deep_merge(self.data, layer)
+        return self._validate()
+
+    def override(self, overrides: list[str]) -> Params:
+        """Apply `--set`s, one layer, and validate; raises pydantic's `ValidationError`."""
+        self.sources.append("--set")
+        for text in overrides:
+            path, value = parse_override(text)
+            self._by = {key: by for key, by in self._by.items() if key[: len(path)] != tuple(path)}  # --set replaces what was under it
+            self._record(value, tuple(path))
+        self.data = apply_overrides(self.data, list(overrides))
+        return self._validate()
+
+    def _record(self, value: Any, prefix: tuple[str, ...]) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                self._record(item, (*prefix, str(key)))
+        else:
+            self._by[prefix] = len(self.sources) - 1
+
+    def _layer_of(self, path: tuple[str, ...]) -> int:
+        """The last layer that set `path`, a key above it or one below it; -1 where none did (a default)."""
+        n = len(path)
+        return max((by for key, by in self._by.items() if key[:n] == path or path[: len(key)] == key), default=-1)
+
+    def _validate(self) -> Params:
+        left_at_default: dict[tuple[str, str], list[str]] = {}
+        for _ in range(len(self._by) + 1):  # each pass puts at least one key back
+            try:
+                params = Params.model_validate(self.data)
+            except ValidationError as exc:
+                if any(not self._put_back(error, left_at_default) for error in exc.errors()):
+                    raise
+                continue
+            for (source, switches), keys in left_at_default.items():
+                log.warning("%s: not read with %s, so left at their defaults: %s", source, switches, ", ".join(keys))
+            return params
+        raise AssertionError("unreachable: each pass puts at least one key back")
+
+    def _put_back(self, error: Any, left_at_default: dict[tuple[str, str], list[str]]) -> bool:
+        """Put an inert key that a later layer made inert back at its default; False for any other error."""
+        ctx = error.get("ctx") or {}
+        if error["type"] != INERT_KEY:
+            return False
+        section = tuple(str(part) for part in error["loc"])
+        key = (*section, *ctx["key"].split("."))
+        deciding = [(*section, name) for name in ctx["deciding"]]
+        by, switched = self._layer_of(key), max((self._layer_of(d) for d in deciding), default=-1)
+        if by >= switched:
+            return False
+        switches = ", ".join(f"{'.'.join(d)}: {_value(_get(self.data, d))} ({self.sources[self._layer_of(d)]})" for d in deciding if self._layer_of(d) >= 0)
+        left_at_default.setdefault((self.sources[by], switches), []).append(f"{'.'.join(key)} ({_value(ctx['default'])})")
+        self.data = _put(self.data, key, copy.deepcopy(ctx["default"]))
+        self._by[key] = switched
+        return True
+
+
+def _value(value: Any) -> str:
+    """A value as params.yaml writes it (`quantum_opt`, `true`, `[2, 4]`)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _get(data: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for part in path:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _put(data: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(data)
+    node = out
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = value
+    return out
+
+
 def load(root: Path | str = ".", overlays: list[Path | str] = (), overrides: list[str] = ()) -> tuple[Params, dict[str, Any]]:
     """Load `<root>/params.yaml`, merge `--params` overlays and `--set` overrides, validate.
 
-    A relative overlay path is relative to `root` (never to the current directory).
+    A relative overlay path is relative to `root` (never to the current directory). Each layer is
+    validated as it is merged, and errors name the layer, key and line; a key that an earlier layer
+    set and a later one made inert goes back to its default with a warning (`Layers`).
     Returns the typed params and the plain merged mapping (what a run workspace writes out).
     """
-    base_path = Path(root) / PARAMS_FILE
-    data = read_yaml(base_path)
-    validate(data, _shown(base_path), base_path.read_text(encoding="utf-8"))
-    for overlay in overlays:
-        overlay_path = project_path(overlay, root)
-        layer = read_yaml(overlay_path)
-        data = deep_merge(data, layer)
-        validate(data, _shown(overlay_path), overlay_path.read_text(encoding="utf-8"))
-    if overrides:
-        data = apply_overrides(data, list(overrides))
+    layers = Layers()
+    for path in [Path(root) / PARAMS_FILE, *(project_path(overlay, root) for overlay in overlays)]:
         try:
-            return Params.model_validate(data), data
+            params = layers.merge(_shown(path), read_yaml(path))
+        except ValidationError as exc:
+            raise ParamsError(_format_errors(exc, _shown(path), _key_lines(path.read_text(encoding="utf-8")))) from None
+    if overrides:
+        try:
+            params = layers.override(list(overrides))
         except ValidationError as exc:
             raise ParamsError(_format_errors(exc, "--set", {})) from None
-    return validate(data), data
+    return params, layers.data

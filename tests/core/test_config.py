@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import sys
 import typing
 from pathlib import Path
@@ -359,7 +360,6 @@ def test_every_params_section_is_walked():
         (["dpo.desirable_weight=2.0"], "dpo.desirable_weight: applies only with method: kto (here method is dpo)"),
         (["dpo.undesirable_weight=0.5"], "dpo.undesirable_weight: applies only with method: kto (here method is dpo)"),
         (["dpo.adapter.enabled=false", "dpo.adapter.r=8"], "dpo.adapter.r: applies only with enabled: true (here enabled is false)"),
-        (["dpo.adapter.enabled=false"], "dpo.adapter.lora_dropout: applies only with enabled: true (here enabled is false)"),
         (["grpo.adapter.r=16"], "grpo.adapter.r: applies only with enabled: true (here enabled is false)"),
         (["grpo.adapter.quantization=nf4"], "grpo.adapter.quantization: applies only with enabled: true (here enabled is false)"),
         (["lora.allocation=quantum_opt", "lora.adapter.r=16"],
@@ -374,3 +374,36 @@ def test_the_options_the_review_found_inert_are_refused_by_name(overrides, messa
     with pytest.raises(ParamsError) as refused:
         params_file.load(REPO, overrides=overrides)
     assert message in str(refused.value)
+
+
+def test_a_key_an_earlier_layer_set_goes_back_to_its_default_when_a_later_layer_makes_it_inert(tmp_path, caplog):
+    """A profile's `lora.adapter.r` under `--set lora.allocation=quantum_opt`: the later layer's
+    choice stands, the profile's key is left at its default and the run says so; given in the same
+    layer as its switch, or after it, the key is still refused (issue 78)."""
+    default_r = config.LoraParams().adapter.r
+    tiny = params_file.read_yaml(REPO / "params" / "tiny.yaml")
+    assert tiny["lora"]["adapter"]["r"] != default_r  # the profile sets it: what the --set below makes inert
+    with caplog.at_level(logging.WARNING, logger="qllm.params"):
+        params, data = params_file.load(REPO, overlays=[REPO / "params" / "tiny.yaml"], overrides=["lora.allocation=quantum_opt"])
+    assert params.lora.allocation == "quantum_opt"
+    assert params.lora.adapter.r == default_r and data["lora"]["adapter"]["r"] == default_r  # the workspace's params say what ran
+    assert params.lora.adapter.lora_alpha == tiny["lora"]["adapter"]["lora_alpha"]  # what still acts is kept
+    warned = [r.getMessage() for r in caplog.records if r.name == "qllm.params"]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith(f"{Path('params') / 'tiny.yaml'}: not read with lora.allocation: quantum_opt (--set), so left at their defaults: ")
+    assert f"lora.adapter.r ({default_r})" in warned[0]
+
+    with caplog.at_level(logging.WARNING, logger="qllm.params"):
+        params, _ = params_file.load(REPO, overrides=["dpo.adapter.enabled=false"])  # params.yaml's adapter settings yield to the switch
+    assert not params.dpo.adapter.enabled and params.dpo.adapter.lora_dropout == config.DpoParams().adapter.lora_dropout
+
+    switch = tmp_path / "switch.yaml"
+    switch.write_text("lora:\n  allocation: quantum_opt\n")
+    with pytest.raises(ParamsError, match=r"^--set: lora.adapter.r: applies only with allocation: uniform, adalora or qubo_in_loop"):
+        params_file.load(REPO, overlays=[switch], overrides=["lora.adapter.r=16"])  # given after its switch
+    both = tmp_path / "both.yaml"
+    both.write_text("lora:\n  allocation: quantum_opt\n  adapter:\n    r: 16\n")
+    with pytest.raises(ParamsError, match=r"both.yaml:4: lora.adapter.r: applies only with allocation"):
+        params_file.load(REPO, overlays=[both])  # in the same layer
+    with pytest.raises(ParamsError, match=r"^--set: lora.adapter.r: applies only with allocation"):
+        params_file.load(REPO, overrides=["lora.allocation=quantum_opt", "lora.adapter.r=16"])
