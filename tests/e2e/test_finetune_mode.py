@@ -143,7 +143,7 @@ def test_a_hub_model_that_cannot_be_found_is_a_clear_error(hub, tmp_path):
 
 
 def test_bad_base_model_settings_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="revision is set but name is not"):
+    with pytest.raises(ValueError, match=r"revision: applies only with a base model named \(`name`\) \(here name is null\)"):
         BaseModelParams(revision="main")
     (tmp_path / "empty").mkdir()
     with pytest.raises(QllmError, match="no tokenizer"):
@@ -180,7 +180,7 @@ def test_a_chat_template_file_replaces_the_bases_wherever_its_tokenizer_is_taken
     without = base_model.run(tmp_path, tmp_path / "data/base_model.json", BaseModelParams(name=BASE))
     assert "chat_template" not in without and load_model_and_tokenizer(tmp_path / BASE)[1].chat_template == CHATML.template
 
-    with pytest.raises(ValueError, match="chat_template_path is set but name is not"):
+    with pytest.raises(ValueError, match=r"chat_template_path: applies only with a base model named \(`name`\) \(here name is null\)"):
         BaseModelParams(chat_template_path="templates/tools.jinja")
     with pytest.raises(QllmError, match=r"base_model.chat_template_path='templates/none.jinja': no such file"):
         base_model.run(tmp_path, tmp_path / "out.json", BaseModelParams(name=BASE, chat_template_path="templates/none.jinja"))

@@ -74,7 +74,7 @@ def test_kto_runs_its_reference_pass_on_the_split_pairs(project):
 
 
 def test_orpo_from_the_base(project):
-    ran, workspace = method_run(project, "dpo.method=orpo", "dpo.loss_type=null", "dpo.start=base", "dpo.adapter=none")
+    ran, workspace = method_run(project, "dpo.method=orpo", "dpo.loss_type=null", "dpo.start=base", "dpo.adapter={enabled: false}")
     assert ran == [*ALWAYS, "ref_logprobs", "dpo", "export", "evaluate", "register"]
     assert json.loads((workspace / "data/ref_logprobs/meta.json").read_text())["start"] == "data/models/pretrain"
     dpo = metrics(workspace, "dpo")

@@ -413,5 +413,5 @@ def test_tool_arithmetic_adds_demonstrations_and_heldout_questions_per_difficult
         plain_added = without[name][len(before[name]) :]
         assert [c["id"] for c in plain_added] == [c["id"] for c in added[name]] and all("tools" not in c for c in plain_added)
         assert [c["messages"] for c in plain_added] == [[*c["messages"][:2], c["messages"][-1]] for c in added[name]]
-    with pytest.raises(ValueError, match="calls: set, but `enabled` is false"):
+    with pytest.raises(ValueError, match=r"calls: applies only with enabled: true \(here enabled is false\)"):
         SampleDataParams(tool_arithmetic={"calls": False})

@@ -59,6 +59,10 @@ def test_under_peft_the_adapters_get_the_same_gradients(tiny_base):
     params = LoraAdapterParams(enabled=True, r=4, lora_alpha=8, lora_dropout=0.0, trainable_tokens=[])  # no dropout: both passes see one function
     torch.manual_seed(0)
     model = adapters.wrap(params)(load_causal_lm(tiny_base / "model"), tokenizer)
+    with torch.no_grad():  # B starts at 0, which makes A's gradients exactly 0 in both passes: a B of a trained adapter
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.02)
     data = batch(len(tokenizer))
     own, _ = chat_examples.chat_loss(model, data)
     own.backward()
