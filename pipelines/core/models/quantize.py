@@ -65,9 +65,37 @@ def load(path: Any, qconfig: Any, section: str):
     """(model, tokenizer) of a base loaded straight into `qconfig`'s bits and kept in
     bitsandbytes' standard layout (`keep_standard_layout`)."""
 
+    return_freed_weights()
     model, tokenizer = load_model_and_tokenizer(path, quantization=qconfig)
     release_checkpoint_pages()
     return autocast_outputs(keep_standard_layout(model)), tokenizer
+
+
+FREED_AT_ONCE_BYTES = 4 * 2**20
+"""Allocations this large or larger get their own mapping, returned to the system when freed: the
+dequantized weights of a 0.5B-1.5B model's MLP and most of its attention, not its activations."""
+
+
+def return_freed_weights() -> bool:
+    """Have glibc give each large allocation its own mapping, returned when freed, for the rest of
+    this process; False where the C library has no `mallopt` (not glibc).
+
+    A 4-bit layer dequantizes its weight at every forward and backward (3-17 MB in fp32 at
+    Qwen2.5-0.5B's shape) and frees it right after. glibc serves allocations over its mmap
+    threshold with a mapping of their own, but raises the threshold to the size of the largest
+    such block freed (up to 32 MB): after the first, every dequantized weight came from the heap,
+    and with the activations allocated after it kept above it, stayed resident when freed: 46 MB a
+    layer of a 0.5B fp32 forward: the stage's peak was 2.39-2.77 GB in three runs, 0.70-0.82x LoRA's.
+    A fixed threshold (it also stops the raising) gives each one back as it is freed; the cost is
+    the page faults of mapping it again (benchmarks/RESULTS.md, "QLoRA's memory")."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    M_MMAP_THRESHOLD = -3
+    return bool(mallopt(M_MMAP_THRESHOLD, FREED_AT_ONCE_BYTES))
 
 
 MADV_PAGEOUT = 21
