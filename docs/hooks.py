@@ -1,7 +1,9 @@
 """MkDocs hooks: pages generated at build time, so they cannot drift from their sources.
 
 - `index.md`: the README (its links rewritten for the site);
-- `results.md`: `benchmarks/RESULTS.md`;
+- `results.md`: `benchmarks/RESULTS.md`, today's headline figures;
+- `results/<theme>.md`: `benchmarks/results/<theme>.md`, the detailed page of each theme (the links of both
+  rewritten for the site, so they work on GitHub and on the site alike);
 - `reference/params.md`: every params key, from the pydantic schemas of `pipelines/core/config.py`
   (types, defaults and the attribute docstrings the schemas carry).
 """
@@ -22,7 +24,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def _index() -> str:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     text = text.replace("](docs/", "](").replace("](benchmarks/RESULTS.md)", "](results.md)")
-    return text
+    return text.replace("](benchmarks/results/", "](results/")
+
+
+def _results() -> list[tuple[str, str]]:
+    """`benchmarks/RESULTS.md` as `results.md`, and each `benchmarks/results/<theme>.md` as `results/<theme>.md`:
+    one folder up on the site than in the repository, so their links to the docs, the README and each other move."""
+    pages = [("results.md", (ROOT / "benchmarks/RESULTS.md").read_text(encoding="utf-8")
+              .replace("](../docs/", "](").replace("](../README.md)", "](index.md)"))]
+    for path in sorted((ROOT / "benchmarks/results").glob("*.md")):
+        text = path.read_text(encoding="utf-8").replace("](../RESULTS.md", "](../results.md")
+        text = text.replace("](../../docs/", "](../").replace("](../../README.md)", "](../index.md)")
+        pages.append((f"results/{path.name}", text))
+    return pages
 
 
 def _type(annotation) -> str:
@@ -92,7 +106,6 @@ def _params_page() -> str:
 
 
 def on_files(files, config):
-    for path, content in (("index.md", _index()), ("results.md", (ROOT / "benchmarks/RESULTS.md").read_text(encoding="utf-8")),
-                          ("reference/params.md", _params_page())):  # fmt: skip
+    for path, content in (("index.md", _index()), *_results(), ("reference/params.md", _params_page())):
         files.append(File.generated(config, path, content=content))
     return files
