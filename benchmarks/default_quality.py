@@ -11,7 +11,7 @@ the SFT model as `evaluate` does (greedy held-out exact match), and probes the p
 pretraining text's QA lines) for the held-out people, the skill SFT needs and cannot add
 (`--pretrain-only` stops there: a cheaper screen of pretraining settings). Prints one line per run and, per
 precision, mean +- standard deviation and the range: the spread, not the best run. `--jsonl`
-appends every run as a JSON line (for the tables in benchmarks/RESULTS.md). `--cache DIR` keeps each
+appends every run as a JSON line (for the tables in benchmarks/results/quality.md). `--cache DIR` keeps each
 pretrained model under DIR, named by its params, seed and precision, and reuses it: sweeps over `sft.*`
 settings then pretrain once per seed and precision.
 

@@ -17,7 +17,7 @@ Per size and solver: mean and max gap to the MILP optimum (% of its objective, e
 scored with redundancy, greedy's too), how often the solver's chosen raw sample was feasible
 before repair and how often the result is feasible after it, and the mean wall time. `exact`
 runs where it enumerates at most `qubo.EXACT_LIMIT` allocations; `qaoa` where the BQM has at
-most 16 variables. Prints one markdown table (for benchmarks/RESULTS.md) and notes; progress goes
+most 16 variables. Prints one markdown table (for benchmarks/results/adapters.md) and notes; progress goes
 to stderr, and so do the debug lines HiGHS prints to the C-level stdout.
 """
 

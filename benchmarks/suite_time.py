@@ -1,5 +1,5 @@
 """Where `make test`'s time goes: the slowest modules and tests of a recorded run, next to the CPU,
-and a run against another (before/after) for benchmarks/RESULTS.md.
+and a run against another (before/after) for benchmarks/results/suite.md.
 
     QLLM_SUITE_TIMES=suite.json make test                               # the suite records its times (tests/conftest.py)
     python -m benchmarks.suite_time suite.json                          # markdown: the run, slowest modules and tests

@@ -50,7 +50,7 @@ def exit_without_collecting() -> None:
     A stage or `qllm` process holds about 700,000 objects once torch, transformers, PEFT and MLflow
     are imported, and Python's finalization runs the cyclic collector over them while it tears the
     modules down: 2.4 s of every such process (0.6 s with torch alone; 2-core EPYC, measured in
-    benchmarks/RESULTS.md). `gc.freeze()` moves them to the collector's permanent generation, so
+    benchmarks/results/suite.md, eighth part). `gc.freeze()` moves them to the collector's permanent generation, so
     shutdown frees them by reference count alone (0.35 s). Everything else about the exit stays:
     atexit handlers, joins of non-daemon threads, flushes of open streams. Call it only where the
     process ends next (a command line's `main`): frozen objects are never collected afterwards."""

@@ -1,5 +1,5 @@
 """benchmarks/mlflow_auth.py: the order of its arms, what it prints and what it refuses (the arms
-start the team's servers, a minute each: RESULTS.md has them)."""
+start the team's servers, a minute each: benchmarks/results/suite.md, issue 54's third part, has them)."""
 
 from __future__ import annotations
 

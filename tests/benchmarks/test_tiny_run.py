@@ -1,5 +1,5 @@
 """benchmarks/tiny_run.py: what it reads from `qllm run` and what it refuses (the runs themselves
-take a minute each: RESULTS.md has them)."""
+take a minute each: benchmarks/results/suite.md has them)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 checked against the peers: its tokenizer against llama.cpp's on the same file, the exported model
 answering in llama.cpp as `evaluate` answered, the registered model served by MLflow answering as
 `qllm generate` does, and the quality the profile reaches, with margins measured on 3 seeds
-(benchmarks/RESULTS.md, "The real-model profile")."""
+(benchmarks/results/real-model.md, "The profile over 3 seeds")."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def test_the_registered_model_served_by_mlflow_answers_as_qllm_generate(project,
             assert completion["choices"][0]["message"]["content"].strip() == generation.generate(model, tokenizer, question, max_new_tokens=16)
 
 
-# Margins from 3 seeds of the profile on a 2-core AMD EPYC (AVX2 only, fp32): benchmarks/RESULTS.md "The real-model profile".
+# Margins from 3 seeds of the profile on a 2-core AMD EPYC (AVX2 only, fp32): benchmarks/results/real-model.md.
 def test_fine_tuning_reaches_the_task_and_keeps_what_the_model_knew(evaluation):
     base_like = evaluation["pretrain"]  # the base after continued pretraining: it answers in sentences
     sft = evaluation["sft"]

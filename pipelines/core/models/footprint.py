@@ -18,8 +18,8 @@ estimate counts, in bytes:
   chunk's worth with `train.loss_chunk_tokens`);
 - the process's libraries (torch, transformers: about 0.5 GB).
 
-It was checked against measured peaks at the shapes of Qwen2.5-0.5B and -1.5B (benchmarks/RESULTS.md,
-issue 35): it is an estimate of the order of the need, good to within about 25%. Time: the step's
+It was checked against measured peaks at the shapes of Qwen2.5-0.5B and -1.5B (benchmarks/results/scale.md,
+"Real sizes", issue 35): it is an estimate of the order of the need, good to within about 25%. Time: the step's
 matrix FLOPs (6 per parameter and token for full training, 4 for a frozen base, plus 2 more when
 checkpointing recomputes the forward) over what a quick product of two 1,024 x 1,024 matrices
 reaches on this machine, times an efficiency measured on the same runs.

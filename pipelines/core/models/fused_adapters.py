@@ -14,7 +14,7 @@ passes over activations, which is faster for small weights.
 Anything else is PEFT's own forward: adapters disabled or merged, several active, mixed-batch
 `adapter_names`, a LoRA variant (DoRA), a bias on `lora_B`, the base in another dtype than the
 adapter, and PEFT's 4/8-bit layers (other classes). Nothing saved changes: the weights, their names
-and PEFT's merging are PEFT's (benchmarks/RESULTS.md, "LoRA's SVD adapters in fewer passes" and
+and PEFT's merging are PEFT's (benchmarks/results/adapters.md, "LoRA's SVD adapters in fewer passes" and
 "Plain LoRA adapters in fewer passes").
 """
 
@@ -32,8 +32,8 @@ d_out)` numbers, whatever the rank, since products of rank 4-16 are as slow as t
 Measured on a 2-core AVX2 EPYC in fp32 (`benchmarks.svd_adapters`), one module's forward and
 backward took 0.67-0.99x the factored form's time at sizes 64-128 (the default model's shapes: 64
 and 102) at ranks 4, 12 and 16, and crossed 1.0 between 128 and 192, lower at higher ranks
-(benchmarks/RESULTS.md, "LoRA's SVD adapters in fewer passes" and "Plain LoRA adapters in fewer
-passes")."""
+(benchmarks/results/adapters.md, "LoRA's SVD adapters in fewer passes" and "Plain LoRA adapters in
+fewer passes")."""
 
 
 def fuse(model: torch.nn.Module) -> int:

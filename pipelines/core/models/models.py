@@ -296,7 +296,8 @@ def merged_into_dequantized(source: str, quantization, adapter_dir: Path):
     from `source` (deterministic, and in bitsandbytes' standard layout: on AVX512-BF16 CPUs a
     4-bit weight that has run inference is repacked for the CPU kernel, and dequantizing that
     gives garbage), dequantized to full precision, then merged. Lossy against the full-precision
-    base by the quantization error, not against the model that was trained (benchmarks/RESULTS.md)."""
+    base by the quantization error, not against the model that was trained (benchmarks/results/adapters.md,
+    "Merging a QLoRA adapter: how lossy")."""
     from peft import PeftModel
 
     with CONSTRUCTION:

@@ -9,7 +9,7 @@ full precision.
 4- and 8-bit weights come from bitsandbytes through transformers' `BitsAndBytesConfig`, on CUDA
 and, since bitsandbytes 0.48, on x86 CPUs too (its CPU backend; 0.50.2 is the version tested
 here: NF4/FP4 and LLM.int8() matmuls run, dequantizing on the fly, so a CPU step is slower than
-in bf16/fp32, see benchmarks/RESULTS.md). Before the adapters are added the base is prepared as
+in bf16/fp32, see benchmarks/results/adapters.md). Before the adapters are added the base is prepared as
 PEFT's `prepare_model_for_kbit_training` prepares it (frozen, layer norms in fp32, input gradients
 on), less one cast: a 16-bit checkpoint's embedding and output head, frozen and left unquantized,
 stay in their 16 bits instead of becoming an fp32 copy (`for_adapters`). `fp8` is CUDA-only (compute capability 8.9 or newer: Ada, Hopper), through
@@ -87,7 +87,7 @@ def return_freed_weights() -> bool:
     and with the activations allocated after it kept above it, stayed resident when freed: 46 MB a
     layer of a 0.5B fp32 forward: the stage's peak was 2.39-2.77 GB in three runs, 0.70-0.82x LoRA's.
     A fixed threshold (it also stops the raising) gives each one back as it is freed; the cost is
-    the page faults of mapping it again (benchmarks/RESULTS.md, "QLoRA's memory")."""
+    the page faults of mapping it again (benchmarks/results/scale.md, "QLoRA's memory")."""
     import ctypes
 
     try:

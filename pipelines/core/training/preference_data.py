@@ -192,7 +192,7 @@ def shares_prompt(model: torch.nn.Module, continuations: int = 2) -> bool:
     not a masked-diffusion model (no causal log-probability); and not under CPU bf16 autocast with
     fewer than 4 continuations a prompt, where each forward call casts every weight again: for
     DPO's two answers the second call cost what the saved prompt tokens gained, for GRPO's groups
-    of 4 and 8 it saved 17% and 25% of the step (sample model, AVX512-BF16 EPYC; benchmarks/RESULTS.md)."""
+    of 4 and 8 it saved 17% and 25% of the step (sample model, AVX512-BF16 EPYC; benchmarks/results/peers.md)."""
     from transformers import PreTrainedModel
 
     if diffusion.objective_of(model) == "masked_diffusion" or hasattr(model, "_orig_mod"):

@@ -19,7 +19,8 @@ training beside it in another thread neither changes nor sees its draws.
 Why not `model.generate(num_return_sequences=G)`: it repeats each prompt G times before the
 prefill and runs its logits processors and stopping criteria in Python per token; answers here
 are a few tokens after a longer prompt, so the prefill once per prompt and a bare loop are most of
-the generation time saved (benchmarks/RESULTS.md "GRPO").
+the generation time saved (benchmarks/results/peers.md, "Step time and reward curve against TRL's
+GRPOTrainer").
 """
 
 from __future__ import annotations
