@@ -47,7 +47,7 @@ import numpy as np
 
 from benchmarks.lora_allocation import random_allocation
 from pipelines import lora, probe_lora, quantum_opt
-from pipelines.core import params_file
+from pipelines.core.params import files as params_file
 from pipelines.core.quantum import qubo
 from pipelines.core.run import stage
 from pipelines.evaluate import evaluate_model, heldout_questions

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from pipelines import pretrain
-from pipelines.core import params_file
-from pipelines.core.config import CurriculumParams
 from pipelines.core.data import packed
 from pipelines.core.extensions import Hook
 from pipelines.core.models.models import build_llama, load_tokenizer
 from pipelines.core.outputs import read_json
+from pipelines.core.params import files as params_file
+from pipelines.core.params.training import CurriculumParams
 from pipelines.core.training import curriculum, loop
 
 

@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 
 from pipelines import pretrain, sft
-from pipelines.core import config, dag, params_file
+from pipelines.core import dag
 from pipelines.core.data import sample_world
 from pipelines.core.data.chat_template import normalize_answer
 from pipelines.core.models import models
-from pipelines.core.outputs import read_json, write_json
+from pipelines.core.outputs import digest, read_json, to_plain, write_json
+from pipelines.core.params import files as params_file
 from pipelines.core.run import stage
 from pipelines.core.training import precision
 from pipelines.evaluate import evaluate_model, heldout_questions
@@ -90,7 +91,7 @@ def one_run(
     sft_params = _with(params.sft, seed, precision_name)
     pre_out, sft_out = work / "pretrain", work / "sft"
     if cache is not None:
-        key = config.digest({"params": config.to_plain(pre_params), "data": dag.dvc_md5(tokenized)})[:16]
+        key = digest({"params": to_plain(pre_params), "data": dag.dvc_md5(tokenized)})[:16]
         pre_out = cache / f"pretrain-{key}"
     started = time.perf_counter()
     if (pre_out / "metrics.json").exists():

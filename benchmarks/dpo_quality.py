@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from pipelines import dpo
-from pipelines.core import params_file
-from pipelines.core.config import EvaluateParams
+from pipelines.core.params import files as params_file
+from pipelines.core.params.release import EvaluateParams
 from pipelines.core.run import stage
 from pipelines.evaluate import evaluate_model, heldout_questions
 

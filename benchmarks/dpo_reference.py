@@ -27,10 +27,10 @@ import torch
 
 from benchmarks.train_throughput import _Vocab
 from pipelines import dpo
-from pipelines.core import params_file
 from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
 from pipelines.core.models.models import build_llama
+from pipelines.core.params import files as params_file
 from pipelines.core.training import loop, preference_data
 
 WARMUP = 3

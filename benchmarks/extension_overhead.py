@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import _Vocab
-from pipelines.core import config, extensions, params_file
+from pipelines.core import extensions
 from pipelines.core.models.models import build_llama
+from pipelines.core.params import files as params_file
+from pipelines.core.params.training import DEFAULT_EXTENSIONS
 from pipelines.core.training import loop, precision
 
 
@@ -61,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     step = pretrain_step_seconds(args.steps)
-    defaults = extensions.build(list(config.DEFAULT_EXTENSIONS), extensions.ExtensionContext("pretrain"))
+    defaults = extensions.build(list(DEFAULT_EXTENSIONS), extensions.ExtensionContext("pretrain"))
     cases = {
         "0 extensions": [],
         "1 no-op extension": [_Noop()],

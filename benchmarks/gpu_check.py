@@ -139,7 +139,7 @@ def bare_project(where: Path, overlays: list[str], overrides: list[str] = ()) ->
     `overlays` and `overrides`, with no git and no DVC: the core runs stages in it untracked."""
     import yaml
 
-    from pipelines.core import params_file
+    from pipelines.core.params import files as params_file
 
     project = where
     _copy_project(project, skip=("params.yaml",))
@@ -215,8 +215,8 @@ def _shared_tokens_per_second(model, size: dict, precision: str, device, compile
     import numpy as np
     import torch
 
-    from pipelines.core.config import TrainParams
     from pipelines.core.extensions import Hook
+    from pipelines.core.params.training import TrainParams
     from pipelines.core.training import loop
 
     rows = np.random.default_rng(0).integers(0, size["vocab"], (64, size["seq"]))

@@ -27,8 +27,9 @@ import torch
 
 from benchmarks.default_quality import _with, cpu_name, reads
 from pipelines import grpo, pretrain, sft
-from pipelines.core import config, dag, params_file
-from pipelines.core.outputs import write_json
+from pipelines.core import dag
+from pipelines.core.outputs import digest, to_plain, write_json
+from pipelines.core.params import files as params_file
 from pipelines.core.training import precision
 from pipelines.evaluate import evaluate_model, heldout_questions
 
@@ -40,7 +41,7 @@ def one_seed(root: Path, params, seed: int, precision_name: str, questions, work
     pre_params = _with(params.pretrain, seed, precision_name)
     pre_out = work / "pretrain"
     if cache is not None:
-        pre_out = cache / f"pretrain-{config.digest({'params': config.to_plain(pre_params), 'data': dag.dvc_md5(tokenized)})[:16]}"
+        pre_out = cache / f"pretrain-{digest({'params': to_plain(pre_params), 'data': dag.dvc_md5(tokenized)})[:16]}"
     if not (pre_out / "metrics.json").exists():
         metrics = pretrain.run(tokenized, tokenizer, pre_out, pre_params, None)
         metrics.pop("history", None)

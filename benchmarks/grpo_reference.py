@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipelines.core.config import ALL_PROJECTIONS
     from pipelines.core.models import fused_adapters
+    from pipelines.core.params.finetuning import ALL_PROJECTIONS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--completions", type=int, default=8)

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from pipelines import lora, quantum_opt
-from pipelines.core import params_file
+from pipelines.core.params import files as params_file
 from pipelines.core.quantum import qubo
 from pipelines.core.run import stage
 from pipelines.evaluate import evaluate_model, heldout_questions

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from pipelines import evaluate, pretrain, sft
-from pipelines.core import params_file
 from pipelines.core.data import packed
 from pipelines.core.models.models import build_llama, load_for_inference, load_tokenizer, save_pretrained
 from pipelines.core.outputs import read_json
+from pipelines.core.params import files as params_file
 from pipelines.core.training import diffusion, loop, objectives, precision
 from pipelines.train_tokenizer import add_mask_token
 

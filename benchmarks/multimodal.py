@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from pipelines import ingest, multimodal, prepare_data
-from pipelines.core import params_file
-from pipelines.core.config import IngestParams, PrepareDataParams, SampleImagesParams
 from pipelines.core.data import digits
 from pipelines.core.models import vision
+from pipelines.core.params import files as params_file
+from pipelines.core.params.data import IngestParams, PrepareDataParams, SampleImagesParams
 from pipelines.core.training import precision
 
 REPO = Path(__file__).resolve().parents[1]

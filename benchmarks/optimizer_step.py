@@ -18,8 +18,8 @@ import torch
 
 from benchmarks.peer_training import SIZES
 from benchmarks.train_throughput import _Vocab
-from pipelines.core import params_file
 from pipelines.core.models.models import build_llama
+from pipelines.core.params import files as params_file
 from pipelines.core.training import loop
 
 

@@ -59,12 +59,12 @@ import pandas as pd
 import torch
 
 from pipelines import dpo, ref_logprobs
-from pipelines.core import params_file
 from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
 from pipelines.core.models.models import CONSTRUCTION, load_for_inference
+from pipelines.core.params import files as params_file
 from pipelines.core.training import loop, precision, preference_data
 
 WARMUP = 3
@@ -137,7 +137,8 @@ def trl_precomputed(model, tokenizer, records: pd.DataFrame, max_length: int, ba
     own precompute pass, in fp32 with `model` as the reference), in the order of `records`."""
     import datasets
 
-    from pipelines.core.config import DpoParams, TrainParams
+    from pipelines.core.params.preference import DpoParams
+    from pipelines.core.params.training import TrainParams
 
     datasets.disable_progress_bars()
     os.environ.setdefault("TQDM_DISABLE", "1")

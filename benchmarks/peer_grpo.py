@@ -36,11 +36,11 @@ import torch
 
 from benchmarks.peer_dpo import WARMUP, fresh_policy, trainer_args
 from pipelines import grpo
-from pipelines.core import params_file
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
 from pipelines.core.models.models import load_for_inference, stop_token_ids
+from pipelines.core.params import files as params_file
 from pipelines.core.training import loop, precision, rewards, rollouts
 
 

@@ -40,10 +40,10 @@ import torch
 
 from benchmarks.peer_dpo import WARMUP, fresh_policy, load_run, trainer_args
 from pipelines import dpo, ref_logprobs
-from pipelines.core import params_file
 from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
+from pipelines.core.params import files as params_file
 from pipelines.core.training import loop, precision, preference_data
 
 SETTINGS = {

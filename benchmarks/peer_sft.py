@@ -43,10 +43,11 @@ import pandas as pd
 import torch
 
 from pipelines import evaluate
-from pipelines.core.config import SftParams, TrainParams
 from pipelines.core.data.chat_template import end_of_turn_token, parse_messages
 from pipelines.core.extensions import Extension
 from pipelines.core.models.models import load_model_and_tokenizer
+from pipelines.core.params.finetuning import SftParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import finetune
 
 MAX_NEW_TOKENS = 16

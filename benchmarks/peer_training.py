@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import WARMUP, _Vocab, shared_loop
-from pipelines.core import params_file
 from pipelines.core.models.models import build_llama
+from pipelines.core.params import files as params_file
 from pipelines.core.training import loop, precision
 
 SIZES = {"default": {}, "30m": {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8}}

@@ -47,7 +47,7 @@ def branch(root: Path, name: str, seed: int, out: Path) -> dict:
     import pandas as pd
 
     from pipelines import dpo, ref_logprobs
-    from pipelines.core import params_file
+    from pipelines.core.params import files as params_file
     from pipelines.core.run import stage
     from pipelines.core.training import preference_data
     from pipelines.evaluate import evaluate_model, heldout_questions
@@ -78,7 +78,7 @@ def branch(root: Path, name: str, seed: int, out: Path) -> dict:
 def sft_baseline(root: Path) -> dict:
     import pandas as pd
 
-    from pipelines.core import params_file
+    from pipelines.core.params import files as params_file
     from pipelines.core.training import preference_data
     from pipelines.evaluate import evaluate_model, heldout_questions
 

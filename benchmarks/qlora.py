@@ -29,8 +29,9 @@ def one(args: argparse.Namespace) -> dict:
     import torch
 
     from pipelines import lora
-    from pipelines.core import params_file
-    from pipelines.core.config import LoraParams, TrainParams
+    from pipelines.core.params import files as params_file
+    from pipelines.core.params.finetuning import LoraParams
+    from pipelines.core.params.training import TrainParams
     from pipelines.core.training import precision
 
     base, work = Path(args.base), Path(args.work)
@@ -67,8 +68,8 @@ def random_base(size: str, out: Path) -> Path:
 
     import pandas as pd
 
-    from pipelines.core.config import ModelParams
     from pipelines.core.models.models import build_llama, save_pretrained
+    from pipelines.core.params.pretraining import ModelParams
     from pipelines.train_tokenizer import train as train_tokenizer
 
     chats = [[{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": str(a + b)}] for a in range(10) for b in range(10)]

@@ -9,10 +9,11 @@ import torch
 from peft import PeftModel
 
 from pipelines import lora
-from pipelines.core import params_file
-from pipelines.core.config import LoraParams, TrainParams
 from pipelines.core.models import quantize
 from pipelines.core.models.models import load_causal_lm, load_tokenizer, save_pretrained
+from pipelines.core.params import files as params_file
+from pipelines.core.params.finetuning import LoraParams
+from pipelines.core.params.training import TrainParams
 from pipelines.evaluate import evaluate_model, heldout_questions
 
 root, base = Path(sys.argv[1]), sys.argv[2]

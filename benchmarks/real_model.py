@@ -76,8 +76,8 @@ def _spread(values: list[float]) -> str:
 
 def choose(args) -> int:
     from pipelines import lora, sft
-    from pipelines.core import params_file
     from pipelines.core.outputs import read_json
+    from pipelines.core.params import files as params_file
     from pipelines.core.run import stage
 
     run = args.run.resolve()
@@ -164,9 +164,9 @@ def profile(args) -> int:
 def base(args) -> int:
     """The base as it comes, scored as the run's models were."""
     from pipelines import evaluate
-    from pipelines.core import params_file
     from pipelines.core.models import gguf_import
     from pipelines.core.models.models import save_pretrained
+    from pipelines.core.params import files as params_file
     from pipelines.core.training import preference_data
 
     run = args.run.resolve()
@@ -200,9 +200,9 @@ GENERAL_PROMPTS = [
 def prompts(args) -> int:
     """The base and each model of the run answering `GENERAL_PROMPTS` (greedy, 48 new tokens)."""
     from pipelines import evaluate
-    from pipelines.core import params_file
     from pipelines.core.models import gguf_import
     from pipelines.core.models.models import load_for_inference, save_pretrained
+    from pipelines.core.params import files as params_file
 
     run = args.run.resolve()
     params, _ = params_file.load(REPO, overlays=[PROFILE])
@@ -279,8 +279,8 @@ def _heldout(model_dir: Path, questions) -> dict:
 def grpo(args) -> int:
     from pipelines import evaluate
     from pipelines import grpo as grpo_stage
-    from pipelines.core import params_file
     from pipelines.core.models.models import save_pretrained
+    from pipelines.core.params import files as params_file
     from pipelines.core.run import stage
     from pipelines.core.training import finetune
 

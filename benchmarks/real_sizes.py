@@ -124,7 +124,7 @@ def make_base(shape: str, out: Path, seed: int = 0, max_positions: int = 32768) 
 def stage(args: argparse.Namespace) -> dict:
     """One stage of the fine-tuning profile against `args.base`; its numbers."""
     from pipelines import lora, sft
-    from pipelines.core import params_file
+    from pipelines.core.params import files as params_file
     from pipelines.core.run.resources import PeakMemory
     from pipelines.core.training import precision
 

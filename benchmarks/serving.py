@@ -102,8 +102,8 @@ def random_model(size: str, out: Path) -> Path:
     """A random-weight Llama of `size` with the project's tokenizer, saved to `out`."""
     from transformers import AutoTokenizer
 
-    from pipelines.core.config import ModelParams
     from pipelines.core.models.models import build_llama, configure_generation
+    from pipelines.core.params.pretraining import ModelParams
 
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "data/tokenizer")
     model = build_llama(ModelParams(**RANDOM_SIZES[size]), tokenizer, max_positions=256, seed=0)

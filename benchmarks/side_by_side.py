@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from benchmarks.train_throughput import _Vocab, shared_loop
-from pipelines.core import params_file
 from pipelines.core.models.models import build_llama
+from pipelines.core.params import files as params_file
 from pipelines.core.training import precision
 
 

@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core import config, params_file
 from pipelines.core.extensions import Hook
 from pipelines.core.models.models import build_llama
+from pipelines.core.params import files as params_file
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import loop
 
 WARMUP = 3
@@ -59,7 +60,7 @@ def bare_loop(model, rows: np.ndarray, batch_size: int, steps: int, lr: float) -
     return (steps - WARMUP) * batch_size * rows.shape[1] / (time.perf_counter() - start)
 
 
-def shared_loop(model, rows: np.ndarray, cfg: config.TrainParams, timing: dict | None = None) -> float:
+def shared_loop(model, rows: np.ndarray, cfg: TrainParams, timing: dict | None = None) -> float:
     """`pipelines.core.training.loop.train` (schedule, clipping, metrics, progress bar); timed tokens/s.
     `timing`, if given, gets `warmup_s`: from the call to the end of the untimed warm-up steps."""
     marks: list[float] = []

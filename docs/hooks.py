@@ -4,7 +4,7 @@
 - `results.md`: `benchmarks/RESULTS.md`, today's headline figures;
 - `results/<theme>.md`: `benchmarks/results/<theme>.md`, the detailed page of each theme (the links of both
   rewritten for the site, so they work on GitHub and on the site alike);
-- `reference/params.md`: every params key, from the pydantic schemas of `pipelines/core/config.py`
+- `reference/params.md`: every params key, from the pydantic schemas of `pipelines/core/params/`
   (types, defaults and the attribute docstrings the schemas carry).
 """
 
@@ -75,11 +75,12 @@ def _models(annotation) -> list:
 
 def _params_page() -> str:
     sys.path.insert(0, str(ROOT))
-    from pipelines.core.config import Params, applies_when, field_docs
+    from pipelines.core.params.base import applies_when, field_docs
+    from pipelines.core.params.project import Params
 
     out = ["# Parameters", "",
            "Every key of `params.yaml` (and of `--set`, `--params` files), generated from the pydantic schemas in "
-           "`pipelines/core/config.py` when the site is built: type, default and what it means. A nested section's "
+           "`pipelines/core/params/` when the site is built: type, default and what it means. A nested section's "
            "keys are listed once, under its schema's name. A key marked *only with ...* acts only under that "
            "condition; set to another value than its default elsewhere, it is refused by name.", ""]  # fmt: skip
     seen, todo = set(), []

@@ -42,7 +42,7 @@ import threading
 from pathlib import Path
 
 from flows import preflight
-from pipelines.core import dag, params_file
+from pipelines.core import dag
 from pipelines.core.errors import (
     QllmError,
     ask_stop,
@@ -52,6 +52,7 @@ from pipelines.core.errors import (
     stop_requested,
     stop_signal,
 )
+from pipelines.core.params import files as params_file
 from pipelines.core.paths import project_path
 
 
@@ -303,7 +304,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from flows import generation
     from pipelines import export
-    from pipelines.core.config import ExportParams
+    from pipelines.core.params.release import ExportParams
 
     root = Path(args.project_dir).resolve()
     types = args.type or ["f16", "q8_0"]

@@ -24,8 +24,8 @@ from typing import Any
 
 from flows import lineage
 from pipelines.core import dag
-from pipelines.core.config import flatten
 from pipelines.core.errors import QllmError
+from pipelines.core.outputs import flatten
 from pipelines.core.run import tracking
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")

@@ -166,7 +166,7 @@ def stage_runs(
     `parent_run_id` (it ran in that pipeline run), then the most params equal to the lock's, then
     the latest (a stage restored from DVC's run-cache was produced by an earlier run).
     """
-    from pipelines.core.config import flatten
+    from pipelines.core.outputs import flatten
 
     experiment = client.get_experiment_by_name(tracking.experiment_name())
     found: dict[str, str | None] = {}
@@ -234,7 +234,7 @@ def _wrapped(label: str, words: list[str], width: int = 110) -> list[str]:
 
 
 def _flat_params(params: Mapping[str, Any]) -> dict[str, str]:
-    from pipelines.core.config import flatten
+    from pipelines.core.outputs import flatten
 
     def shown(value: Any) -> str:
         quoted = isinstance(value, (list, dict)) or (isinstance(value, str) and (" " in value or not value))

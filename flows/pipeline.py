@@ -31,7 +31,10 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from flows import preflight
-from pipelines.core import config, dag, errors, params_file, workspace
+from pipelines.core import dag, errors, workspace
+from pipelines.core.outputs import flatten
+from pipelines.core.params import files as params_file
+from pipelines.core.params.base import PARAMS_FILE
 from pipelines.core.run import repro, tracking
 from tasks.stages import stage_task
 
@@ -121,8 +124,8 @@ def pipeline(
     with workspace.locked(ws), tracking.run(name, root, tags=_run_tags(ws, root), parent_run_id=parent_run_id) as parent:
         # the effective params, flattened (dpo.beta, lora.r, ...): MLflow's compare view shows the keys that differ
         parent.log_params({"overrides": " ".join(overrides or []), "params_files": " ".join(params_files or []), "until": _stages_text(until),
-                           **config.flatten(params)})  # fmt: skip
-        parent.log_artifact(ws / config.PARAMS_FILE)  # the effective params of this run
+                           **flatten(params)})  # fmt: skip
+        parent.log_artifact(ws / PARAMS_FILE)  # the effective params of this run
         futures = {}
         try:
             with stop_stages_on_termination(lambda: [future.wait() for future in futures.values()]):

@@ -217,7 +217,7 @@ def grant_client(url: str, passwords: dict[str, str], experiment: str, model_nam
 
 def _model_name(root: Path) -> str:
     """`register.model_name` of the project's params (validated as a run loads them)."""
-    from pipelines.core import params_file
+    from pipelines.core.params import files as params_file
 
     return params_file.load(root)[0].register.model_name
 

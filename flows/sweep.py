@@ -29,8 +29,9 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows.pipeline import FINAL_STATE_HOOKS, pipeline, stop_stages_on_termination
-from pipelines.core import dag, dvc_api, params_file
+from pipelines.core import dag, dvc_api
 from pipelines.core.errors import QllmError
+from pipelines.core.params import files as params_file
 from pipelines.core.run import tracking
 
 WORKER_LABEL = "prefect.worker.name"

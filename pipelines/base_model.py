@@ -39,7 +39,7 @@ from pipelines.core.outputs import write_json
 from pipelines.core.paths import project_root
 
 if TYPE_CHECKING:
-    from pipelines.core.config import BaseModelParams
+    from pipelines.core.params.finetuning import BaseModelParams
 
 NAME = "base_model"
 """A stage that reads the world (`pipelines.core.data.world`): no MLflow run; the base is in the
@@ -109,7 +109,7 @@ def params(ctx: world.Context) -> BaseModelParams | None:
     None for the default, nothing set (pretrain one here), known without importing the schema."""
     if set(ctx.section) <= {"name", "revision", "chat_template_path"} and all(value is None for value in ctx.section.values()):
         return None
-    from pipelines.core import params_file  # pydantic: only where a base model is named
+    from pipelines.core.params import files as params_file  # pydantic: only where a base model is named
 
     return params_file.load(ctx.root)[0].base_model
 

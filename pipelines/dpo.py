@@ -32,7 +32,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core.config import DpoParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, footprint, quantize
 from pipelines.core.models.models import (
@@ -43,6 +42,7 @@ from pipelines.core.models.models import (
     seeded,
 )
 from pipelines.core.outputs import read_json, write_json
+from pipelines.core.params.preference import DpoParams
 from pipelines.core.run import stage
 from pipelines.core.training import loop, preference_data
 from pipelines.core.training.checkpoint import CheckpointManager

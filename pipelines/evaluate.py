@@ -58,7 +58,6 @@ import pandas as pd
 import torch
 
 from pipelines.core import paths
-from pipelines.core.config import EvaluateParams
 from pipelines.core.data import packed, real_text
 from pipelines.core.data.chat_template import (
     check_tool_support,
@@ -73,6 +72,7 @@ from pipelines.core.data.chat_template import (
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import CONSTRUCTION, device, load_for_inference, stop_token_ids
 from pipelines.core.outputs import atomic_dir, read_json
+from pipelines.core.params.release import EvaluateParams
 from pipelines.core.run import plots, stage
 from pipelines.core.training import chunked_loss, diffusion, episodes, loop, losses, objectives, preference_data, tools
 from pipelines.core.workspace import project_root

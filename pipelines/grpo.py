@@ -33,7 +33,6 @@ import pandas as pd
 import torch
 
 from pipelines.core import paths
-from pipelines.core.config import GrpoParams
 from pipelines.core.data.chat_template import (
     TOOLS_KEY,
     answer_group,
@@ -50,6 +49,7 @@ from pipelines.core.models.models import (
     save_pretrained,
     seeded,
 )
+from pipelines.core.params.rl import GrpoParams
 from pipelines.core.run import stage
 from pipelines.core.training import diffusion, episodes, grpo, loop, rewards, rollouts, tools
 from pipelines.core.training.checkpoint import CheckpointManager

@@ -25,9 +25,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from pipelines.core.config import IngestParams, SourceParams
 from pipelines.core.data.readers import COLUMNS, MEMORY_POOL, SCHEMAS, iter_source, source_name
 from pipelines.core.outputs import atomic_dir
+from pipelines.core.params.data import IngestParams, SourceParams
 from pipelines.core.run import stage
 
 NAME = "ingest"

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core.config import LoraParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, model_source, quantize
 from pipelines.core.outputs import read_json
+from pipelines.core.params.finetuning import LoraParams
 from pipelines.core.quantum import rank_allocation
 from pipelines.core.run import stage
 from pipelines.core.training import finetune

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipelines.core.config import MultimodalParams
+from pipelines.core.params.finetuning import MultimodalParams
 from pipelines.core.errors import QllmError
 from pipelines.core.run import stage
 from pipelines.core.training.phases import Phase, phase_at

@@ -50,11 +50,11 @@ import pyarrow as pa
 import pyarrow.compute
 import pyarrow.parquet as pq
 
-from pipelines.core.config import PrepareDataParams
 from pipelines.core.data import cleaning, parallel
 from pipelines.core.data.images import IMAGE_TOKEN, ImageError, count_placeholders, image_size, sha256_hex
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir, record_batches
+from pipelines.core.params.data import PrepareDataParams
 from pipelines.core.run import stage
 
 NAME = "prepare_data"

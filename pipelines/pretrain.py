@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core.config import PretrainParams
 from pipelines.core.data import packed
 from pipelines.core.models import footprint, model_source
 from pipelines.core.models.model_source import POINTER
@@ -41,6 +40,7 @@ from pipelines.core.models.models import (
     save_pretrained,
 )
 from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.params.pretraining import PretrainParams
 from pipelines.core.paths import project_root
 from pipelines.core.run import stage
 from pipelines.core.training import chunked_loss, curriculum, diffusion, loop, objectives, progressive

@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.core.config import ProbeLoraParams
 from pipelines.core.data import chat_examples
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Extension
 from pipelines.core.models import adapters, quantize
 from pipelines.core.models.models import CONSTRUCTION, device, load_model_and_tokenizer
 from pipelines.core.outputs import atomic_dir, write_json
+from pipelines.core.params.finetuning import ProbeLoraParams
 from pipelines.core.quantum import qubo
 from pipelines.core.run import stage
 from pipelines.core.training import chunked_loss, distributed, finetune, loop, objectives

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core.config import QuantumOptParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.params.finetuning import QuantumOptParams
 from pipelines.core.quantum import qubo
 from pipelines.core.run import stage
 

@@ -34,12 +34,12 @@ import pandas as pd
 import torch
 
 from pipelines.core import paths
-from pipelines.core.config import RefLogprobsParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import quantize
 from pipelines.core.models.model_source import follow
 from pipelines.core.models.models import load_for_inference, load_tokenizer
 from pipelines.core.outputs import atomic_dir, write_json
+from pipelines.core.params.preference import RefLogprobsParams
 from pipelines.core.run import stage
 from pipelines.core.training import preference_data
 

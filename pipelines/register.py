@@ -36,11 +36,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pipelines.core import dag, workspace
-from pipelines.core.config import RegisterParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import model_source
 from pipelines.core.models.models import load_for_inference
 from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.params.release import RegisterParams
 from pipelines.core.run import lineage, stage, tracking
 from pipelines.core.workspace import project_root
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core.config import SampleDataParams
 from pipelines.core.data import digits, real_text, sample_world
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir
+from pipelines.core.params.data import SampleDataParams
 from pipelines.core.run import stage
 
 NAME = "sample_data"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.core.config import SftParams
 from pipelines.core.models.models import save_pretrained
+from pipelines.core.params.finetuning import SftParams
 from pipelines.core.run import stage
 from pipelines.core.training import finetune
 

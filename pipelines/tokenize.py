@@ -35,7 +35,7 @@ from pipelines.core.errors import QllmError
 from pipelines.core.outputs import atomic_dir, record_batches
 
 if TYPE_CHECKING:  # the stage machinery is imported by `main` only: worker processes import this module
-    from pipelines.core.config import TokenizeParams
+    from pipelines.core.params.data import TokenizeParams
     from pipelines.core.run import stage
 
 NAME = "tokenize"

@@ -24,7 +24,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pipelines.core import workspace
-from pipelines.core.config import TrainTokenizerParams
 from pipelines.core.data import parallel
 from pipelines.core.data.chat_template import (
     CHAT_TEMPLATE,
@@ -41,6 +40,7 @@ from pipelines.core.data.chat_template import (
 from pipelines.core.errors import QllmError
 from pipelines.core.models import model_source
 from pipelines.core.outputs import atomic_dir, record_batches
+from pipelines.core.params.data import TrainTokenizerParams
 from pipelines.core.run import stage
 
 NAME = "train_tokenizer"

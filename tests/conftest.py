@@ -220,7 +220,7 @@ def make_project(dest: Path, mlflow_db: Path, params_overlay: dict | None = None
     """
     from pydantic import ValidationError
 
-    from pipelines.core.params_file import Layers, deep_merge
+    from pipelines.core.params.files import Layers, deep_merge
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in PROJECT_FILES:
@@ -385,8 +385,8 @@ def tiny_base(tmp_path_factory):
 
     import pandas as pd
 
-    from pipelines.core.config import ModelParams
     from pipelines.core.models.models import build_llama, save_pretrained
+    from pipelines.core.params.pretraining import ModelParams
     from pipelines.train_tokenizer import train
 
     root = tmp_path_factory.mktemp("tiny_base")

@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from pipelines.core.config import ModelParams
 from pipelines.core.models.models import build_llama
+from pipelines.core.params.pretraining import ModelParams
 from tests import numerics
 from tests.core.training.test_loop import FakeTokenizer
 

@@ -103,7 +103,7 @@ import inspect, peft
 state["file"] = bitsandbytes.__file__ == importlib.util.find_spec("bitsandbytes").origin
 inspect.getmodule(eval(compile("sys._getframe()", "<no module>", "eval")))  # a frame of no file: scans every module's __file__
 state["scanned"] = type(sys.modules["bitsandbytes"]).__name__
-import pipelines.core.config  # the params schemas, after PEFT (as pytest workers and probes import them)
+import pipelines.core.params.project  # the params schemas, after PEFT (as pytest workers and probes import them)
 state["schemas"] = type(sys.modules["bitsandbytes"]).__name__
 state["version"] = bitsandbytes.__version__  # the first use runs it
 state["after"] = type(sys.modules["bitsandbytes"]).__name__

@@ -311,3 +311,59 @@ def user_function(name: str, where: str, required: Sequence[str], given: Sequenc
     if unknown:
         raise QllmError(f"{where}: {name!r} requires {', '.join(unknown)}, which it would not be given (it gets {', '.join(given)})")
     return fn
+
+
+# ---------------------------------------------------- the plug-ins params name: rewards and tools
+
+
+BUILT_IN_REWARDS = ("exact_match", "strict_match", "format", "environment")
+"""The reward functions `pipelines.core.training.rewards` has built in."""
+
+
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "answer", "id", "source", "split",
+                    "candidates", "environments")
+"""What a reward function is called with: TRL's arguments and the records' columns (the prepared
+chat records' `id`, `source`, `split`, and `answer`, the reference), `candidates` (the answers of
+the question's group), and in episodes with `grpo.tools.environment`, `environments` (each
+completion's environment instance, as TRL's)."""
+
+
+def user_reward(name: str, where: str):
+    """None for a built-in reward's name; else the user's `package.module:function`, imported and
+    checked against how it will be called (`REWARD_ARGUMENTS`); a `QllmError` naming `where` if it
+    is neither. Used when params load and by `pipelines.core.training.rewards.load`."""
+    if name in BUILT_IN_REWARDS:
+        return None
+    if name == "flexible_match":
+        raise QllmError(f"{where}: flexible_match is evaluate's lenient score: as a reward, an answer naming every candidate (\"Pelora, Dunmar or "
+                        "Kestwick\") scores 1 and the policy learns to list them; use strict_match, the same score that gives 0 when another "
+                        "candidate answer of the question's group is named")  # fmt: skip
+    if ":" not in name:
+        if Path(name).is_dir() or name.count("/") == 1:
+            raise QllmError(f"{where}: {name!r} looks like a reward model (a directory or hub id): grpo takes reward functions only, not TRL's "
+                            "reward models; load the model in a `package.module:function` of your own and return its scores")  # fmt: skip
+        raise QllmError(f"{where}: {name!r} is neither a built-in reward ({', '.join(BUILT_IN_REWARDS)}) nor `package.module:function`")
+    fn = user_function(name, where, required=("prompts", "completions"), given=REWARD_ARGUMENTS, what="reward function")
+    if any(c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(fn).__mro__):
+        raise QllmError(f"{where}: {name!r} is a torch module (a reward model): grpo takes reward functions only, not TRL's reward models; "
+                        "call the model in a function of your own and return its scores")  # fmt: skip
+    return fn
+
+
+BUILT_IN_TOOLS = ("calculator", "lookup")
+
+
+def user_tool(name: str, where: str):
+    """None for a built-in tool the params can name; else the user's `package.module:function`,
+    imported and described as a JSON schema (`describe`); a `QllmError` naming `where`
+    if it is neither. Used when params load and by `pipelines.core.training.tools.load`."""
+    if name == "calculator":
+        return None
+    if name == "lookup":
+        raise QllmError(f"{where}: the lookup tool answers from a table the data provides, and no params key gives one yet; "
+                        "write a `package.module:function` tool that holds your table")  # fmt: skip
+    if ":" not in name:
+        raise QllmError(f"{where}: {name!r} is neither a built-in tool ({', '.join(BUILT_IN_TOOLS)}) nor `package.module:function`")
+    fn = import_callable(name, where, what="tool function")
+    describe(fn, where)
+    return fn

@@ -152,3 +152,34 @@ def record_batches(path: Path | str, batch_size: int, columns: list[str] | None 
     # read until the file is closed, so memory would grow with the file instead of the batch.
     with pq.ParquetFile(path, pre_buffer=False) as source:
         yield from source.iter_batches(batch_size=batch_size, columns=columns)
+
+
+# ------------------------------------------------- params as plain data: MLflow keys, names of runs
+
+
+def to_plain(model: Any) -> dict[str, Any]:
+    """A JSON-safe dict of a params model (a pydantic model: imported by none of this module, which
+    the GPU machines without pydantic import)."""
+    return model.model_dump(mode="json")
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested params to dotted keys (`pretrain.train.lr`) for MLflow."""
+    if hasattr(data, "model_dump"):
+        data = to_plain(data)
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    if isinstance(data, list) and data and all(isinstance(item, dict) for item in data):
+        out = {}
+        for index, item in enumerate(data):
+            out.update(flatten(item, f"{prefix}{index}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def digest(data: Any) -> str:
+    """Stable SHA-256 of JSON-able data (used to name run workspaces and checkpoint dirs)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()

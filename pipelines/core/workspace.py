@@ -22,9 +22,11 @@ from typing import Any
 
 import yaml
 
-from pipelines.core import config, dag, dvc_api, params_file
+from pipelines.core import dag, dvc_api
 from pipelines.core.errors import QllmError
-from pipelines.core.outputs import write_json, write_private
+from pipelines.core.outputs import digest, write_json, write_private
+from pipelines.core.params import files as params_file
+from pipelines.core.params.base import PARAMS_FILE
 from pipelines.core.paths import MARKER, project_root
 
 log = logging.getLogger("qllm.workspace")
@@ -69,9 +71,9 @@ def prepare(root: Path | str, params_data: dict[str, Any]) -> Path:
     root = Path(root).resolve()
     if not (root / ".dvc").is_dir():
         raise QllmError(f"{root}: not a DVC project (no .dvc/ directory); run from the project root or `dvc init`")
-    if params_data == params_file.read_yaml(root / config.PARAMS_FILE):
+    if params_data == params_file.read_yaml(root / PARAMS_FILE):
         return root
-    ws = root / RUNS_DIR / config.digest(params_data)[:12]
+    ws = root / RUNS_DIR / digest(params_data)[:12]
     # Syncing replaces the mirrored sources: never while another run with the same overrides
     # executes in this workspace (it holds the same lock for its whole run).
     with locked(ws):
@@ -100,8 +102,8 @@ def _sync(root: Path, ws: Path, params_data: dict[str, Any]) -> None:
             raise QllmError(f"{src}: listed as a dependency in dvc.yaml but does not exist")
         _mirror_dir(src, ws / source) if src.is_dir() else _sync_file(src, ws / source)
     params_text = yaml.safe_dump(params_data, sort_keys=False, allow_unicode=True)
-    if not (ws / config.PARAMS_FILE).exists() or (ws / config.PARAMS_FILE).read_text() != params_text:
-        (ws / config.PARAMS_FILE).write_text(params_text)
+    if not (ws / PARAMS_FILE).exists() or (ws / PARAMS_FILE).read_text() != params_text:
+        (ws / PARAMS_FILE).write_text(params_text)
     if not (ws / MARKER).exists():
         write_json(ws / MARKER, {"project_root": str(root)})
 

@@ -7,8 +7,8 @@ import sys
 import textwrap
 
 from benchmarks.data_scale import TreePeak, add_text_source, generate
-from pipelines.core.config import SourceParams
 from pipelines.core.data.readers import read_source
+from pipelines.core.params.data import SourceParams
 
 SIZE = 3_000_000
 

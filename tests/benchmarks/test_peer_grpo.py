@@ -6,8 +6,9 @@ from __future__ import annotations
 from benchmarks import peer_grpo
 from benchmarks.peer_dpo import WARMUP
 from pipelines import grpo
-from pipelines.core.config import GrpoParams, TrainParams
 from pipelines.core.models.models import load_for_inference
+from pipelines.core.params.rl import GrpoParams
+from pipelines.core.params.training import TrainParams
 
 
 def test_both_trainers_run_the_same_problem_and_report_their_times(tiny_base):

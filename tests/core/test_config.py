@@ -12,10 +12,15 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from pipelines.core import config, params_file
-from pipelines.core.config import ParamsError
+from pipelines.core.outputs import digest, flatten
+from pipelines.core.params import files as params_file
+from pipelines.core.params.base import ParamsError, Section, applies_when, field_docs
+from pipelines.core.params.finetuning import FinetuneParams, LoraParams, SftParams
+from pipelines.core.params.preference import DpoParams
+from pipelines.core.params.project import Params
 
 REPO = Path(__file__).resolve().parents[2]
+PARAMS_PACKAGE = REPO / "pipelines/core/params"
 
 
 def unset_fields(model: BaseModel, prefix: str = "") -> list[str]:
@@ -145,8 +150,8 @@ def test_params_overlay_file_errors_name_that_file(tmp_path):
 def test_deep_merge_and_flatten():
     merged = params_file.deep_merge({"a": {"b": 1, "c": [1]}, "d": 1}, {"a": {"c": [2]}, "e": 3})
     assert merged == {"a": {"b": 1, "c": [2]}, "d": 1, "e": 3}
-    assert config.flatten({"a": {"b": 1}, "s": [{"p": "x"}]}) == {"a.b": 1, "s.0.p": "x"}
-    assert config.digest({"a": 1, "b": 2}) == config.digest({"b": 2, "a": 1})
+    assert flatten({"a": {"b": 1}, "s": [{"p": "x"}]}) == {"a.b": 1, "s.0.p": "x"}
+    assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
 
 
 @pytest.mark.parametrize(
@@ -177,20 +182,24 @@ def test_the_real_model_profile_validates():
 
 
 def test_field_docs_are_the_descriptions_pydantic_reads_from_the_source(tmp_path, monkeypatch):
-    """`field_docs` against pydantic's own reading of the same file (`use_attribute_docstrings`,
+    """`field_docs` against pydantic's own reading of the same files (`use_attribute_docstrings`,
     which the schemas no longer ask for as they are built): every key of every section, inherited
-    keys included."""
-    import importlib.util
+    keys included. The params package is copied under another name with that one setting changed."""
+    import importlib
 
-    source = Path(config.__file__).read_text(encoding="utf-8")
     marker = 'model_config = ConfigDict(extra="forbid", frozen=True)'
-    assert source.count(marker) == 1
-    copy = tmp_path / "config_with_docstrings.py"
-    copy.write_text(source.replace(marker, marker[:-1] + ", use_attribute_docstrings=True)"), encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("config_with_docstrings", copy)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # where pydantic resolves the annotations
-    spec.loader.exec_module(module)
+    copied = tmp_path / "params_with_docstrings"
+    copied.mkdir()
+    for path in PARAMS_PACKAGE.glob("*.py"):
+        source = path.read_text(encoding="utf-8").replace("pipelines.core.params.", "params_with_docstrings.")
+        if path.stem == "base":
+            assert source.count(marker) == 1
+            source = source.replace(marker, marker[:-1] + ", use_attribute_docstrings=True)")
+        (copied / path.name).write_text(source, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("params_with_docstrings")]:
+        monkeypatch.delitem(sys.modules, name)
+    importlib.import_module("params_with_docstrings.project")
 
     def sections(base):
         for sub in base.__subclasses__():
@@ -198,36 +207,36 @@ def test_field_docs_are_the_descriptions_pydantic_reads_from_the_source(tmp_path
             yield from sections(sub)
 
     compared = 0
-    for model in set(sections(config.Section)):
-        theirs = getattr(module, model.__qualname__)
+    for model in {m for m in sections(Section) if m.__module__.startswith("pipelines.core.params.")}:
+        theirs = getattr(sys.modules[model.__module__.replace("pipelines.core.params.", "params_with_docstrings.")], model.__qualname__)
         expected = {name: field.description for name, field in theirs.model_fields.items() if field.description is not None}
-        assert config.field_docs(model) == expected, model.__qualname__
+        assert field_docs(model) == expected, model.__qualname__
         compared += len(expected)
     assert compared > 200  # keys that say what they mean, of every section
-    assert config.field_docs(config.SftParams)["loss_on"] == config.field_docs(config.FinetuneParams)["loss_on"]  # inherited
+    assert field_docs(SftParams)["loss_on"] == field_docs(FinetuneParams)["loss_on"]  # inherited
 
 
 # ------------------------------------------------------------------ every key acts or is refused
 
 
-def _sections() -> dict[str, type[config.Section]]:
+def _sections() -> dict[str, type[Section]]:
     """Every section class reachable from `Params`, by the dotted path of its first appearance."""
-    found: dict[str, type[config.Section]] = {}
+    found: dict[str, type[Section]] = {}
 
-    def walk(cls: type[config.Section], path: str) -> None:
+    def walk(cls: type[Section], path: str) -> None:
         if cls in found.values():
             return
         found[path] = cls
         for name, info in cls.model_fields.items():
             for candidate in (info.annotation, *getattr(info.annotation, "__args__", ())):
-                if isinstance(candidate, type) and issubclass(candidate, config.Section):
+                if isinstance(candidate, type) and issubclass(candidate, Section):
                     walk(candidate, f"{path}.{name}".lstrip("."))
 
-    walk(config.Params, "")
+    walk(Params, "")
     return found
 
 
-def _field_at(cls: type[config.Section], dotted: str):
+def _field_at(cls: type[Section], dotted: str):
     """The `FieldInfo` of a dotted key below `cls`."""
     *parents, last = dotted.split(".")
     for part in parents:
@@ -286,7 +295,7 @@ def _conditional_keys() -> list:
     cases = []
     for path, cls in _sections().items():
         for name, info in cls.model_fields.items():
-            for condition in config.applies_when(info):
+            for condition in applies_when(info):
                 keys = [f"{name}.{key}" for key in condition.keys] if condition.keys else [name]
                 cases += [pytest.param(cls, key, condition, id=f"{path}.{key}".lstrip(".")) for key in keys]
     return cases
@@ -319,12 +328,12 @@ def _value_at(data: dict, dotted: str):
 
 @pytest.mark.parametrize(("cls", "key", "condition"), _conditional_keys())
 def test_every_conditional_key_acts_where_it_applies_and_is_refused_elsewhere(cls, key, condition):
-    """Each key declared with the condition under which it applies (`config.AppliesWhen`): with the
+    """Each key declared with the condition under which it applies (`AppliesWhen`): with the
     condition holding, some value other than its default is accepted (the key does something); with
     it failing, that value is refused with an error naming the key and the condition."""
     base = cls().model_dump(mode="json")
     name = key.split(".")[0]
-    others = [c for c in config.applies_when(cls.model_fields[name]) if c is not condition and (not c.keys or key.split(".", 1)[-1] in c.keys)]
+    others = [c for c in applies_when(cls.model_fields[name]) if c is not condition and (not c.keys or key.split(".", 1)[-1] in c.keys)]
     acting = failing = None  # (leaf, value) accepted where the condition holds; a valid state where only it fails
     for state in _states(cls, base):
         section = _validates(cls, state)
@@ -346,8 +355,11 @@ def test_every_conditional_key_acts_where_it_applies_and_is_refused_elsewhere(cl
 
 
 def test_every_params_section_is_walked():
-    """The walk above reaches every section class of this module, so a section added later is walked too."""
-    defined = {c for c in vars(config).values() if isinstance(c, type) and issubclass(c, config.Section)}
+    """The walk above reaches every section class of the params package, so a section added later is walked too."""
+    import importlib
+
+    modules = [importlib.import_module(f"pipelines.core.params.{path.stem}") for path in PARAMS_PACKAGE.glob("*.py")]
+    defined = {c for module in modules for c in vars(module).values() if isinstance(c, type) and issubclass(c, Section)}
     walked = {base for cls in _sections().values() for base in cls.__mro__}  # a base's fields are walked in its subclasses
     assert defined - walked == set()
 
@@ -380,7 +392,7 @@ def test_a_key_an_earlier_layer_set_goes_back_to_its_default_when_a_later_layer_
     """A profile's `lora.adapter.r` under `--set lora.allocation=quantum_opt`: the later layer's
     choice stands, the profile's key is left at its default and the run says so; given in the same
     layer as its switch, or after it, the key is still refused (issue 78)."""
-    default_r = config.LoraParams().adapter.r
+    default_r = LoraParams().adapter.r
     tiny = params_file.read_yaml(REPO / "params" / "tiny.yaml")
     assert tiny["lora"]["adapter"]["r"] != default_r  # the profile sets it: what the --set below makes inert
     with caplog.at_level(logging.WARNING, logger="qllm.params"):
@@ -395,7 +407,7 @@ def test_a_key_an_earlier_layer_set_goes_back_to_its_default_when_a_later_layer_
 
     with caplog.at_level(logging.WARNING, logger="qllm.params"):
         params, _ = params_file.load(REPO, overrides=["dpo.adapter.enabled=false"])  # params.yaml's adapter settings yield to the switch
-    assert not params.dpo.adapter.enabled and params.dpo.adapter.lora_dropout == config.DpoParams().adapter.lora_dropout
+    assert not params.dpo.adapter.enabled and params.dpo.adapter.lora_dropout == DpoParams().adapter.lora_dropout
 
     switch = tmp_path / "switch.yaml"
     switch.write_text("lora:\n  allocation: quantum_opt\n")
@@ -407,3 +419,23 @@ def test_a_key_an_earlier_layer_set_goes_back_to_its_default_when_a_later_layer_
         params_file.load(REPO, overlays=[both])  # in the same layer
     with pytest.raises(ParamsError, match=r"^--set: lora.adapter.r: applies only with allocation"):
         params_file.load(REPO, overrides=["lora.allocation=quantum_opt", "lora.adapter.r=16"])
+
+
+def test_the_old_module_names_still_import_for_one_release_and_say_where_things_went():
+    """Issue 79: user plug-ins written against `pipelines.core.config` (and code against
+    `pipelines.core.params_file`) keep working, with a warning naming the new place."""
+    import importlib
+
+    from pipelines.core import extensions, outputs
+    from pipelines.core.params import base, finetuning, project, rl
+
+    for name in ("pipelines.core.config", "pipelines.core.params_file"):
+        sys.modules.pop(name, None)
+    with pytest.warns(DeprecationWarning, match=r"pipelines.core.config is pipelines.core.params now"):
+        old = importlib.import_module("pipelines.core.config")
+    assert old.Params is project.Params and old.LoraAdapterParams is finetuning.LoraAdapterParams and old.GrpoParams is rl.GrpoParams
+    assert old.Section is base.Section and old.AppliesWhen is base.AppliesWhen and old.ParamsError is base.ParamsError
+    assert old.digest is outputs.digest and old.flatten is outputs.flatten and old.user_reward is extensions.user_reward
+    with pytest.warns(DeprecationWarning, match=r"pipelines.core.params_file is pipelines.core.params.files now"):
+        old_file = importlib.import_module("pipelines.core.params_file")
+    assert old_file.load is params_file.load and old_file.read_yaml is params_file.read_yaml

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.core import dag
-from pipelines.core.config import Params
+from pipelines.core.params.project import Params
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 # parallel: how many processes (or which Dask cluster) run a data stage's batches; the same bytes on 1 or N
 # loggers: the metric loggers (MLflow, TensorBoard, system metrics): what is recorded about a run, not its outputs
 # resources: measures a stage's peak memory for its metrics file
-INFRASTRUCTURE = {
+PARAMS = {f"core.params.{p.stem}" for p in (REPO / "pipelines/core/params").glob("*.py") if p.stem != "__init__"}
+"""The params package: the schemas and their reading, which every stage loads whole (its values are DVC params)."""
+INFRASTRUCTURE = PARAMS | {
     "core.config", "core.params_file", "core.outputs", "core.errors", "core.workspace", "core.dag", "core.dvc_api",
     "core.run.stage", "core.run.tracking", "core.run.resources", "core.training.checkpoint", "core.training.distributed",
     "core.training.precision", "core.training.loggers", "core.data.parallel", "core.paths",
@@ -33,6 +35,8 @@ INFRASTRUCTURE = {
 # paths: where the project and its run workspaces are, never what a stage writes
 SUBPACKAGES = ("data", "models", "training", "quantum", "run")
 """pipelines/core's sub-packages by concern, each importing only the root and those before it."""
+FOUNDATION_PACKAGES = ("params",)
+"""Sub-packages that are part of the root (layer 0): the params every layer reads."""
 ROOT_MODULES = {"config", "params_file", "outputs", "errors", "workspace", "dag", "dvc_api", "extensions", "paths"}
 
 
@@ -119,18 +123,18 @@ def test_layout_stages_on_top_core_below():
     assert {p.stem for p in (REPO / "pipelines").glob("*.py")} - {"__init__"} == set(STAGES)
     assert [p.name for p in (REPO / "pipelines").iterdir() if p.is_dir() and p.name != "__pycache__"] == ["core"]
     core = REPO / "pipelines/core"
-    assert {p.name for p in core.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(SUBPACKAGES)
+    assert {p.name for p in core.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(SUBPACKAGES) | set(FOUNDATION_PACKAGES)
     assert {p.stem for p in core.glob("*.py")} - {"__init__"} == ROOT_MODULES
-    for package in SUBPACKAGES:
+    for package in (*FOUNDATION_PACKAGES, *SUBPACKAGES):
         assert not [p for p in (core / package).iterdir() if p.is_dir() and p.name != "__pycache__"], package
         init = ast.parse((core / package / "__init__.py").read_text())
         assert len(init.body) == 1 and ast.get_docstring(init), f"{package}/__init__.py: a docstring only (no imports: deps stay exact)"
 
 
 def layer(module: str) -> int:
-    """0 for the root's modules, then the sub-packages in `SUBPACKAGES` order."""
+    """0 for the root's modules and its foundation packages, then the sub-packages in `SUBPACKAGES` order."""
     parts = module.split(".")
-    return 0 if len(parts) == 2 else 1 + SUBPACKAGES.index(parts[1])
+    return 0 if len(parts) == 2 or parts[1] in FOUNDATION_PACKAGES else 1 + SUBPACKAGES.index(parts[1])
 
 
 @pytest.mark.parametrize("module", CORE)
@@ -166,7 +170,7 @@ def test_no_import_cycles_in_the_core():
 LOCAL_IMPORTS: dict[str, str] = {
     "base_model -> core.models.models": "torch and transformers, only where a base model is named (the stage runs on every qllm run)",
     "base_model -> core.data.chat_template": "numpy (0.07 s a no-op dvc repro), only where a chat template file is named",
-    "base_model -> core.params_file": "pydantic and the whole schema, only where a base model is named",
+    "base_model -> core.params.files": "pydantic and the whole schema, only where a base model is named",
     "train_tokenizer -> core.models.models": "torch and transformers, only to save a base model's tokenizer",
     "probe_device -> core.training.precision": "torch (the stage runs on every qllm run and imports it only to probe)",
     "core.run.stage -> core.training.distributed": "torch, only for training stages",

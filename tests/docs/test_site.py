@@ -19,7 +19,10 @@ def test_the_site_builds_strictly_and_the_params_reference_is_the_schemas(tmp_pa
     assert built.returncode == 0, built.stdout + built.stderr
     assert "WARNING" not in built.stderr
     params = (site / "reference/params/index.html").read_text()
-    from pipelines.core.config import Params, SftParams, TrainParams, field_docs
+    from pipelines.core.params.base import field_docs
+    from pipelines.core.params.finetuning import SftParams
+    from pipelines.core.params.project import Params
+    from pipelines.core.params.training import TrainParams
 
     for section in Params.model_fields:
         assert f"<code>{section}</code>" in params, section

@@ -13,9 +13,9 @@ import yaml
 
 from pipelines import base_model
 from pipelines.core import dag
-from pipelines.core.config import BaseModelParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import model_source
+from pipelines.core.params.finetuning import BaseModelParams
 from tests.chat_families import CHATML, SMOLLM2_TOOLS, save_base_model
 from tests.conftest import ALWAYS_CHANGED, dvc_up_to_date, make_project, run
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from pipelines.core.params_file import deep_merge
+from pipelines.core.params.files import deep_merge
 from tests.chat_families import CHATML, save_base_model
 from tests.conftest import REPO, make_project
 

@@ -121,7 +121,7 @@ def test_registrations_at_once_keep_every_version_and_the_best_champion(mlflow_s
     from mlflow import MlflowClient
 
     from pipelines import register
-    from pipelines.core.config import RegisterParams
+    from pipelines.core.params.release import RegisterParams
 
     client = MlflowClient(tracking_uri=mlflow_server["url"], registry_uri=mlflow_server["url"])
     name = f"race-{seed}"

@@ -19,9 +19,11 @@ from lm_eval.utils import simple_parse_args_string
 
 from flows import lm_eval_task
 from pipelines import evaluate, lora, sft
-from pipelines.core.config import EvaluateParams, FinetuneParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import load_for_inference
+from pipelines.core.params.finetuning import FinetuneParams, LoraParams
+from pipelines.core.params.release import EvaluateParams
+from pipelines.core.params.training import TrainParams
 from tests.conftest import CHATS
 
 TASK = lm_eval_task.TASK

@@ -14,9 +14,9 @@ import torch
 from pydantic import ValidationError
 
 from pipelines import evaluate
-from pipelines.core.config import EvaluateParams
 from pipelines.core.data import packed
 from pipelines.core.errors import QllmError
+from pipelines.core.params.release import EvaluateParams
 from tests import numerics
 
 REPO = Path(__file__).resolve().parents[2]

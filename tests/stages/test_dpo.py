@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from pipelines import dpo, ref_logprobs
-from pipelines.core.config import DpoParams, RefLogprobsParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import load_for_inference
+from pipelines.core.params.preference import DpoParams, RefLogprobsParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import preference_data
 from tests import numerics
 from tests.conftest import record_dpo_losses

@@ -169,7 +169,8 @@ def test_questions_that_offer_tools_are_answered_by_greedy_episodes():
     """`evaluate.tools`: a scripted model (tests/core/training/test_episodes.py) answers through the
     real calculator; a call to a tool evaluate was not given reads an error; the episodes' last turns
     are the answers, and `called_correctly` holds only where every call parsed and returned."""
-    from pipelines.core.config import EvaluateParams, ToolsParams
+    from pipelines.core.params.release import EvaluateParams
+    from pipelines.core.params.rl import ToolsParams
     from tests.chat_families import QWEN25
     from tests.core.training.test_episodes import setup
 
@@ -191,7 +192,8 @@ def test_tool_episodes_past_the_models_context_are_refused_before_generating():
     before any episode runs; within it, the episodes run."""
     import types
 
-    from pipelines.core.config import EvaluateParams, ToolsParams
+    from pipelines.core.params.release import EvaluateParams
+    from pipelines.core.params.rl import ToolsParams
     from tests.chat_families import QWEN25
     from tests.core.training.test_episodes import setup
 
@@ -234,7 +236,8 @@ def test_evaluate_runs_an_environment_per_question_reset_with_its_id_only(tmp_pa
     answer to leak), its method answering the call the scripted model makes."""
     import sys
 
-    from pipelines.core.config import EvaluateParams, ToolsParams
+    from pipelines.core.params.release import EvaluateParams
+    from pipelines.core.params.rl import ToolsParams
     from tests.chat_families import QWEN25
     from tests.core.training.test_episodes import setup
 

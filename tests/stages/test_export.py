@@ -19,7 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipelines import export
-from pipelines.core.config import ExportParams
+from pipelines.core.params.release import ExportParams
 from pipelines.core.models.gguf_export import ExportError
 from tests.chat_families import QWEN25
 from tests.core.models.test_gguf_export import ARCH_SETTINGS, LINEAR_ROPE, LLAMA3_ROPE, QLLM, TEXTS, YARN_ROPE, tiny

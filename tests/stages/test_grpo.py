@@ -17,10 +17,11 @@ import torch
 from pydantic import ValidationError
 
 from pipelines import grpo
-from pipelines.core.config import GrpoParams, RewardParams, TrainParams
 from pipelines.core.errors import QllmError, request_stop
 from pipelines.core.extensions import Extension
 from pipelines.core.models.models import load_causal_lm, load_tokenizer
+from pipelines.core.params.rl import GrpoParams, RewardParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import loop, rewards, rollouts
 from pipelines.core.training.loop import TrainingInterrupted
 from tests import numerics

@@ -14,10 +14,11 @@ import pytest
 from pydantic import ValidationError
 
 from pipelines import grpo
-from pipelines.core.config import GrpoParams, RewardParams, TrainParams
 from pipelines.core.data.chat_template import TOOLS_KEY, ChatTemplateError
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import load_tokenizer
+from pipelines.core.params.rl import GrpoParams, RewardParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import episodes, tools
 from tests.chat_families import CHATML, QWEN25, save_base_model
 from tests.stages.test_grpo import Recorder
@@ -186,7 +187,7 @@ def ledger(tmp_path, monkeypatch):
 
 
 def test_an_environment_class_keeps_each_episodes_state_and_gives_its_reward(ledger, caplog):
-    from pipelines.core.config import ToolsParams
+    from pipelines.core.params.rl import ToolsParams
     from pipelines.core.training import rewards
 
     make, offered = tools.environments(ToolsParams(functions=["calculator"], environment="my_envs:Ledger"), "grpo.tools")

@@ -10,9 +10,9 @@ import pytest
 import transformers
 
 from pipelines import grpo
-from pipelines.core.config import GrpoParams, RewardParams
 from pipelines.core.data.chat_template import render_prompt
 from pipelines.core.models.models import load_tokenizer
+from pipelines.core.params.rl import GrpoParams, RewardParams
 from pipelines.core.training import loop
 from pipelines.core.training.loop import TrainingInterrupted
 from tests.fixtures import trl_rewards

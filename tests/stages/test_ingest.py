@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from pipelines import ingest
-from pipelines.core.config import IngestParams, SourceParams
 from pipelines.core.data.readers import COLUMNS, ReaderError
+from pipelines.core.params.data import IngestParams, SourceParams
 from pipelines.core.run import stage
 from tests.conftest import REPO
 

@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines import ingest
-from pipelines.core.config import IngestParams, SourceParams
 from pipelines.core.data import formats, readers
 from pipelines.core.data.readers import COLUMNS, ReaderError, iter_source
+from pipelines.core.params.data import IngestParams, SourceParams
 from tests.conftest import REPO
 from tests.core.data.test_readers import SRC, _hf_cache, write  # noqa: F401  (_hf_cache: an autouse fixture, active here too)
 
@@ -310,7 +310,7 @@ PEAK_SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from pipelines import ingest
-    from pipelines.core.config import IngestParams, SourceParams
+    from pipelines.core.params.data import IngestParams, SourceParams
 
     def peak_mb():
         for line in open("/proc/self/status"):

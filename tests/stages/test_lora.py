@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from pipelines import lora, sft
-from pipelines.core.config import FinetuneParams, LoraAdapterParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters
 from pipelines.core.models.models import load_causal_lm, load_tokenizer, parameter_counts
+from pipelines.core.params.finetuning import FinetuneParams, LoraAdapterParams, LoraParams
+from pipelines.core.params.training import TrainParams
 from tests import numerics
 
 TRAIN = TrainParams(max_steps=4, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=2, eval_batches=1,

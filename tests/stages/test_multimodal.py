@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from pipelines import multimodal
-from pipelines.core.config import MultimodalParams, SampleImagesParams, VisionParams
 from pipelines.core.data import digits
 from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.models import vision
 from pipelines.core.models.models import load_model_and_tokenizer
+from pipelines.core.params.data import SampleImagesParams
+from pipelines.core.params.finetuning import MultimodalParams, VisionParams
 from pipelines.core.training import loop
 from tests import numerics
 

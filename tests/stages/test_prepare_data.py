@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines import prepare_data
-from pipelines.core.config import PrepareDataParams
 from pipelines.core.data import cleaning
 from pipelines.core.data.readers import COLUMNS, SCHEMAS, empty_frame
+from pipelines.core.params.data import PrepareDataParams
 from pipelines.core.run import stage
 from tests.conftest import REPO
 

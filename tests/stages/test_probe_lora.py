@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from pipelines import lora, probe_lora
-from pipelines.core.config import LoraParams, ProbeLoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.outputs import read_json
+from pipelines.core.params.finetuning import LoraParams, ProbeLoraParams
+from pipelines.core.params.training import TrainParams
 from tests import numerics
 
 TRAIN = TrainParams(max_steps=5, micro_batch_size=2, warmup_steps=1, lr=0.01, eval_every=0, log_every=1, checkpoint_every=0, precision="fp32")
@@ -106,7 +107,7 @@ def _scores_file(path):
 
 def test_quantum_opt_writes_the_allocation_and_its_reference(tmp_path):
     from pipelines import quantum_opt
-    from pipelines.core.config import QuantumOptParams
+    from pipelines.core.params.finetuning import QuantumOptParams
 
     scores = _scores_file(tmp_path / "scores.json")
     # budget = rank 1 everywhere = 8 + 12 = 20: {a: 1, b: 1} (0.5 − λ·0.5·sqrt(0.06)) beats {b: 1} (0.2)
@@ -127,7 +128,7 @@ def test_quantum_opt_writes_the_allocation_and_its_reference(tmp_path):
 
 def test_quantum_opt_budget_below_every_adapter_is_a_clear_error(tmp_path):
     from pipelines import quantum_opt
-    from pipelines.core.config import QuantumOptParams
+    from pipelines.core.params.finetuning import QuantumOptParams
 
     with pytest.raises(QllmError, match=r"budget \(5 parameters\) is below the cheapest adapter"):
         quantum_opt.run(_scores_file(tmp_path / "scores.json"), tmp_path / "out", QuantumOptParams(budget=5))
@@ -148,7 +149,7 @@ def test_a_reference_solve_that_finds_nothing_in_time_is_logged_and_the_stage_go
     """The MILP reference only measures the gap: on a slower machine it may find nothing in time
     (seen on an AVX2 EPYC: `milp: no solution (Time limit reached)` stopped lora at step 111)."""
     from pipelines import quantum_opt
-    from pipelines.core.config import QuantumOptParams
+    from pipelines.core.params.finetuning import QuantumOptParams
 
     scores = _scores_file(tmp_path / "scores.json")
     expected = quantum_opt.run(scores, tmp_path / "before", QuantumOptParams(budget_rank=1, lam=0.02, solver="sa"))

@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from pipelines import register
-from pipelines.core.config import RegisterParams
 from pipelines.core.errors import QllmError
+from pipelines.core.params.release import RegisterParams
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pytest
 
 from pipelines import sample_data
 from pipelines.core import dag
-from pipelines.core.config import SampleDataParams
 from pipelines.core.data.sample_world import COUNT_KEYS, FILES
 from pipelines.core.errors import QllmError
+from pipelines.core.params.data import SampleDataParams
 from pipelines.core.run import stage
 from tests.conftest import REPO
 

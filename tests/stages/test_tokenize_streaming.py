@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines import tokenize, train_tokenizer
-from pipelines.core.config import TokenizeParams, TrainTokenizerParams
 from pipelines.core.data import packed
 from pipelines.core.data.chat_template import EOS, parse_messages, rendered_turn
 from pipelines.core.errors import QllmError
+from pipelines.core.params.data import TokenizeParams, TrainTokenizerParams
 
 COLUMNS = {
     "text": ["id", "source", "split", "text"],

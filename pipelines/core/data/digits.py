@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.core.config import SampleImagesParams
+from pipelines.core.params.data import SampleImagesParams
 
 IMAGES_DIR = "images"
 FILES = {"train": "image_chat_train.jsonl", "heldout": "image_chat_heldout.jsonl"}

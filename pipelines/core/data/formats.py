@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from pipelines.core.config import SourceParams
 from pipelines.core.errors import QllmError
+from pipelines.core.params.data import SourceParams
 
 log = logging.getLogger("qllm.ingest")
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.core.config import SourceParams
 from pipelines.core.data.formats import ReaderError, type_name
 from pipelines.core.data.images import IMAGE_TOKEN, ImageError, check_image, count_placeholders
+from pipelines.core.params.data import SourceParams
 
 ROLES = ("system", "user", "assistant", "tool")
 

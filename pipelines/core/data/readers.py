@@ -1,6 +1,6 @@
 """Read one data source (a `SourceParams` entry of `ingest.sources`) into records of one kind.
 
-    from pipelines.core.config import SourceParams
+    from pipelines.core.params.data import SourceParams
     from pipelines.core.data.readers import iter_source, read_source
     for batch in iter_source(SourceParams(path="data/sources/chats.jsonl", kind="chat"), root=Path(".")):
         ...  # a pyarrow RecordBatch of at most BATCH_ROWS records (what ingest writes as one row group)
@@ -52,7 +52,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from pipelines.core.config import SourceParams
 from pipelines.core.data.formats import READERS, ReaderError, Table, infer_format
 from pipelines.core.data.layouts import (
     Bad,
@@ -64,6 +63,7 @@ from pipelines.core.data.layouts import (
     record_images,
     rename,
 )
+from pipelines.core.params.data import SourceParams
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "text": ("id", "source", "split", "text"),

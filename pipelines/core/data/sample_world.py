@@ -5,7 +5,7 @@ not, is stated in the pretraining text (paraphrased bios, arithmetic sentences),
 about held-out people and sums never appear in training chats or preferences. Answering them means
 extracting knowledge learnt in pretraining in the chat format learnt on the other facts.
 
-    from pipelines.core.config import SampleDataParams
+    from pipelines.core.params.data import SampleDataParams
     from pipelines.core.data.sample_world import write_sample
     write_sample(Path("data/sample"), SampleDataParams(seed=1))   # usually run by pipelines.sample_data
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipelines.core.config import SampleDataParams
+    from pipelines.core.params.data import SampleDataParams
 
 ATTRIBUTES = ("city", "color", "pet", "job")
 ARITH = "arith"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from pipelines.core.config import LoraAdapterParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import fused_adapters
 from pipelines.core.models.models import QUANTIZATION_FILE, merged_into_dequantized, save_pretrained
+from pipelines.core.params.finetuning import LoraAdapterParams
 from pipelines.core.models.quantize import describe, embeddings_in_float32
 
 MERGED = "merged"

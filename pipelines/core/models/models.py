@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from pipelines.core.config import ModelParams
 from pipelines.core.data.chat_template import IM_END, end_of_turn_token
 from pipelines.core.errors import QllmError
 from pipelines.core.models import gguf_import
 from pipelines.core.models.model_source import follow, local_model_dir, model_location, pointed, with_chat_template
+from pipelines.core.params.pretraining import ModelParams
 
 # transformers builds models under process-wide patches (default dtype, meta-device creation,
 # init hooks; `PreTrainedModel.get_init_context`). Stages run in Prefect worker threads, and a

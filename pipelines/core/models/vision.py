@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core.config import VisionParams
 from pipelines.core.data import chat_examples
 from pipelines.core.data.chat_template import apply_template, normalize_answer, parse_messages, split_last_answer
 from pipelines.core.data.images import (
@@ -45,6 +44,7 @@ from pipelines.core.data.images import (
 from pipelines.core.data.images import open_image as decode
 from pipelines.core.errors import QllmError
 from pipelines.core.models.models import seeded, stop_token_ids
+from pipelines.core.params.finetuning import VisionParams
 
 
 def image_tokens(config) -> int:

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core.config import AdaptiveParams, LoraAdapterParams
 from pipelines.core.extensions import Extension
 from pipelines.core.models import fused_adapters
+from pipelines.core.params.finetuning import AdaptiveParams, LoraAdapterParams
 
 log = logging.getLogger("qllm.rank_allocation")
 

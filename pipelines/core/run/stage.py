@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.core import config, dag, params_file, workspace
+from pipelines.core import dag, workspace
 from pipelines.core.errors import QllmError, stage_command, stop_when_parent_dies
-from pipelines.core.outputs import atomic_dir, read_json, write_json
+from pipelines.core.outputs import atomic_dir, digest, flatten, read_json, to_plain, write_json
+from pipelines.core.params import files as params_file
+from pipelines.core.params.project import Params
+from pipelines.core.params.training import TrainParams
 from pipelines.core.run import resources, tracking
 
 RUN_RECORD = "mlflow_run.json"
@@ -145,10 +148,10 @@ def _distributed():
 def fingerprint(name: str, params: Any, digests: dict[str, str], listed: dict[str, Any] | None = None) -> str:
     """What names a stage's checkpoints: its params section (and the other keys it lists) and the
     DVC md5 of every dependency."""
-    return config.digest({"stage": name, "params": config.to_plain(params), "deps": digests, **({"listed": listed} if listed else {})})
+    return digest({"stage": name, "params": to_plain(params), "deps": digests, **({"listed": listed} if listed else {})})
 
 
-def listed_params(params: config.Params, spec: dag.Stage) -> dict[str, Any]:
+def listed_params(params: Params, spec: dag.Stage) -> dict[str, Any]:
     """The values of the dotted keys of other sections that `spec` lists under `params`."""
     values = {}
     for key in spec.params:
@@ -156,7 +159,7 @@ def listed_params(params: config.Params, spec: dag.Stage) -> dict[str, Any]:
             node = params
             for part in key.split("."):
                 node = getattr(node, part)
-            values[key] = config.to_plain(node) if hasattr(node, "model_dump") else node  # a section: plain JSON
+            values[key] = to_plain(node) if hasattr(node, "model_dump") else node  # a section: plain JSON
     return values
 
 
@@ -209,7 +212,7 @@ def _execute(
             metrics = body(ctx) or {}
         metrics = {**metrics, **({"precision": params.train.precision} if _trains(params) else {}),
                    "seconds": round(time.perf_counter() - started, 3), **peak.metrics()}
-        tracker.log_metrics({k: v for k, v in config.flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        tracker.log_metrics({k: v for k, v in flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         metrics_file = dag.metrics_file(name)
         if metrics_file in ctx.spec.metrics:
             write_json(root / metrics_file, {**metrics, "mlflow_run_id": tracker.run_id})
@@ -263,12 +266,12 @@ def resolve_precision(name: str, params: Any) -> Any:
 
 def _trains(params: Any) -> bool:
     """A stage with a `train` section runs the shared training loop (and may checkpoint)."""
-    return isinstance(getattr(params, "train", None), config.TrainParams)
+    return isinstance(getattr(params, "train", None), TrainParams)
 
 
 def _store_id(root: Path) -> str:
     """Names the tracking store without writing its URI (it may hold credentials) to disk."""
-    return config.digest({"tracking_uri": tracking.tracking_uri(root)})[:16]
+    return digest({"tracking_uri": tracking.tracking_uri(root)})[:16]
 
 
 def _unfinished_run(root: Path, checkpoints: Path) -> str | None:

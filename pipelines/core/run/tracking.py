@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipelines.core.config import flatten
 from pipelines.core.errors import QllmError, StopRequested, stop_requested
+from pipelines.core.outputs import flatten
 from pipelines.core.workspace import project_root
 
 log = logging.getLogger("qllm.tracking")

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from pipelines.core.config import CurriculumParams, TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.params.training import CurriculumParams, TrainParams
 
 
 def length_at(step: int, curriculum: CurriculumParams, full_length: int) -> int:

@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core.config import DiffusionParams
 from pipelines.core.data.chat_template import MASK
 from pipelines.core.errors import QllmError
+from pipelines.core.params.pretraining import DiffusionParams
 
 
 def fraction_table(params: DiffusionParams) -> list[float]:

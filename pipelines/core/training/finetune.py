@@ -16,7 +16,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core.config import FinetuneParams, QuantizationParams
 from pipelines.core.data import chat_examples
 from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.errors import QllmError
@@ -30,6 +29,7 @@ from pipelines.core.models.models import (
     parameter_counts,
     seeded,
 )
+from pipelines.core.params.finetuning import FinetuneParams, QuantizationParams
 from pipelines.core.training import chunked_loss, loop, objectives, progressive
 from pipelines.core.training.checkpoint import CheckpointManager
 

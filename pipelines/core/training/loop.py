@@ -42,11 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError, StopRequested, clear_stop, request_stop, stop_requested, training_thread
 from pipelines.core.extensions import Extension, Extensions
 from pipelines.core.models.models import CONSTRUCTION
 from pipelines.core.outputs import atomic_dir
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import distributed
 from pipelines.core.training.checkpoint import CheckpointManager
 from pipelines.core.training.phases import OnePhase, Phase, Schedule

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from pipelines.core.config import DiffusionParams
 from pipelines.core.data import chat_examples
+from pipelines.core.params.pretraining import DiffusionParams
 from pipelines.core.training import diffusion, loop
 
 

@@ -44,8 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.core.config import ActivationCacheParams, ProgressiveParams, TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.params.pretraining import ActivationCacheParams, ProgressiveParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training.phases import Phase, phase_at
 
 log = logging.getLogger("qllm.progressive")

@@ -46,10 +46,10 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipelines.core import config
 from pipelines.core.data import chat_template
 from pipelines.core.data.chat_template import normalize_answer
 from pipelines.core.errors import QllmError
+from pipelines.core.extensions import user_reward
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -115,9 +115,9 @@ BUILT_IN: dict[str, RewardFn] = {"exact_match": exact_match, "strict_match": str
 
 def load(name: str, where: str = "reward") -> RewardFn:
     """A built-in reward by name, or `package.module:function` imported and checked against what
-    it will be called with (`config.user_reward`: TRL's arguments and the records' columns)."""
+    it will be called with (`user_reward`: TRL's arguments and the records' columns)."""
     try:
-        fn = config.user_reward(name, where)
+        fn = user_reward(name, where)
     except QllmError as exc:
         raise RewardError(str(exc)) from None
     return BUILT_IN[name] if fn is None else fn

@@ -51,9 +51,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipelines.core import config, extensions
+from pipelines.core import extensions
 from pipelines.core.data import layouts
 from pipelines.core.errors import QllmError
+from pipelines.core.extensions import user_tool
+from pipelines.core.params.rl import ToolsParams
 
 log = logging.getLogger("qllm.tools")
 
@@ -206,16 +208,16 @@ def lookup_tool(table: Mapping[str, str], name: str = "lookup") -> Tool:
 
 
 BUILT_IN = ("calculator", "lookup")
-"""The built-in tools (`config.BUILT_IN_TOOLS`: the names params accept without importing anything)."""
+"""The built-in tools (`BUILT_IN_TOOLS`: the names params accept without importing anything)."""
 
 
 def load(spec: str, where: str = "tools", table: Mapping[str, str] | None = None) -> Tool:
     """A built-in tool by name (`lookup` with the data's `table`), or a user's `package.module:function`
-    (`config.user_tool`: what params accept)."""
+    (`user_tool`: what params accept)."""
     if spec == "lookup" and table is not None:
         return lookup_tool(table)
     try:
-        fn = config.user_tool(spec, where)
+        fn = user_tool(spec, where)
     except QllmError as exc:
         raise ToolError(str(exc)) from None
     return Tool.from_function(calculator if fn is None else fn, where)
@@ -364,7 +366,7 @@ class UserEnvironment(ToolEnvironment):
             return None
 
 
-def environments(params: config.ToolsParams, section: str) -> tuple[Callable[[], ToolEnvironment], list[Tool]]:
+def environments(params: ToolsParams, section: str) -> tuple[Callable[[], ToolEnvironment], list[Tool]]:
     """(a new episode's environment, the tools it offers) for `params` at `section` (`grpo.tools`,
     `evaluate.tools`): a `ToolEnvironment` over `functions`, or with `environment` a `UserEnvironment`
     around a new instance of the user's class. Errors name the key."""

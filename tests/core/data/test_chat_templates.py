@@ -131,8 +131,9 @@ def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp
     """SFT from a small random model of each family (its own tokenizer and template), then a
     greedy answer to a held-out prompt rendered with `add_generation_prompt`."""
     from pipelines import evaluate, sft
-    from pipelines.core.config import FinetuneParams, TrainParams
     from pipelines.core.models.models import load_model_and_tokenizer
+    from pipelines.core.params.finetuning import FinetuneParams
+    from pipelines.core.params.training import TrainParams
 
     fam, _ = family
     base = save_base_model(fam, TEXTS, tmp_path / "base")

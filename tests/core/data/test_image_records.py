@@ -19,9 +19,9 @@ from PIL import Image
 from pydantic import ValidationError
 
 from pipelines import ingest, prepare_data
-from pipelines.core.config import IngestParams, PrepareDataParams, SourceParams
 from pipelines.core.data import images
 from pipelines.core.data.readers import COLUMNS, IMAGES_TYPE, SCHEMAS, ReaderError, empty_frame, read_source
+from pipelines.core.params.data import IngestParams, PrepareDataParams, SourceParams
 from tests.core.data.test_readers import SRC, jsonl, write
 
 SPLITS = ("train", "validation", "test")

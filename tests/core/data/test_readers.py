@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipelines.core.config import SourceParams
 from pipelines.core.data import layouts
 from pipelines.core.data.readers import ReaderError, infer_format, read_source
+from pipelines.core.params.data import SourceParams
 
 SRC = "data/sources"
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.core.config import SourceParams
 from pipelines.core.data import chat_template, readers
 from pipelines.core.data.chat_template import ChatTemplateError
 from pipelines.core.data.readers import ReaderError
+from pipelines.core.params.data import SourceParams
 from tests.chat_families import CHATML, HERMES, LLAMA31_TOOLS, QWEN25, TOOL_FAMILIES, tokenizer_for
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -297,7 +297,8 @@ def test_sft_trains_tool_chats_on_each_tool_template(tmp_path, family):
     import pandas as pd
 
     from pipelines import sft
-    from pipelines.core.config import SftParams, TrainParams
+    from pipelines.core.params.finetuning import SftParams
+    from pipelines.core.params.training import TrainParams
     from tests.chat_families import save_base_model
 
     chats = list(read("glaive_toolcall_en_demo.json", "chat")["messages"])

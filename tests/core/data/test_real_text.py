@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from pipelines import sample_data
-from pipelines.core.config import SampleDataParams, SourceParams
 from pipelines.core.data import real_text
 from pipelines.core.data.readers import read_source
+from pipelines.core.params.data import SampleDataParams, SourceParams
 
 
 def test_real_text_sample_is_real_deterministic_and_ingests(tmp_path):

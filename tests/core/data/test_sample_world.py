@@ -13,8 +13,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipelines.core.config import SampleDataParams
 from pipelines.core.data.sample_world import ATTRIBUTES, FILES, POOLS, WorldError, build_world, write_sample
+from pipelines.core.params.data import SampleDataParams
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = SampleDataParams(n_entities=12, bios_per_entity=3, max_operand=5, seed=3, heldout_entity_fraction=0.2)

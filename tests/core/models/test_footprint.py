@@ -122,7 +122,7 @@ def test_a_frozen_probe_needs_the_weights_and_two_gradients_not_an_optimizer():
 
 def test_the_probe_stage_reports_its_estimate(tiny_base, tmp_path):
     from pipelines import probe_lora
-    from pipelines.core.config import ProbeLoraParams
+    from pipelines.core.params.finetuning import ProbeLoraParams
     from tests.stages.test_probe_lora import TRAIN
 
     params = ProbeLoraParams(base_model=str(tiny_base / "model"), train=TRAIN.model_copy(update={"max_steps": 1}))
@@ -137,7 +137,7 @@ def test_the_advice_names_only_what_the_stage_does_not_do_yet(tmp_path, monkeypa
     comes before anything loads and suggests what is left (LoRA), not what is already set."""
     from transformers import Qwen2Config
 
-    from pipelines.core.config import TrainParams
+    from pipelines.core.params.training import TrainParams
 
     Qwen2Config(**SHAPES["qwen2.5-1.5b"]).save_pretrained(tmp_path)
     monkeypatch.setattr(footprint, "_memory", lambda: (24 * GB, 20 * GB))
@@ -158,10 +158,11 @@ def test_the_estimate_is_for_the_rows_training_will_have_not_the_models_context(
     import pandas as pd
 
     from pipelines import sft
-    from pipelines.core.config import SftParams, TrainParams
     from pipelines.core.data import chat_examples
     from pipelines.core.data.chat_template import parse_messages
     from pipelines.core.models.models import load_tokenizer
+    from pipelines.core.params.finetuning import SftParams
+    from pipelines.core.params.training import TrainParams
 
     config = json.loads((tiny_base / "model" / "config.json").read_text())
     cfg = TrainParams(max_steps=2, micro_batch_size=2, warmup_steps=0, eval_every=0, checkpoint_every=0, precision="fp32", extensions=[])

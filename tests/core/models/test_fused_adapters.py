@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.core.config import AdaptiveParams, LoraAdapterParams
 from pipelines.core.models import adapters, fused_adapters
+from pipelines.core.params.finetuning import AdaptiveParams, LoraAdapterParams
 from pipelines.core.quantum import rank_allocation
 from pipelines.core.training import loop
 from tests import numerics

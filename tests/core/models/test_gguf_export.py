@@ -516,7 +516,7 @@ def test_the_modelfile_temperature_is_the_models_or_the_setting(tmp_path):
     from pydantic import ValidationError
 
     from pipelines import export
-    from pipelines.core.config import ExportParams
+    from pipelines.core.params.release import ExportParams
 
     model, tokenizer = tiny()
     assert gguf_export.generation_temperature(model) == 0.0  # configure_generation: greedy

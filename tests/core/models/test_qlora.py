@@ -13,10 +13,11 @@ from safetensors.numpy import load_file
 from transformers import AutoConfig
 
 from pipelines import lora
-from pipelines.core import params_file
-from pipelines.core.config import LoraAdapterParams, LoraParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.models import quantize
+from pipelines.core.params import files as params_file
+from pipelines.core.params.finetuning import LoraAdapterParams, LoraParams
+from pipelines.core.params.training import TrainParams
 from tests import numerics
 from tests.conftest import REPO, record_dpo_losses
 from tests.stages.test_dpo import FORMULA, cached_magnitude, logp_tolerance
@@ -31,8 +32,8 @@ TRAIN = TrainParams(max_steps=4, micro_batch_size=4, warmup_steps=1, lr=0.01, ev
 def qbase(tiny_base, tmp_path_factory):
     """tiny_base's chats and tokenizer with a model of 64-wide layers: one 4-bit block per row, so
     the backbone-bytes figures mean something."""
-    from pipelines.core.config import ModelParams
     from pipelines.core.models.models import build_llama, load_tokenizer, save_pretrained
+    from pipelines.core.params.pretraining import ModelParams
 
     root = tmp_path_factory.mktemp("qbase")
     tokenizer = load_tokenizer(tiny_base / "model")
@@ -177,7 +178,7 @@ def test_qlora_dpo_starts_from_the_reference_it_was_scored_against(qbase, tmp_pa
     import math
 
     from pipelines import dpo, ref_logprobs
-    from pipelines.core.config import DpoParams, RefLogprobsParams
+    from pipelines.core.params.preference import DpoParams, RefLogprobsParams
 
     shutil.copytree(qbase / "model", tmp_path / "data/models/sft")
     ref = ref_logprobs.run(tmp_path, tmp_path / "data/models/sft", qbase / "preference", tmp_path / "data/ref_logprobs",
@@ -200,7 +201,7 @@ def test_qlora_grpo_takes_its_reference_from_the_quantized_base_under_the_adapte
     """GRPO with a LoRA adapter on the 4-bit SFT model and beta > 0: the reference is the same
     quantized model with its adapter switched off (no second copy), so the KL starts at 0."""
     from pipelines import grpo
-    from pipelines.core.config import GrpoParams
+    from pipelines.core.params.rl import GrpoParams
 
     shutil.copytree(qbase / "model", tmp_path / "data/models/sft")
     train = TRAIN.model_copy(update={"micro_batch_size": 8, "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "extensions": []})
@@ -232,10 +233,10 @@ def test_qlora_grpo_takes_its_reference_from_the_quantized_base_under_the_adapte
 
 
 def test_reference_and_policy_must_be_quantized_alike(tmp_path):
-    from pipelines.core import config
+    from pipelines.core.params.base import ParamsError
 
     (tmp_path / "params.yaml").write_text("ingest:\n  sources:\n    - {path: a.txt, kind: text}\ndpo:\n  adapter:\n    enabled: true\n    quantization: nf4\n")
-    with pytest.raises(config.ParamsError, match=r"ref_logprobs.quantization is 'none' but DPO starts from the SFT model quantized as 'nf4'"):
+    with pytest.raises(ParamsError, match=r"ref_logprobs.quantization is 'none' but DPO starts from the SFT model quantized as 'nf4'"):
         params_file.load(tmp_path)
 
 
@@ -243,8 +244,8 @@ def test_probe_lora_on_a_quantized_base_records_gradients_without_updating_it(qb
     """The probe's gradients of a frozen 4-bit base come from activations and output gradients;
     they match what autograd gives the same model with its weights dequantized to full precision."""
     from pipelines import probe_lora
-    from pipelines.core.config import ProbeLoraParams
     from pipelines.core.models.models import load_causal_lm
+    from pipelines.core.params.finetuning import ProbeLoraParams
 
     train = TRAIN.model_copy(update={"max_steps": 2, "eval_every": 0, "checkpoint_every": 0, "micro_batch_size": 4})
     params = ProbeLoraParams(base_model=str(qbase / "model"), ranks=[1, 2], target_modules=["q_proj", "down_proj"], train=train,
@@ -361,8 +362,8 @@ def test_after_a_4_bit_load_a_dequantized_weight_freed_is_given_back(qbase):
 def qbase_bf16(qbase, tmp_path_factory):
     """qbase's model saved in bf16, as the hub ships models, with a vocabulary wide enough that the
     embedding (tied to the output head) is the largest matrix, as in Qwen2.5 and SmolLM2."""
-    from pipelines.core.config import ModelParams
     from pipelines.core.models.models import build_llama, load_tokenizer, save_pretrained
+    from pipelines.core.params.pretraining import ModelParams
 
     root = tmp_path_factory.mktemp("qbase_bf16")
     tokenizer = load_tokenizer(qbase / "model")

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pipelines import lora
-from pipelines.core.config import AdaptiveParams, LoraParams, TrainParams
 from pipelines.core.extensions import ExtensionError, Hook
+from pipelines.core.params.finetuning import AdaptiveParams, LoraParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.quantum import qubo, rank_allocation
 from pipelines.core.training import loop
 

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.core import config, dag, params_file
+from pipelines.core import dag
 from pipelines.core.errors import QllmError
 from pipelines.core.models import model_source
+from pipelines.core.params import files as params_file
+from pipelines.core.params.project import Params
 from pipelines.core.run.stage import StageContext
 
 REPO = Path(__file__).resolve().parents[3]
@@ -133,4 +135,4 @@ def test_paths_named_outside_the_stage_modules_are_those_of_dvc_yaml():
     params, _ = params_file.load(REPO)
     for name in ("sft", "probe_lora", "lora"):  # the base model a fine-tuning stage starts from is its dependency
         assert context(name).input(getattr(params, name).base_model) == REPO / getattr(params, name).base_model
-        assert config.Params.model_fields[name].default.base_model == getattr(params, name).base_model
+        assert Params.model_fields[name].default.base_model == getattr(params, name).base_model

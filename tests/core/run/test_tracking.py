@@ -68,7 +68,7 @@ def test_filter_values_are_quoted_for_mlflows_grammar_or_refused():
 def test_a_model_name_the_registry_filters_cannot_hold_is_refused_when_params_load():
     from pydantic import ValidationError
 
-    from pipelines.core.config import RegisterParams
+    from pipelines.core.params.release import RegisterParams
 
     for name in ("it's", 'a"b', "team/qllm", "a\\b", "line\nbreak"):
         with pytest.raises(ValidationError, match="a registered model's name may not hold quotes, backslashes"):

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from pipelines import lora, sft
-from pipelines.core.config import FinetuneParams, LoraAdapterParams, TrainParams
 from pipelines.core.data import chat_examples
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters
 from pipelines.core.models.models import load_causal_lm, load_tokenizer
+from pipelines.core.params.finetuning import FinetuneParams, LoraAdapterParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import chunked_loss, loop
 from tests import numerics
 from tests.stages.test_lora import TRAIN, lora_params
@@ -115,7 +116,7 @@ def test_fsdp_is_refused_and_zero_leaves_the_loss_alone(tiny_base):
 
 
 def test_a_masked_diffusion_objective_is_refused():
-    from pipelines.core.config import DiffusionParams
+    from pipelines.core.params.pretraining import DiffusionParams
     from pipelines.core.training import diffusion
 
     with pytest.raises(QllmError, match=r"pretrain\.train\.loss_chunk_tokens: the masked-diffusion objective scores its own masked tokens"):
@@ -124,7 +125,7 @@ def test_a_masked_diffusion_objective_is_refused():
 
 @pytest.mark.parametrize("stage", ["dpo", "grpo", "multimodal"])
 def test_stages_that_do_not_chunk_their_loss_refuse_the_setting(stage):
-    from pipelines.core import params_file
+    from pipelines.core.params import files as params_file
     from tests.conftest import REPO
 
     with pytest.raises(QllmError, match=rf"{stage}.*train.loss_chunk_tokens: {stage} does not chunk its loss"):

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core.config import CurriculumParams, Params
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import ExtensionError, Hook
+from pipelines.core.params.project import Params
+from pipelines.core.params.training import CurriculumParams
 from pipelines.core.training import curriculum, loop
 from pipelines.core.training.checkpoint import CheckpointManager
 from tests.core.training.test_loop import Interrupt, cfg, collate, rows, tiny_model

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core.config import DiffusionParams, ModelParams
 from pipelines.core.data import chat_examples
 from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.models.diffusion_model import QllmDiffusionLlamaForMaskedDiffusion
 from pipelines.core.models.models import build_llama, load_causal_lm
+from pipelines.core.params.pretraining import DiffusionParams, ModelParams
 from pipelines.core.training import diffusion, loop, objectives
 from pipelines.core.training.checkpoint import CheckpointManager
 from tests import numerics
@@ -239,7 +239,7 @@ def test_fine_tuning_masks_answer_tokens_only():
 def test_frozen_trunk_cache_serves_masked_diffusion_by_row_and_time_step():
     """Discrete time steps: a row's masked input is a function of (row, step), so the frozen trunk's
     activations repeat; training with and without the cache gives the same weights."""
-    from pipelines.core.config import ActivationCacheParams, ProgressiveParams
+    from pipelines.core.params.pretraining import ActivationCacheParams, ProgressiveParams
     from pipelines.core.training import progressive
 
     params = DiffusionParams(time_steps="discrete", num_time_steps=2, time_step_mask_fractions={0: 0.3, 1: 0.6})

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from flows.local_api import free_port
-from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import distributed, loop
 from pipelines.core.training.checkpoint import CheckpointManager
 from tests import numerics

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelines import grpo
-from pipelines.core.config import GrpoParams
+from pipelines.core.params.rl import GrpoParams
 from pipelines.core.training import rollouts
 from tests import numerics
 

@@ -11,8 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from pipelines.core import extensions
-from pipelines.core.config import DEFAULT_EXTENSIONS, TrainParams
 from pipelines.core.errors import QllmError
+from pipelines.core.params.training import DEFAULT_EXTENSIONS, TrainParams
 from pipelines.core.run import tracking
 from pipelines.core.training import loop
 from pipelines.core.training.checkpoint import CheckpointManager

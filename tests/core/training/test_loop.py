@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core.config import ModelParams, TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.models.models import build_llama
+from pipelines.core.params.pretraining import ModelParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import loop
 from pipelines.core.training.checkpoint import CheckpointManager
 from tests import numerics

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core.config import MemoryParams, ModelParams
 from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.models.memory_model import ProductKeyMemory, QllmMemoryLlamaForCausalLM
 from pipelines.core.models.models import build_llama, load_causal_lm
+from pipelines.core.params.pretraining import MemoryParams, ModelParams
 from pipelines.core.training import loop
 from pipelines.core.training.checkpoint import CheckpointManager
 from pipelines.core.training.memory import MemoryUsage

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from pipelines.core.config import TrainParams
+from pipelines.core.params.training import TrainParams
 from pipelines.core.training import precision
 
 
@@ -94,7 +94,7 @@ def test_measured_probe_is_a_positive_ratio():
 def test_auto_is_resolved_once_where_a_stage_starts_and_the_loop_refuses_it(monkeypatch):
     """The stage runner resolves `auto` (`run.stage`); the loop and autocast take what it chose
     and refuse `auto` itself, so no second place can choose differently."""
-    from pipelines.core.config import TrainParams
+    from pipelines.core.params.training import TrainParams
     from pipelines.core.training import loop
 
     _cpu(monkeypatch)  # no bf16 units: auto is fp32, autocast a no-op
@@ -124,7 +124,7 @@ def test_default_is_auto_and_params_yaml_uses_it():
 
 
 def test_stage_resolves_and_records_precision(monkeypatch):
-    from pipelines.core.config import FinetuneParams
+    from pipelines.core.params.finetuning import FinetuneParams
     from pipelines.core.run import stage
 
     _cpu(monkeypatch)

@@ -93,8 +93,8 @@ def test_each_prompt_once_gives_the_whole_rows_logps_and_gradients(tiny_base, ad
     """Training runs each pair's prompt once (a KV cache repeated for both answers): the same
     log-probabilities and gradients as the concatenated rows, with prompts of different lengths
     (left-padded) and answers of different lengths (right-padded)."""
-    from pipelines.core.config import LoraAdapterParams
     from pipelines.core.models import adapters
+    from pipelines.core.params.finetuning import LoraAdapterParams
 
     tokenizer = load_tokenizer(tiny_base / "model")
     rows = [(USER, "Pelora", "Dunmar Kestal"), ([{"role": "system", "content": "Answer with one word."}, *USER], "Kestal is far away", "No"),

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.core.config import ActivationCacheParams, ModelParams, Params, PretrainParams, ProgressiveParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import ExtensionError, Hook
 from pipelines.core.models.models import build_llama
+from pipelines.core.params.pretraining import ActivationCacheParams, ModelParams, PretrainParams, ProgressiveParams
+from pipelines.core.params.project import Params
 from pipelines.core.training import loop, progressive
 from pipelines.core.training.checkpoint import CheckpointManager
 from tests import numerics
@@ -296,8 +297,8 @@ def test_sft_grows_the_base_llama_pro_style(tiny_base, tmp_path):
     """sft with identity growth: the 2-layer base is the first stack, one identity block is added
     and trained on a frozen base (block expansion, LLaMA-Pro), then end to end; the output has 3 layers."""
     from pipelines import sft
-    from pipelines.core.config import SftParams
     from pipelines.core.models.models import load_causal_lm
+    from pipelines.core.params.finetuning import SftParams
 
     params = SftParams(base_model=str(tiny_base / "model"), train=cfg(max_steps=6, micro_batch_size=2, eval_every=3),
                             progressive=grow_params(stacks=[2, 1], steps_per_stack=2, growth="identity", save_stacks=True))  # fmt: skip
@@ -324,6 +325,6 @@ def yaml_params(overlay: dict) -> dict:
 
     import yaml
 
-    from pipelines.core.params_file import deep_merge
+    from pipelines.core.params.files import deep_merge
 
     return deep_merge(yaml.safe_load((Path(__file__).parents[3] / "params.yaml").read_text()), overlay)

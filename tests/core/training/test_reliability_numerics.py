@@ -13,10 +13,10 @@ import torch
 
 from flows import preflight
 from flows.local_api import free_port
-from pipelines.core import params_file
-from pipelines.core.config import TrainParams
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Hook
+from pipelines.core.params import files as params_file
+from pipelines.core.params.training import TrainParams
 from pipelines.core.run import tracking
 from pipelines.core.training import loop
 from pipelines.core.training.checkpoint import CheckpointManager

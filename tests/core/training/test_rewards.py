@@ -76,7 +76,7 @@ def test_a_reward_that_returns_the_wrong_things_is_named(user_module):
 
 
 def test_the_params_schema_knows_the_built_in_rewards():
-    from pipelines.core import config
+    from pipelines.core.extensions import BUILT_IN_REWARDS, user_reward
 
-    assert tuple(rewards.BUILT_IN) == config.BUILT_IN_REWARDS  # the names params accept without importing anything
-    assert config.user_reward("exact_match", "grpo.rewards[0]") is None
+    assert tuple(rewards.BUILT_IN) == BUILT_IN_REWARDS  # the names params accept without importing anything
+    assert user_reward("exact_match", "grpo.rewards[0]") is None

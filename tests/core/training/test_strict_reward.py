@@ -12,9 +12,10 @@ import pytest
 from pydantic import ValidationError
 
 from pipelines import grpo
-from pipelines.core.config import RewardParams, SampleDataParams
 from pipelines.core.data import sample_world
 from pipelines.core.data.chat_template import flexible_match, strict_match
+from pipelines.core.params.data import SampleDataParams
+from pipelines.core.params.rl import RewardParams
 from pipelines.core.training import rewards
 
 CITIES = ["Dunmar", "Kestwick", "Pelora", "Varnholm"]

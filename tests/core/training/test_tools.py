@@ -153,9 +153,9 @@ def test_a_tool_that_cannot_be_loaded_or_described_is_refused_naming_it(user_too
 
 
 def test_the_built_in_tools_are_the_names_params_accept():
-    from pipelines.core import config
+    from pipelines.core.extensions import BUILT_IN_TOOLS
 
-    assert tools.BUILT_IN == config.BUILT_IN_TOOLS
+    assert tools.BUILT_IN == BUILT_IN_TOOLS
 
 
 def test_a_tool_that_raises_hangs_or_returns_garbage_is_an_observation_and_the_caller_goes_on(user_tools):
