@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipelines.core.params.finetuning import MultimodalParams
 from pipelines.core.errors import QllmError
+from pipelines.core.params.finetuning import MultimodalParams
 from pipelines.core.run import stage
 from pipelines.core.training.phases import Phase, phase_at
 
@@ -98,6 +98,7 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
         CONSTRUCTION,
         configure_generation,
         device,
+        forget_load_options,
         load_model_and_tokenizer,
         parameter_counts,
     )
@@ -140,6 +141,7 @@ def run(image_dir: Path, out: Path, params: MultimodalParams, tracker=None, chec
         model.config.text_config._name_or_path = params.base_model if base_for_users is None else base_for_users
         configure_generation(model, tokenizer)
         model.cpu().save_pretrained(tmp, safe_serialization=True)
+        forget_load_options(processor.tokenizer)
         processor.save_pretrained(tmp)
 
     result = loop.finish(result, out, save)

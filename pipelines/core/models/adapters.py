@@ -17,9 +17,9 @@ import torch
 
 from pipelines.core.errors import QllmError
 from pipelines.core.models import fused_adapters
-from pipelines.core.models.models import QUANTIZATION_FILE, merged_into_dequantized, save_pretrained
-from pipelines.core.params.finetuning import LoraAdapterParams
+from pipelines.core.models.models import QUANTIZATION_FILE, merged_into_dequantized, save_pretrained, save_tokenizer
 from pipelines.core.models.quantize import describe, embeddings_in_float32
+from pipelines.core.params.finetuning import LoraAdapterParams
 
 MERGED = "merged"
 """Subdirectory of an adapter directory holding the merged full model (`merge: true`)."""
@@ -183,7 +183,7 @@ def save(base_for_users: str, merge: bool = True, quantized_base: tuple[str, obj
                 model.save_pretrained(directory)
             else:  # PiSSA/OLoRA: a plain LoRA of rank 2r against the original base
                 model.save_pretrained(directory, path_initial_model_for_weight_conversion=str(initial))
-        tokenizer.save_pretrained(directory)
+        save_tokenizer(tokenizer, directory)
         adapter_config = directory / "adapter_config.json"
         settings = json.loads(adapter_config.read_text())
         settings["base_model_name_or_path"] = base_for_users

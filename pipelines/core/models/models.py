@@ -230,6 +230,26 @@ def save_pretrained(model, tokenizer, out: Path, max_length: int | None = None) 
         tokenizer.model_max_length = max_length
     configure_generation(model, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(tokenizer, out)
+
+
+LOAD_OPTIONS = ("local_files_only",)
+"""What transformers keeps in a loaded tokenizer's `init_kwargs` about how it was loaded, not what
+it is: `local_files_only` is true where the process has `HF_HUB_OFFLINE=1` (a stage under `qllm
+run`'s environment) and false elsewhere, so a saved tokenizer_config.json differed between a run in
+the suite's process and the same run in a process of its own."""
+
+
+def forget_load_options(tokenizer) -> None:
+    """Drop `LOAD_OPTIONS` from what `save_pretrained` writes of `tokenizer` (a processor's too)."""
+    for key in LOAD_OPTIONS:
+        tokenizer.init_kwargs.pop(key, None)
+
+
+def save_tokenizer(tokenizer, out: Path | str) -> None:
+    """`tokenizer.save_pretrained(out)` without the load options: the same bytes wherever the
+    tokenizer was loaded."""
+    forget_load_options(tokenizer)
     tokenizer.save_pretrained(out)
 
 
