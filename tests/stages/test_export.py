@@ -19,8 +19,9 @@ import yaml
 from pydantic import ValidationError
 
 from pipelines import export
-from pipelines.core.params.release import ExportParams
 from pipelines.core.models.gguf_export import ExportError
+from pipelines.core.params.release import ExportParams
+from tests import llama_files
 from tests.chat_families import QWEN25
 from tests.core.models.test_gguf_export import ARCH_SETTINGS, LINEAR_ROPE, LLAMA3_ROPE, QLLM, TEXTS, YARN_ROPE, tiny
 from tests.waiting import DEADLINE
@@ -105,11 +106,8 @@ def test_params_name_what_is_wrong():
 
 
 def llama(path: Path, **kwargs):
-    try:
-        import llama_cpp
-    except ImportError:
-        pytest.fail("llama.cpp's check needs llama-cpp-python: `make test-gguf` installs it (it builds llama.cpp, minutes) and runs these tests")
-    return llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, seed=0, verbose=False, **kwargs)
+    return llama_files.load(path, "llama.cpp's check needs llama-cpp-python: `make test-gguf` installs it (it builds llama.cpp, minutes) "
+                            "and runs these tests", n_ctx=256, **kwargs)  # fmt: skip
 
 
 @pytest.mark.slow
