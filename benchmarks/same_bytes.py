@@ -22,12 +22,14 @@ from pathlib import Path
 
 import yaml
 
+from pipelines.core.workspace import RUNS_DIR
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_at(ref: str, dest: Path, params: list[str]) -> Path:
     """Clone this repository at `ref` into `dest`, run the pipeline there; the directory that holds
-    the run's dvc.lock (the project, or its run workspace under runs/)."""
+    the run's dvc.lock (the project, or its run workspace under .qllm/runs/)."""
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(dest)], check=True)
     subprocess.run(["git", "checkout", "--quiet", ref], cwd=dest, check=True)
     env = {**os.environ, "PYTHONPATH": str(dest), "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -35,7 +37,7 @@ def run_at(ref: str, dest: Path, params: list[str]) -> Path:
     done = subprocess.run(command, cwd=dest, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{ref}: {' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
-    locks = sorted(dest.glob("runs/*/dvc.lock")) or [dest / "dvc.lock"]
+    locks = sorted(dest.glob(f"{RUNS_DIR}/*/dvc.lock")) or [dest / "dvc.lock"]
     return locks[0].parent
 
 
