@@ -11,11 +11,15 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import os
+import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class QllmError(Exception):
@@ -140,10 +144,19 @@ def interrupt_training() -> int:
     return len(targets)
 
 
+SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "ash", "fish", "busybox"})
+"""Shells dvc may run a stage's command with (`$SHELL -c CMD`, or `/bin/sh -c CMD` without $SHELL)."""
+
+
 def stop_when_parent_dies(reason: str = "the parent process (dvc repro) exited") -> None:
     """Ask for a stop (`ask_stop(reason)`) when the parent process dies (Linux: PR_SET_PDEATHSIG),
     so that a stage run by `dvc repro` checkpoints and stops when dvc is killed: dvc passes no
     SIGTERM on to its stage (Ctrl-C reaches both through the terminal's process group).
+
+    dvc runs the command through a shell (`$SHELL -c CMD`, `/bin/sh -c CMD` when $SHELL is unset).
+    bash and zsh exec a single command, so dvc is the parent; dash (Debian's /bin/sh) does not,
+    and the shell, which outlives dvc, is. When the parent is such a shell, the shell's parent is
+    watched as well (`watch_exit`).
 
     The kernel sends the parent-death signal again each time the orphan is handed to another
     thread of the dying parent, so it is SIGUSR1 with an idempotent handler, not SIGTERM (whose
@@ -153,3 +166,50 @@ def stop_when_parent_dies(reason: str = "the parent process (dvc repro) exited")
         return
     signal.signal(signal.SIGUSR1, lambda signum, frame: ask_stop(reason, signal.SIGTERM))
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGUSR1)  # 1 = PR_SET_PDEATHSIG
+    parent = os.getppid()
+    if _is_shell_wrapper(parent):
+        watch_exit(_parent_of(parent), lambda: os.kill(os.getpid(), signal.SIGUSR1))
+
+
+def _is_shell_wrapper(pid: int) -> bool:
+    """Whether process `pid` is a shell running one command string (`sh -c CMD`)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    except OSError:
+        return False
+    return len(argv) >= 3 and argv[-2] == b"-c" and os.path.basename(argv[0].decode(errors="replace")).lstrip("-") in SHELLS
+
+
+def _parent_of(pid: int) -> int:
+    """The parent of process `pid` (from /proc: the command may contain spaces and parentheses)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def watch_exit(pid: int, then: Callable[[], None], poll: float = 1.0) -> threading.Thread:
+    """Call `then()` from a daemon thread when process `pid` exits: at once through a pidfd
+    (Linux 5.3+), else by polling /proc every `poll` seconds (an unreaped process counts as exited)."""
+
+    def exited() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        return state[state.rindex(")") + 2] in "ZX"
+
+    def wait() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            while not exited():
+                time.sleep(poll)
+        else:
+            try:
+                select.select([fd], [], [])
+            finally:
+                os.close(fd)
+        then()
+
+    thread = threading.Thread(target=wait, name=f"watch-exit-{pid}", daemon=True)
+    thread.start()
+    return thread

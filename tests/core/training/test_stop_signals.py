@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -83,6 +84,41 @@ def test_a_second_signal_interrupts_training_in_a_worker_thread_at_once(tmp_path
     assert isinstance(outcome["error"], errors.InterruptedAtOnce) and "newest checkpoint stays" in str(outcome["error"])
     assert [c.step for c in CheckpointManager(tmp_path, 5).list()] == [1, 2]
     assert errors.interrupt_training() == 0  # the thread left the training loop
+
+
+STAGE = """
+import sys, time
+from pathlib import Path
+from pipelines.core import errors
+errors.stop_when_parent_dies()
+Path(sys.argv[1], "ready").write_text("")
+give_up = time.monotonic() + float(sys.argv[2])
+while errors.stop_requested() is None and time.monotonic() < give_up:
+    time.sleep(0.01)
+Path(sys.argv[1], "stopped").write_text(str(errors.stop_requested()))
+"""
+"""A stand-in for a stage under dvc: it waits for the stop that its runner's death asks for (at most argv[2] seconds)."""
+
+
+@pytest.mark.parametrize("wrapper", ["none", "exec", "shell stays"])
+def test_a_stage_stops_when_the_process_that_runs_it_dies_whatever_the_shell_between(tmp_path, wrapper):
+    """dvc runs a stage as `$SHELL -c CMD`: bash execs CMD, dash (/bin/sh when $SHELL is unset, as
+    in CI) stays between dvc and the stage; either way killing the runner stops the stage.
+    `CMD; exit $?` keeps any shell in between, so the case holds whichever /bin/sh this machine has."""
+    stage = f"{shlex.quote(sys.executable)} -c {shlex.quote(STAGE)} {shlex.quote(str(tmp_path))} {DEADLINE}"
+    command = {"none": f"[sys.executable, '-c', {STAGE!r}, {str(tmp_path)!r}, '{DEADLINE}']",
+               "exec": f"['/bin/sh', '-c', {'exec ' + stage!r}]",
+               "shell stays": f"['/bin/sh', '-c', {stage + '; exit $?'!r}]"}[wrapper]  # fmt: skip
+    runner = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen({command}); time.sleep(3600)"],
+                              env=with_repo())  # fmt: skip
+    try:
+        until((tmp_path / "ready").exists, "the stage started", process=runner)
+        runner.kill()  # as SIGKILL to dvc: nothing reaches the stage but its runner's death
+    finally:
+        runner.kill()
+        runner.wait()
+    until((tmp_path / "stopped").exists, "the stage stopping after its runner died")
+    assert (tmp_path / "stopped").read_text() == "the parent process (dvc repro) exited"
 
 
 @pytest.fixture(scope="module")
