@@ -25,11 +25,11 @@ WORKDIR /opt/qllm
 # dependencies first (a layer that survives code changes), then the code
 COPY pyproject.toml requirements.lock ./
 COPY docker/install.sh docker/install.sh
-RUN mkdir -p pipelines flows tasks && touch pipelines/__init__.py flows/__init__.py tasks/__init__.py \
+RUN mkdir -p pipelines flows qllm && touch pipelines/__init__.py flows/__init__.py qllm/__init__.py \
     && TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX_URL="$TORCH_INDEX_URL" sh docker/install.sh /opt/venv "$EXTRAS"
 COPY pipelines pipelines
 COPY flows flows
-COPY tasks tasks
+COPY qllm qllm
 RUN /opt/venv/bin/uv pip install --quiet --python /opt/venv/bin/python --no-deps --reinstall-package qllm-pipeline .
 
 ENV PATH=/opt/venv/bin:$PATH

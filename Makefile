@@ -143,10 +143,10 @@ test-real: install $(VENV)/.installed-peers $(VENV)/.installed-gguf-check $(VENV
 # remote; credentials in .qllm/serve/team.env (docs/deployments.md "A team's servers").
 PROFILE ?= local
 serve: install
-	PATH="$(BIN):$$PATH" $(PY) -m flows.serve start --profile $(PROFILE)
+	PATH="$(BIN):$$PATH" $(PY) -m qllm.services.serve start --profile $(PROFILE)
 
 stop:
-	$(PY) -m flows.serve stop
+	$(PY) -m qllm.services.serve stop
 
 # The documentation site (mkdocs.yml, docs/) on http://127.0.0.1:8000, rebuilt on every edit.
 docs: install

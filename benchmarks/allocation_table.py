@@ -47,10 +47,11 @@ import numpy as np
 
 from benchmarks.lora_allocation import random_allocation
 from pipelines import lora, probe_lora, quantum_opt
+from pipelines.core.evaluation.heldout import heldout_questions
+from pipelines.core.evaluation.report import evaluate_model
 from pipelines.core.params import files as params_file
 from pipelines.core.quantum import qubo
 from pipelines.core.run import stage
-from pipelines.evaluate import evaluate_model, heldout_questions
 
 ARMS = ("qubo", "qubo_in_loop", "greedy", "uniform", "adalora", "random")
 

@@ -37,12 +37,13 @@ from pipelines import pretrain, sft
 from pipelines.core import dag
 from pipelines.core.data import sample_world
 from pipelines.core.data.chat_template import normalize_answer
+from pipelines.core.evaluation.heldout import heldout_questions
+from pipelines.core.evaluation.report import evaluate_model
 from pipelines.core.models import models
 from pipelines.core.outputs import digest, read_json, to_plain, write_json
 from pipelines.core.params import files as params_file
 from pipelines.core.run import stage
 from pipelines.core.training import precision
-from pipelines.evaluate import evaluate_model, heldout_questions
 
 
 def _with(section, seed: int, precision_name: str):

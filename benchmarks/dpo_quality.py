@@ -18,10 +18,11 @@ import tempfile
 from pathlib import Path
 
 from pipelines import dpo
+from pipelines.core.evaluation.heldout import heldout_questions
+from pipelines.core.evaluation.report import evaluate_model
 from pipelines.core.params import files as params_file
 from pipelines.core.params.release import EvaluateParams
 from pipelines.core.run import stage
-from pipelines.evaluate import evaluate_model, heldout_questions
 
 
 def main(argv: list[str] | None = None) -> int:

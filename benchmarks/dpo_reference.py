@@ -31,7 +31,8 @@ from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
 from pipelines.core.models.models import build_llama
 from pipelines.core.params import files as params_file
-from pipelines.core.training import loop, preference_data
+from pipelines.core.preference import preference_data
+from pipelines.core.training import loop
 
 WARMUP = 3
 # policy -> changes to params.yaml's `dpo` section ("default": none, i.e. what `make run` trains)

@@ -20,8 +20,8 @@ import time
 import torch
 
 from benchmarks.default_quality import cpu_name
-from pipelines.core.training import episodes
-from pipelines.core.training.tools import ToolEnvironment
+from pipelines.core.rl import episodes
+from pipelines.core.rl.tools import ToolEnvironment
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152}
 """SmolLM2-135M's shape (its config.json)."""
@@ -30,7 +30,7 @@ SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 3
 def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.core.training.test_episodes import QLLM, setup
+    from tests.core.rl.test_episodes import QLLM, setup
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=8)

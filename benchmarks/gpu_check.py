@@ -50,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ["pipelines", "tasks", "flows", "params", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
+PROJECT_FILES = ["pipelines", "flows", "qllm", "params", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
 """Dense bf16 peak FLOP/s by device name (vendor data sheets, SXM parts)."""
 PRETRAIN_SIZES = {  # Llama shapes: ~125M (GPT-2 small's width) and ~1.2B (Llama-3.2-1B's)
@@ -176,7 +176,7 @@ def pipeline(args, work: Path) -> list[dict]:
     project = make_project(work)
     start = time.perf_counter()
     summary = work / "pipeline-summary.json"
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--params", "params/tiny.yaml", "--summary-json", str(summary)], cwd=project,
+    done = subprocess.run([sys.executable, "-m", "qllm.cli", "run", "--params", "params/tiny.yaml", "--summary-json", str(summary)], cwd=project,
                           env=_env(work), capture_output=True, text=True, timeout=args.section_timeout)  # fmt: skip
     seconds = time.perf_counter() - start
     if done.returncode != 0:

@@ -28,10 +28,11 @@ import torch
 from benchmarks.default_quality import _with, cpu_name, reads
 from pipelines import grpo, pretrain, sft
 from pipelines.core import dag
+from pipelines.core.evaluation.heldout import heldout_questions
+from pipelines.core.evaluation.report import evaluate_model
 from pipelines.core.outputs import digest, to_plain, write_json
 from pipelines.core.params import files as params_file
 from pipelines.core.training import precision
-from pipelines.evaluate import evaluate_model, heldout_questions
 
 VARIANTS = ("sft", "sft+grpo", "sft longer")
 

@@ -8,7 +8,7 @@ adapter starts at zero), at SmolLM2-135M's shape.
 The model is a randomly initialised Llama at SmolLM2-135M's shape, fp32, with a default-init LoRA
 adapter of rank `--rank` on every projection (the stage's `grpo.lora` defaults otherwise). Prints
 the bytes the start weights' copy holds beside the model's, each repeat's time of both ways (one
-`_logps` of `--completions` completions of `--completion` tokens after a `--prompt`-token prompt),
+`rollouts.batch_logps` of `--completions` completions of `--completion` tokens after a `--prompt`-token prompt),
 their medians and least, in wall and in CPU time, and the ratios, in the same command (on a shared
 machine read the CPU time's least: other work slows the wall time of a repeat, not its own work).
 """
@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.default_quality import cpu_name
 from benchmarks.episode_cache import SMOLLM2
-from pipelines.core.training import rollouts
+from pipelines.core.rl import rollouts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, way in ways.items():
                 wall, cpu = time.perf_counter(), time.process_time()
                 with way():
-                    got[name] = rollouts._logps(model, batch, 1.0)
+                    got[name] = rollouts.batch_logps(model, batch, 1.0)
                 if repeat:
                     times[name]["wall"].append(time.perf_counter() - wall)
                     times[name]["cpu"].append(time.process_time() - cpu)

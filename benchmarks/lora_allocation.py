@@ -25,10 +25,11 @@ import tempfile
 from pathlib import Path
 
 from pipelines import lora, quantum_opt
+from pipelines.core.evaluation.heldout import heldout_questions
+from pipelines.core.evaluation.report import evaluate_model
 from pipelines.core.params import files as params_file
 from pipelines.core.quantum import qubo
 from pipelines.core.run import stage
-from pipelines.evaluate import evaluate_model, heldout_questions
 
 
 def random_allocation(values: dict, costs: dict, budget: int, seed: int) -> dict[str, int]:

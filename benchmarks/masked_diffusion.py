@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from pipelines import evaluate, pretrain, sft
+from pipelines import pretrain, sft
 from pipelines.core.data import packed
+from pipelines.core.evaluation import heldout, scores
 from pipelines.core.models.models import build_llama, load_for_inference, load_tokenizer, save_pretrained
 from pipelines.core.outputs import read_json
 from pipelines.core.params import files as params_file
@@ -69,15 +70,15 @@ def one_run(root: Path, params, objective: str, seed: int, unmask_steps: int, sk
     sft.run(root / "data/prepared/chat", scratch / f"{objective}-{seed}-sft", sft_params)
     out["sft_seconds"] = time.perf_counter() - started
     tuned, tuned_tokenizer = load_for_inference(scratch / f"{objective}-{seed}-sft")
-    questions = evaluate.heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
+    questions = heldout.heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)
     blocks = (None, 4, 1) if masked else (None,)  # LLaDA's semi-autoregressive blocks: one block, 4 tokens, 1 token
     for block in blocks:
         if masked:
             tuned.config.block_length = block
         started = time.perf_counter()
-        predictions = evaluate.generate_answers(tuned, tuned_tokenizer, questions["prompt"].tolist(), params.evaluate.max_new_tokens,
+        predictions = heldout.generate_answers(tuned, tuned_tokenizer, questions["prompt"].tolist(), params.evaluate.max_new_tokens,
                                                 params.evaluate.batch_size)  # fmt: skip
-        correct, _ = evaluate.exact_match_report(questions, predictions)
+        correct, _ = scores.exact_match_report(questions, predictions)
         suffix = "" if block is None else f"_block{block}"
         out |= {f"exact_match{suffix}": sum(correct) / len(correct), f"answer_seconds{suffix}": time.perf_counter() - started,
                 f"example{suffix}": predictions[:3]}  # fmt: skip

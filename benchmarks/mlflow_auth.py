@@ -1,10 +1,10 @@
 """What an authenticated request costs the team's MLflow server, with MLflow's credential cache off
-(its default) and on (`flows.serve.MLFLOW_AUTH_CACHE_SECONDS`).
+(its default) and on (`qllm.services.serve.MLFLOW_AUTH_CACHE_SECONDS`).
 
     python -m benchmarks.mlflow_auth [--requests 40] [--trials 2]
 
 Each trial and arm starts the team profile's servers from nothing in a fresh tiny project
-(`flows.serve.start(profile="team")` on 127.0.0.1: PostgreSQL, the MLflow server with basic auth,
+(`qllm.services.serve.start(profile="team")` on 127.0.0.1: PostgreSQL, the MLflow server with basic auth,
 the Prefect server and a worker), with `auth_cache_ttl_seconds` 0 (off) or the project's value.
 It then makes one request to warm up and `--requests` `experiments/get-by-name` calls as the team's
 client (`qllm-client`), and reads the seconds they took and the MLflow server's CPU time (its
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flows import serve
+from qllm.services import serve
 
 
 def server_cpu(pid: int) -> float:

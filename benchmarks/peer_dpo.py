@@ -37,7 +37,7 @@ message lists, rendering the prompt (generation prompt on) and `prompt + [answer
 (a BOS only if the template writes one), and takes as completion everything after their longest
 common prefix. With our template the prompt ends at `assistant:` on a token boundary, so both put
 the answer at the same token, but TRL's completion ends with the template's `\n` after
-`<|im_end|>`, which we do not score (`pipelines/core/training/preference_data.py`). Prints whether the
+`<|im_end|>`, which we do not score (`pipelines/core/preference/preference_data.py`). Prints whether the
 tokens agree so, and the largest difference as is and after adding to ours the log-probability
 of those trailing template tokens.
 """
@@ -65,7 +65,8 @@ from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
 from pipelines.core.models.models import CONSTRUCTION, load_for_inference
 from pipelines.core.params import files as params_file
-from pipelines.core.training import loop, precision, preference_data
+from pipelines.core.preference import preference_data
+from pipelines.core.training import loop, precision
 
 WARMUP = 3
 MODES = ("ours", "ours-live", "TRL precomputed", "TRL live")

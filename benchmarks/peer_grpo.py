@@ -41,7 +41,8 @@ from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
 from pipelines.core.models.models import load_for_inference, stop_token_ids
 from pipelines.core.params import files as params_file
-from pipelines.core.training import loop, precision, rewards, rollouts
+from pipelines.core.rl import rewards, rollouts
+from pipelines.core.training import loop, precision
 
 
 def settings(p, cfg) -> rollouts.Settings:

@@ -44,7 +44,8 @@ from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.extensions import Hook
 from pipelines.core.models import adapters
 from pipelines.core.params import files as params_file
-from pipelines.core.training import loop, precision, preference_data
+from pipelines.core.preference import preference_data
+from pipelines.core.training import loop, precision
 
 SETTINGS = {
     "kto": {"method": "kto", "beta": 0.1},

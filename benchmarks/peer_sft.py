@@ -25,7 +25,7 @@ the same weights, in fp32, and trains with:
   in both).
 
 Printed and written (`--out`): each arm's training loss at every step, and at each checkpoint the
-greedy answers to the held-out questions (`evaluate.generate_answers`, 16 new tokens) scored by
+greedy answers to the held-out questions (`heldout.generate_answers`, 16 new tokens) scored by
 exact and flexible match, overall and for the arithmetic group. Differences between ours and TRL
 are to be read against the spread between seeds of one arm.
 """
@@ -42,8 +42,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from pipelines import evaluate
 from pipelines.core.data.chat_template import end_of_turn_token, parse_messages
+from pipelines.core.evaluation import heldout, scores
 from pipelines.core.extensions import Extension
 from pipelines.core.models.models import load_model_and_tokenizer
 from pipelines.core.params.finetuning import SftParams
@@ -112,10 +112,10 @@ class Heldout:
         if step not in self.checkpoints:
             return
         was_training = model.training
-        answers = evaluate.generate_answers(model, self.tokenizer, self.questions["prompt"].tolist(), MAX_NEW_TOKENS, 32)
+        answers = heldout.generate_answers(model, self.tokenizer, self.questions["prompt"].tolist(), MAX_NEW_TOKENS, 32)
         model.train(was_training)
-        exact, exact_groups = evaluate.exact_match_report(self.questions, answers)
-        flexible, flexible_groups = evaluate.flexible_match_report(self.questions, answers)
+        exact, exact_groups = scores.exact_match_report(self.questions, answers)
+        flexible, flexible_groups = scores.flexible_match_report(self.questions, answers)
         self.results[step] = {
             "exact_match": round(sum(exact) / len(exact), 4),
             "flexible_match": round(sum(flexible) / len(flexible), 4),
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.packing and not args.max_length:
         parser.error("--packing needs --max-length (the packed row length)")
     chats = [parse_messages(m) for m in pd.read_parquet(args.chats / "train.parquet")["messages"]]
-    questions = evaluate.heldout_questions(args.chats)
+    questions = heldout.heldout_questions(args.chats)
     from benchmarks.real_model import cpu
 
     print(f"{cpu()}; {torch.get_num_threads()} threads, fp32")

@@ -47,10 +47,11 @@ def branch(root: Path, name: str, seed: int, out: Path) -> dict:
     import pandas as pd
 
     from pipelines import dpo, ref_logprobs
+    from pipelines.core.evaluation.heldout import heldout_questions
+    from pipelines.core.evaluation.report import evaluate_model
     from pipelines.core.params import files as params_file
+    from pipelines.core.preference import preference_data
     from pipelines.core.run import stage
-    from pipelines.core.training import preference_data
-    from pipelines.evaluate import evaluate_model, heldout_questions
 
     params, _ = params_file.load(root, overrides=BRANCHES[name])
     p = params.dpo
@@ -78,9 +79,10 @@ def branch(root: Path, name: str, seed: int, out: Path) -> dict:
 def sft_baseline(root: Path) -> dict:
     import pandas as pd
 
+    from pipelines.core.evaluation.heldout import heldout_questions
+    from pipelines.core.evaluation.report import evaluate_model
     from pipelines.core.params import files as params_file
-    from pipelines.core.training import preference_data
-    from pipelines.evaluate import evaluate_model, heldout_questions
+    from pipelines.core.preference import preference_data
 
     params, _ = params_file.load(root)
     questions = heldout_questions(root / "data/prepared/chat", params.evaluate.max_questions)

@@ -51,7 +51,8 @@ def one(args: argparse.Namespace) -> dict:
 
         row["linear_weight_bytes"] = linear_weight_bytes(load_causal_lm(base, dtype=torch.bfloat16))["linear_weight_bytes"]
     if args.project:
-        from pipelines.evaluate import evaluate_model, heldout_questions
+        from pipelines.core.evaluation.heldout import heldout_questions
+        from pipelines.core.evaluation.report import evaluate_model
 
         root = Path(args.project)
         project_params, _ = params_file.load(root)

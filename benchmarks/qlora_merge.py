@@ -9,12 +9,13 @@ import torch
 from peft import PeftModel
 
 from pipelines import lora
+from pipelines.core.evaluation.heldout import heldout_questions
+from pipelines.core.evaluation.report import evaluate_model
 from pipelines.core.models import quantize
 from pipelines.core.models.models import load_causal_lm, load_tokenizer, save_pretrained
 from pipelines.core.params import files as params_file
 from pipelines.core.params.finetuning import LoraParams
 from pipelines.core.params.training import TrainParams
-from pipelines.evaluate import evaluate_model, heldout_questions
 
 root, base = Path(sys.argv[1]), sys.argv[2]
 params, _ = params_file.load(root)

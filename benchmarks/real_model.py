@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipelines.core.evaluation import heldout, report, scores
+
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "params" / "smollm2.yaml"
 TRAINED = ("pretrain", "probe_lora", "sft", "lora", "dpo", "grpo")
@@ -163,11 +165,10 @@ def profile(args) -> int:
 
 def base(args) -> int:
     """The base as it comes, scored as the run's models were."""
-    from pipelines import evaluate
     from pipelines.core.models import gguf_import
     from pipelines.core.models.models import save_pretrained
     from pipelines.core.params import files as params_file
-    from pipelines.core.training import preference_data
+    from pipelines.core.preference import preference_data
 
     run = args.run.resolve()
     params, _ = params_file.load(REPO, overlays=[PROFILE])
@@ -175,12 +176,12 @@ def base(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "base"
         save_pretrained(gguf_import.load_model(path), gguf_import.load_tokenizer(path), model_dir)
-        questions = evaluate.heldout_questions(run / "data/prepared/chat", params.evaluate.max_questions)
+        questions = heldout.heldout_questions(run / "data/prepared/chat", params.evaluate.max_questions)
         import pandas as pd
 
         pairs = preference_data.from_frame(pd.read_parquet(run / "data/ref_logprobs/test.parquet"))
         started = time.perf_counter()
-        metrics = evaluate.evaluate_model(model_dir, REPO, run / "data/tokenized", questions, Path(tmp) / "out", params.evaluate, pairs)
+        metrics = report.evaluate_model(model_dir, REPO, run / "data/tokenized", questions, Path(tmp) / "out", params.evaluate, pairs)
         answers = [json.loads(line) for line in (Path(tmp) / "out/predictions.jsonl").read_text().splitlines()]
     print(f"{cpu()}; {time.perf_counter() - started:.0f} s")
     print(json.dumps({k: v for k, v in metrics.items()}, indent=1))
@@ -199,7 +200,6 @@ GENERAL_PROMPTS = [
 
 def prompts(args) -> int:
     """The base and each model of the run answering `GENERAL_PROMPTS` (greedy, 48 new tokens)."""
-    from pipelines import evaluate
     from pipelines.core.models import gguf_import
     from pipelines.core.models.models import load_for_inference, save_pretrained
     from pipelines.core.params import files as params_file
@@ -213,7 +213,7 @@ def prompts(args) -> int:
         save_pretrained(gguf_import.load_model(path), gguf_import.load_tokenizer(path), Path(tmp) / "base")
         for name, model_dir in [("base", Path(tmp) / "base")] + [(m, run / "data/models" / m) for m in params.evaluate.models]:
             model, tokenizer = load_for_inference(model_dir, run)  # an adapter names its base relative to the run workspace
-            answers[name] = evaluate.generate_answers(model, tokenizer, chats, 48, len(chats))
+            answers[name] = heldout.generate_answers(model, tokenizer, chats, 48, len(chats))
     print(cpu())
     for index, prompt in enumerate(GENERAL_PROMPTS):
         print(f"\n{prompt}")
@@ -265,19 +265,17 @@ def _arithmetic_chats(run: Path, out: Path) -> Path:
 
 
 def _heldout(model_dir: Path, questions) -> dict:
-    from pipelines import evaluate
     from pipelines.core.models.models import load_for_inference
 
     model, tokenizer = load_for_inference(model_dir, REPO)
-    answers = evaluate.generate_answers(model, tokenizer, questions["prompt"].tolist(), 16, 32)
-    exact, exact_groups = evaluate.exact_match_report(questions, answers)
-    flexible, flexible_groups = evaluate.flexible_match_report(questions, answers)
+    answers = heldout.generate_answers(model, tokenizer, questions["prompt"].tolist(), 16, 32)
+    exact, exact_groups = scores.exact_match_report(questions, answers)
+    flexible, flexible_groups = scores.flexible_match_report(questions, answers)
     return {"exact_match": round(sum(exact) / len(exact), 4), "flexible_match": round(sum(flexible) / len(flexible), 4),
             "exact_match_by_group": exact_groups, "flexible_match_by_group": flexible_groups}  # fmt: skip
 
 
 def grpo(args) -> int:
-    from pipelines import evaluate
     from pipelines import grpo as grpo_stage
     from pipelines.core.models.models import save_pretrained
     from pipelines.core.params import files as params_file
@@ -287,7 +285,7 @@ def grpo(args) -> int:
     run = args.run.resolve()
     params, _ = params_file.load(REPO, overlays=[PROFILE])
     start = run / "data/models/sft"
-    questions = evaluate.heldout_questions(run / "data/prepared/chat")
+    questions = heldout.heldout_questions(run / "data/prepared/chat")
     results = []
     print(cpu(), flush=True)
     before = _heldout(start, questions)

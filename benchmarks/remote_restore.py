@@ -48,7 +48,7 @@ def clone(dest: Path, remote: str | None, keyfile: str | None) -> tuple[Path, di
 
 def qllm_run(root: Path, env: dict, params: list[str]) -> tuple[float, dict]:
     started = time.perf_counter()
-    args = [sys.executable, "-m", "flows.cli", "run", "--summary-json", "summary.json"] + [a for p in params for a in ("--params", p)]
+    args = [sys.executable, "-m", "qllm.cli", "run", "--summary-json", "summary.json"] + [a for p in params for a in ("--params", p)]
     done = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if done.returncode:

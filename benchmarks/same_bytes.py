@@ -4,7 +4,7 @@ output compared byte for byte (the suite's same-bytes test, across commits).
 
     python -m benchmarks.same_bytes --before HEAD~3 --after HEAD [--params params/tiny.yaml] [--work /tmp/same]
 
-Each clone runs `python -m flows.cli run` with its own code (`--params` as given; none: the
+Each clone runs `python -m qllm.cli run` with its own code (`--params` as given; none: the
 default profile) under its own MLflow database. Prints one JSON line per output that differs, then
 a summary; exits 1 where any does. What is compared is every stage output in the run's
 `dvc.lock` (content hashes, as DVC computes them) except the metrics files, which hold timings.
@@ -33,7 +33,7 @@ def run_at(ref: str, dest: Path, params: list[str]) -> Path:
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(dest)], check=True)
     subprocess.run(["git", "checkout", "--quiet", ref], cwd=dest, check=True)
     env = {**os.environ, "PYTHONPATH": str(dest), "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    command = [sys.executable, "-m", "flows.cli", "run", *[arg for path in params for arg in ("--params", path)]]
+    command = [sys.executable, "-m", "qllm.cli", "run", *[arg for path in params for arg in ("--params", path)]]
     done = subprocess.run(command, cwd=dest, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{ref}: {' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")

@@ -36,7 +36,7 @@ def listing(commit: str) -> dict[str, str]:
         subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
         subprocess.run(["git", "checkout", "--quiet", commit], cwd=clone, check=True)
         env = {**os.environ, "PYTHONPATH": str(clone), "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        qllm = [sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())"]
+        qllm = [sys.executable, "-c", "import sys; from qllm.cli import main; sys.exit(main())"]
         subprocess.run([*qllm, "run", "--params", "params/tiny.yaml"], cwd=clone, env=env, check=True, stdout=subprocess.DEVNULL)
         (workspace,) = (clone / ".qllm" / "runs").iterdir()
         lock = yaml.safe_load((workspace / "dvc.lock").read_text())["stages"]

@@ -14,7 +14,7 @@ as the export stage writes them (`pipelines.core.models.gguf_export.write`) and 
 llama-cpp-python (2 threads, the chat template from the file). `--random 30m` builds a Llama of
 that size (hidden 512, 8 layers, intermediate 1536, the project's tokenizer) with random weights
 instead: the speed of a bigger model, whose answers mean nothing. Each repeat times the same
-questions in turn: `flows.generation.generate` one after another, the server's `/invocations`
+questions in turn: `qllm.serving.generation.generate` one after another, the server's `/invocations`
 with one client, then with four and with eight clients at once (a thread each), then `qllm
 serve-openai` (started as the command starts it, on 127.0.0.1) with one client and with eight, each
 request streamed (`"stream": true`), then llama.cpp f16 and q8_0 (one after another). Tokens are
@@ -40,11 +40,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flows import generation, serve
-from flows.local_api import free_port, wait_http
-from pipelines import evaluate, register
+from pipelines import register
+from pipelines.core.evaluation import heldout
 from pipelines.core.models import gguf_export
 from pipelines.core.models.models import stop_token_ids
+from qllm.services import serve
+from qllm.services.local_api import free_port, wait_http
+from qllm.serving import generation
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO  # the project whose model, held-out questions and tokenizer are used (--project-dir)
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     global ROOT
     ROOT = args.project_dir.resolve()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    questions = [turns[-1]["content"] for turns in evaluate.heldout_questions(ROOT / "data/prepared/chat", args.questions)["prompt"]]
+    questions = [turns[-1]["content"] for turns in heldout.heldout_questions(ROOT / "data/prepared/chat", args.questions)["prompt"]]
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         openai_port = free_port()
         with open(Path(scratch) / "serve-openai.log", "wb") as log:  # as `qllm serve-openai` starts (this checkout's code), no API key
-            openai_server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-openai", "--model", str(model_dir), "--port",
+            openai_server = subprocess.Popen([sys.executable, "-m", "qllm.cli", "serve-openai", "--model", str(model_dir), "--port",
                                               str(openai_port), "--project-dir", str(ROOT)], cwd=REPO, env=env, stdout=log,
                                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:

@@ -3,7 +3,7 @@
     python -m benchmarks.sweep_workers [--params params/tiny.yaml] [--trials 2]
 
 Each trial and arm starts from nothing: a fresh clone of this repository (the committed code),
-the team profile's servers started in it (`flows.serve.start(profile="team")`: PostgreSQL, the
+the team profile's servers started in it (`qllm.services.serve.start(profile="team")`: PostgreSQL, the
 MLflow server with auth, the Prefect server, a DVC remote directory) and its worker; the
 two-worker arm adds a worker in a second clone (its own DVC cache and Prefect home, the same
 servers and remote). Every worker takes two flow runs at once (`--limit 2`). The timed command is
@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from flows import serve, sweep
+from flows import sweep
+from qllm.services import serve
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).parent / "prefect")

@@ -44,11 +44,12 @@ import torch
 from benchmarks.default_quality import _with, cpu_name, reads
 from benchmarks.grpo_gain import _spread
 from pipelines import grpo, pretrain, sft
+from pipelines.core.evaluation.heldout import heldout_questions
+from pipelines.core.evaluation.report import evaluate_model
 from pipelines.core.outputs import write_json
 from pipelines.core.params import files as params_file
 from pipelines.core.params.rl import ToolsParams
 from pipelines.core.training import precision
-from pipelines.evaluate import evaluate_model, heldout_questions
 
 ARMS = ("no tools", "sft", "sft+grpo one-turn", "sft+grpo tools")
 TOOLS = ToolsParams(functions=["calculator"], max_turns=2)

@@ -42,10 +42,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: the project's packages from this checkout
     sys.path.insert(0, str(REPO))
 
-from flows import serve  # noqa: E402
-from flows.local_api import free_port, wait_http  # noqa: E402
 from pipelines.core.errors import QllmError  # noqa: E402
 from pipelines.core.run import tracking  # noqa: E402
+from qllm.services import serve  # noqa: E402
+from qllm.services.local_api import free_port, wait_http  # noqa: E402
 
 VIEWPORT = {"width": 1400, "height": 860}
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")

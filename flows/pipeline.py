@@ -30,13 +30,12 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
-from flows import preflight
+from flows.stages import stage_task
 from pipelines.core import dag, errors, workspace
 from pipelines.core.outputs import flatten
 from pipelines.core.params import files as params_file
 from pipelines.core.params.base import PARAMS_FILE
-from pipelines.core.run import repro, tracking
-from tasks.stages import stage_task
+from pipelines.core.run import preflight, repro, tracking
 
 
 @contextmanager

@@ -8,7 +8,7 @@ either with all weights trainable or with a LoRA adapter built by the LoRA stage
 concatenated chosen and rejected sequences (KTO: over its examples, and once more without
 gradients over their mismatched KL pairs). The reference log-probabilities come from
 `data/ref_logprobs/`, so the reference model is never run here. The losses are
-`pipelines.core.training.losses`, by `dpo.method`:
+`pipelines.core.preference.losses`, by `dpo.method`:
 
 - `dpo`: `preference_loss` with `dpo.loss_type` (sigmoid, hinge, ipo, ipo_sum, robust, exo_pair,
   nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop), `dpo.beta`, `dpo.label_smoothing`;
@@ -43,16 +43,17 @@ from pipelines.core.models.models import (
 )
 from pipelines.core.outputs import read_json, write_json
 from pipelines.core.params.preference import DpoParams
-from pipelines.core.run import stage
-from pipelines.core.training import loop, preference_data
-from pipelines.core.training.checkpoint import CheckpointManager
-from pipelines.core.training.losses import (
+from pipelines.core.preference import preference_data
+from pipelines.core.preference.losses import (
     kto_loss,
     kto_weight_advice,
     preference_loss,
     reference_free_loss,
     reward_metrics,
 )
+from pipelines.core.run import stage
+from pipelines.core.training import loop
+from pipelines.core.training.checkpoint import CheckpointManager
 
 NAME = "dpo"
 SECTION = "dpo.adapter"

@@ -6,10 +6,10 @@
 The questions are the prepared chat records' training split: each conversation's turns before its
 final assistant turn are the prompt, that turn's text the reference `answer` its rewards get. Each
 optimizer step samples `grpo.group_size` completions per question with the current policy
-(`pipelines.core.training.rollouts`: a KV cache, the prompt run once per group), scores them with
+(`pipelines.core.rl.rollouts`: a KV cache, the prompt run once per group), scores them with
 `grpo.rewards` (built-in `exact_match` and `format`, or a user's `package.module:function` with
-TRL's signature; `pipelines.core.training.rewards`), normalises the weighted sum within each group
-and optimises the clipped surrogate of `grpo.loss_type` (`pipelines.core.training.grpo`), with
+TRL's signature; `pipelines.core.rl.rewards`), normalises the weighted sum within each group
+and optimises the clipped surrogate of `grpo.loss_type` (`pipelines.core.rl.grpo`), with
 `beta` times the KL to the SFT model (its log-probabilities computed once per generation). The
 policy trains all its weights or a LoRA (or QLoRA) adapter (`grpo.adapter`), in the shared loop:
 checkpoints, exact resume (the sampler's generator and, with `num_iterations` > 1, the generation
@@ -50,8 +50,9 @@ from pipelines.core.models.models import (
     seeded,
 )
 from pipelines.core.params.rl import GrpoParams
+from pipelines.core.rl import episodes, grpo, rewards, rollouts, tools
 from pipelines.core.run import stage
-from pipelines.core.training import diffusion, episodes, grpo, loop, rewards, rollouts, tools
+from pipelines.core.training import diffusion, loop
 from pipelines.core.training.checkpoint import CheckpointManager
 
 NAME = "grpo"

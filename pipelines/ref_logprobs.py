@@ -40,8 +40,8 @@ from pipelines.core.models.model_source import follow
 from pipelines.core.models.models import load_for_inference, load_tokenizer
 from pipelines.core.outputs import atomic_dir, write_json
 from pipelines.core.params.preference import RefLogprobsParams
+from pipelines.core.preference import preference_data
 from pipelines.core.run import stage
-from pipelines.core.training import preference_data
 
 NAME = "ref_logprobs"
 SPLITS = ("train", "validation", "test")

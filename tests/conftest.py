@@ -23,7 +23,7 @@ import pipelines  # noqa: F401  (first: it keys torch.compile's kernel cache by 
 from tests.waiting import DEADLINE, exited
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ["pipelines", "tasks", "flows", "params", "templates", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
+PROJECT_FILES = ["pipelines", "flows", "qllm", "params", "templates", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/sources"]
 TEST_ENV = {
     "DVC_NO_ANALYTICS": "1",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -71,8 +71,8 @@ LONGEST_FIRST = (
     "tests/e2e/test_pipeline_e2e.py", "tests/flows/test_deployments.py", "tests/docs/test_screenshots.py", "tests/e2e/test_team.py",
     "tests/e2e/test_preference_methods.py", "tests/e2e/test_remote.py", "tests/e2e/test_concurrent_runs.py", "tests/core/training/test_stop_signals.py",
     "tests/e2e/test_mlflow_server.py", "tests/e2e/test_worker_image.py", "tests/e2e/test_resume_kill.py",
-    "tests/flows/test_cli_tools.py", "tests/e2e/test_finetune_mode.py", "tests/core/data/test_real_layouts.py", "tests/core/training/test_distributed.py",
-    "tests/benchmarks/test_gpu_check.py", "tests/flows/test_local_api.py", "tests/flows/test_lm_eval.py", "tests/stages/test_multimodal.py",
+    "tests/qllm/test_cli_tools.py", "tests/e2e/test_finetune_mode.py", "tests/core/data/test_real_layouts.py", "tests/core/training/test_distributed.py",
+    "tests/benchmarks/test_gpu_check.py", "tests/qllm/test_local_api.py", "tests/core/evaluation/test_lm_eval.py", "tests/stages/test_multimodal.py",
 )  # fmt: skip
 """The modules over 30 s in `make test` (`python -m benchmarks.suite_time`, on the AVX2-only EPYC),
 longest first, which `make test` starts first and the short ones after: the longest job first
@@ -346,7 +346,7 @@ def copy_first_pipeline(shared: Path, dest: Path) -> tuple[Path, dict]:
 
 
 def assert_stopped_by_itself(worker_log: Path) -> None:
-    """A Prefect worker `flows.serve.stop` ended shut down on the SIGTERM (its log ends with
+    """A Prefect worker `qllm.services.serve.stop` ended shut down on the SIGTERM (its log ends with
     Prefect's "stopped!"), not by the SIGKILL that follows 15 s later."""
     last = worker_log.read_text(errors="replace").rstrip().splitlines()[-1]
     assert re.fullmatch(r"Worker '.+' stopped!", last), f"{worker_log} ends with {last!r}"
@@ -485,7 +485,7 @@ def load_with_remote_code(model_dir: Path, input_ids: list[list[int]]) -> tuple[
 def mlflow_model_server(model_uri: str, root: Path, log: Path) -> Iterator[str]:
     """`mlflow models serve -m MODEL_URI --env-manager local` on 127.0.0.1 (a free port) against
     the project's registry, as the docs say to run it; yields its `/invocations` URL."""
-    from flows.local_api import free_port, wait_http
+    from qllm.services.local_api import free_port, wait_http
 
     port = free_port()
     env = os.environ | {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", "HF_HUB_OFFLINE": "1",

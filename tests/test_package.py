@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-import pipelines
+from pipelines.core import startup
 from tests.conftest import REPO
 
 BIG = """
@@ -80,15 +80,15 @@ def test_a_module_that_sets_the_thresholds_itself_keeps_them(tmp_path, monkeypat
 def test_only_a_modules_own_file_loader_is_wrapped_never_a_shared_one():
     """Built-in and frozen modules share one loader (a class): wrapping it would change every later
     import of theirs; a file loader serves one module."""
-    finder = next(f for f in sys.meta_path if isinstance(f, pipelines.ImportsWithoutFullCollections))
+    finder = next(f for f in sys.meta_path if isinstance(f, startup.ImportsWithoutFullCollections))
     # first when installed; finders of single names added since (Prefect's aliases) may sit before it
     assert sys.meta_path.index(finder) < sys.meta_path.index(importlib.machinery.BuiltinImporter) < sys.meta_path.index(importlib.machinery.PathFinder)
     builtin = finder.find_spec("xxsubtype")
     assert builtin.loader is importlib.machinery.BuiltinImporter and isinstance(vars(builtin.loader)["exec_module"], staticmethod)
     source = finder.find_spec("tests.hold_training", [str(REPO / "tests")])
     assert isinstance(source.loader, importlib.machinery.SourceFileLoader) and "exec_module" in vars(source.loader)
-    pipelines.imports_without_full_collections()
-    assert sum(isinstance(f, pipelines.ImportsWithoutFullCollections) for f in sys.meta_path) == 1  # installed once
+    startup.imports_without_full_collections()
+    assert sum(isinstance(f, startup.ImportsWithoutFullCollections) for f in sys.meta_path) == 1  # installed once
 
 
 DEFERRED_PROBE = """
@@ -129,7 +129,8 @@ THREADS_PROBE = """
 import json, sys, threading
 sys.path[:0] = [{tmp!r}, {repo!r}]
 import pipelines
-pipelines.DEFERRED = frozenset({{"slow_to_run"}})
+from pipelines.core import startup
+startup.DEFERRED = frozenset({{"slow_to_run"}})
 import slow_to_run
 assert type(slow_to_run).__name__ == "DeferredModule"
 start, seen, errors = threading.Barrier(8), [], []

@@ -1,8 +1,8 @@
-"""lm-evaluation-harness glue of the `qllm_heldout` task; what it does is `flows.lm_eval_task`."""
+"""lm-evaluation-harness glue of the `qllm_heldout` task; what it does is `pipelines.core.evaluation.lm_eval`."""
 
 from lm_eval.api.task import ConfigurableTask
 
-from flows.lm_eval_task import heldout_docs, process_results, render_prompt
+from pipelines.core.evaluation.lm_eval import heldout_docs, process_results, render_prompt
 
 __all__ = ["HeldoutTask", "heldout_docs", "process_results"]
 

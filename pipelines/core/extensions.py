@@ -317,7 +317,7 @@ def user_function(name: str, where: str, required: Sequence[str], given: Sequenc
 
 
 BUILT_IN_REWARDS = ("exact_match", "strict_match", "format", "environment")
-"""The reward functions `pipelines.core.training.rewards` has built in."""
+"""The reward functions `pipelines.core.rl.rewards` has built in."""
 
 
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "answer", "id", "source", "split",
@@ -331,7 +331,7 @@ completion's environment instance, as TRL's)."""
 def user_reward(name: str, where: str):
     """None for a built-in reward's name; else the user's `package.module:function`, imported and
     checked against how it will be called (`REWARD_ARGUMENTS`); a `QllmError` naming `where` if it
-    is neither. Used when params load and by `pipelines.core.training.rewards.load`."""
+    is neither. Used when params load and by `pipelines.core.rl.rewards.load`."""
     if name in BUILT_IN_REWARDS:
         return None
     if name == "flexible_match":
@@ -356,7 +356,7 @@ BUILT_IN_TOOLS = ("calculator", "lookup")
 def user_tool(name: str, where: str):
     """None for a built-in tool the params can name; else the user's `package.module:function`,
     imported and described as a JSON schema (`describe`); a `QllmError` naming `where`
-    if it is neither. Used when params load and by `pipelines.core.training.tools.load`."""
+    if it is neither. Used when params load and by `pipelines.core.rl.tools.load`."""
     if name == "calculator":
         return None
     if name == "lookup":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import mlflow_auth
-from flows import serve
+from qllm.services import serve
 
 
 def test_the_arms_alternate_and_the_ratio_is_of_the_medians(monkeypatch, capsys):

@@ -2,7 +2,7 @@
 
 TRL's `DPOTrainer` renders conversational pairs with the chat template itself and scores everything
 after the prompt, including the `\\n` the template writes after `<|im_end|>`; `ref_logprobs` stops at
-`<|im_end|>` (`pipelines/core/training/preference_data.py`). TRL's tokens and numbers come from its own
+`<|im_end|>` (`pipelines/core/preference/preference_data.py`). TRL's tokens and numbers come from its own
 dataset preparation and precompute pass.
 """
 
@@ -14,7 +14,7 @@ import pandas as pd
 from benchmarks import peer_dpo
 from pipelines import ref_logprobs
 from pipelines.core.models.models import load_causal_lm, load_tokenizer
-from pipelines.core.training import preference_data
+from pipelines.core.preference import preference_data
 from tests import numerics
 
 

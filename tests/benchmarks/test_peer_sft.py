@@ -13,6 +13,7 @@ import pytest
 from benchmarks import peer_sft
 from pipelines.core.data import chat_examples
 from pipelines.core.data.chat_template import parse_messages
+from pipelines.core.evaluation import heldout
 from pipelines.core.models.models import load_model_and_tokenizer
 
 
@@ -48,10 +49,9 @@ def test_trl_trains_exactly_the_tokens_we_train(tiny_base, tmp_path):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_both_arms_report_losses_and_answers_at_the_checkpoints(tiny_base, packing):
-    from pipelines import evaluate
 
     args = arguments(packing=packing, max_length=64 if packing else 0)
-    questions = evaluate.heldout_questions(tiny_base / "chat")
+    questions = heldout.heldout_questions(tiny_base / "chat")
     for run in (peer_sft.run_ours, peer_sft.run_trl):
         result = run(tiny_base / "model", chats(tiny_base), questions, args, seed=0)
         assert len(result["loss"]) == args.steps and all(np.isfinite(result["loss"])), run.__name__

@@ -28,16 +28,17 @@ REPO = Path(__file__).resolve().parents[2]
 PARAMS = {f"core.params.{p.stem}" for p in (REPO / "pipelines/core/params").glob("*.py") if p.stem != "__init__"}
 """The params package: the schemas and their reading, which every stage loads whole (its values are DVC params)."""
 INFRASTRUCTURE = PARAMS | {
-    "core.config", "core.params_file", "core.outputs", "core.errors", "core.workspace", "core.dag", "core.dvc_api",
+    "core.config", "core.params_file", "core.outputs", "core.errors", "core.workspace", "core.dag", "core.dvc_api", "core.startup",
     "core.run.stage", "core.run.tracking", "core.run.resources", "core.training.checkpoint", "core.training.distributed",
     "core.training.precision", "core.training.loggers", "core.data.parallel", "core.paths",
 }  # fmt: skip
 # paths: where the project and its run workspaces are, never what a stage writes
-SUBPACKAGES = ("data", "models", "training", "quantum", "run")
-"""pipelines/core's sub-packages by concern, each importing only the root and those before it."""
+SUBPACKAGES = ("data", "models", "training", "preference", "rl", "evaluation", "quantum", "run")
+"""pipelines/core's sub-packages by concern, each importing only the root and those before it: the
+training loop's machinery before the methods built on it (preference, RL), evaluation after both."""
 FOUNDATION_PACKAGES = ("params",)
 """Sub-packages that are part of the root (layer 0): the params every layer reads."""
-ROOT_MODULES = {"config", "params_file", "outputs", "errors", "workspace", "dag", "dvc_api", "extensions", "paths"}
+ROOT_MODULES = {"config", "params_file", "outputs", "errors", "workspace", "dag", "dvc_api", "extensions", "paths", "startup"}
 
 
 def module_path(module: str) -> Path:
@@ -140,7 +141,7 @@ def layer(module: str) -> int:
 @pytest.mark.parametrize("module", CORE)
 def test_the_core_imports_only_downward(module):
     """A module imports the root, its own package, and the packages before its own: never one
-    after it (data < models < training < quantum < run)."""
+    after it (data < models < training < preference < rl < evaluation < quantum < run)."""
     upward = {m for m in pipelines_imports(module) if m.startswith("core.") and layer(m) > layer(module)}
     if layer(module) == 0:  # the root is the foundation: it imports only its own modules
         upward = {m for m in pipelines_imports(module) if m.startswith("core.") and layer(m) > 0}
@@ -181,7 +182,11 @@ LOCAL_IMPORTS: dict[str, str] = {
     "core.quantum.rank_allocation -> core.models.adapters": "PEFT, only when adapters are allocated",
     "core.quantum.rank_allocation -> core.quantum.qubo": "dimod and the samplers, only when the QUBO is solved",
     "core.models.image_chat_pyfunc -> core.models.vision": "torch and the vision model, only when MLflow loads the registered model",
-    "evaluate -> core.models.vision": "the vision model classes, only for the multimodal model",
+    "core.evaluation.report -> core.models.vision": "the vision model classes, only for the multimodal model",
+    "core.evaluation.lm_eval -> core.evaluation.heldout": "torch and pandas, only when lm_eval reads the task's documents (lm_eval imports the module for every task it lists)",
+    "core.evaluation.lm_eval -> core.evaluation.scores": "torch, only when lm_eval reads the task's documents",
+    "core.evaluation.lm_eval -> core.models.model_source": "the model's provenance, only to print a model's --model_args",
+    "core.evaluation.lm_eval -> core.models.models": "torch and transformers, only to print a model's --model_args",
     "register -> core.models.image_chat_pyfunc": "MLflow's pyfunc and the vision model, only for the multimodal model",
     "multimodal -> core.models.models": "torch, only when the optional stage is enabled (else it writes a README)",
     "multimodal -> core.models.vision": "the vision model, only when the optional stage is enabled",
@@ -263,21 +268,33 @@ def test_dvc_md5_matches_dvc(tmp_path):
 
 
 def test_layers_import_one_way():
-    """pipelines never imports Prefect, tasks or flows; tasks never import flows."""
+    """The library (pipelines) imports neither Prefect, the flows nor the applications (qllm); the
+    flows never import the applications; the applications' packages import only those before them
+    (services < serving, registry < cli)."""
     def imports(path: Path) -> set[str]:
         tree = ast.parse(path.read_text())
         names = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module.split(".")[0])
+                names.add(node.module)
             elif isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
+                names |= {a.name for a in node.names}
         return names
 
+    def tops(names: set[str]) -> set[str]:
+        return {n.split(".")[0] for n in names}
+
     for path in (REPO / "pipelines").rglob("*.py"):
-        assert not imports(path) & {"prefect", "tasks", "flows"}, path.name
-    for path in (REPO / "tasks").glob("*.py"):
-        assert "flows" not in imports(path), path.name
+        assert not tops(imports(path)) & {"prefect", "flows", "qllm"}, path.relative_to(REPO)
+    for path in (REPO / "flows").glob("*.py"):
+        if path.name != "moved.py" and "flows.moved" not in imports(path):  # the old names forward to qllm for one release
+            assert "qllm" not in tops(imports(path)), path.name
+    order = ["services", "serving", "registry", "cli"]
+    for path in (REPO / "qllm").rglob("*.py"):
+        own = path.relative_to(REPO / "qllm").with_suffix("").parts[0]
+        used = {n.split(".")[1] for n in imports(path) if n.startswith("qllm.")}
+        later = {u for u in used if u in order and order.index(u) > order.index(own) and not {u, own} <= {"serving", "registry"}}
+        assert not later, f"{path.relative_to(REPO)} imports qllm.{sorted(later)}, a later package"
 
 
 def test_prefect_yaml_deploys_the_pipeline_flow():
@@ -293,7 +310,7 @@ def test_prefect_yaml_deploys_the_pipeline_flow():
 
 def test_the_tests_mirror_the_tree():
     """tests/core/<package>/ holds the tests of pipelines/core/<package>/, tests/stages/ those of
-    the stages: a module's tests are one hop away."""
+    the stages, tests/qllm/ those of the applications: a module's tests are one hop away."""
     tests = REPO / "tests"
     assert {p.name for p in (tests / "core").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(SUBPACKAGES)
     core_modules = {m.rsplit(".", 1)[-1] for m in CORE}

@@ -38,3 +38,18 @@ def test_the_readme_is_one_screenful_and_links_every_page():
     pages = {p.name for p in (REPO / "docs").glob("*.md")}
     linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", readme))
     assert pages <= linked, f"pages the README does not link: {sorted(pages - linked)}"
+
+
+def test_the_readme_names_every_package_in_one_hop():
+    """The README's "Where things are" table names every Python package of the library, the flows
+    and the applications: each in its own row, or a sub-package by name in its parent's row."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Where things are") :]
+    section = section[: section.index("\n## ")]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w/]+/)` \| (.*) \|$", section, re.M)}
+    packages = sorted(p.parent.relative_to(REPO).as_posix() + "/" for top in ("pipelines", "flows", "qllm") for p in (REPO / top).rglob("__init__.py"))
+    assert "pipelines/core/rl/" in packages and "qllm/serving/" in packages
+    for package in packages:
+        parent = package.rstrip("/").rpartition("/")[0] + "/"
+        name = package.rstrip("/").rpartition("/")[2] + "/"
+        assert package in rows or f"`{name}`" in rows.get(parent, ""), f"README, Where things are: {package} is not in the table"

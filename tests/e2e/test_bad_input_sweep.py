@@ -481,7 +481,7 @@ def invoke(case: Case, args: list[str], capsys) -> tuple[int | str, str]:
         if case.entry in STAGE_ENTRIES:
             code = importlib.import_module(f"pipelines.{case.entry}").main([])
         else:
-            from flows import cli
+            from qllm import cli
 
             code = cli.main([case.entry.split()[1], *args])
     except Exception as exc:  # what the user would get as a traceback
@@ -496,12 +496,12 @@ def invoke(case: Case, args: list[str], capsys) -> tuple[int | str, str]:
 @pytest.fixture
 def no_pipeline_start(monkeypatch):
     """`qllm run` must stop at the params check: starting Prefect here would mean the bad input passed."""
-    import flows.local_api
+    import qllm.services.local_api
 
     def refuse(*args, **kwargs):
         raise AssertionError("the params passed validation: `qllm run` would start the pipeline")
 
-    monkeypatch.setattr(flows.local_api, "prefect_api", refuse)
+    monkeypatch.setattr(qllm.services.local_api, "prefect_api", refuse)
 
 
 @pytest.fixture
@@ -564,7 +564,7 @@ def test_evaluate_skips_held_out_chats_without_a_final_answer_and_counts_them(tm
     """Chats of the split `evaluate` reads that do not end with an assistant turn are skipped with
     a warning naming them; with none left, a clear error instead of a KeyError."""
     from pipelines.core.errors import QllmError
-    from pipelines.evaluate import heldout_questions
+    from pipelines.core.evaluation.heldout import heldout_questions
 
     def split_file(split: str, chats: dict[str, dict]) -> None:
         frame = pd.DataFrame({"id": list(chats), "source": "s", "split": split,

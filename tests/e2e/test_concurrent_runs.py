@@ -158,7 +158,7 @@ def test_a_run_cache_entry_being_written_is_not_read_by_another_workspace(toy, t
 def qllm_run(project: Path, tmp: Path, tag: str, *args: str) -> tuple[subprocess.Popen, Path, Path]:
     summary, output = tmp / f"{tag}.json", tmp / f"{tag}.log"
     with open(output, "wb") as log:
-        command = [sys.executable, "-m", "flows.cli", "run", "--params", "params/tiny.yaml", *args, "--summary-json", str(summary)]
+        command = [sys.executable, "-m", "qllm.cli", "run", "--params", "params/tiny.yaml", *args, "--summary-json", str(summary)]
         process = subprocess.Popen(command, cwd=project, stdout=log, stderr=subprocess.STDOUT)
     return process, summary, output
 

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from flows.local_api import free_port, wait_http
+from qllm.services.local_api import free_port, wait_http
 from tests.conftest import make_project
 from tests.waiting import DEADLINE, exited
 
 
 @pytest.fixture(scope="module")
 def postgres():
-    """A PostgreSQL cluster of its own on 127.0.0.1 (a free port; `flows.postgres`, as the team
+    """A PostgreSQL cluster of its own on 127.0.0.1 (a free port; `qllm.services.postgres`, as the team
     profile runs it), database `mlflow`, trust auth for the user `qllm`."""
-    from flows.postgres import Cluster
+    from qllm.services.postgres import Cluster
 
     home = Path(tempfile.mkdtemp(prefix="qllm-postgres-"))  # not under pytest's 0700 root-owned directory: the postgres user reads it
     if os.geteuid() == 0:
@@ -70,9 +70,9 @@ def mlflow_server(postgres, tmp_path_factory):
 def test_two_runs_register_through_the_server(mlflow_server, tmp_path, mlflow_template_db, prefect_server, monkeypatch, capsys):
     from mlflow import MlflowClient
 
-    from flows.cli import main
     from flows.pipeline import pipeline
-    from tests.flows.test_cli_tools import reset_mlflow_uris
+    from qllm.cli import main
+    from tests.qllm.test_cli_tools import reset_mlflow_uris
 
     root = make_project(tmp_path / "project", mlflow_template_db)
     (root / "mlflow.db").unlink()  # the server is the only store

@@ -111,7 +111,7 @@ def test_a_clone_elsewhere_run_apart_writes_identical_outputs(first, project, tm
     clone = make_project(tmp_path_factory.mktemp("elsewhere") / "clone-two", mlflow_template_db)
     hash_seed = "2" if os.environ.get("PYTHONHASHSEED") != "2" else "3"
     env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "run"], cwd=clone, capture_output=True, text=True, env=env)
+    result = subprocess.run([sys.executable, "-m", "qllm.cli", "run"], cwd=clone, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     ours, theirs = stage_outs(project), stage_outs(clone)
     assert {"data/quantum_opt", "data/models/lora", "data/models/dpo", "data/evaluate", "data/register"} <= set(ours)
@@ -287,7 +287,7 @@ def test_mlflow_models_serve_answers_chat_requests_as_qllm_generate(first, proje
     OpenAI-style chat request gets the chat-templated greedy answer `qllm generate` gives for the
     same prompt and token limit; a request without messages, or with messages of the wrong shape,
     gets a 400 saying what was expected."""
-    from flows import generation
+    from qllm.serving import generation
 
     with mlflow_model_server("models:/qllm@champion", project, tmp_path / "serve.log") as url:
         model, tokenizer = generation.load("models:/qllm@champion", project)
@@ -526,7 +526,7 @@ def cli(project: Path, *args: str) -> subprocess.CompletedProcess:
     from prefect.settings import PREFECT_API_URL
 
     env = {**__import__("os").environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=project, capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "qllm.cli", *args], cwd=project, capture_output=True, text=True, env=env)
 
 
 def test_cli_prints_one_line_per_stage_and_writes_the_summary(first, project, tmp_path):
@@ -605,7 +605,7 @@ def test_bad_params_fail_before_any_stage(first, project):
 
 
 def test_malformed_source_fails_cleanly_without_outputs(tmp_path, mlflow_template_db, prefect_server, capsys):
-    from flows.cli import main
+    from qllm.cli import main
 
     project = make_project(tmp_path / "bad", mlflow_template_db)
     (project / "data/sources/broken.jsonl").write_text('{"text": "fine"}\n{"text": "oops",}\n')
@@ -747,7 +747,8 @@ def test_qllm_export_writes_a_registered_version_and_refuses_to_overwrite_a_fore
     import gguf
     import numpy as np
 
-    from flows import cli, generation
+    from qllm import cli
+    from qllm.serving import generation
 
     try:
         assert cli.main(["export", "--model", "models:/qllm@champion", "--out", "exported", "--type", "f16", "--project-dir", str(project)]) == 0

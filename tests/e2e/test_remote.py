@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.local_api import free_port
+from qllm.services.local_api import free_port
 from tests.conftest import git_identity, make_project, run
 from tests.waiting import DEADLINE, exited, until
 

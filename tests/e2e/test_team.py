@@ -1,6 +1,6 @@
 """A team's servers (`make serve PROFILE=team`) and two workers on one pool, each in its own checkout.
 
-`flows.serve.start(profile="team")` starts, on 127.0.0.1: PostgreSQL (the system's packages) under
+`qllm.services.serve.start(profile="team")` starts, on 127.0.0.1: PostgreSQL (the system's packages) under
 a Prefect server asking for an auth string and an MLflow tracking server with basic auth and
 proxied artifacts, a worker in the first checkout and a DVC remote (a directory). A second worker
 runs in a clone of the project (its own checkout, DVC cache and PREFECT_HOME: another machine,
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from flows import serve, sweep
+from flows import sweep
+from qllm.services import serve
 from tests.certificates import self_signed
 from tests.conftest import REPO, assert_stopped_by_itself, make_project, run
 
@@ -58,7 +59,7 @@ def team(tmp_path_factory, mlflow_template_db):
         env = serve.service_env(one, record["prefect_api_url"], client) | {"PREFECT_WORKER_QUERY_SECONDS": "2"}
         assert record["dvc_remote"].startswith("team -> ")  # the profile's remote: a directory a worker on this host reaches
         run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "team", record["dvc_remote"].split(" ")[2]], two)
-        # a service as `make serve` starts them (its own session, SIGINT at its default: flows.serve._spawn)
+        # a service as `make serve` starts them (its own session, SIGINT at its default: qllm.services.serve._spawn)
         worker = serve._spawn(serve.worker_command(limit=1, name=SECOND, queues=["default"]), two, env | {"PREFECT_HOME": str(two / serve.STATE_DIR / "prefect")},
                               base / "worker-two.log")  # fmt: skip
         deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=one, env=env, capture_output=True, text=True, timeout=180)
@@ -132,7 +133,7 @@ def test_a_client_may_call_the_servers_by_the_certificates_name(team):
     accepts no other), so its requests carry that name as their Host header, port included:
     MLflow's server, which answers 403 to a Host it does not know (DNS-rebinding protection),
     answers them; a name outside the certificate is still refused. Each front started only after
-    finding that its server asks for credentials (`flows.tls_front --probe`)."""
+    finding that its server asks for credentials (`qllm.services.tls_front --probe`)."""
     client = team["client"]
     url, port = client["MLFLOW_TRACKING_URI"], client["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1]
     search = f"{url}/api/2.0/mlflow/experiments/search?max_results=1"
@@ -296,7 +297,7 @@ def test_a_servers_role_takes_over_the_tables_an_older_version_made_as_the_super
     hands them (with their sequences and types) to the server's role, which then uses them."""
     import psycopg
 
-    from flows.postgres import Cluster
+    from qllm.services.postgres import Cluster
 
     state, services = team["one"] / serve.STATE_DIR, team["record"]["services"]
     passwords = json.loads((state / serve.SECRETS).read_text())

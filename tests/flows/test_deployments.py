@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import serve
+from qllm.services import serve
 from tests.conftest import REPO, assert_stopped_by_itself, make_project
 from tests.waiting import DEADLINE, until
 
@@ -22,7 +22,7 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, mlflow_template_db):
-    """A tiny project with its services started by `flows.serve` (as `make serve` does); stopped
+    """A tiny project with its services started by `qllm.services.serve` (as `make serve` does); stopped
     afterwards, even when a test fails. Every wait (the servers answering, the deployments made, the
     services gone after SIGTERM) is for that state, bounded by `tests.waiting.DEADLINE`."""
     project = make_project(tmp_path_factory.mktemp("served") / "project", mlflow_template_db)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from pipelines import evaluate
 from pipelines.core.data import packed
 from pipelines.core.errors import QllmError
+from pipelines.core.evaluation import bertscore
 from pipelines.core.params.release import EvaluateParams
 from tests import numerics
 
@@ -77,7 +78,7 @@ def by_hand(encoder: Path, candidate: str, reference: str, layer: int) -> tuple[
 
 
 def test_identical_answers_score_one_and_different_ones_less(encoder):
-    scorer = evaluate.BertScore(str(encoder), Path("/nonexistent"))  # an absolute path: the root is not consulted
+    scorer = bertscore.BertScore(str(encoder), Path("/nonexistent"))  # an absolute path: the root is not consulted
     assert scorer.layer == 3  # the last by default
     same = scorer.scores(["Tovik lives in Pelora", "7"], ["Tovik lives in Pelora", "7"])
     assert same.flatten().tolist() == pytest.approx([1.0] * 6, abs=score_tolerance(encoder))
@@ -92,7 +93,7 @@ def test_identical_answers_score_one_and_different_ones_less(encoder):
 
 @pytest.mark.parametrize("layer", [None, 1, 0])
 def test_scores_match_a_hand_computation(encoder, layer):
-    scorer = evaluate.BertScore(str(encoder), Path("/nonexistent"), layer)
+    scorer = bertscore.BertScore(str(encoder), Path("/nonexistent"), layer)
     pairs = [("Marela lives in Dunmar", "Tovik lives in Pelora"), ("where does orvin live?", "Orvin lives in Kestal.")]
     got = scorer.scores([c for c, _ in pairs], [r for _, r in pairs], batch_size=2)  # padded together
     for row, (candidate, reference) in zip(got.tolist(), pairs, strict=True):
@@ -101,14 +102,14 @@ def test_scores_match_a_hand_computation(encoder, layer):
 
 def test_bad_encoders_name_the_key_and_the_path(encoder, tiny_base, tmp_path):
     with pytest.raises(QllmError, match=r"evaluate.bertscore_model='encoders/missing': .*/encoders/missing is not a directory"):
-        evaluate.BertScore("encoders/missing", tmp_path)
+        bertscore.BertScore("encoders/missing", tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(QllmError, match=r"evaluate.bertscore_model='empty': cannot load an encoder .*/empty"):
-        evaluate.BertScore("empty", tmp_path)
+        bertscore.BertScore("empty", tmp_path)
     with pytest.raises(QllmError, match=r"evaluate.bertscore_model=.*/model holds a 'llama' model, not a BERT-like text encoder"):
-        evaluate.BertScore(str(tiny_base / "model"), tmp_path)
+        bertscore.BertScore(str(tiny_base / "model"), tmp_path)
     with pytest.raises(QllmError, match=r"evaluate.bertscore_layer=4: .*tiny-bert has 3 layers"):
-        evaluate.BertScore(str(encoder), tmp_path, layer=4)
+        bertscore.BertScore(str(encoder), tmp_path, layer=4)
     with pytest.raises(ValidationError, match="bertscore_layer: applies only with bertscore_model set"):
         EvaluateParams(bertscore_layer=2)
 

@@ -16,7 +16,7 @@ from pipelines.core.errors import QllmError
 from pipelines.core.models.models import load_for_inference
 from pipelines.core.params.preference import DpoParams, RefLogprobsParams
 from pipelines.core.params.training import TrainParams
-from pipelines.core.training import preference_data
+from pipelines.core.preference import preference_data
 from tests import numerics
 from tests.conftest import record_dpo_losses
 

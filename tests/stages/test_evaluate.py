@@ -6,27 +6,27 @@ import pandas as pd
 import pytest
 import torch
 
-from pipelines import evaluate
 from pipelines.core.data.chat_template import render_prompt
 from pipelines.core.errors import QllmError
+from pipelines.core.evaluation import heldout, plots, report, scores
 from pipelines.core.models.models import load_for_inference
-from pipelines.core.run import plots
-from pipelines.core.training import loop, preference_data
+from pipelines.core.preference import preference_data
+from pipelines.core.training import loop
 from tests import numerics
 
 
 def test_text_similarity_by_hand():
-    same = evaluate.text_similarity(["Tovik lives in Pelora"], ["Tovik lives in Pelora"])
+    same = scores.text_similarity(["Tovik lives in Pelora"], ["Tovik lives in Pelora"])
     # sacrebleu's 100 * exp(mean log precision) (two functions and a few operations) in float64, rounded to 4 decimals
     assert same == {"bleu": numerics.approx(100.0, n=2 * numerics.FUNCTION + 6, dtype=torch.float64, decimals=4), "rougeL": 1.0}
     # ROUGE-L F: LCS "lives in" (2 tokens) of 3-token prediction and 4-token reference:
     # P = 2/3, R = 2/4, F = 2PR/(P+R) = 4/7
-    partial = evaluate.text_similarity(["she lives in"], ["Tovik lives in Pelora"])
+    partial = scores.text_similarity(["she lives in"], ["Tovik lives in Pelora"])
     assert partial["rougeL"] == round(4 / 7, 4) and 0 <= partial["bleu"] < 100  # rounded to 4 decimals from a float64 4/7 that rounding cannot move
-    assert evaluate.text_similarity([], []) == {"bleu": 0.0, "rougeL": 0.0}
+    assert scores.text_similarity([], []) == {"bleu": 0.0, "rougeL": 0.0}
     # one-word answers (the held-out sets): sentence BLEU with effective order is 100 per exact
     # answer and 0 per wrong one, where corpus BLEU-4 would be 0 for every model
-    bleu = evaluate.text_similarity(["Pelora", "Dunmar", "7"], ["Pelora", "Kestal", "7"])["bleu"]
+    bleu = scores.text_similarity(["Pelora", "Dunmar", "7"], ["Pelora", "Kestal", "7"])["bleu"]
     assert bleu == numerics.approx(200 / 3, n=2 * numerics.FUNCTION + 6 + 3, dtype=torch.float64, magnitude=100.0, decimals=4)  # as above, and the mean of 3
 
 
@@ -52,9 +52,9 @@ def test_rouge_l_is_rouge_scores_on_real_text_without_importing_nltk():
     scorer = rouge_scorer.RougeScorer(["rougeL"])
     expected = [scorer.score(r, p)["rougeL"].fmeasure for r, p in pairs]
     # rouge-score's F-measure of the same counts: two divisions and the harmonic mean in float64 (6 roundings)
-    assert [evaluate.rouge_l(r, p) for r, p in pairs] == numerics.approx(expected, n=6, dtype=torch.float64, magnitude=1.0)
+    assert [scores.rouge_l(r, p) for r, p in pairs] == numerics.approx(expected, n=6, dtype=torch.float64, magnitude=1.0)
     assert len({round(e, 3) for e in expected}) > 50  # the cases are varied, not all 0 or 1
-    code = "import sys; from pipelines import evaluate; evaluate.text_similarity(['a b'], ['a c']); print('nltk' in sys.modules)"
+    code = "import sys; from pipelines.core.evaluation import scores; scores.text_similarity(['a b'], ['a c']); print('nltk' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
@@ -88,8 +88,8 @@ def test_both_matches_are_reported_by_question_group():
     questions = pd.DataFrame({"id": ["heldout-arith-1", "heldout-arith-2", "heldout-fact-city-1", "heldout-fact-city-2"],
                               "reference": ["7", "9", "Pelora", "Dunmar"]})  # fmt: skip
     predictions = ["1 + 6 = 7", "9", "She lives in Pelora.", "Kestal"]
-    exact, exact_groups = evaluate.exact_match_report(questions, predictions)
-    flexible, flexible_groups = evaluate.flexible_match_report(questions, predictions)
+    exact, exact_groups = scores.exact_match_report(questions, predictions)
+    flexible, flexible_groups = scores.flexible_match_report(questions, predictions)
     assert exact == [False, True, False, False] and exact_groups == {"heldout-arith": 0.5, "heldout-fact-city": 0.0}
     assert flexible == [True, True, True, False] and flexible_groups == {"heldout-arith": 1.0, "heldout-fact-city": 0.5}
 
@@ -99,7 +99,7 @@ def test_general_text_rows_are_the_documentation_in_order(tiny_base):
     from pipelines.core.models.models import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_base / "model")
-    rows = evaluate.general_text_rows(tokenizer, 100, 16)
+    rows = scores.general_text_rows(tokenizer, 100, 16)
     assert rows.shape == (6, 16)  # whole rows only: 100 tokens -> 6 rows of 16
     first = tokenizer(real_text.documentation()[0], add_special_tokens=False)["input_ids"]
     assert rows.reshape(-1)[: min(96, len(first))].tolist() == first[:96]
@@ -119,18 +119,18 @@ def test_preference_metrics_and_dpo_rewards(tiny_base):
     # evaluate's batches of 2 and 3 against one batch here: two orders of the forward's chain (tests/numerics.py)
     tol = numerics.tolerance(numerics.model_roundings(model.config, batch["input_ids"].shape[1]), magnitude=float(torch.cat([chosen, rejected]).abs().max()))
     assert float((chosen - rejected).abs().min()) > 2 * tol  # no pair within rounding of a tie: the comparisons cannot flip
-    plain = evaluate.preference_metrics(model, pairs, pad, batch_size=2, beta=None)
+    plain = scores.preference_metrics(model, pairs, pad, batch_size=2, beta=None)
     assert plain["preference_accuracy"] == round(float((chosen > rejected).float().mean()), 4)  # the same comparisons: exact
     assert plain["preference_pairs"] == len(pairs) and "rewards/accuracies" not in plain
 
-    dpo = evaluate.preference_metrics(model, pairs, pad, batch_size=3, beta=0.5)
+    dpo = scores.preference_metrics(model, pairs, pad, batch_size=3, beta=0.5)
     # rewards: β·(policy − ref) = 0.5·1 on chosen and 0.5·(−1) on rejected, for every pair, up to
     # β·tol (the policy's log-probabilities in other batches), the mean's rounding, and 6 decimals
     for name, value in (("rewards/chosen", 0.5), ("rewards/rejected", -0.5), ("rewards/margins", 1.0)):
         rounding = 0.5 * (2 if name == "rewards/margins" else 1) * tol + numerics.tolerance(len(pairs) + 4, magnitude=1.0) + 0.5e-6
         assert dpo[name] == pytest.approx(value, abs=rounding), name
     assert dpo["rewards/accuracies"] == 1.0
-    assert evaluate.preference_metrics(model, [], pad, 2, None) == {}
+    assert scores.preference_metrics(model, [], pad, 2, None) == {}
 
 
 def test_plots_are_pngs_from_the_training_logs(tmp_path):
@@ -148,7 +148,7 @@ def test_plots_are_pngs_from_the_training_logs(tmp_path):
 
 
 def test_comparison_table_has_one_row_per_model():
-    table = evaluate.comparison({"sft": {"exact_match": 0.5, "bleu": 10.0, "questions": 3}, "dpo": {"exact_match": 0.6, "rewards/margins": 1.0}})
+    table = report.comparison({"sft": {"exact_match": 0.5, "bleu": 10.0, "questions": 3}, "dpo": {"exact_match": 0.6, "rewards/margins": 1.0}})
     assert table.astype(object).where(table.notna(), None).to_dict("records") == [
         {"model": "sft", "exact_match": 0.5, "bleu": 10.0, "rewards/margins": None},
         {"model": "dpo", "exact_match": 0.6, "bleu": None, "rewards/margins": 1.0},
@@ -159,31 +159,31 @@ def test_generation_pads_on_the_left_and_leaves_the_tokenizer_as_it_was(tiny_bas
     model, tokenizer = load_for_inference(tiny_base / "model")
     tokenizer.padding_side = "right"
     prompts = [[{"role": "user", "content": "Where does Tovik live?"}], [{"role": "user", "content": "What is 3 plus 4? Answer with one number."}]]
-    batched = evaluate.generate_answers(model, tokenizer, prompts, 4, batch_size=2)
-    alone = [evaluate.generate_answers(model, tokenizer, [p], 4, batch_size=1)[0] for p in prompts]
+    batched = heldout.generate_answers(model, tokenizer, prompts, 4, batch_size=2)
+    alone = [heldout.generate_answers(model, tokenizer, [p], 4, batch_size=1)[0] for p in prompts]
     assert batched == alone  # left padding: the shorter prompt's answer is not cut off by padding
     assert tokenizer.padding_side == "right"
 
 
 def test_questions_that_offer_tools_are_answered_by_greedy_episodes():
-    """`evaluate.tools`: a scripted model (tests/core/training/test_episodes.py) answers through the
+    """`evaluate.tools`: a scripted model (tests/core/rl/test_episodes.py) answers through the
     real calculator; a call to a tool evaluate was not given reads an error; the episodes' last turns
     are the answers, and `called_correctly` holds only where every call parsed and returned."""
     from pipelines.core.params.release import EvaluateParams
     from pipelines.core.params.rl import ToolsParams
     from tests.chat_families import QWEN25
-    from tests.core.training.test_episodes import setup
+    from tests.core.rl.test_episodes import setup
 
     tokenizer, model, _, prompts = setup(QWEN25, "hermes")
     # 96: the test tokenizer spells Qwen2.5's tool message in 41 tokens, and each answer must fit beside it (episodes.fit_answers)
     params = EvaluateParams(tools=ToolsParams(functions=["calculator"]), max_new_tokens=96, batch_size=2)  # 5 questions: chunks of 2, 2, 1
-    answers, transcripts = evaluate.answers_with_tools(model, tokenizer, prompts, params)
+    answers, transcripts = heldout.answers_with_tools(model, tokenizer, prompts, params)
     assert answers[:2] == ["47104101", "Pelora"] and answers[3] == "I do not know"
     product, refuse, bad_parse, weather, power = transcripts
     assert product["turns"][0]["calls"] == [{"name": "calculator", "arguments": {"expression": "48213 * 977"}, "observation": "47104101", "error": None}]
     assert weather["turns"][0]["calls"][0]["error"] == "unknown_tool"  # offered in the chat, not given to evaluate
     assert power["truncated"] and not product["truncated"]
-    assert [evaluate.called_correctly(t) for t in transcripts] == [True, False, False, False, False]
+    assert [heldout.called_correctly(t) for t in transcripts] == [True, False, False, False, False]
 
 
 def test_tool_episodes_past_the_models_context_are_refused_before_generating():
@@ -195,7 +195,7 @@ def test_tool_episodes_past_the_models_context_are_refused_before_generating():
     from pipelines.core.params.release import EvaluateParams
     from pipelines.core.params.rl import ToolsParams
     from tests.chat_families import QWEN25
-    from tests.core.training.test_episodes import setup
+    from tests.core.rl.test_episodes import setup
 
     tokenizer, model, _, prompts = setup(QWEN25, "hermes")
     longest = max(len(tokenizer(render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in prompts)
@@ -204,10 +204,10 @@ def test_tool_episodes_past_the_models_context_are_refused_before_generating():
     with pytest.raises(QllmError, match=rf"^evaluate.tools: the longest question with the tools' schemas is {longest} tokens and an episode may add 192 "
                                         r"\(evaluate.max_new_tokens x \(2 x evaluate.tools.max_turns - 1\)\), past data/models/sft's context of "
                                         rf"{longest + 191} tokens"):  # fmt: skip
-        evaluate.answers_with_tools(model, tokenizer, prompts, params, model_name="data/models/sft")
+        heldout.answers_with_tools(model, tokenizer, prompts, params, model_name="data/models/sft")
     assert model.plan == []  # nothing generated
     model.config.max_position_embeddings = longest + 3 * 64
-    answers, _ = evaluate.answers_with_tools(model, tokenizer, prompts, params, model_name="data/models/sft")
+    answers, _ = heldout.answers_with_tools(model, tokenizer, prompts, params, model_name="data/models/sft")
     assert answers[0] == "47104101"
 
 
@@ -239,7 +239,7 @@ def test_evaluate_runs_an_environment_per_question_reset_with_its_id_only(tmp_pa
     from pipelines.core.params.release import EvaluateParams
     from pipelines.core.params.rl import ToolsParams
     from tests.chat_families import QWEN25
-    from tests.core.training.test_episodes import setup
+    from tests.core.rl.test_episodes import setup
 
     (tmp_path / "my_forecast.py").write_text(FORECAST)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -247,7 +247,7 @@ def test_evaluate_runs_an_environment_per_question_reset_with_its_id_only(tmp_pa
     tokenizer, model, _, prompts = setup(QWEN25, "hermes")
     params = EvaluateParams(tools=ToolsParams(functions=["calculator"], environment="my_forecast:Forecast"), max_new_tokens=64, batch_size=2)
     ids = [f"heldout-q-{i}" for i in range(len(prompts))]
-    answers, transcripts = evaluate.answers_with_tools(model, tokenizer, prompts, params, ids=ids)
+    answers, transcripts = heldout.answers_with_tools(model, tokenizer, prompts, params, ids=ids)
     import my_forecast
 
     assert my_forecast.Forecast.resets == [{"id": i} for i in ids]

@@ -19,6 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipelines import export
+from pipelines.core.evaluation import heldout
 from pipelines.core.models.gguf_export import ExportError
 from pipelines.core.params.release import ExportParams
 from tests import llama_files
@@ -246,11 +247,10 @@ def test_llama_cpp_answers_the_held_out_questions_as_evaluate_does(trained):
     """llama-cpp-python's chat completion (the chat template from the file's metadata, greedy, the
     same token limit) on every held-out question: f16's exact match within one question of
     evaluate's, q8_0's within 2 points."""
-    from pipelines import evaluate
     from pipelines.core.data.chat_template import normalize_answer
     from pipelines.core.outputs import read_json
 
-    questions = evaluate.heldout_questions(trained / "data/prepared/chat")
+    questions = heldout.heldout_questions(trained / "data/prepared/chat")
     reference = read_json(trained / "data/metrics/evaluate.json")["dpo"]
     assert reference["questions"] == len(questions)
     limit = yaml.safe_load((trained / "params.yaml").read_text())["evaluate"]["max_new_tokens"]

@@ -22,7 +22,8 @@ from pipelines.core.extensions import Extension
 from pipelines.core.models.models import load_causal_lm, load_tokenizer
 from pipelines.core.params.rl import GrpoParams, RewardParams
 from pipelines.core.params.training import TrainParams
-from pipelines.core.training import loop, rewards, rollouts
+from pipelines.core.rl import rewards, rollouts
+from pipelines.core.training import loop
 from pipelines.core.training.loop import TrainingInterrupted
 from tests import numerics
 

@@ -10,7 +10,7 @@ import torch
 
 from pipelines import grpo
 from pipelines.core.models.models import load_causal_lm
-from pipelines.core.training import rollouts
+from pipelines.core.rl import rollouts
 from tests.stages.grpo_logps import plain_logps, rounding_bound
 from tests.stages.test_grpo import TRAIN, Recorder, params, user_rewards, workspace  # noqa: F401 - fixtures
 

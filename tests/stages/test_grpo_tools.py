@@ -2,7 +2,7 @@
 cut before a demonstration's calls, the style read from the template, and a run whose rollouts are
 multi-turn episodes with the calculator, logged as users watch them. A tiny random Llama with
 Qwen2.5's published template stands in for a real base here; the episodes' calls themselves are
-tested with a scripted model in tests/core/training/test_episodes.py."""
+tested with a scripted model in tests/core/rl/test_episodes.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pipelines.core.errors import QllmError
 from pipelines.core.models.models import load_tokenizer
 from pipelines.core.params.rl import GrpoParams, RewardParams
 from pipelines.core.params.training import TrainParams
-from pipelines.core.training import episodes, tools
+from pipelines.core.rl import episodes, tools
 from tests.chat_families import CHATML, QWEN25, save_base_model
 from tests.stages.test_grpo import Recorder
 
@@ -188,7 +188,7 @@ def ledger(tmp_path, monkeypatch):
 
 def test_an_environment_class_keeps_each_episodes_state_and_gives_its_reward(ledger, caplog):
     from pipelines.core.params.rl import ToolsParams
-    from pipelines.core.training import rewards
+    from pipelines.core.rl import rewards
 
     make, offered = tools.environments(ToolsParams(functions=["calculator"], environment="my_envs:Ledger"), "grpo.tools")
     assert [t.name for t in offered] == ["calculator", "deposit"] and offered[1].parameters["properties"]["amount"]["type"] == "integer"

@@ -87,7 +87,7 @@ def test_a_resumed_run_gives_reward_functions_the_same_state(workspace, monkeypa
 
 
 def test_trainer_state_is_transformers_own():
-    from pipelines.core.training import rewards
+    from pipelines.core.rl import rewards
 
     state = rewards.trainer_state(global_step=3, steps_per_epoch=2, max_steps=5, train_batch_size=8, logging_steps=1, save_steps=0,
                                   num_input_tokens_seen=100, log_history=[{"loss": 1.0, "step": 1}])  # fmt: skip

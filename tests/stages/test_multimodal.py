@@ -239,7 +239,7 @@ def test_the_image_matters_after_training_and_the_model_loads_with_the_auto_clas
 
 
 def test_qllm_generate_answers_about_an_image_and_says_what_is_wrong(trained, tiny_base, tmp_path, capsys):
-    from flows import cli
+    from qllm import cli
 
     image = tmp_path / "left.png"
     image.write_bytes(png(1))
@@ -272,10 +272,11 @@ def test_the_multimodal_branch_runs_end_to_end(tmp_path, mlflow_template_db, mon
     multimodal stage -> evaluate (its image metrics) -> register (a pyfunc) -> qllm generate --image."""
     import yaml
 
-    from flows import cli, generation
     from pipelines.core import dag
     from pipelines.core.outputs import read_json
     from pipelines.core.run import repro
+    from qllm import cli
+    from qllm.serving import generation
     from tests.conftest import make_project
 
     overlay = yaml.safe_load((REPO / "params" / "multimodal.yaml").read_text())

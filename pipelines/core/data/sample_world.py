@@ -450,7 +450,7 @@ CALCULATOR_SCHEMA = {
         "return": {"type": "string"},
     },
 }  # fmt: skip
-"""`pipelines.core.training.tools.calculator`'s schema (this module is standard library only; a test
+"""`pipelines.core.rl.tools.calculator`'s schema (this module is standard library only; a test
 checks that the two agree)."""
 
 

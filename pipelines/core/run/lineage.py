@@ -11,7 +11,7 @@ MLflow run that produced its outputs, its params and the DVC md5 of its inputs a
 
 The register stage logs it as the artifact `lineage.json` of its MLflow run (`log_lineage`), so a
 version's lineage is what existed when it was registered, not what the workspace holds today.
-Reading it back for a registered version (`qllm lineage`) is `flows/lineage.py`.
+Reading it back for a registered version (`qllm lineage`) is `qllm/registry/lineage.py`.
 
 The md5s are DVC's: the same strings as in `dvc.lock` (`<md5>.dir` for directories).
 """

@@ -9,8 +9,9 @@ import pytest
 
 from pipelines.core.data import chat_examples, chat_template
 from pipelines.core.data.chat_examples import IGNORE
+from pipelines.core.evaluation import heldout
 from pipelines.core.models.models import load_tokenizer, stop_token_ids
-from pipelines.core.training import preference_data
+from pipelines.core.preference import preference_data
 from tests.chat_families import FAMILIES, QWEN25, SMOLLM2, SMOLLM2_TOOLS, Family, save_base_model, tokenizer_for
 from tests.conftest import CHATS
 
@@ -130,7 +131,7 @@ def test_tokenizer_without_a_chat_template_is_a_clear_error():
 def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp_path):
     """SFT from a small random model of each family (its own tokenizer and template), then a
     greedy answer to a held-out prompt rendered with `add_generation_prompt`."""
-    from pipelines import evaluate, sft
+    from pipelines import sft
     from pipelines.core.models.models import load_model_and_tokenizer
     from pipelines.core.params.finetuning import FinetuneParams
     from pipelines.core.params.training import TrainParams
@@ -144,7 +145,7 @@ def test_sft_trains_and_answers_with_each_family_template(family, tiny_base, tmp
     model, tokenizer = load_model_and_tokenizer(tmp_path / "sft")
     assert tokenizer.chat_template == fam.template  # the fine-tuned model keeps the base's template
     assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids(fam.end_of_turn)
-    (answer,) = evaluate.generate_answers(model, tokenizer, [[{"role": "user", "content": "Where does Tovik live?"}]], max_new_tokens=3, batch_size=1)
+    (answer,) = heldout.generate_answers(model, tokenizer, [[{"role": "user", "content": "Where does Tovik live?"}]], max_new_tokens=3, batch_size=1)
     assert isinstance(answer, str) and fam.end_of_turn not in answer
 
 
@@ -162,7 +163,7 @@ TEMPLATE_BEFORE_TOOLS = (
 
 
 def test_the_projects_template_renders_tools_and_calls_and_chats_without_them_as_before():
-    from pipelines.core.training import tools
+    from pipelines.core.rl import tools
     from pipelines.train_tokenizer import train
 
     tokenizer = train(iter([m["content"] for chat in CHATS for m in chat] * 5), vocab_size=300, min_frequency=1)
@@ -195,7 +196,7 @@ def test_the_smollm2_tools_template_renders_plain_chats_as_smollm2s_own_and_tool
     """templates/smollm2-tools.jinja (base_model.chat_template_path for SmolLM2): what SmolLM2 was
     trained on is unchanged, and a tool chat is Qwen2.5's Hermes-style rendering with SmolLM2's
     default system turn, which `grpo.tools.style: auto` reads as hermes."""
-    from pipelines.core.training import episodes, tools
+    from pipelines.core.rl import episodes, tools
 
     own, with_tools, qwen = (tokenizer_for(f, TEXTS) for f in (SMOLLM2, SMOLLM2_TOOLS, QWEN25))
     for chat in [*CHATS, [{"role": "user", "content": "Hi"}]]:

@@ -374,7 +374,7 @@ def test_tiny_profile_writes_non_empty_files(tmp_path):
 def test_tool_arithmetic_adds_demonstrations_and_heldout_questions_per_difficulty_and_leaves_the_rest():
     from pipelines.core.data import layouts, sample_world
     from pipelines.core.data.chat_template import TOOLS_KEY
-    from pipelines.core.training import tools
+    from pipelines.core.rl import tools
 
     assert tools.load("calculator").schema == sample_world.CALCULATOR_SCHEMA  # the data offers the tool GRPO runs
     plain = SampleDataParams()

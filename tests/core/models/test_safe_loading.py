@@ -1,4 +1,4 @@
-"""No pickle from disk: nothing under pipelines/, flows/, tasks/ can unpickle a file.
+"""No pickle from disk: nothing under pipelines/, flows/, qllm/ can unpickle a file.
 
 Unpickling runs whatever code the file names, so a checkpoint, model or data file from elsewhere
 would be a way in. Weights are safetensors, checkpoint state is loaded with
@@ -20,7 +20,7 @@ import torch
 from pipelines.core.training.checkpoint import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[3]
-SCANNED = ("pipelines", "flows", "tasks")
+SCANNED = ("pipelines", "flows", "qllm")
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "joblib", "dill", "shelve"}
 
 

@@ -47,7 +47,7 @@ def test_a_stage_command_line_freezes_the_collector_then_exits_as_usual(outcome,
 
 QLLM = """
 import gc, sys
-from flows import cli
+from qllm import cli
 
 sys.argv = ["qllm", "compare", "--last", "2", "--project-dir", sys.argv[1]]
 code = cli.main()
@@ -63,7 +63,7 @@ def test_the_qllm_command_line_freezes_the_collector_and_keeps_its_exit_code(tmp
 
 
 def test_called_with_arguments_in_process_the_collector_is_left_alone(tmp_path, capsys):
-    from flows import cli
+    from qllm import cli
 
     before = gc.get_freeze_count()
     assert stage_command("toy", lambda root: None, ["--root", "."]) == 0
@@ -79,7 +79,7 @@ def test_called_with_arguments_in_process_the_collector_is_left_alone(tmp_path, 
 @pytest.mark.parametrize("main_module, parent_task_run_id, freezes", [
     ("prefect.engine", None, True),  # a worker's flow-run process: it ends after the final state
     ("prefect.engine", "a-task-run", False),  # a subflow (a sweep's set): the process goes on
-    ("flows.cli", None, False),  # `qllm run`: its own main freezes at its exit
+    ("qllm.cli", None, False),  # `qllm run`: its own main freezes at its exit
     (None, None, False),  # a test, a notebook
 ])  # fmt: skip
 def test_a_flow_runs_final_state_freezes_the_collector_only_in_its_own_flow_run_process(main_module, parent_task_run_id, freezes, monkeypatch):

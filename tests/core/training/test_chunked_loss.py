@@ -146,8 +146,8 @@ def test_without_labels_every_next_token_is_scored_as_causal_lm_loss_does(tiny_b
 def test_chunked_preference_scores_are_the_whole_logits_ones(tiny_base, chunk):
     """ref_logprobs and evaluate score answers a chunk of tokens at a time: the same summed
     log-probabilities as the whole batch's logits, padded rows and prompts excluded."""
-    from pipelines.core.training import preference_data
-    from pipelines.core.training.preference_data import Pair
+    from pipelines.core.preference import preference_data
+    from pipelines.core.preference.preference_data import Pair
 
     model = load_causal_lm(tiny_base / "model").eval()
     g = np.random.default_rng(0)

@@ -217,7 +217,7 @@ def test_the_whole_pipeline_runs_a_masked_diffusion_model_end_to_end(tmp_path, m
     predictions = (root / "data/evaluate/sft/predictions.jsonl").read_text().splitlines()
     assert predictions and all(diffusion.MASK not in json_line for json_line in predictions)
     # qllm generate, from the directory and from the registry: the same model, the same (greedy) answer
-    from flows import generation
+    from qllm.serving import generation
 
     local = generation.generate(*generation.load(str(root / "data/models/dpo"), root), "What is 2 plus 3?", max_new_tokens=6)
     registered = generation.generate(*generation.load("models:/qllm/1", root), "What is 2 plus 3?", max_new_tokens=6)

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from flows.local_api import free_port
 from pipelines.core.errors import QllmError
 from pipelines.core.params.training import TrainParams
 from pipelines.core.training import distributed, loop
 from pipelines.core.training.checkpoint import CheckpointManager
+from qllm.services.local_api import free_port
 from tests import numerics
 from tests.core.training.test_loop import cfg, collate, rows, tiny_model, training_roundings
 

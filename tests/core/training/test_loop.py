@@ -223,18 +223,18 @@ def test_compiled_training_takes_the_same_steps_and_saves_the_same_names(tmp_pat
 
 
 def test_compile_keeps_a_kernel_cache_per_cpu_cap():
-    import pipelines
+    from pipelines.core import startup
 
     # a kernel compiled under ATEN_CPU_CAPABILITY=avx2 and loaded uncapped (or the reverse) crashed
     # the process when both shared the default cache directory
     capped = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    chosen = pipelines.inductor_cache_dir(capped)
+    chosen = startup.inductor_cache_dir(capped)
     assert chosen is not None and chosen.endswith("aten_cpu_capability-avx2_onednn_max_cpu_isa-avx2")
     assert capped["TORCHINDUCTOR_CACHE_DIR"] == chosen
-    assert pipelines.inductor_cache_dir({"ATEN_CPU_CAPABILITY": "default"}) != chosen
-    assert pipelines.inductor_cache_dir({}) is None  # uncapped: torch's own default
+    assert startup.inductor_cache_dir({"ATEN_CPU_CAPABILITY": "default"}) != chosen
+    assert startup.inductor_cache_dir({}) is None  # uncapped: torch's own default
     mine = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/somewhere"}
-    assert pipelines.inductor_cache_dir(mine) is None and mine["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
+    assert startup.inductor_cache_dir(mine) is None and mine["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
 
 
 @pytest.mark.parametrize("optimizer", ["adamw_bnb_8bit", "paged_adamw_8bit"])

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from flows import preflight
-from flows.local_api import free_port
 from pipelines.core.errors import QllmError
 from pipelines.core.extensions import Hook
 from pipelines.core.params import files as params_file
 from pipelines.core.params.training import TrainParams
-from pipelines.core.run import tracking
+from pipelines.core.run import preflight, tracking
 from pipelines.core.training import loop
 from pipelines.core.training.checkpoint import CheckpointManager
+from qllm.services.local_api import free_port
 from tests import numerics
 from tests.core.training.test_loop import tiny_model
 
@@ -266,7 +265,7 @@ def test_sqlite_store_must_be_writable(tmp_path, monkeypatch):
 
 
 def test_qllm_run_stops_before_any_stage_when_mlflow_is_unreachable(project, monkeypatch, capsys):
-    from flows.cli import main
+    from qllm.cli import main
 
     port = free_port()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://bob:hunter2@127.0.0.1:{port}")

@@ -1,0 +1,129 @@
+"""The held-out questions and a model's answers to them: greedy, batched, through tool episodes
+where a question offers tools. What `evaluate`, the lm-eval bridge (`lm_eval`) and the benchmarks
+score."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from pipelines.core.data.chat_template import (
+    check_tool_support,
+    left_padding,
+    parse_messages,
+    render_prompt,
+    split_last_answer,
+    tools_of,
+)
+from pipelines.core.errors import QllmError
+from pipelines.core.models.models import stop_token_ids
+from pipelines.core.params.release import EvaluateParams
+from pipelines.core.rl import episodes, tools
+
+VAL_CHUNK_TOKENS = 1024
+"""Tokens whose logits the validation loss holds at once (`pipelines.core.training.chunked_loss`)."""
+
+def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
+    """Held-out conversations (test split, else validation) as id / prompt messages / reference.
+
+    A conversation is scored against its last turn, so one that does not end with an assistant
+    turn has no reference answer: it is skipped with a warning that counts and names them
+    (`ingest` already rejects such a chat in a `split: test` source), and a `QllmError` says so
+    when no conversation is left.
+    """
+    for split in ("test", "validation"):
+        path = chat_dir / f"{split}.parquet"
+        frame = pd.read_parquet(path)
+        if len(frame):
+            break
+    else:
+        raise QllmError(f"{chat_dir}: no held-out chat records (test and validation splits are empty)")
+    rows, skipped = [], []
+    for record in frame.itertuples(index=False):
+        messages = parse_messages(record.messages)
+        if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:  # a text answer to score
+            prompt, reference = split_last_answer(messages)
+            rows.append({"id": record.id, "prompt": prompt, "reference": reference, "split": split})
+        else:
+            skipped.append(str(record.id))
+    if skipped:
+        shown = ", ".join(skipped[:10]) + (f", ... ({len(skipped) - 10} more)" if len(skipped) > 10 else "")
+        logging.getLogger("qllm.evaluate").warning(
+            "%s: skipped %d of %d held-out chats that do not end with an assistant's text answer (no reference to score): %s",
+            path, len(skipped), len(frame), shown,
+        )  # fmt: skip
+    if not rows:
+        raise QllmError(
+            f"{path}: none of the {len(frame)} held-out chats ends with an assistant turn, so there is no "
+            "reference answer to score (each chat must end with the assistant's answer)"
+        )
+    questions = pd.DataFrame(rows)
+    return questions.head(limit) if limit else questions
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy answers to chat prompts, batched with left padding (the tokenizer's side as it was
+    after), cut at `<|im_end|>`/EOS."""
+    texts = [render_prompt(tokenizer, p) for p in prompts]  # with the chat's tools, if any
+    # Similar lengths together: less padding per batch. Answers are put back in input order.
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    answers: list[str] = [""] * len(texts)
+    stop = stop_token_ids(tokenizer)  # renders the template: once, not per batch
+    model.eval()
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        with left_padding(tokenizer):
+            encoded = tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        encoded = {k: v.to(model.device) for k, v in encoded.items()}
+        output = model.generate(
+            **encoded,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        new_tokens = output[:, encoded["input_ids"].shape[1] :]
+        for index, text in zip(chunk, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
+            answers[index] = text.strip()
+    return answers
+
+
+def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: EvaluateParams, model_name: str = "the model",
+                       ids: list[str] | None = None) -> tuple[list[str], list[dict | None]]:  # fmt: skip
+    """Greedy answers (`generate_answers`), those to prompts that offer tools from a greedy episode
+    with `params.tools` (one-turn when it lists none): (answers, each one's episode or None). An
+    environment is reset with the question's `ids` entry as `{"id": ...}` (not its answer)."""
+    make_environment, offered = tools.environments(params.tools, "evaluate.tools")
+    with_tools = [i for i, prompt in enumerate(prompts) if offered and tools_of(prompt)[1]]
+    plain = sorted(set(range(len(prompts))) - set(with_tools))
+    answers: list[str] = [""] * len(prompts)
+    transcripts: list[dict | None] = [None] * len(prompts)
+    for index, answer in zip(plain, generate_answers(model, tokenizer, [prompts[i] for i in plain], params.max_new_tokens, params.batch_size), strict=True):
+        answers[index] = answer
+    if not with_tools:
+        return answers, transcripts
+    check_tool_support(tokenizer, prompts[with_tools[0]])  # as grpo: a template that drops the tools is an error, not a silent prompt
+    longest = episodes.longest_prompt(tokenizer, [prompts[i] for i in with_tools])
+    episodes.check_context(model, longest, params.max_new_tokens, params.tools.max_turns, model_name=model_name,
+                           keys=("evaluate.max_new_tokens", "evaluate.tools.max_turns"))  # fmt: skip
+    style = episodes.tool_style(tokenizer, params.tools.style, "evaluate.tools.style")
+    for start in range(0, len(with_tools), params.batch_size):
+        chunk = with_tools[start : start + params.batch_size]
+        environments = [make_environment() for _ in chunk]
+        records = [{"id": ids[i]} if ids is not None else {} for i in chunk]
+        got = episodes.run(model, tokenizer, [prompts[i] for i in chunk], environments, group_size=1, max_turn_tokens=params.max_new_tokens,
+                           max_turns=params.tools.max_turns, style=style, temperature=0.0, records=records)  # fmt: skip
+        for index, transcript in zip(chunk, got.transcripts, strict=True):
+            answers[index] = transcript.answer.strip()
+            transcripts[index] = {"turns": transcript.turns, "truncated": transcript.truncated}
+    return answers, transcripts
+
+
+def called_correctly(episode: dict) -> bool:
+    """An episode called a tool, and every call parsed, named an offered tool and returned."""
+    calls = [c for turn in episode["turns"] for c in turn["calls"]]
+    return bool(calls) and not any(turn["parse_failure"] for turn in episode["turns"]) and all(c["error"] is None for c in calls)

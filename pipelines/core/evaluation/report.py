@@ -1,0 +1,163 @@
+"""Every model of a run on the same held-out sets: one model's metrics and predictions
+(`evaluate_model`), the multimodal model's (`evaluate_multimodal`), all of them with the comparison
+table and plots (`evaluate_models`). The `evaluate` stage is this over its dvc.yaml inputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from pipelines.core import paths
+from pipelines.core.data import packed
+from pipelines.core.errors import QllmError
+from pipelines.core.evaluation import plots
+from pipelines.core.evaluation.bertscore import BertScore
+from pipelines.core.evaluation.heldout import answers_with_tools, called_correctly, heldout_questions
+from pipelines.core.evaluation.scores import (
+    causal_loss,
+    exact_match_report,
+    flexible_match_report,
+    general_text_rows,
+    preference_metrics,
+    text_similarity,
+)
+from pipelines.core.models.models import CONSTRUCTION, device, load_for_inference
+from pipelines.core.outputs import atomic_dir, read_json
+from pipelines.core.params.release import EvaluateParams
+from pipelines.core.preference import preference_data
+
+HELDOUT_PAIRS = "test.parquet"
+"""The held-out preference pairs, in ref_logprobs' output directory."""
+COMPARISON = "comparison.csv"
+MULTIMODAL = "multimodal"
+"""The multimodal stage's model directory, next to the others."""
+PLOTS = "plots"
+COMPARED = ("exact_match", "flexible_match", "bleu", "rougeL", "bertscore_f1", "tool_calls_correct", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
+"""The columns of the comparison table (those a model has)."""
+
+
+def evaluate_model(
+    model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams, pairs: list[preference_data.Pair] = (),
+    bertscore: BertScore | None = None,
+) -> dict:
+    """Metrics of one model; its predictions go to `out/predictions.jsonl`."""
+    model, tokenizer = load_for_inference(model_dir, root)
+    started = time.perf_counter()
+    val_rows = packed.load(tokenized, "validation")
+    val_loss = causal_loss(model, val_rows, params)
+    general = {}
+    if params.general_text_tokens:
+        general_loss = causal_loss(model, general_text_rows(tokenizer, params.general_text_tokens, val_rows.shape[1]), params)
+        general = {"general_loss": round(general_loss, 6), "general_perplexity": round(math.exp(min(general_loss, 50.0)), 4)}
+
+    generating = time.perf_counter()
+    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params, model_name=paths.named(model_dir, root),
+                                                  ids=questions["id"].tolist())  # fmt: skip
+    generate_seconds = time.perf_counter() - generating
+    episodes_run = [t for t in transcripts if t is not None]
+    tool_metrics = {"tool_questions": len(episodes_run), "tool_calls_correct": round(sum(map(called_correctly, episodes_run)) / len(episodes_run), 4)} if episodes_run else {}
+    correct, exact_by_group = exact_match_report(questions, predictions)
+    flexible, flexible_by_group = flexible_match_report(questions, predictions)
+    similarity = text_similarity(predictions, questions["reference"].tolist())
+    if bertscore is not None:
+        similarity |= bertscore.metrics(predictions, questions["reference"].tolist(), params.batch_size)
+    config_path = model_dir / preference_data.PREFERENCE_CONFIG
+    trained = read_json(config_path) if config_path.exists() else {}
+    beta = trained["beta"] if trained.get("reference") else None  # the reference-free methods have no implicit reward β·(π − ref)
+    preference = preference_metrics(model, list(pairs), tokenizer.pad_token_id, params.batch_size, beta)
+    seconds = time.perf_counter() - started
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "predictions.jsonl", "w", encoding="utf-8") as handle:
+        for row, prediction, ok, loose, episode in zip(questions.itertuples(index=False), predictions, correct, flexible, transcripts, strict=True):
+            record = {"id": row.id, "prompt": row.prompt[-1]["content"], "reference": row.reference, "prediction": prediction, "correct": ok,
+                      "flexible": loose, **({"episode": episode} if episode is not None else {})}  # fmt: skip
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return {
+        "val_loss": round(val_loss, 6),
+        "val_perplexity": round(math.exp(min(val_loss, 50.0)), 4),
+        **general,
+        "exact_match": round(sum(correct) / max(1, len(correct)), 4),
+        "questions": len(correct),
+        "exact_match_by_group": exact_by_group,
+        "flexible_match": round(sum(flexible) / max(1, len(flexible)), 4),
+        "flexible_match_by_group": flexible_by_group,
+        **similarity,
+        **tool_metrics,
+        **preference,
+        "eval_seconds": round(seconds, 3),
+        "seconds_per_question": round(generate_seconds / max(1, len(predictions)), 4),  # batched greedy generation
+    }
+
+
+def evaluate_multimodal(model_dir: Path, image_dir: Path, out: Path, params: EvaluateParams) -> dict:
+    """The multimodal model's metrics on the held-out image questions (see the module docstring)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from pipelines.core.models import vision
+
+    chats = vision.read_chats(image_dir, "test")
+    if params.max_questions:
+        chats = chats[: params.max_questions]
+    with CONSTRUCTION:
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+        processor = AutoProcessor.from_pretrained(model_dir)
+    started = time.perf_counter()
+    metrics = vision.evaluate(model.to(device()), processor, chats, max_new_tokens=params.max_new_tokens, batch_size=params.batch_size, device=device())
+    rows = metrics.pop("rows", [])
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "predictions.jsonl", "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    renamed = {"image_questions": "questions", "image_exact_match": "exact_match"}
+    return {renamed.get(k, k): v for k, v in metrics.items()} | {"eval_seconds": round(time.perf_counter() - started, 3)}
+
+
+def switched_off(model_dir: Path) -> bool:
+    """Whether a stage's model directory holds only the README of a stage its params switch off
+    (`grpo.enabled: false`: `stage.placeholder`), no model."""
+    return {p.name for p in model_dir.iterdir()} == {"README.md"}
+
+
+def evaluate_models(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams, preferences: Path | None = None,
+        image_dir: Path | None = None) -> dict[str, dict]:  # fmt: skip
+    """`{model: metrics}` for every model in `params.models` (and `multimodal` when `models_dir/multimodal`
+    holds a model and `image_dir` is given); predictions under `out/<model>/`, the comparison table and
+    plots under `out/`."""
+    from pipelines.core.models import vision
+    questions = heldout_questions(chat_dir, params.max_questions)
+    bertscore = BertScore(params.bertscore_model, root, params.bertscore_layer) if params.bertscore_model else None
+    pairs = preference_data.from_frame(pd.read_parquet(preferences)) if preferences is not None and preferences.exists() else []
+    for name in params.models:
+        if not (models_dir / name).exists():
+            raise QllmError(f"{models_dir / name}: model of stage {name!r} not found (evaluate.models lists it)")
+    models = [name for name in params.models if not switched_off(models_dir / name)]
+    if skipped := sorted(set(params.models) - set(models)):
+        logging.getLogger("qllm.evaluate").info("not evaluated: %s (switched off: the stage wrote only its README)", ", ".join(skipped))
+    if not models:
+        raise QllmError(f"{models_dir}: none of evaluate.models ({', '.join(params.models)}) holds a trained model")
+    with atomic_dir(out) as tmp:
+
+        def one(name: str) -> dict:
+            return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs, bertscore)
+
+        with ThreadPoolExecutor(max_workers=params.workers) as pool:
+            results = dict(zip(models, pool.map(one, models), strict=True))
+        comparison(results).to_csv(tmp / COMPARISON, index=False)
+        plots.loss_curves({name: models_dir / name for name in models}, tmp / PLOTS / "loss_curves.png")
+        plots.metric_bars(results, [m for m in ("exact_match", "rougeL", "preference_accuracy") if any(m in r for r in results.values())],
+                          tmp / PLOTS / "metrics.png")  # fmt: skip
+        if image_dir is not None and vision.trained(models_dir / MULTIMODAL):
+            results[MULTIMODAL] = evaluate_multimodal(models_dir / MULTIMODAL, image_dir, tmp / MULTIMODAL, params)
+    return results
+
+
+def comparison(results: dict[str, dict]) -> pd.DataFrame:
+    """One row per model, the metrics of `COMPARED` it has as columns."""
+    columns = [c for c in COMPARED if any(c in r for r in results.values())]
+    return pd.DataFrame([{"model": name, **{c: r.get(c) for c in columns}} for name, r in results.items()])

@@ -1,0 +1,1 @@
+"""A trained or registered model answering: generation and the OpenAI-compatible server."""
