@@ -185,7 +185,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     meta = read_json(ref_dir / "meta.json")
     start = meta.get("start", meta["reference"])  # the model the policy starts from (and the reference pass used, if any)
     adapter = params.adapter
-    qconfig = quantize.from_params(adapter, cfg.precision, SECTION) if adapter.enabled else None
+    qconfig = quantize.from_params(adapter.base_quantization, cfg.precision, SECTION) if adapter.enabled else None
     data, longest = _data(ref_dir, params, meta)
     if params.method == "kto":
         train = data["train"]

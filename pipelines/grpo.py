@@ -144,7 +144,7 @@ def run(root: Path, start_dir: Path, chat_dir: Path, out: Path, params: GrpoPara
     episode_tokens = episodes.added_tokens(params.max_completion_length, params.tools.max_turns if offered else 1)
     reward_fns = [(spec.name, rewards.load(spec.function, f"grpo.rewards[{i}]"), spec.weight) for i, spec in enumerate(params.rewards)]
     adapter = params.adapter
-    qconfig = quantize.from_params(adapter, cfg.precision, SECTION) if adapter.enabled else None
+    qconfig = quantize.from_params(adapter.base_quantization, cfg.precision, SECTION) if adapter.enabled else None
     method = footprint.method_for(adapter.enabled, adapter.quantization)
     longest = episodes.longest_prompt(load_tokenizer(start_dir), [q.prompt for q in train])  # before the model loads: the memory estimate needs it
     estimates = footprint.preflight(start_dir, cfg, method=method, seq_len=longest + episode_tokens, micro_batch=cfg.micro_batch_size,

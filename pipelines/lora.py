@@ -65,7 +65,7 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
     if base_for_users is None:
         base_for_users = params.base_model
     adapter = params.adapter
-    qconfig = quantize.from_params(adapter, params.train.precision, SECTION)
+    qconfig = quantize.from_params(adapter.base_quantization, params.train.precision, SECTION)
     quantized_base = (params.base_model, qconfig) if qconfig is not None else None
     wrap, extensions = adapters.wrap(adapter, SECTION), None
     if params.allocation in ADAPTIVE:  # SVD-form adapters whose ranks are allocated while they train
@@ -79,7 +79,7 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
                 return [rank_allocation.QuboReallocation(model, params.adaptive, adapter.r, steps, tracker, NAME)]
     return finetune.run(
         chat_dir, out, params, wrap=wrap, save=adapters.save(base_for_users, adapter.merge, quantized_base),
-        tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME, quantization=adapter, quantization_section=SECTION, extensions=extensions,
+        tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME, quantization=adapter.base_quantization, quantization_section=SECTION, extensions=extensions,
         lora_rank=trained_rank(params),
     )
 

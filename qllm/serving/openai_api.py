@@ -32,7 +32,8 @@ Decoding, per request:
   surrounding whitespace stripped as `qllm generate` does; `usage` counts the prompt's tokens and
   the generated ones (the end-of-turn token included).
 - `n` other than 1, tools, `response_format`, `logprobs`, `logit_bias`, penalties and any field
-  OpenAI does not define are refused with a 400 naming the field, never silently ignored.
+  OpenAI does not define are refused with a 400 naming the field, never silently ignored
+  (`chat_request.parse_request`: what a request may say, checked before anything runs).
 
 One model is in memory and one generation runs at a time (one worker thread, first come first
 served), so concurrent clients wait in line: at most `--max-waiting` (16) behind the one being
@@ -71,166 +72,17 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.core.errors import QllmError
+from qllm.serving.chat_request import (
+    MAX_BODY,
+    MIN_KEY_LENGTH,
+    ApiError,
+    ChatRequest,
+    bad_request,
+    error_body,
+    parse_request,
+)
 
 log = logging.getLogger("qllm.openai_api")
-
-ROLES = ("system", "user", "assistant")
-MAX_STOP = 4  # as OpenAI
-MAX_BODY = 8 << 20  # bytes of a request body
-MIN_KEY_LENGTH = 16
-KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n", "stream",
-         "stream_options", "user", "logprobs", "presence_penalty", "frequency_penalty"}  # fmt: skip
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "logit_bias",
-               "top_logprobs", "audio", "modalities", "prediction", "reasoning_effort", "service_tier", "store", "metadata",
-               "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier", "suffix", "best_of", "echo")  # fmt: skip
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.kind, self.param, self.code)
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# ----------------------------------------------------------------------------- the request
-
-
-@dataclass
-class ChatRequest:
-    messages: list[dict]
-    max_tokens: int | None
-    temperature: float
-    top_p: float | None
-    stop: list[str]
-    seed: int
-    stream: bool
-    include_usage: bool
-
-
-def _bad(param: str, message: str, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-def _number(body: dict, key: str, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad(key, f"'{key}' must be a number (got {json.dumps(value)})")
-    if not low <= value <= high:
-        raise _bad(key, f"'{key}' must be between {low:g} and {high:g} (got {value})", "invalid_value")
-    return float(value)
-
-
-def _integer(body: dict, key: str, low: int, high: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(key, f"'{key}' must be an integer (got {json.dumps(value)})")
-    if value < low or (high is not None and value > high):
-        bound = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise _bad(key, f"'{key}' must be {bound} (got {value})", "invalid_value")
-    return value
-
-
-def _content(message: dict, i: int) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:  # content parts: text only
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _bad(f"messages.[{i}].content.[{j}]", f"only text content parts are supported (got {json.dumps(kind)})")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise _bad(f"messages.[{i}].content", f"messages[{i}].content must be a string or a list of text parts (got {json.dumps(content)})")
-
-
-def _messages(value: Any) -> list[dict]:
-    if value is None:
-        raise _bad("messages", "Missing required parameter: 'messages'.", "missing_required_parameter")
-    if not isinstance(value, list) or not value:
-        raise _bad("messages", "'messages' must be a non-empty list of messages")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise _bad(f"messages.[{i}]", f"messages[{i}] must be an object with 'role' and 'content'")
-        role = message.get("role")
-        if role not in ROLES:
-            raise _bad(f"messages.[{i}].role", f"messages[{i}].role must be one of {', '.join(map(repr, ROLES))} (got {json.dumps(role)})",
-                       "invalid_value")  # fmt: skip
-        extra = sorted(set(message) - {"role", "content"})
-        if extra:
-            raise _bad(f"messages.[{i}].{extra[0]}", f"messages[{i}].{extra[0]} is not supported by this server (a message has 'role' and 'content')")
-        messages.append({"role": role, "content": _content(message, i)})
-    return messages
-
-
-def parse_request(body: Any, served: str, default_temperature: float) -> ChatRequest:
-    """The chat completion request `body` (decoded JSON) checked as OpenAI checks it; ApiError(400)
-    naming the parameter for anything wrong, unsupported or unknown."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
-    for key in body:
-        if key in UNSUPPORTED:
-            raise _bad(key, f"'{key}' is not supported by this server (qllm serve-openai: text chat completions only)", "unsupported_parameter")
-        if key not in KNOWN:
-            raise _bad(key, f"Unrecognized request argument supplied: {key}", "unknown_parameter")
-    model = body.get("model")
-    if model is not None and model != served:
-        raise ApiError(404, f"The model '{model}' does not exist (this server serves '{served}').", "model", "model_not_found")
-    messages = _messages(body.get("messages"))
-    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
-        raise _bad("max_completion_tokens", "give 'max_tokens' or 'max_completion_tokens', not both")
-    max_tokens = _integer(body, "max_tokens", 1) or _integer(body, "max_completion_tokens", 1)
-    temperature = _number(body, "temperature", 0, 2)
-    top_p = _number(body, "top_p", 0, 1)
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise _bad("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP} (got {json.dumps(body.get('stop'))})")
-    seed = _integer(body, "seed", -(2**63), 2**64 - 1)  # torch.manual_seed's range
-    if _integer(body, "n", 1) not in (None, 1):
-        raise _bad("n", "this server answers one choice per request: 'n' must be 1", "unsupported_value")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key, -2, 2) not in (None, 0.0):
-            raise _bad(key, f"'{key}' is not supported by this server (only 0)", "unsupported_value")
-    if body.get("logprobs") not in (None, False):
-        raise _bad("logprobs", "'logprobs' is not supported by this server", "unsupported_value")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise _bad("user", "'user' must be a string")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _bad("stream", f"'stream' must be true or false (got {json.dumps(stream)})")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise _bad("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
-        if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
-            raise _bad("stream_options", "'stream_options' takes only {\"include_usage\": true|false}")
-        include_usage = options.get("include_usage", False)
-    temperature = default_temperature if temperature is None else temperature
-    if seed is None:
-        seed = secrets.randbits(63)  # OpenAI's behaviour without a seed: a different sample each time
-    return ChatRequest(messages, max_tokens, temperature, top_p, stop, seed, bool(stream), include_usage)
-
-
-# ----------------------------------------------------------------------------- generation
-
 
 @dataclass
 class Prepared:
@@ -447,7 +299,7 @@ class Engine:
         try:
             text = render_prompt(self.tokenizer, request.messages)  # as generation.generate and evaluate render prompts
         except TemplateError as exc:
-            raise _bad("messages", f"the model's chat template refused the messages: {exc}") from None
+            raise bad_request("messages", f"the model's chat template refused the messages: {exc}") from None
         encoded = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).to(self.model.device)
         prompt_tokens = int(encoded["input_ids"].shape[1])
         default = self.limits.default_max_tokens

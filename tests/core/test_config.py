@@ -439,3 +439,38 @@ def test_the_old_module_names_still_import_for_one_release_and_say_where_things_
     with pytest.warns(DeprecationWarning, match=r"pipelines.core.params_file is pipelines.core.params.files now"):
         old_file = importlib.import_module("pipelines.core.params_file")
     assert old_file.load is params_file.load and old_file.read_yaml is params_file.read_yaml
+
+
+def test_an_adapter_has_a_base_quantization_it_does_not_inherit_one():
+    """Composed, not inherited: the adapter block holds the QLoRA keys of its base, and hands them
+    on as a `QuantizationParams` (what `finetune.run` and `quantize.from_params` take); the keys and
+    their order in the block (so params digests and outputs) are as before."""
+    from pipelines.core.params.finetuning import LoraAdapterParams, QuantizationParams
+
+    assert not issubclass(LoraAdapterParams, QuantizationParams)
+    adapter = LoraAdapterParams(enabled=True, quantization="nf4", double_quant=False, compute_dtype="bf16")
+    assert adapter.base_quantization == QuantizationParams(quantization="nf4", double_quant=False, compute_dtype="bf16")
+    assert LoraAdapterParams().base_quantization == QuantizationParams()
+    assert list(LoraAdapterParams.model_fields)[:4] == ["quantization", "double_quant", "compute_dtype", "enabled"]
+    docs = field_docs(LoraAdapterParams)
+    assert docs["double_quant"].startswith("4-bit only") and docs["quantization"].startswith("QLoRA: the frozen base")
+
+
+def test_params_yaml_writes_the_shared_training_settings_once():
+    """params.yaml's training settings are written once (pretrain's `train: &train`); every other
+    training stage's `train` merges them (`<<: *train`) and writes only what differs. DVC, the
+    params loader and ruamel (what `dvc exp run -S` edits with) read every key of every block."""
+    import yaml
+
+    text = (REPO / "params.yaml").read_text()
+    loaded = yaml.safe_load(text)
+    trained = [name for name, section in loaded.items() if isinstance(section, dict) and isinstance(section.get("train"), dict)]
+    assert len(trained) == 7 and text.count("  train: &train") == 1 and text.count("<<: *train") == len(trained) - 1
+    for key in ("optimizer:", "precision:", "extensions:", "max_grad_norm:"):
+        assert len([line for line in text.splitlines() if line.strip().startswith(key)]) == 1, key
+    from pipelines.core.params.training import TrainParams
+
+    every = set(TrainParams.model_fields)
+    for name in trained:
+        assert set(loaded[name]["train"]) == every, name  # each block whole after the merge
+    assert Params.model_validate(loaded).sft.train.optimizer == loaded["pretrain"]["train"]["optimizer"]

@@ -333,3 +333,15 @@ def test_load_yaml_reads_what_safe_load_reads_on_libyaml_where_pyyaml_has_it(tmp
              "a: 1e-3\nb: yes\nc: 2026-11-29\nd: 0o17\ne: ~\n"]  # fmt: skip  (YAML 1.1's resolutions, as safe_load's)
     for text in texts:
         assert dag.load_yaml(text) == yaml.safe_load(text)
+
+
+def test_no_module_is_over_700_lines_without_a_reason_at_its_top():
+    """A module of the library, the flows or the applications over 700 lines says why in its
+    docstring ("Over 700 lines, on purpose: ..."); any other is split where its parts separate."""
+    long = {}
+    for top in ("pipelines", "flows", "qllm"):
+        for path in (REPO / top).rglob("*.py"):
+            lines = path.read_text().count("\n")
+            if lines > 700:
+                long[path.relative_to(REPO).as_posix()] = "Over 700 lines, on purpose:" in (ast.get_docstring(ast.parse(path.read_text())) or "")
+    assert all(long.values()), {path: reasoned for path, reasoned in long.items() if not reasoned}

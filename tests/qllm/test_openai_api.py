@@ -31,7 +31,7 @@ from pipelines.core.errors import QllmError
 from pipelines.core.models.models import stop_token_ids
 from qllm.cli import build_parser, main
 from qllm.services.local_api import free_port, wait_http
-from qllm.serving import generation, openai_api
+from qllm.serving import chat_request, generation, openai_api
 
 openai = pytest.importorskip("openai")  # the `test` extra
 
@@ -470,7 +470,7 @@ def test_a_cancelled_generation_stops_at_the_next_token(reference, answers):
     prompt = next(p for p in PROMPTS if answers[p][1] == "length")
     engine = openai_api.Engine(model, tokenizer, NAME)
     try:
-        request = openai_api.parse_request({"messages": user(prompt), "max_tokens": 60, "temperature": 0}, NAME, 0.0)
+        request = chat_request.parse_request({"messages": user(prompt), "max_tokens": 60, "temperature": 0}, NAME, 0.0)
         prepared = engine.prepare(request)
         whole = engine.generate(request, prepared)
         assert whole.completion_tokens >= MAX_TOKENS and whole.content.startswith(answers[prompt][0])
@@ -654,7 +654,7 @@ def test_a_stream_decodes_a_few_tokens_per_token_and_joins_to_the_answer(long_mo
         counting = CountingTokenizer(tokenizer)
         engine = openai_api.Engine(model, counting, NAME)
         try:
-            request = openai_api.parse_request({"messages": user(prompt), "max_tokens": LONG_TOKENS, "temperature": 0, "stop": stop or None},
+            request = chat_request.parse_request({"messages": user(prompt), "max_tokens": LONG_TOKENS, "temperature": 0, "stop": stop or None},
                                                NAME, 0.0)  # fmt: skip
             prepared = engine.prepare(request)
             counting.decoded.clear()
@@ -890,7 +890,7 @@ def test_max_tokens_defaults_to_the_smaller_of_the_default_and_the_context_left(
     prompt = next(p for p in PROMPTS if expected(reference, user(p), 10)[3] == 10)
     for limits, tokens in ((openai_api.Limits(default_max_tokens=3), 3), (openai_api.Limits(), None)):
         engine = openai_api.Engine(model, tokenizer, NAME, limits=limits)
-        request = openai_api.parse_request({"messages": user(prompt)}, NAME, 0.0)
+        request = chat_request.parse_request({"messages": user(prompt)}, NAME, 0.0)
         try:
             prepared = engine.prepare(request)
             assert prepared.max_tokens == (tokens or 128 - prepared.prompt_tokens)

@@ -51,8 +51,9 @@ def compute_dtype(name: str, precision: str) -> torch.dtype:
 
 
 def from_params(params: Any, precision: str, section: str) -> Any:
-    """The quantization config a stage's section asks for (`quantization`, `double_quant`,
-    `compute_dtype`), checked against this device and library; None for a full-precision base."""
+    """The quantization config `params` asks for (its `quantization`, `double_quant` and
+    `compute_dtype`: a `QuantizationParams`, an adapter's `base_quantization`, or a section with
+    those keys), checked against this device and library; None for a full-precision base."""
     name = getattr(params, "quantization", "none")
     if name == "none":
         return None

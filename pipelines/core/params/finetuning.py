@@ -57,11 +57,21 @@ class QuantizationParams(Section):
     `train.precision` as resolved on this machine."""
 
 
-class LoraAdapterParams(QuantizationParams):
+class LoraAdapterParams(Section):
     """A PEFT LoRA adapter: the `adapter` block of every stage that can train one (`lora`, `dpo`,
     `grpo`), the same keys in each. `enabled: false` trains all weights instead (`dpo`, `grpo`); the
-    `lora` stage always trains an adapter."""
+    `lora` stage always trains an adapter. Its base may be quantized (QLoRA: `quantization`,
+    `double_quant`, `compute_dtype`), which `base_quantization` hands on as a `QuantizationParams`."""
 
+    quantization: Annotated[Literal["none", "nf4", "fp4", "int8", "fp8"], WHEN_ENABLED] = "none"
+    """QLoRA: the frozen base quantized under the adapter. `nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and
+    x86 CPUs from bitsandbytes 0.48); `int8`: LLM.int8(); `fp8`: CUDA compute capability 8.9+ only;
+    `none`: the base as it is."""
+    double_quant: Annotated[bool, only_with("quantization", *FOUR_BIT)] = True
+    """4-bit only: quantize the per-block scales too (QLoRA's double quantization)."""
+    compute_dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32"], only_with("quantization", *QUANTIZED)] = "auto"
+    """dtype the 4-bit weights are dequantized to for each matmul; `auto`: the stage's
+    `train.precision` as resolved on this machine."""
     enabled: bool = False
     """Train a LoRA adapter on the frozen model (the settings below) instead of all its weights."""
     r: Annotated[int, WHEN_ENABLED] = Field(4, ge=1)
@@ -101,10 +111,12 @@ class LoraAdapterParams(QuantizationParams):
     markers a pretrained base has never seen, so the model can learn to end its turn."""
     merge: Annotated[bool, WHEN_ENABLED] = True
     """Also write the adapter merged into the base as a full model (`<out>/merged/`)."""
-    quantization: Annotated[Literal["none", "nf4", "fp4", "int8", "fp8"], WHEN_ENABLED] = "none"
-    """QLoRA: the frozen base quantized under the adapter. `nf4`/`fp4`: 4-bit (bitsandbytes; CUDA, and
-    x86 CPUs from bitsandbytes 0.48); `int8`: LLM.int8(); `fp8`: CUDA compute capability 8.9+ only;
-    `none`: the base as it is."""
+
+    @property
+    def base_quantization(self) -> QuantizationParams:
+        """How the frozen base under the adapter is quantized (QLoRA), as `finetune.run` and
+        `quantize.from_params` take it."""
+        return QuantizationParams(quantization=self.quantization, double_quant=self.double_quant, compute_dtype=self.compute_dtype)
 
     @model_validator(mode="before")
     @classmethod

@@ -28,6 +28,10 @@ one that is over budget is repaired by giving up the smallest losses per paramet
 fits; then upgrades that fit and raise the objective are taken, and the best allocation over the
 distinct samples is returned. Every result is feasible; `Allocation.repaired` says whether the
 chosen sample broke a constraint.
+
+Over 700 lines, on purpose: every solver reads and writes the same private problem arrays
+(`_Problem`: values, costs, pair penalties as NumPy arrays) and shares the decoding, repair and
+upgrade steps; split into modules, those would have to become a public API only this file uses.
 """
 
 from __future__ import annotations

@@ -24,6 +24,12 @@ an actionable message:
   (the last good checkpoint is kept; the stage's MLflow run ends FAILED);
 - running out of memory in a step stops with `TrainingOutOfMemoryError`, which names the
   micro-batch size, accumulation steps and sequence length in force and how to fit the step.
+
+Over 700 lines, on purpose: the loop is read top to bottom as one file, as torchtune's recipes and
+nanoGPT's `train.py` are (docs/development.md, "Reading the training loop"): `train` at the top,
+one step, logging, evaluation, checkpoints and the end below it in the order they run. What
+the methods share but the loop does not run (objectives, checkpoints' format, precision,
+distribution, phases) is in its own module already.
 """
 
 from __future__ import annotations
