@@ -158,13 +158,13 @@ docs-screenshots: install
 	PATH="$(BIN):$$PATH" $(PY) docs/screenshots.py $(ARGS)
 
 bench: install $(VENV)/.installed-peers
-	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.train_throughput
+	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.speed.train_throughput
 
 # The device check on a CUDA machine that has everything (no network needed): the tiny pipeline on
 # the GPU, bf16 MFU vs HF Trainer, LoRA vs QLoRA at 0.5B/1.5B, fp8, compile, NCCL DDP, the real
 # profile's steps; writes gpu_check/gpu_check.{json,md}. Install a CUDA torch first: make install TORCH_SPEC=... (README).
 gpu-check: install $(VENV)/.installed-peers
-	PATH="$(BIN):$$PATH" $(PY) -m benchmarks.gpu_check --out gpu_check $(ARGS)
+	PATH="$(BIN):$$PATH" $(PY) -m tools.gpu_check --out gpu_check $(ARGS)
 
 # The device check for a bare, offline GPU machine (docs/development.md, "The device check"): two
 # commands there, core (the training code; pydantic and bitsandbytes carried) and pipeline (qllm
@@ -172,7 +172,7 @@ gpu-check: install $(VENV)/.installed-peers
 # manylinux) into .device/ (git-ignored) with SmolLM2's shape, and fails if a command would carry
 # over 64 MiB.
 device-wheels: install install-smollm2
-	$(PY) -m benchmarks.device_wheels
+	$(PY) -m tools.device_wheels
 
 # Both parts rehearsed on this CPU at tiny sizes, in a Python 3.12 venv holding only the machine's
 # packages (torch 2.11, transformers 5.17 ...; torch is PyPI's CUDA build, about 3 GB) plus the
@@ -181,13 +181,13 @@ PY312 ?= python3.12
 device-rehearsal: device-wheels
 	rm -rf .device/rehearsal
 	$(PY312) -m venv .device/rehearsal
-	$(PY) -m benchmarks.device_wheels --machine-requirements .device/machine-requirements.txt
+	$(PY) -m tools.device_wheels --machine-requirements .device/machine-requirements.txt
 	# torch with the CUDA libraries it brings, then exactly the listed packages (their own newer
 	# requirements would add what the machine lacks: typer pulls in pydantic)
 	$(UV) pip install --quiet --python .device/rehearsal/bin/python "$$(grep '^torch==' .device/machine-requirements.txt)"
 	$(UV) pip install --quiet --python .device/rehearsal/bin/python --no-deps -r .device/machine-requirements.txt
-	PYTHON=.device/rehearsal/bin/python OUT=device_out bash benchmarks/device_run.sh core --device cpu --tiny
-	PYTHON=.device/rehearsal/bin/python OUT=device_out bash benchmarks/device_run.sh pipeline --device cpu --tiny
+	PYTHON=.device/rehearsal/bin/python OUT=device_out bash tools/device_run.sh core --device cpu --tiny
+	PYTHON=.device/rehearsal/bin/python OUT=device_out bash tools/device_run.sh pipeline --device cpu --tiny
 
 # Re-pin every transitive dependency with uv (commit the result): the ranges of pyproject.toml,
 # every extra, resolved for the oldest Python that `requires-python` admits (LOCK_PYTHON: 3.11 is

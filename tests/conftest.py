@@ -72,9 +72,9 @@ LONGEST_FIRST = (
     "tests/e2e/test_preference_methods.py", "tests/e2e/test_remote.py", "tests/e2e/test_concurrent_runs.py", "tests/core/training/test_stop_signals.py",
     "tests/e2e/test_mlflow_server.py", "tests/e2e/test_worker_image.py", "tests/e2e/test_resume_kill.py",
     "tests/qllm/test_cli_tools.py", "tests/e2e/test_finetune_mode.py", "tests/core/data/test_real_layouts.py", "tests/core/training/test_distributed.py",
-    "tests/benchmarks/test_gpu_check.py", "tests/qllm/test_local_api.py", "tests/core/evaluation/test_lm_eval.py", "tests/stages/test_multimodal.py",
+    "tests/tools/test_gpu_check.py", "tests/qllm/test_local_api.py", "tests/core/evaluation/test_lm_eval.py", "tests/stages/test_multimodal.py",
 )  # fmt: skip
-"""The modules over 30 s in `make test` (`python -m benchmarks.suite_time`, on the AVX2-only EPYC),
+"""The modules over 30 s in `make test` (`python -m tools.suite_time`, on the AVX2-only EPYC),
 longest first, which `make test` starts first and the short ones after: the longest job first
 balances the two workers best. pytest-xdist (`--dist loadscope --no-loadscope-reorder`) hands
 modules to its workers in collection order; with its default reordering (most tests first) these
@@ -92,7 +92,7 @@ MODULE_SECONDS: dict[str, float] = {}
 """Each test module's time (its tests' setup, call and teardown: its worker's wall time under
 `--dist loadscope`), summed from the reports the controller receives."""
 SUITE_TIMES_ENV = "QLLM_SUITE_TIMES"
-"""A path: the session writes each module's and test's seconds there as JSON (benchmarks/suite_time.py)."""
+"""A path: the session writes each module's and test's seconds there as JSON (tools/suite_time.py)."""
 TEST_SECONDS: dict[str, float] = {}
 SESSION_STARTED = [0.0]
 
@@ -123,7 +123,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     for module, seconds in sorted(MODULE_SECONDS.items(), key=lambda item: -item[1])[:25]:
         terminalreporter.write_line(f"{seconds:9.1f}s {module}")
     if os.environ.get(SUITE_TIMES_ENV):
-        from benchmarks.real_model import cpu
+        from benchmarks.common import cpu
 
         outcomes = {kind: len(terminalreporter.stats.get(kind, [])) for kind in ("passed", "failed", "error", "skipped")}
         record = {"cpu": cpu(), "isa_cap": os.environ.get("ONEDNN_MAX_CPU_ISA"), "workers": getattr(config.option, "numprocesses", None) or 0,

@@ -167,7 +167,7 @@ def test_the_mlflow_server_checks_a_password_once_and_a_change_takes_effect_at_o
     deleted through MLflow's API is refused at the very next request all the same."""
     from werkzeug.security import check_password_hash, generate_password_hash
 
-    from benchmarks.mlflow_auth import server_cpu
+    from benchmarks.serving.mlflow_auth import server_cpu
 
     services, state = team["record"]["services"], team["one"] / serve.STATE_DIR
     passwords = json.loads((state / serve.SECRETS).read_text())

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from benchmarks.real_sizes import SHAPES
+from benchmarks.scale.real_sizes import SHAPES
 from pipelines.core.errors import QllmError
 from pipelines.core.models import footprint
 from tests import numerics
