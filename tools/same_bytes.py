@@ -33,7 +33,8 @@ def run_at(ref: str, dest: Path, params: list[str]) -> Path:
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(dest)], check=True)
     subprocess.run(["git", "checkout", "--quiet", ref], cwd=dest, check=True)
     env = {**os.environ, "PYTHONPATH": str(dest), "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    command = [sys.executable, "-m", "qllm.cli", "run", *[arg for path in params for arg in ("--params", path)]]
+    cli = "qllm.cli" if (dest / "qllm/cli.py").exists() else "flows.cli"  # the CLI moved in 0.2 (issue 79)
+    command = [sys.executable, "-m", cli, "run", *[arg for path in params for arg in ("--params", path)]]
     done = subprocess.run(command, cwd=dest, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{ref}: {' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")

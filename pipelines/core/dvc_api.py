@@ -49,7 +49,7 @@ def md5(path: Path | str) -> str:
     """The md5 DVC records for a file or directory (`<md5>.dir` for directories).
 
     Computed here without importing dvc_data (a tenth of a second in every stage process, and
-    absent where the stages run without DVC: `benchmarks.gpu_check core`). A file's is the md5 of
+    absent where the stages run without DVC: `tools.gpu_check core`). A file's is the md5 of
     its bytes (DVC 3's `hash: md5`); a directory's is DVC's tree hash: the md5 of the JSON list of
     its files' `{"md5", "relpath"}`, sorted by relative path (dvc_data's `Tree.as_bytes`), plus
     `.dir`. tests/core/test_dvc_api.py checks both against dvc_data's `build`."""

@@ -53,3 +53,21 @@ def test_the_readme_names_every_package_in_one_hop():
         parent = package.rstrip("/").rpartition("/")[0] + "/"
         name = package.rstrip("/").rpartition("/")[2] + "/"
         assert package in rows or f"`{name}`" in rows.get(parent, ""), f"README, Where things are: {package} is not in the table"
+
+
+def test_every_python_dash_m_command_in_the_docs_names_a_module_that_exists():
+    """The docs' commands survive moves: each `python -m X` in the README, the docs and the results
+    pages names a module (or package with `__main__`) of this repository or an installed package."""
+    import importlib.util
+
+    pages = [REPO / "README.md", *(REPO / "docs").glob("*.md"), REPO / "benchmarks/RESULTS.md", *(REPO / "benchmarks/results").glob("*.md")]
+    missing = {}
+    for page in pages:
+        for name in set(re.findall(r"python -m ([A-Za-z_][\w.]*[A-Za-z_\d])", page.read_text())):
+            if name.startswith(("pipelines.", "flows.", "qllm.", "benchmarks.", "tools.")):
+                found = (REPO / f"{name.replace('.', '/')}.py").is_file() or (REPO / name.replace(".", "/") / "__main__.py").is_file()
+            else:
+                found = importlib.util.find_spec(name.split(".")[0]) is not None
+            if not found:
+                missing.setdefault(page.relative_to(REPO).as_posix(), []).append(name)
+    assert not missing, missing

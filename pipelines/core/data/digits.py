@@ -11,7 +11,7 @@ A seeded `heldout_fraction` of the images (`split_images`) is only asked "Which 
 in `image_chat_heldout.jsonl` (`split: test`, what evaluate scores). Every training image gets
 that question or a caption request ("Describe the image." -> "A handwritten 7."), and half of
 them a second turn on parity ("Is it even?"). The same split is what the logistic-regression
-baseline of `benchmarks/multimodal.py` trains and tests on.
+baseline of `benchmarks/quality/multimodal.py` trains and tests on.
 """
 
 from __future__ import annotations

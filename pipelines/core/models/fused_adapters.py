@@ -29,7 +29,7 @@ MERGED_FORM_SIZE = 128
 """The merged form applies when `d_in·d_out / (d_in + d_out) <= MERGED_FORM_SIZE`. Its extra product
 (the weight's gradient) grows with `d_in·d_out`; the passes it saves are over `tokens × (d_in +
 d_out)` numbers, whatever the rank, since products of rank 4-16 are as slow as their memory reads.
-Measured on a 2-core AVX2 EPYC in fp32 (`benchmarks.svd_adapters`), one module's forward and
+Measured on a 2-core AVX2 EPYC in fp32 (`benchmarks.adapters.svd_adapters`), one module's forward and
 backward took 0.67-0.99x the factored form's time at sizes 64-128 (the default model's shapes: 64
 and 102) at ranks 4, 12 and 16, and crossed 1.0 between 128 and 192, lower at higher ranks
 (benchmarks/results/adapters.md, "LoRA's SVD adapters in fewer passes" and "Plain LoRA adapters in

@@ -10,8 +10,8 @@ ours) is not scored: SFT's assistant mask does not train it and generation stops
 TRL's `DPOTrainer` (1.16) renders conversational pairs with the chat template itself (appending no
 EOS) and scores everything after the rendered prompt, that newline included; our prompt ends on a
 token boundary (`assistant:`), so the answers start at the same token and TRL's log-prob is ours
-plus the newline's (6-16 nats under the sample SFT model). `tests/benchmarks/test_peer_dpo.py` checks this
-against TRL's own precompute pass; `python -m benchmarks.peer_dpo --logps` on a finished run.
+plus the newline's (6-16 nats under the sample SFT model). `tests/benchmarks/peers/test_peer_dpo.py` checks this
+against TRL's own precompute pass; `python -m benchmarks.peers.peer_dpo --logps` on a finished run.
 
 Bad pairs (empty or identical answers, no user turn, too long) are dropped and counted per
 reason, or stop the stage with an error naming the pair (`on_invalid`), so they can never turn

@@ -336,7 +336,7 @@ def _penalties(p: _Problem) -> dict[str, float]:
     So any A, B > max v[m][r] is exact. We take 2V, which is also exact by the simpler argument
     that no violating set of adapters gains more than V. SA's β range is tied to B (`_sample_sa`),
     which makes the scale matter little: 2·v_max, 2V and 10V gave mean gaps to the MILP optimum
-    within 0.3 percentage points of each other (benchmarks/quantum_solvers.py instances).
+    within 0.3 percentage points of each other (benchmarks/adapters/quantum_solvers.py instances).
     """
     most = float(p.value.max(axis=1).sum())
     weight = PENALTY_MARGIN * most if most > 0 else 1.0  # all values 0: any positive weight is exact

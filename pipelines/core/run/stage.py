@@ -230,7 +230,7 @@ def stage_params(name: str, root: Path) -> tuple[Any, dict[str, Any]]:
 
 def execute_untracked(name: str, body: Callable[[StageContext], dict[str, Any]], root: Path | str = ".") -> dict[str, Any]:
     """Run one stage's body with no MLflow run and no DVC hashing: the stage code alone, on a
-    machine that has neither (the device check's core, `benchmarks.gpu_check core`). Params are
+    machine that has neither (the device check's core, `tools.gpu_check core`). Params are
     validated and `precision: auto` resolved as in `execute`; the metrics file is written, with
     `mlflow_run_id` null. The fingerprint covers the params only, so checkpoints are not for
     resuming here (the core runs with `checkpoint_every: 0`)."""
