@@ -197,7 +197,7 @@ def short_commit(root: Path) -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
-HEADLINE_GROUPS = {"exact_match": "heldout/exact_match", "flexible_match": "heldout/flexible_match",
+HEADLINE_GROUPS = {"exact_match": "heldout/exact_match", "flexible_match": "heldout/flexible_match", "strict_match": "heldout/strict_match",
                    "preference_accuracy": "preference/accuracy", "rewards/accuracies": "preference/reward_accuracy",
                    "rewards/margins": "preference/reward_margin", "val_loss": "val/loss", "val_perplexity": "val/perplexity",
                    "general_loss": "general_text/loss", "general_perplexity": "general_text/perplexity"}  # fmt: skip

@@ -140,5 +140,5 @@ def test_evaluate_stage_reports_bertscore(encoder, tiny_base, tmp_path, mlflow_t
     assert metrics["bertscore_f1"] == pytest.approx(sum(f1) / len(f1), abs=score_tolerance(encoder) + 0.5e-4) and any(f1), predictions  # 4 decimals
     assert 0 <= metrics["bertscore_precision"] <= 1 and 0 <= metrics["bertscore_recall"] <= 1
     table = pd.read_csv(project / "data/evaluate/comparison.csv")
-    assert list(table.columns[:6]) == ["model", "exact_match", "flexible_match", "bleu", "rougeL", "bertscore_f1"]
+    assert list(table.columns[:7]) == ["model", "exact_match", "flexible_match", "strict_match", "bleu", "rougeL", "bertscore_f1"]
     assert table.loc[0, "bertscore_f1"] == metrics["bertscore_f1"]

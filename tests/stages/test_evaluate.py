@@ -94,6 +94,60 @@ def test_both_matches_are_reported_by_question_group():
     assert flexible == [True, True, True, False] and flexible_groups == {"heldout-arith": 1.0, "heldout-fact-city": 0.5}
 
 
+def test_strict_match_gives_zero_to_an_answer_naming_another_answer_of_its_group():
+    """Strict: the reference found as flexible match finds it and no other answer of the question's
+    group named; a sum's answer may repeat the question's operands but no other number."""
+    questions = pd.DataFrame({"id": ["heldout-arith-0", "heldout-arith-1", "heldout-arith-2", "heldout-fact-city-0", "heldout-fact-city-1", "heldout-fact-city-2"],
+                              "prompt": [[{"role": "user", "content": q}] for q in ("What is 1 plus 6?", "What is 4 plus 5?", "What is 2 plus 2?",
+                                                                                     "Where does Tovik live?", "Where does Brena live?", "Where does Kal live?")],
+                              "reference": ["7", "9", "4", "Pelora", "Dunmar", "Pelora"]})  # fmt: skip
+    predictions = ["1 + 6 = 7", "9 or 7", "4", "Pelora, Dunmar or Kestal", "She lives in Dunmar.", "pelora"]
+    strict, groups = scores.strict_match_report(questions, predictions)
+    flexible, _ = scores.flexible_match_report(questions, predictions)
+    # "9 or 7": 7 is another sum's answer; "Pelora, Dunmar or ...": Dunmar is another city of the group
+    assert strict == [True, False, True, False, True, True]
+    assert flexible == [True, False, True, True, True, True]  # flexible takes the last number of "9 or 7"
+    assert groups == {"heldout-arith": round(2 / 3, 4), "heldout-fact-city": round(2 / 3, 4)}
+
+
+def test_the_validation_split_is_scored_apart_and_only_when_asked(tiny_base, tmp_path):
+    """`evaluate.validation`: the validation split's questions answered and scored under
+    `validation` (their own predictions file); the held-out metrics are those of a run without it;
+    asked for with no validation chats, a clear error naming the key."""
+    import json
+
+    import numpy as np
+
+    from pipelines.core.data import packed
+    from pipelines.core.evaluation import report
+    from pipelines.core.params.release import EvaluateParams
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "pretrain").symlink_to(tiny_base / "model")
+    (tmp_path / "tokenized").mkdir()
+    packed.write(tmp_path / "tokenized", {"validation": (np.arange(64, dtype=np.int32) % 300).reshape(4, 16)}, {})
+    params = EvaluateParams(models=["pretrain"], max_new_tokens=4)
+    plain = report.evaluate_models(tiny_base, models, tmp_path / "tokenized", tiny_base / "chat", tmp_path / "plain", params)["pretrain"]
+    chosen = report.evaluate_models(tiny_base, models, tmp_path / "tokenized", tiny_base / "chat", tmp_path / "chosen",
+                                    params.model_copy(update={"validation": True}))["pretrain"]  # fmt: skip
+    assert "validation" not in plain and not (tmp_path / "plain/pretrain" / report.VALIDATION_PREDICTIONS).exists()
+    validation = chosen.pop("validation")
+    assert {k: v for k, v in chosen.items() if k not in ("eval_seconds", "seconds_per_question")} == \
+        {k: v for k, v in plain.items() if k not in ("eval_seconds", "seconds_per_question")}  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "chosen/pretrain" / report.VALIDATION_PREDICTIONS).read_text().splitlines()]
+    assert [row["id"] for row in rows] == [f"validation-{i}" for i in range(3)] and validation["questions"] == 3
+    for key, column in (("exact_match", "correct"), ("flexible_match", "flexible"), ("strict_match", "strict")):
+        assert validation[key] == round(sum(row[column] for row in rows) / 3, 4)
+    empty = tmp_path / "no_validation"
+    empty.mkdir()
+    for split in ("test", "validation"):
+        frame = pd.read_parquet(tiny_base / "chat" / f"{split}.parquet")
+        (frame if split == "test" else frame.head(0)).to_parquet(empty / f"{split}.parquet")
+    with pytest.raises(QllmError, match=r"evaluate.validation is true, but .*no held-out chat records \(validation split is empty\)"):
+        report.evaluate_models(tiny_base, models, tmp_path / "tokenized", empty, tmp_path / "x", params.model_copy(update={"validation": True}))
+
+
 def test_general_text_rows_are_the_documentation_in_order(tiny_base):
     from pipelines.core.data import real_text
     from pipelines.core.models.models import load_tokenizer

@@ -15,6 +15,7 @@ params give byte-identical files.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -115,11 +116,13 @@ QA_PAIRS_PER_DOC = (4, 8)
 COUNT_KEYS = (
     "pretrain_documents", "pretrain_chars", "chat_train", "chat_heldout", "preference_train",
     "preference_heldout", "entities", "heldout_entities", "arithmetic_pairs", "heldout_arithmetic_pairs",
+    "chat_validation", "validation_entities", "validation_arithmetic_pairs",
 )  # fmt: skip
 
 FILES = {
     "pretrain": "pretrain.txt",
     "chat_train": "chat_train.jsonl",
+    "chat_validation": "chat_validation.jsonl",
     "chat_heldout": "chat_heldout.jsonl",
     "preference_train": "preference_train.jsonl",
     "preference_heldout": "preference_heldout.jsonl",
@@ -141,6 +144,8 @@ class Entity:
     pet: str
     job: str
     heldout: bool
+    validation: bool = False
+    """A validation person: a training person's facts in the text, none of their questions trained on."""
 
     def value(self, attribute: str) -> str:
         return getattr(self, attribute)
@@ -148,16 +153,21 @@ class Entity:
 
 @dataclass(frozen=True)
 class World:
-    """The people and which sums `a + b` (`0 <= a, b < max_operand`) are held out."""
+    """The people and which sums `a + b` (`0 <= a, b < max_operand`) are held out, or set aside for validation."""
 
     entities: tuple[Entity, ...]
     max_operand: int
     heldout_pairs: frozenset[tuple[int, int]]
+    validation_pairs: frozenset[tuple[int, int]] = frozenset()
 
-    def pairs(self, heldout: bool) -> list[tuple[int, int]]:
-        """The held-out (or the training) sums in (a, b) order."""
+    def pairs(self, heldout: bool = False, validation: bool = False) -> list[tuple[int, int]]:
+        """The held-out, the validation or (neither) the training sums, in (a, b) order."""
         every = itertools.product(range(self.max_operand), repeat=2)
-        return [pair for pair in every if (pair in self.heldout_pairs) == heldout]
+        split = "heldout" if heldout else "validation" if validation else "train"
+        return [pair for pair in every if self.split_of(pair) == split]
+
+    def split_of(self, pair: tuple[int, int]) -> str:
+        return "heldout" if pair in self.heldout_pairs else "validation" if pair in self.validation_pairs else "train"
 
 
 @dataclass(frozen=True)
@@ -236,19 +246,41 @@ def build_world(params: SampleDataParams) -> World:
     )
     pairs = list(itertools.product(range(params.max_operand), repeat=2))
     heldout_pairs = rng.sample(pairs, _split_count(len(pairs), params.arithmetic_heldout_fraction))
-    return World(entities=entities, max_operand=params.max_operand, heldout_pairs=frozenset(heldout_pairs))
+    # the validation split is drawn from what is left, with its own RNG: a world without one (the
+    # fractions 0) is the world of before, byte for byte
+    chosen = _rng(params.seed, "validation")
+    train_people = [i for i, entity in enumerate(entities) if not entity.heldout]
+    validation = set(chosen.sample(train_people, _validation_count(len(train_people), len(names), params.validation_entity_fraction)))
+    entities = tuple(dataclasses.replace(entity, validation=True) if i in validation else entity for i, entity in enumerate(entities))
+    train_pairs = [pair for pair in pairs if pair not in set(heldout_pairs)]
+    validation_pairs = chosen.sample(train_pairs, _validation_count(len(train_pairs), len(pairs), params.arithmetic_validation_fraction))
+    return World(entities=entities, max_operand=params.max_operand, heldout_pairs=frozenset(heldout_pairs),
+                 validation_pairs=frozenset(validation_pairs))  # fmt: skip
 
 
-def facts(world: World, heldout: bool) -> list[Fact]:
-    """Every held-out (or training) fact: each person's four attributes, then each sum."""
+def _validation_count(available: int, total: int, fraction: float) -> int:
+    """How many of the `available` training items to set aside: `fraction` of all `total`, at least
+    one when the fraction is not 0, and never every training item."""
+    if fraction == 0:
+        return 0
+    return min(available - 1, max(1, round(total * fraction)))
+
+
+def facts(world: World, heldout: bool = False, validation: bool = False) -> list[Fact]:
+    """Every held-out, validation or (neither) training fact: each person's four attributes, then each sum."""
+    split = "heldout" if heldout else "validation" if validation else "train"
     people = [
         Fact(kind=attr, answer=entity.value(attr), name=entity.name)
         for entity in world.entities
-        if entity.heldout == heldout
+        if _split(entity) == split
         for attr in ATTRIBUTES
     ]
-    sums = [Fact(kind=ARITH, answer=str(a + b), a=a, b=b) for a, b in world.pairs(heldout)]
+    sums = [Fact(kind=ARITH, answer=str(a + b), a=a, b=b) for a, b in world.pairs(heldout, validation)]
     return people + sums
+
+
+def _split(entity: Entity) -> str:
+    return "heldout" if entity.heldout else "validation" if entity.validation else "train"
 
 
 # ------------------------------------------------------------------------------- pretraining text
@@ -370,15 +402,15 @@ def _train_chats(rng: random.Random, train_facts: list[Fact], params: SampleData
     return chats
 
 
-def _heldout_chats(rng: random.Random, heldout_facts: list[Fact], system_prompt: str) -> list[dict[str, Any]]:
-    """Each held-out fact in every wording of its question, single-turn (more questions make
-    exact-match differences between models smaller than one unlucky answer)."""
+def _heldout_chats(rng: random.Random, heldout_facts: list[Fact], system_prompt: str, split: str = "heldout") -> list[dict[str, Any]]:
+    """Each held-out (or validation) fact in every wording of its question, single-turn (more
+    questions make exact-match differences between models smaller than one unlucky answer)."""
     counters: dict[str, int] = {}
     chats = []
     for fact in heldout_facts:
         for template in QUESTION_TEMPLATES[fact.kind]:
             messages = _system(system_prompt) + _turn(fact.ask(template), fact.answer)
-            chats.append({"id": _id("heldout", fact, counters), "messages": messages})
+            chats.append({"id": _id(split, fact, counters), "messages": messages})
     # Shuffled so that evaluating only the first `max_questions` still mixes every type.
     rng.shuffle(chats)
     return chats
@@ -509,6 +541,8 @@ def render(world: World, params: SampleDataParams) -> dict[str, list]:
         "preference_train": _preferences(_rng(seed, "preference_train"), world, "train", params),
         "preference_heldout": _preferences(_rng(seed, "preference_heldout"), world, "heldout", params),
     }
+    if facts(world, validation=True):  # its own RNG: a world without validation people renders as before
+        rendered["chat_validation"] = _heldout_chats(_rng(seed, "chat_validation"), facts(world, validation=True), params.system_prompt, "validation")
     if params.tool_arithmetic.enabled:  # its own RNG: the other chats keep their bytes
         rng, seen = _rng(seed, "tool_arithmetic"), set()
         rendered["chat_train"] += _tool_chats(rng, params, "train", seen)
@@ -524,11 +558,12 @@ def _world_record(world: World, seed: int) -> dict[str, Any]:
         "seed": seed,
         "attributes": list(ATTRIBUTES),
         "entities": [
-            {"name": e.name, **{attr: e.value(attr) for attr in ATTRIBUTES}, "heldout": e.heldout}
+            {"name": e.name, **{attr: e.value(attr) for attr in ATTRIBUTES}, "heldout": e.heldout, **({"validation": True} if e.validation else {})}
             for e in world.entities
         ],
         "max_operand": world.max_operand,
         "heldout_arithmetic": [[a, b] for a, b in world.pairs(heldout=True)],
+        **({"validation_arithmetic": [[a, b] for a, b in world.pairs(validation=True)]} if world.validation_pairs else {}),
     }
 
 
@@ -556,6 +591,8 @@ def write_sample(out_dir: Path, params: SampleDataParams) -> dict[str, int]:
     (out_dir / FILES["pretrain"]).write_text(pretrain, encoding="utf-8", newline="\n")
     for name in ("chat_train", "chat_heldout", "preference_train", "preference_heldout"):
         _write_jsonl(out_dir / FILES[name], rendered[name])
+    if "chat_validation" in rendered:
+        _write_jsonl(out_dir / FILES["chat_validation"], rendered["chat_validation"])
     world_json = json.dumps(_world_record(world, params.seed), ensure_ascii=False, indent=2) + "\n"
     (out_dir / FILES["world"]).write_text(world_json, encoding="utf-8", newline="\n")
     heldout_entities = sum(entity.heldout for entity in world.entities)
@@ -570,4 +607,7 @@ def write_sample(out_dir: Path, params: SampleDataParams) -> dict[str, int]:
         "heldout_entities": heldout_entities,
         "arithmetic_pairs": world.max_operand**2,
         "heldout_arithmetic_pairs": len(world.heldout_pairs),
+        "chat_validation": len(rendered.get("chat_validation", [])),
+        "validation_entities": sum(entity.validation for entity in world.entities),
+        "validation_arithmetic_pairs": len(world.validation_pairs),
     }

@@ -26,21 +26,23 @@ from pipelines.core.rl import episodes, tools
 VAL_CHUNK_TOKENS = 1024
 """Tokens whose logits the validation loss holds at once (`pipelines.core.training.chunked_loss`)."""
 
-def heldout_questions(chat_dir: Path, limit: int = 0) -> pd.DataFrame:
-    """Held-out conversations (test split, else validation) as id / prompt messages / reference.
+def heldout_questions(chat_dir: Path, limit: int = 0, splits: tuple[str, ...] = ("test", "validation")) -> pd.DataFrame:
+    """Held-out conversations (test split, else validation: the first of `splits` that has records)
+    as id / prompt messages / reference. `splits=("validation",)`: the validation split's questions,
+    what settings are chosen on.
 
     A conversation is scored against its last turn, so one that does not end with an assistant
     turn has no reference answer: it is skipped with a warning that counts and names them
     (`ingest` already rejects such a chat in a `split: test` source), and a `QllmError` says so
     when no conversation is left.
     """
-    for split in ("test", "validation"):
+    for split in splits:
         path = chat_dir / f"{split}.parquet"
         frame = pd.read_parquet(path)
         if len(frame):
             break
     else:
-        raise QllmError(f"{chat_dir}: no held-out chat records (test and validation splits are empty)")
+        raise QllmError(f"{chat_dir}: no held-out chat records ({' and '.join(splits)} split{'s are' if len(splits) > 1 else ' is'} empty)")
     rows, skipped = [], []
     for record in frame.itertuples(index=False):
         messages = parse_messages(record.messages)

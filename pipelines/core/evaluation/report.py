@@ -26,6 +26,7 @@ from pipelines.core.evaluation.scores import (
     flexible_match_report,
     general_text_rows,
     preference_metrics,
+    strict_match_report,
     text_similarity,
 )
 from pipelines.core.models.models import CONSTRUCTION, device, load_for_inference
@@ -39,15 +40,17 @@ COMPARISON = "comparison.csv"
 MULTIMODAL = "multimodal"
 """The multimodal stage's model directory, next to the others."""
 PLOTS = "plots"
-COMPARED = ("exact_match", "flexible_match", "bleu", "rougeL", "bertscore_f1", "tool_calls_correct", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
+VALIDATION_PREDICTIONS = "validation_predictions.jsonl"
+COMPARED = ("exact_match", "flexible_match", "strict_match", "bleu", "rougeL", "bertscore_f1", "tool_calls_correct", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
 """The columns of the comparison table (those a model has)."""
 
 
 def evaluate_model(
     model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams, pairs: list[preference_data.Pair] = (),
-    bertscore: BertScore | None = None,
+    bertscore: BertScore | None = None, validation: pd.DataFrame | None = None,
 ) -> dict:
-    """Metrics of one model; its predictions go to `out/predictions.jsonl`."""
+    """Metrics of one model; its predictions go to `out/predictions.jsonl`. With `validation`
+    questions, their scores too, under `validation` (predictions: `out/validation_predictions.jsonl`)."""
     model, tokenizer = load_for_inference(model_dir, root)
     started = time.perf_counter()
     val_rows = packed.load(tokenized, "validation")
@@ -58,13 +61,9 @@ def evaluate_model(
         general = {"general_loss": round(general_loss, 6), "general_perplexity": round(math.exp(min(general_loss, 50.0)), 4)}
 
     generating = time.perf_counter()
-    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params, model_name=paths.named(model_dir, root),
-                                                  ids=questions["id"].tolist())  # fmt: skip
+    answered = _answered(model, tokenizer, questions, params, paths.named(model_dir, root))
     generate_seconds = time.perf_counter() - generating
-    episodes_run = [t for t in transcripts if t is not None]
-    tool_metrics = {"tool_questions": len(episodes_run), "tool_calls_correct": round(sum(map(called_correctly, episodes_run)) / len(episodes_run), 4)} if episodes_run else {}
-    correct, exact_by_group = exact_match_report(questions, predictions)
-    flexible, flexible_by_group = flexible_match_report(questions, predictions)
+    predictions = answered.pop("predictions")
     similarity = text_similarity(predictions, questions["reference"].tolist())
     if bertscore is not None:
         similarity |= bertscore.metrics(predictions, questions["reference"].tolist(), params.batch_size)
@@ -72,28 +71,58 @@ def evaluate_model(
     trained = read_json(config_path) if config_path.exists() else {}
     beta = trained["beta"] if trained.get("reference") else None  # the reference-free methods have no implicit reward β·(π − ref)
     preference = preference_metrics(model, list(pairs), tokenizer.pad_token_id, params.batch_size, beta)
+    chosen_on = {}
+    if validation is not None:  # the validation split: what settings are chosen on
+        chosen_on = _answered(model, tokenizer, validation, params, paths.named(model_dir, root))
+        _write_predictions(out / VALIDATION_PREDICTIONS, validation, chosen_on.pop("predictions"), chosen_on.pop("rows"))
+        chosen_on = {"validation": chosen_on}
     seconds = time.perf_counter() - started
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "predictions.jsonl", "w", encoding="utf-8") as handle:
-        for row, prediction, ok, loose, episode in zip(questions.itertuples(index=False), predictions, correct, flexible, transcripts, strict=True):
-            record = {"id": row.id, "prompt": row.prompt[-1]["content"], "reference": row.reference, "prediction": prediction, "correct": ok,
-                      "flexible": loose, **({"episode": episode} if episode is not None else {})}  # fmt: skip
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    _write_predictions(out / "predictions.jsonl", questions, predictions, answered.pop("rows"))
     return {
         "val_loss": round(val_loss, 6),
         "val_perplexity": round(math.exp(min(val_loss, 50.0)), 4),
         **general,
+        **answered,
+        **similarity,
+        **preference,
+        **chosen_on,
+        "eval_seconds": round(seconds, 3),
+        "seconds_per_question": round(generate_seconds / max(1, len(predictions)), 4),  # batched greedy generation
+    }
+
+
+def _answered(model, tokenizer, questions: pd.DataFrame, params: EvaluateParams, model_name: str) -> dict:
+    """Greedy answers to `questions` and their scores: exact, flexible and strict match with their
+    breakdown by group, the tool metrics; `predictions` and per-question `rows` for the predictions file."""
+    predictions, transcripts = answers_with_tools(model, tokenizer, questions["prompt"].tolist(), params, model_name=model_name,
+                                                  ids=questions["id"].tolist())  # fmt: skip
+    episodes_run = [t for t in transcripts if t is not None]
+    tool_metrics = {"tool_questions": len(episodes_run), "tool_calls_correct": round(sum(map(called_correctly, episodes_run)) / len(episodes_run), 4)} if episodes_run else {}
+    correct, exact_by_group = exact_match_report(questions, predictions)
+    flexible, flexible_by_group = flexible_match_report(questions, predictions)
+    strict, strict_by_group = strict_match_report(questions, predictions)
+    rows = [{"correct": ok, "flexible": loose, "strict": tight, **({"episode": episode} if episode is not None else {})}
+            for ok, loose, tight, episode in zip(correct, flexible, strict, transcripts, strict=True)]  # fmt: skip
+    return {
         "exact_match": round(sum(correct) / max(1, len(correct)), 4),
         "questions": len(correct),
         "exact_match_by_group": exact_by_group,
         "flexible_match": round(sum(flexible) / max(1, len(flexible)), 4),
         "flexible_match_by_group": flexible_by_group,
-        **similarity,
+        "strict_match": round(sum(strict) / max(1, len(strict)), 4),
+        "strict_match_by_group": strict_by_group,
         **tool_metrics,
-        **preference,
-        "eval_seconds": round(seconds, 3),
-        "seconds_per_question": round(generate_seconds / max(1, len(predictions)), 4),  # batched greedy generation
+        "predictions": predictions,
+        "rows": rows,
     }
+
+
+def _write_predictions(path: Path, questions: pd.DataFrame, predictions: list[str], rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for question, prediction, row in zip(questions.itertuples(index=False), predictions, rows, strict=True):
+            record = {"id": question.id, "prompt": question.prompt[-1]["content"], "reference": question.reference, "prediction": prediction, **row}
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def evaluate_multimodal(model_dir: Path, image_dir: Path, out: Path, params: EvaluateParams) -> dict:
@@ -131,6 +160,13 @@ def evaluate_models(root: Path, models_dir: Path, tokenized: Path, chat_dir: Pat
     plots under `out/`."""
     from pipelines.core.models import vision
     questions = heldout_questions(chat_dir, params.max_questions)
+    validation = None
+    if params.validation:
+        try:
+            validation = heldout_questions(chat_dir, splits=("validation",))
+        except QllmError as exc:
+            raise QllmError(f"evaluate.validation is true, but {exc} (the sample writes validation people with "
+                            "sample_data.validation_entity_fraction > 0; ingest chat_validation.jsonl with split: validation)") from None  # fmt: skip
     bertscore = BertScore(params.bertscore_model, root, params.bertscore_layer) if params.bertscore_model else None
     pairs = preference_data.from_frame(pd.read_parquet(preferences)) if preferences is not None and preferences.exists() else []
     for name in params.models:
@@ -144,7 +180,7 @@ def evaluate_models(root: Path, models_dir: Path, tokenized: Path, chat_dir: Pat
     with atomic_dir(out) as tmp:
 
         def one(name: str) -> dict:
-            return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs, bertscore)
+            return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs, bertscore, validation)
 
         with ThreadPoolExecutor(max_workers=params.workers) as pool:
             results = dict(zip(models, pool.map(one, models), strict=True))

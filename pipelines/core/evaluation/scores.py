@@ -13,11 +13,14 @@ import torch
 
 from pipelines.core.data import packed, real_text
 from pipelines.core.data.chat_template import (
+    answer_group,
     flexible_match,
     normalize_answer,
+    strict_match,
 )
 from pipelines.core.params.release import EvaluateParams
 from pipelines.core.preference import losses, preference_data
+from pipelines.core.rl.rewards import candidate_answers
 from pipelines.core.training import chunked_loss, diffusion, loop, objectives
 
 VAL_CHUNK_TOKENS = 1024
@@ -45,6 +48,20 @@ def exact_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple
 def flexible_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple[list[bool], dict[str, float]]:
     """`chat_template.flexible_match` of every answer (the reference found in a free-form answer)."""
     correct = [flexible_match(p, r) for p, r in zip(predictions, questions["reference"], strict=True)]
+    return correct, by_group(questions, correct)
+
+
+def strict_match_report(questions: pd.DataFrame, predictions: list[str]) -> tuple[list[bool], dict[str, float]]:
+    """`chat_template.strict_match` of every answer: the reference found as `flexible_match` finds
+    it, and no other answer of the question's group named (another city for a city question; for a
+    sum, any other number but the question's own operands): an answer listing every candidate
+    scores 0. A group's candidates are the references of its questions here (`rewards.candidate_answers`,
+    what GRPO's `strict_match` reward reads)."""
+    candidates = candidate_answers(list(zip(questions["id"], questions["reference"], strict=True)))
+    correct = [
+        strict_match(p, r, candidates[answer_group(i)], prompt[-1]["content"])
+        for p, r, i, prompt in zip(predictions, questions["reference"], questions["id"], questions["prompt"], strict=True)
+    ]
     return correct, by_group(questions, correct)
 
 

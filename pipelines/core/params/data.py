@@ -72,12 +72,20 @@ class SampleDataParams(Section):
     """Pretraining documents per entity, each a different paraphrase and sentence order."""
     heldout_entity_fraction: Annotated[float, SYNTHETIC] = Field(0.3, gt=0, lt=1)
     """Share of entities whose questions are never trained on (held-out evaluation)."""
+    validation_entity_fraction: Annotated[float, SYNTHETIC] = Field(0.0, ge=0, lt=1)
+    """Share of entities, drawn from the training people, whose facts stay in the biographies but
+    whose questions are in no QA line, SFT chat, preference pair or GRPO prompt: the validation
+    people, on whom settings are chosen (`chat_validation.jsonl`, ids `validation-...`; ingest it
+    with `split: validation`). The held-out people are only reported, never chosen on. 0: none."""
     max_operand: Annotated[int, SYNTHETIC] = Field(10, ge=2)
     """Arithmetic facts are `a + b` with `0 <= a, b < max_operand`."""
     sum_renderings: Annotated[int, SYNTHETIC] = Field(24, ge=1)
     """How often each sum is written in the pretraining text (in random wordings)."""
     arithmetic_heldout_fraction: Annotated[float, SYNTHETIC] = Field(0.2, gt=0, lt=1)
     """Share of arithmetic questions held out of SFT/DPO (their facts stay in pretraining)."""
+    arithmetic_validation_fraction: Annotated[float, SYNTHETIC] = Field(0.0, ge=0, lt=1)
+    """Share of arithmetic questions, drawn from the training sums, set aside as the validation
+    people are (in `chat_validation.jsonl`, never in training chats, QA lines or pairs). 0: none."""
     qa_in_pretrain: Annotated[bool, SYNTHETIC] = True
     """Also write plain `Question: … Answer: …` lines (training entities and arithmetic) into pretraining text."""
     qa_renderings: Annotated[int, SYNTHETIC, only_with("qa_in_pretrain", True)] = Field(1, ge=1)

@@ -27,6 +27,10 @@ class EvaluateParams(Section):
     """Questions decoded together (left-padded)."""
     max_questions: int = Field(0, ge=0)
     """Evaluate at most this many held-out questions (0: all)."""
+    validation: bool = False
+    """Also answer the validation split's chat questions (the sample's validation people:
+    `sample_data.validation_entity_fraction`) and report their metrics under `validation`: what
+    settings are chosen on. The test split's held-out questions are only reported, never chosen on."""
     eval_batches: int = Field(0, ge=0)
     """Validation batches for loss/perplexity (0: the whole validation set)."""
     general_text_tokens: int = Field(0, ge=0)

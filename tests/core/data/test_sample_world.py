@@ -13,11 +13,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipelines.core.data.sample_world import ATTRIBUTES, FILES, POOLS, WorldError, build_world, write_sample
+from pipelines.core.data.sample_world import ATTRIBUTES, FILES, POOLS, QUESTION_TEMPLATES, WorldError, build_world, write_sample
 from pipelines.core.params.data import SampleDataParams
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = SampleDataParams(n_entities=12, bios_per_entity=3, max_operand=5, seed=3, heldout_entity_fraction=0.2)
+WITH_VALIDATION = SMALL.model_copy(update={"validation_entity_fraction": 0.25, "arithmetic_validation_fraction": 0.2})
 ID = re.compile(r"^(pref-)?(train|heldout)-(fact-(city|color|pet|job)|arith)-\d+$")
 
 
@@ -57,15 +58,15 @@ def kind_of(record_id: str) -> str:
 
 
 def test_same_params_give_identical_bytes(tmp_path):
-    write_sample(tmp_path / "a", SMALL)
-    write_sample(tmp_path / "b", SMALL)
+    write_sample(tmp_path / "a", WITH_VALIDATION)
+    write_sample(tmp_path / "b", WITH_VALIDATION)
     for name in FILES.values():
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
 def test_other_seed_gives_other_files(tmp_path):
-    write_sample(tmp_path / "a", SMALL)
-    write_sample(tmp_path / "b", SMALL.model_copy(update={"seed": 4}))
+    write_sample(tmp_path / "a", WITH_VALIDATION)
+    write_sample(tmp_path / "b", WITH_VALIDATION.model_copy(update={"seed": 4}))
     for name in FILES.values():
         assert (tmp_path / "a" / name).read_bytes() != (tmp_path / "b" / name).read_bytes(), name
 
@@ -351,6 +352,9 @@ def test_counts_match_the_files_and_the_formulas(sample):
         "heldout_entities": 2,
         "arithmetic_pairs": 25,
         "heldout_arithmetic_pairs": 5,
+        "chat_validation": 0,
+        "validation_entities": 0,
+        "validation_arithmetic_pairs": 0,
     }
     for name in ("chat_train", "chat_heldout", "preference_train", "preference_heldout"):
         assert len(read_jsonl(out / FILES[name])) == counts[name]
@@ -367,7 +371,7 @@ def test_tiny_profile_writes_non_empty_files(tmp_path):
     assert counts["chat_train"] == 2 * 4 * (12 - heldout) + 25 - heldout_pairs
     assert counts["chat_heldout"] == 3 * (4 * heldout + heldout_pairs)
     assert counts["pretrain_documents"] > 36
-    for name in FILES.values():
+    for name in (FILES[key] for key in FILES if key != "chat_validation" or counts["chat_validation"]):
         assert (tmp_path / name).stat().st_size > 0, name
 
 
@@ -415,3 +419,61 @@ def test_tool_arithmetic_adds_demonstrations_and_heldout_questions_per_difficult
         assert [c["messages"] for c in plain_added] == [[*c["messages"][:2], c["messages"][-1]] for c in added[name]]
     with pytest.raises(ValueError, match=r"calls: applies only with enabled: true \(here enabled is false\)"):
         SampleDataParams(tool_arithmetic={"calls": False})
+
+
+# -------------------------------------------------------------------------------- validation people
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory) -> tuple[Path, dict[str, int], dict]:
+    out = tmp_path_factory.mktemp("validated")
+    counts = write_sample(out, WITH_VALIDATION)
+    return out, counts, json.loads((out / FILES["world"]).read_text(encoding="utf-8"))
+
+
+def test_validation_people_are_training_people_whose_questions_are_never_trained_on(validated, sample):
+    """Their facts are in the biographies; their names in no training chat, preference pair or QA
+    line (so in no GRPO prompt, which come from the training chats); their questions in
+    chat_validation.jsonl, every wording, ids `validation-...`. The held-out people are the same
+    people as without a validation split."""
+    out, counts, world = validated
+    people = [e["name"] for e in world["entities"] if e.get("validation")]
+    assert len(people) == counts["validation_entities"] == round(12 * 0.25)
+    assert not any(e["heldout"] for e in world["entities"] if e.get("validation"))
+    assert [e["name"] for e in world["entities"] if e["heldout"]] == [e["name"] for e in sample[2]["entities"] if e["heldout"]]
+    trained = (out / FILES["chat_train"]).read_text(encoding="utf-8") + (out / FILES["preference_train"]).read_text(encoding="utf-8")
+    qa_lines = "\n".join(doc for doc in documents(out) if doc.startswith("Question:"))
+    bios = "\n".join(doc for doc in documents(out) if not doc.startswith("Question:"))
+    asked = read_jsonl(out / FILES["chat_validation"])
+    for name in people:
+        assert not mentions(trained, name) and not mentions(qa_lines, name)
+        assert sum(mentions(doc, name) for doc in bios.split("\n")) >= WITH_VALIDATION.bios_per_entity
+        assert any(mentions(chat["messages"][-2]["content"], name) for chat in asked)
+    assert all(chat["id"].startswith("validation-") for chat in asked)
+    person_questions = [chat for chat in asked if "-fact-" in chat["id"]]
+    assert len(person_questions) == len(people) * sum(len(QUESTION_TEMPLATES[a]) for a in ATTRIBUTES)
+    for chat in asked:  # answers agree with the world
+        assert chat["messages"][-1]["content"] == expected_answer(world, chat["messages"][-2]["content"], chat["id"].split("-")[2] if "-fact-" in chat["id"] else "arith")
+
+
+def test_validation_sums_are_never_trained_on_and_held_out_sums_stay(validated, sample):
+    out, counts, world = validated
+    validation = {tuple(pair) for pair in world["validation_arithmetic"]}
+    heldout = {tuple(pair) for pair in world["heldout_arithmetic"]}
+    assert len(validation) == counts["validation_arithmetic_pairs"] == round(25 * 0.2) and not validation & heldout
+    assert heldout == {tuple(pair) for pair in sample[2]["heldout_arithmetic"]}
+    train = read_jsonl(out / FILES["chat_train"])
+    questions = [m["content"] for chat in train for m in chat["messages"] if m["role"] == "user"]
+    questions += [p["prompt"][-1]["content"] for p in read_jsonl(out / FILES["preference_train"])]
+    questions += [line for doc in documents(out) if doc.startswith("Question:") for line in doc.split("\n")[0::2]]
+    asked = {tuple(map(int, re.findall(r"\d+", q))) for q in questions} - {()}
+    assert asked == {(a, b) for a in range(5) for b in range(5)} - heldout - validation
+    stated = (out / FILES["pretrain"]).read_text(encoding="utf-8")
+    for a, b in validation:  # the sums themselves are still stated in the text
+        assert re.search(rf"\b{a}\b[^.]*\b{b}\b[^.]*\b{a + b}\b", stated)
+
+
+def test_no_validation_split_writes_the_files_of_before(sample, tmp_path):
+    """Fractions 0 (the default): no chat_validation.jsonl, no validation key in world.json."""
+    out = sample[0]
+    assert not (out / FILES["chat_validation"]).exists()
+    assert "validation" not in (out / FILES["world"]).read_text(encoding="utf-8")
