@@ -13,7 +13,15 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipelines.core.data.sample_world import ATTRIBUTES, FILES, POOLS, QUESTION_TEMPLATES, WorldError, build_world, write_sample
+from pipelines.core.data.sample_world import (
+    ATTRIBUTES,
+    FILES,
+    POOLS,
+    QUESTION_TEMPLATES,
+    WorldError,
+    build_world,
+    write_sample,
+)
 from pipelines.core.params.data import SampleDataParams
 
 ROOT = Path(__file__).resolve().parents[3]
