@@ -317,7 +317,7 @@ def test_evaluate_compares_every_model(first, project):
         assert 0 <= entry["preference_accuracy"] <= 1 and entry["preference_pairs"] > 0
     assert "rewards/accuracies" in evaluation["dpo"] and "rewards/accuracies" not in evaluation["sft"] and "rewards/accuracies" not in evaluation["grpo"]
     table = (project / "data/evaluate/comparison.csv").read_text().splitlines()
-    assert table[0].startswith("model,exact_match,flexible_match,bleu,rougeL,preference_accuracy") and [r.split(",")[0] for r in table[1:]] == models
+    assert table[0].startswith("model,exact_match,flexible_match,strict_match,bleu,rougeL,preference_accuracy") and [r.split(",")[0] for r in table[1:]] == models
     for name in ("loss_curves.png", "metrics.png"):
         assert (project / "data/evaluate/plots" / name).read_bytes().startswith(b"\x89PNG")
     log = (project / "data/models/sft/training_log.csv").read_text().splitlines()  # tiny: log_every 2, 6 steps
