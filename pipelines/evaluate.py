@@ -65,7 +65,7 @@ def body(ctx: stage.StageContext) -> dict:
     if ctx.input("models/multimodal").parent != models_dir:
         raise QllmError(f"dvc.yaml: evaluate reads the multimodal model from {ctx.input('models/multimodal')}, outside {models_dir}")
     results = evaluate_models(ctx.root, models_dir, ctx.input("tokenized"), ctx.input("chat"), out, ctx.params, ctx.input("ref_logprobs") / HELDOUT_PAIRS,
-                  ctx.input("image_chat"))  # fmt: skip
+                              ctx.input("image_chat"), ctx.input("base_answers"))  # fmt: skip
     image = results.pop("multimodal", None)
     if image is not None:
         ctx.tracker.log_artifact(out / "multimodal" / "predictions.jsonl", "predictions/multimodal")

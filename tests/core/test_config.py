@@ -93,7 +93,7 @@ def test_negative_learning_rate_is_rejected_with_line(tmp_path):
         ("pretrain:\n  train:\n    precision: fp8\n", "pretrain.train.precision: Input should be 'auto', 'bf16', 'fp16' or 'fp32'"),
         ("ingest:\n  sources: []\n", "ingest.sources: List should have at least 1 item"),
         ("ingest:\n  sources:\n    - {path: a, kind: audio}\n", "ingest.sources.0.kind: Input should be 'text', 'chat', 'preference', 'image_chat' or 'feedback'"),
-        ("bogus_stage: {}\n", "bogus_stage: unknown key (expected one of: base_model, dpo, evaluate, export, grpo, ingest, lora"),
+        ("bogus_stage: {}\n", "bogus_stage: unknown key (expected one of: base_answers, base_model, dpo, evaluate, export, grpo, ingest, lora"),
         ("generate:\n  seed: 1\n", "generate: the stage that writes the sample data is called sample_data now"),
         ("lora:\n  r: 8\n", "lora: r: the adapter settings are under lora.adapter now (as under dpo.adapter): write lora.adapter.r"),
         ("pretrain:\n  model:\n    hidden_size: 30\n    num_heads: 4\n", "hidden_size (30) must be divisible by num_heads (4)"),

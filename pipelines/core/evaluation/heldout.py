@@ -8,18 +8,15 @@ import logging
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from pipelines.core.data.chat_template import (
     check_tool_support,
-    left_padding,
     parse_messages,
-    render_prompt,
     split_last_answer,
     tools_of,
 )
 from pipelines.core.errors import QllmError
-from pipelines.core.models.models import stop_token_ids
+from pipelines.core.evaluation.greedy import generate_answers  # noqa: F401  (heldout.generate_answers: where its callers look)
 from pipelines.core.params.release import EvaluateParams
 from pipelines.core.rl import episodes, tools
 
@@ -64,34 +61,6 @@ def heldout_questions(chat_dir: Path, limit: int = 0, splits: tuple[str, ...] = 
         )
     questions = pd.DataFrame(rows)
     return questions.head(limit) if limit else questions
-
-
-@torch.no_grad()
-def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy answers to chat prompts, batched with left padding (the tokenizer's side as it was
-    after), cut at `<|im_end|>`/EOS."""
-    texts = [render_prompt(tokenizer, p) for p in prompts]  # with the chat's tools, if any
-    # Similar lengths together: less padding per batch. Answers are put back in input order.
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    answers: list[str] = [""] * len(texts)
-    stop = stop_token_ids(tokenizer)  # renders the template: once, not per batch
-    model.eval()
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        with left_padding(tokenizer):
-            encoded = tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        encoded = {k: v.to(model.device) for k, v in encoded.items()}
-        output = model.generate(
-            **encoded,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=stop,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        new_tokens = output[:, encoded["input_ids"].shape[1] :]
-        for index, text in zip(chunk, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
-            answers[index] = text.strip()
-    return answers
 
 
 def answers_with_tools(model, tokenizer, prompts: list[list[dict]], params: EvaluateParams, model_name: str = "the model",

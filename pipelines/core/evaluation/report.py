@@ -17,8 +17,9 @@ import torch
 from pipelines.core import paths
 from pipelines.core.data import packed
 from pipelines.core.errors import QllmError
-from pipelines.core.evaluation import plots
+from pipelines.core.evaluation import plots, retention
 from pipelines.core.evaluation.bertscore import BertScore
+from pipelines.core.evaluation.greedy import generate_answers
 from pipelines.core.evaluation.heldout import answers_with_tools, called_correctly, heldout_questions
 from pipelines.core.evaluation.scores import (
     causal_loss,
@@ -41,16 +42,20 @@ MULTIMODAL = "multimodal"
 """The multimodal stage's model directory, next to the others."""
 PLOTS = "plots"
 VALIDATION_PREDICTIONS = "validation_predictions.jsonl"
-COMPARED = ("exact_match", "flexible_match", "strict_match", "bleu", "rougeL", "bertscore_f1", "tool_calls_correct", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
+GENERAL_PREDICTIONS = "general_predictions.jsonl"
+COMPARED = ("exact_match", "flexible_match", "strict_match", "retention_loss", "form_kept", "bleu", "rougeL", "bertscore_f1", "tool_calls_correct", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
 """The columns of the comparison table (those a model has)."""
 
 
 def evaluate_model(
     model_dir: Path, root: Path, tokenized: Path, questions: pd.DataFrame, out: Path, params: EvaluateParams, pairs: list[preference_data.Pair] = (),
-    bertscore: BertScore | None = None, validation: pd.DataFrame | None = None,
+    bertscore: BertScore | None = None, validation: pd.DataFrame | None = None, reference: tuple[list[dict], dict] | None = None,
 ) -> dict:
     """Metrics of one model; its predictions go to `out/predictions.jsonl`. With `validation`
-    questions, their scores too, under `validation` (predictions: `out/validation_predictions.jsonl`)."""
+    questions, their scores too, under `validation` (predictions: `out/validation_predictions.jsonl`).
+    With the base's `reference` answers (`retention.read_reference`), the retention measure:
+    `retention_loss` and `form_kept` on the test third of the general prompts (the validation third's
+    under `validation` too), the model's own answers in `out/general_predictions.jsonl`."""
     model, tokenizer = load_for_inference(model_dir, root)
     started = time.perf_counter()
     val_rows = packed.load(tokenized, "validation")
@@ -71,11 +76,20 @@ def evaluate_model(
     trained = read_json(config_path) if config_path.exists() else {}
     beta = trained["beta"] if trained.get("reference") else None  # the reference-free methods have no implicit reward β·(π − ref)
     preference = preference_metrics(model, list(pairs), tokenizer.pad_token_id, params.batch_size, beta)
-    chosen_on = {}
+    chosen_on, retained, general_rows = {}, {}, []
+    if reference is not None:
+        retained, general_rows = _retained(model, tokenizer, reference, "test", params.batch_size)
     if validation is not None:  # the validation split: what settings are chosen on
         chosen_on = _answered(model, tokenizer, validation, params, paths.named(model_dir, root))
         _write_predictions(out / VALIDATION_PREDICTIONS, validation, chosen_on.pop("predictions"), chosen_on.pop("rows"))
+        if reference is not None:
+            kept, rows = _retained(model, tokenizer, reference, "validation", params.batch_size)
+            chosen_on |= kept
+            general_rows += rows
         chosen_on = {"validation": chosen_on}
+    if general_rows:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / GENERAL_PREDICTIONS).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in general_rows), encoding="utf-8")
     seconds = time.perf_counter() - started
     _write_predictions(out / "predictions.jsonl", questions, predictions, answered.pop("rows"))
     return {
@@ -83,6 +97,7 @@ def evaluate_model(
         "val_perplexity": round(math.exp(min(val_loss, 50.0)), 4),
         **general,
         **answered,
+        **retained,
         **similarity,
         **preference,
         **chosen_on,
@@ -115,6 +130,24 @@ def _answered(model, tokenizer, questions: pd.DataFrame, params: EvaluateParams,
         "predictions": predictions,
         "rows": rows,
     }
+
+
+def _retained(model, tokenizer, reference: tuple[list[dict], dict], split: str, batch_size: int) -> tuple[dict, list[dict]]:
+    """The retention measure on one third of the general prompts: the model's mean NLL of the base's
+    answers minus the base's own (`retention_loss`, nats/token), and of the prompts whose base
+    answer has a form, the share the model's greedy answer keeps (`form_kept`; `form_counted`
+    prompts); the rows of `general_predictions.jsonl`."""
+    rows, meta = reference
+    chosen = [row for row in rows if row["split"] == split]
+    messages = retention.messages_of(chosen)
+    base = [row["answer"] for row in chosen]
+    nll = retention.answer_nll(model, tokenizer, messages, base, batch_size)
+    answers = generate_answers(model, tokenizer, messages, meta["max_new_tokens"], batch_size)
+    kept, counted = retention.form_kept(base, answers)
+    predictions = [{"id": row["id"], "split": split, "base_form": row["form"], "form": retention.form_of(text), "answer": text}
+                   for row, text in zip(chosen, answers, strict=True)]  # fmt: skip
+    return {"retention_loss": round(retention.retention_loss(nll, meta["nll"][split]), 6), "form_kept": None if kept is None else round(kept, 4),
+            "form_counted": counted}, predictions  # fmt: skip
 
 
 def _write_predictions(path: Path, questions: pd.DataFrame, predictions: list[str], rows: list[dict]) -> None:
@@ -154,10 +187,11 @@ def switched_off(model_dir: Path) -> bool:
 
 
 def evaluate_models(root: Path, models_dir: Path, tokenized: Path, chat_dir: Path, out: Path, params: EvaluateParams, preferences: Path | None = None,
-        image_dir: Path | None = None) -> dict[str, dict]:  # fmt: skip
+        image_dir: Path | None = None, base_answers: Path | None = None) -> dict[str, dict]:  # fmt: skip
     """`{model: metrics}` for every model in `params.models` (and `multimodal` when `models_dir/multimodal`
     holds a model and `image_dir` is given); predictions under `out/<model>/`, the comparison table and
-    plots under `out/`."""
+    plots under `out/`. `base_answers`: a `base_answers` output; where it holds the base's answers
+    (a run with a base model), every model's retention measure too."""
     from pipelines.core.models import vision
     questions = heldout_questions(chat_dir, params.max_questions)
     validation = None
@@ -167,6 +201,7 @@ def evaluate_models(root: Path, models_dir: Path, tokenized: Path, chat_dir: Pat
         except QllmError as exc:
             raise QllmError(f"evaluate.validation is true, but {exc} (the sample writes validation people with "
                             "sample_data.validation_entity_fraction > 0; ingest chat_validation.jsonl with split: validation)") from None  # fmt: skip
+    reference = retention.read_reference(base_answers) if base_answers is not None else None
     bertscore = BertScore(params.bertscore_model, root, params.bertscore_layer) if params.bertscore_model else None
     pairs = preference_data.from_frame(pd.read_parquet(preferences)) if preferences is not None and preferences.exists() else []
     for name in params.models:
@@ -180,7 +215,7 @@ def evaluate_models(root: Path, models_dir: Path, tokenized: Path, chat_dir: Pat
     with atomic_dir(out) as tmp:
 
         def one(name: str) -> dict:
-            return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs, bertscore, validation)
+            return evaluate_model(models_dir / name, root, tokenized, questions, tmp / name, params, pairs, bertscore, validation, reference)
 
         with ThreadPoolExecutor(max_workers=params.workers) as pool:
             results = dict(zip(models, pool.map(one, models), strict=True))

@@ -320,3 +320,21 @@ def retention_loss(model_nll: float, base_nll: float) -> float:
     """The retention log-loss: the base's answers' mean per-token NLL under the model minus the same
     under the base (`answer_nll` of each); 0 when the model predicts them as well as the base."""
     return model_nll - base_nll
+
+
+REFERENCE_ANSWERS = "answers.jsonl"
+REFERENCE_META = "meta.json"
+"""The files of a `base_answers` output: the base's answer per prompt, and its NLL per split."""
+
+
+def messages_of(prompts: list[dict]) -> list[list[dict]]:
+    """The chat of each general prompt: one user turn, no system message."""
+    return [[{"role": "user", "content": p["prompt"]}] for p in prompts]
+
+
+def read_reference(directory: Path) -> tuple[list[dict], dict] | None:
+    """`(answers, meta)` of a `base_answers` output, or None where it holds none (no base model)."""
+    if not (directory / REFERENCE_ANSWERS).exists():
+        return None
+    rows = [json.loads(line) for line in (directory / REFERENCE_ANSWERS).read_text(encoding="utf-8").splitlines()]
+    return rows, json.loads((directory / REFERENCE_META).read_text(encoding="utf-8"))

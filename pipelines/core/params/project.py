@@ -31,7 +31,7 @@ from pipelines.core.params.finetuning import (
 )
 from pipelines.core.params.preference import DpoParams, RefLogprobsParams
 from pipelines.core.params.pretraining import PretrainParams
-from pipelines.core.params.release import EvaluateParams, ExportParams, RegisterParams
+from pipelines.core.params.release import BaseAnswersParams, EvaluateParams, ExportParams, RegisterParams
 from pipelines.core.params.rl import GrpoParams
 
 # `register` (the stage) shadows the ABC `register` classmethod pydantic models inherit; instance
@@ -63,6 +63,7 @@ class Params(Section):
     grpo: GrpoParams = GrpoParams()
     multimodal: MultimodalParams = MultimodalParams()
     export: ExportParams = ExportParams()
+    base_answers: BaseAnswersParams = BaseAnswersParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
 

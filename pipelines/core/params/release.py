@@ -13,6 +13,17 @@ from pipelines.core.params.rl import ToolsParams
 ModelStage = Literal["pretrain", "sft", "lora", "dpo", "grpo"]
 
 
+class BaseAnswersParams(Section):
+    """The base model's greedy answers to the general prompts, the retention measure's reference
+    (`pipelines/base_answers.py`; only with a base model, `base_model.name`)."""
+
+    max_new_tokens: int = Field(128, ge=1)
+    """Greedy decoding length of each answer, the base's here and every model's in `evaluate`: long
+    enough for a short function, a list of five or a few sentences."""
+    batch_size: int = Field(16, ge=1)
+    """Prompts decoded (and scored) together."""
+
+
 class EvaluateParams(Section):
     models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora", "dpo", "grpo"], min_length=1)
     """Models to evaluate on the same held-out sets (outputs of these stages)."""
