@@ -60,8 +60,10 @@ def apply_allocation(params: LoraParams, allocation: dict, where: str | Path = A
     return params.model_copy(update={"adapter": allocated})
 
 
-def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str | None = None) -> dict:
-    """`base_for_users`: how the adapter names its base (default: `params.base_model`, as given)."""
+def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_dir: Path | None = None, base_for_users: str | None = None,
+        replay_answers: Path | None = None) -> dict:  # fmt: skip
+    """`base_for_users`: how the adapter names its base (default: `params.base_model`, as given);
+    `replay_answers`: the run's `base_answers` output (`lora.replay`)."""
     if base_for_users is None:
         base_for_users = params.base_model
     adapter = params.adapter
@@ -80,7 +82,7 @@ def run(chat_dir: Path, out: Path, params: LoraParams, tracker=None, checkpoint_
     return finetune.run(
         chat_dir, out, params, wrap=wrap, save=adapters.save(base_for_users, adapter.merge, quantized_base),
         tracker=tracker, checkpoint_dir=checkpoint_dir, desc=NAME, quantization=adapter.base_quantization, quantization_section=SECTION, extensions=extensions,
-        lora_rank=trained_rank(params),
+        lora_rank=trained_rank(params), replay_answers=replay_answers,
     )
 
 
@@ -105,7 +107,7 @@ def body(ctx: stage.StageContext) -> dict:
         allocation = read_json(path)
         params = apply_allocation(params, allocation, path.relative_to(ctx.root))
         ctx.log.info("lora: %d modules with ranks from quantum_opt (%s)", len(params.adapter.rank_pattern), allocation["solver"])
-    metrics = run(ctx.input("chat"), ctx.output(), params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared)
+    metrics = run(ctx.input("chat"), ctx.output(), params, ctx.tracker, ctx.checkpoint_dir, base_for_users=declared, replay_answers=ctx.input("base_answers"))
     ctx.log.info(
         "lora: %d of %d parameters trainable (%.2f%%), %d steps, val/loss %.4f",
         metrics["trainable_parameters"], metrics["total_parameters"], 100 * metrics["trainable_fraction"],

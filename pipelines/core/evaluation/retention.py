@@ -65,6 +65,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from pipelines.core.data import replay
 from pipelines.core.data.chat_template import TEMPLATE_LOCK, assistant_spans
 from pipelines.core.errors import QllmError
 
@@ -322,19 +323,7 @@ def retention_loss(model_nll: float, base_nll: float) -> float:
     return model_nll - base_nll
 
 
-REFERENCE_ANSWERS = "answers.jsonl"
-REFERENCE_META = "meta.json"
-"""The files of a `base_answers` output: the base's answer per prompt, and its NLL per split."""
-
-
-def messages_of(prompts: list[dict]) -> list[list[dict]]:
-    """The chat of each general prompt: one user turn, no system message."""
-    return [[{"role": "user", "content": p["prompt"]}] for p in prompts]
-
-
-def read_reference(directory: Path) -> tuple[list[dict], dict] | None:
-    """`(answers, meta)` of a `base_answers` output, or None where it holds none (no base model)."""
-    if not (directory / REFERENCE_ANSWERS).exists():
-        return None
-    rows = [json.loads(line) for line in (directory / REFERENCE_ANSWERS).read_text(encoding="utf-8").splitlines()]
-    return rows, json.loads((directory / REFERENCE_META).read_text(encoding="utf-8"))
+REFERENCE_ANSWERS, REFERENCE_META = replay.ANSWERS, replay.META
+messages_of = replay.messages_of
+read_reference = replay.read
+"""A `base_answers` output's files, chats and reader (`pipelines.core.data.replay`, where training reads them too)."""

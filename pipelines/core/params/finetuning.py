@@ -18,6 +18,16 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 """The seven linear projections of a Llama-style block: the default LoRA targets and probe candidates."""
 
 
+class ReplayParams(Section):
+    """Self-distillation replay (`pipelines.core.data.replay`): the base model's own answers to the
+    train third of the general prompts (`base_answers`), mixed into the stage's training data so
+    that it keeps what the base could do. Needs a base model (`base_model.name`)."""
+
+    fraction: float = Field(0.0, ge=0, lt=1)
+    """Share of the trained tokens (those the loss is computed on) that replay makes up, on average
+    in every optimizer step. 0: no replay."""
+
+
 class FinetuneParams(Section):
     """Instruction tuning on chat records: the `sft` section, and the part of `lora` and `probe_lora`
     that is the same procedure (one code path, `pipelines/core/training/finetune.py`)."""
@@ -138,6 +148,9 @@ def adapter_moved(data: Any, section: str) -> Any:
 class SftParams(FinetuneParams):
     """Full fine-tuning (`sft`): the shared fine-tuning procedure, plus growing the model."""
 
+    replay: ReplayParams = ReplayParams()
+    """The base's own answers mixed in (self-distillation replay), so that fine-tuning keeps what it could do."""
+
     progressive: ProgressiveParams = ProgressiveParams()
     """Grow the model beyond the base, stack by stack (LLaMA-Pro's block expansion with `growth:
     identity`): `stacks[0]` is the base model's layer count."""
@@ -207,6 +220,9 @@ given to the section changes these where it says."""
 
 class LoraParams(FinetuneParams):
     """LoRA instruction tuning: the `sft` procedure (the fields above) with an `adapter`."""
+
+    replay: ReplayParams = ReplayParams()
+    """The base's own answers mixed in, as `sft.replay`."""
 
     adapter: Annotated[
         LoraAdapterParams,

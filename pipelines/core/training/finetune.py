@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipelines.core.data import chat_examples
+from pipelines.core.data import chat_examples, replay
 from pipelines.core.data.chat_template import parse_messages
 from pipelines.core.errors import QllmError
 from pipelines.core.models import footprint, quantize
@@ -57,13 +57,26 @@ def conversations(chat_dir: Path, split: str) -> list[list[dict]]:
     return [parse_messages(m) for m in frame["messages"]]
 
 
-def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) -> tuple[list, list, dict[str, float]]:
-    """Training and validation rows plus the encoding counts (truncated, dropped, tokens)."""
+def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int, replay_answers: Path | None = None,
+               desc: str = "finetune") -> tuple[list, list, dict[str, float]]:  # fmt: skip
+    """Training and validation rows plus the encoding counts (truncated, dropped, tokens). With
+    `params.replay.fraction` (sft, lora), the base's answers in `replay_answers` (a `base_answers`
+    output) mixed into the training rows (`pipelines.core.data.replay`)."""
     metrics: dict[str, float] = {}
     rows = {}
     for split in ("train", "validation"):
         examples, stats = chat_examples.encode(tokenizer, conversations(chat_dir, split), max_len, params.loss_on, params.overflow)
         metrics |= stats.as_metrics(f"data/{split}_")
+        fraction = getattr(getattr(params, "replay", None), "fraction", 0.0)
+        if split == "train" and fraction:
+            if replay_answers is None:
+                raise QllmError(f"{desc}.replay.fraction={fraction}: this run has no base model answers to replay")
+            replayed, counts = replay_examples(tokenizer, replay_answers, fraction, stats.target_tokens, max_len, f"{desc}.replay.fraction",
+                                               params.loss_on)  # fmt: skip
+            metrics |= {f"data/{k}": v for k, v in counts.items()}
+            log.info("%s: replay: %d of the base's answers (%d trained tokens, %.1f%% of the trained tokens)", desc, counts["replay_examples"],
+                     counts["replay_target_tokens"], 100 * counts["replay_share"])  # fmt: skip
+            examples = _interleaved(examples, replayed)
         if stats.truncated or stats.dropped_too_long or stats.dropped_no_target:
             log.warning(
                 "%s: %d examples longer than %d tokens were %s, %d had no trained token left and were dropped",
@@ -75,6 +88,36 @@ def build_rows(tokenizer, chat_dir: Path, params: FinetuneParams, max_len: int) 
     if not rows["train"]:
         raise QllmError(f"{chat_dir / 'train.parquet'}: no chat example left to train on")
     return rows["train"], rows["validation"], metrics
+
+
+def _interleaved(task: list, replayed: list) -> list:
+    """Replay examples spread evenly among the task's, each at its share of the way through
+    (packing keeps the order of examples of equal length; without packing, the rows' order)."""
+    keyed = [((i + 0.5) / len(task), 0, i, e) for i, e in enumerate(task)] + [((j + 0.5) / len(replayed), 1, j, e) for j, e in enumerate(replayed)]
+    return [e for *_, e in sorted(keyed, key=lambda k: k[:3])]
+
+
+def replay_examples(tokenizer, directory: Path, fraction: float, task_tokens: int, max_len: int, key: str = "replay.fraction",
+             loss_on: str = "assistant") -> tuple[list[chat_examples.Example], dict[str, float]]:  # fmt: skip
+    """Replay examples making up `fraction` of the trained tokens beside `task_tokens` of the task's,
+    and their counts. `key` names the setting in errors."""
+    reference = replay.read(directory)
+    if reference is None:
+        raise QllmError(f"{key}={fraction}: replay mixes in the base model's own answers, and {directory} holds none "
+                        "(no base model: base_model.name is null); set it to 0, or fine-tune a base model")  # fmt: skip
+    chats = replay.conversations(reference[0])
+    encoded, _ = chat_examples.encode(tokenizer, chats, max_len, loss_on, "truncate")
+    encoded = [e for e in encoded if (e.labels != chat_examples.IGNORE).any()]
+    if not encoded:
+        raise QllmError(f"{key}: none of the base's answers to the train third of the general prompts has a token to train on ({directory})")
+    wanted = fraction / (1.0 - fraction) * task_tokens
+    chosen, trained = [], 0
+    while trained < wanted:
+        example = encoded[len(chosen) % len(encoded)]
+        chosen.append(example)
+        trained += int((example.labels != chat_examples.IGNORE).sum())
+    share = trained / (trained + task_tokens) if trained + task_tokens else 0.0
+    return chosen, {"replay_examples": len(chosen), "replay_target_tokens": trained, "replay_share": round(share, 4)}
 
 
 def preflight(params: FinetuneParams, quantization: QuantizationParams | None, desc: str, probe: bool = False, seq_len: int = 0,
@@ -94,14 +137,14 @@ def preflight(params: FinetuneParams, quantization: QuantizationParams | None, d
 
 
 def rows_and_estimate(params: FinetuneParams, chat_dir: Path, quantization: QuantizationParams | None, desc: str,
-                      probe: bool = False, lora_rank: int = 0) -> tuple[list, list, dict[str, float], dict[str, float]]:  # fmt: skip
+                      probe: bool = False, lora_rank: int = 0, replay_answers: Path | None = None) -> tuple[list, list, dict[str, float], dict[str, float]]:  # fmt: skip
     """(train rows, validation rows, their counts, the stage's estimate), before the model loads:
     the rows are built with the base's tokenizer (`max_seq_len`, else the model's context), and
     the estimate is for micro-batches of the longest of them, the shape training will have (not the
     context: SmolLM2's 8,192 tokens a row would be estimated at 350 GB for rows of 40)."""
     tokenizer = load_tokenizer(params.base_model)
     max_len = params.max_seq_len or context_length(params.base_model)
-    train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len)
+    train_rows, val_rows, metrics = build_rows(tokenizer, chat_dir, params, max_len, replay_answers, desc)
     longest = max(len(row.input_ids) for row in train_rows)
     return train_rows, val_rows, metrics, preflight(params, quantization, desc, probe, seq_len=longest, lora_rank=lora_rank)
 
@@ -120,14 +163,16 @@ def run(
     quantization_section: str = "",
     extensions: Callable[[torch.nn.Module, Any], list] | None = None,
     lora_rank: int = 0,
+    replay_answers: Path | None = None,
 ) -> dict[str, Any]:
     """Fine-tune `params.base_model` on `chat_dir/{train,validation}.parquet`; save to `out`.
     `quantization`: a quantized, frozen base (QLoRA), as the section `quantization_section` asks.
     `extensions(model, tracker)`: loop extensions for the wrapped model (e.g. rank allocation).
-    `lora_rank`: the largest rank the adapters train at, for the memory estimate."""
+    `lora_rank`: the largest rank the adapters train at, for the memory estimate. `replay_answers`:
+    the run's `base_answers` output, what `params.replay` mixes in."""
     cfg = params.train
     qconfig = quantize.from_params(quantization, cfg.precision, quantization_section or desc)
-    train_rows, val_rows, metrics, estimates = rows_and_estimate(params, chat_dir, quantization, desc, lora_rank=lora_rank)
+    train_rows, val_rows, metrics, estimates = rows_and_estimate(params, chat_dir, quantization, desc, lora_rank=lora_rank, replay_answers=replay_answers)
     model, tokenizer = load_model_and_tokenizer(params.base_model) if qconfig is None else quantize.load(params.base_model, qconfig, desc)
     with seeded(cfg.seed):  # adapter initialisation is random: make it a function of the seed
         model = wrap(quantize.for_adapters(model, qconfig, cfg.gradient_checkpointing), tokenizer)
