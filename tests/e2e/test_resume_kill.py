@@ -34,7 +34,7 @@ from pipelines.core.run import repro
 from tests.conftest import REPO, make_project, run
 from tests.waiting import exited, until
 
-UPSTREAM = ["sample_data", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device"]
+UPSTREAM = ["sample_data", "ingest", "prepare_data", "base_model", "train_tokenizer", "tokenize", "probe_device", "base_answers"]
 MAX_STEPS = 40
 HELD = "held"
 PRETRAIN = {"pretrain": {"train": {"max_steps": MAX_STEPS, "checkpoint_every": 5, "keep_checkpoints": 3, "extensions": [

@@ -45,7 +45,7 @@ def test_an_unknown_name_says_what_the_stage_declares():
     sft = context("sft")
     with pytest.raises(QllmError) as error:
         sft.input("text")
-    assert str(error.value) == "stage sft: no input 'text' in dvc.yaml deps (declared: data/device.json, data/models/pretrain, data/prepared/chat)"
+    assert str(error.value) == "stage sft: no input 'text' in dvc.yaml deps (declared: data/device.json, data/models/pretrain, data/prepared/chat, data/base_answers)"
     with pytest.raises(QllmError, match=re.escape("stage sft: no input 'sft.py' in dvc.yaml deps")):
         sft.input("sft.py")  # code is not an input
     with pytest.raises(QllmError, match=re.escape("stage sft: no input 'prepared' in dvc.yaml deps")):
