@@ -21,13 +21,15 @@ With `base_model.name` set (fine-tuning mode) nothing is built:
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipelines.core.data import packed
+from pipelines.core.data import packed, replay
+from pipelines.core.errors import QllmError
 from pipelines.core.models import footprint, model_source
 from pipelines.core.models.model_source import POINTER
 from pipelines.core.models.models import (
@@ -62,12 +64,21 @@ def validation_fn(rows: np.ndarray, batch_size: int, max_batches: int, precision
 
 
 def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams, checkpoint_dir: Path | None, tracker=None,
-        base: Path | None = None) -> dict:  # fmt: skip
+        base: Path | None = None, replay_answers: Path | None = None) -> dict:  # fmt: skip
     """Pretrain a model built from `params.model`, or continue pretraining `base` (a model
-    directory or GGUF file whose tokenizer `tokenizer_dir` holds)."""
+    directory or GGUF file whose tokenizer `tokenizer_dir` holds); with `params.replay.fraction`,
+    the base's answers in `replay_answers` (a `base_answers` output) mixed in as text rows."""
     tokenizer = load_tokenizer(tokenizer_dir)
     meta = read_json(tokenized / "meta.json")
     train_rows, val_rows = packed.load(tokenized, "train"), packed.load(tokenized, "validation")
+    replayed = {}
+    if base is not None and params.replay.fraction:
+        if replay_answers is None:
+            raise QllmError(f"pretrain.replay.fraction={params.replay.fraction}: this run has no base model answers to replay")
+        rows, replayed = replay.text_rows(tokenizer, replay_answers, params.replay.fraction, int(train_rows.size), meta["seq_len"], train_rows.dtype)
+        train_rows = np.concatenate([train_rows, rows])  # the batches' seeded shuffle spreads them
+        logging.getLogger(f"qllm.{NAME}").info("pretrain: replay: %d rows of the base's answers (%d tokens, %.1f%% of the trained tokens)",
+                                               replayed["replay_rows"], replayed["replay_tokens"], 100 * replayed["replay_share"])  # fmt: skip
     cfg = params.train
     diffusion_objective = params.objective == "masked_diffusion"
     mask_id = diffusion.mask_token_id(tokenizer, NAME) if diffusion_objective else None
@@ -122,6 +133,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         **counts,
         **estimates,
         "continued": base is not None,
+        **{f"data/{k}": v for k, v in replayed.items()},
         "objective": params.objective,
         "vocab_size": len(tokenizer),
         "epochs": round(result["tokens"] / max(1, train_rows.size), 3),
@@ -150,7 +162,7 @@ def convert_base(gguf_file: Path, tokenizer_dir: Path, out: Path) -> dict:
 
 
 def from_project(root: Path, tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams, checkpoint_dir: Path | None = None,
-                 tracker=None, log=None) -> dict:  # fmt: skip
+                 tracker=None, log=None, replay_answers: Path | None = None) -> dict:  # fmt: skip
     """What the stage does in project `root`, by its base model (`pipelines.base_model`): `run` on a
     model built from `params.model` (no base), `run` continuing the base (`continue_base`), or no
     training: a GGUF base converted (`convert_base`), any other base pointed to (`point_to_base`).
@@ -166,12 +178,13 @@ def from_project(root: Path, tokenized: Path, tokenizer_dir: Path, out: Path, pa
     base = model_source.location(record, project_root(root)) if record["name"] is not None else None
     if base is not None:
         say("pretrain: continuing to pretrain the base %s on the text (pretrain.continue_base)", record["name"])
-    return run(tokenized, tokenizer_dir, out, params, checkpoint_dir, tracker, base=base)
+    return run(tokenized, tokenizer_dir, out, params, checkpoint_dir, tracker, base=base, replay_answers=replay_answers)
 
 
 def body(ctx: stage.StageContext) -> dict:
 
-    metrics = from_project(ctx.root, ctx.input("tokenized"), ctx.input("tokenizer"), ctx.output(), ctx.params, ctx.checkpoint_dir, ctx.tracker, ctx.log)
+    metrics = from_project(ctx.root, ctx.input("tokenized"), ctx.input("tokenizer"), ctx.output(), ctx.params, ctx.checkpoint_dir, ctx.tracker, ctx.log,
+                           ctx.input("base_answers"))  # fmt: skip
     if metrics.get("trained") is False:
         return metrics
     ctx.log.info(

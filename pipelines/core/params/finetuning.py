@@ -12,20 +12,10 @@ from pydantic import Field, field_validator, model_validator
 
 from pipelines.core.params.base import WHEN_ENABLED, AppliesWhen, Section, only_with
 from pipelines.core.params.pretraining import ProgressiveParams
-from pipelines.core.params.training import TrainParams
+from pipelines.core.params.training import ReplayParams, TrainParams
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The seven linear projections of a Llama-style block: the default LoRA targets and probe candidates."""
-
-
-class ReplayParams(Section):
-    """Self-distillation replay (`pipelines.core.data.replay`): the base model's own answers to the
-    train third of the general prompts (`base_answers`), mixed into the stage's training data so
-    that it keeps what the base could do. Needs a base model (`base_model.name`)."""
-
-    fraction: float = Field(0.0, ge=0, lt=1)
-    """Share of the trained tokens (those the loss is computed on) that replay makes up, on average
-    in every optimizer step. 0: no replay."""
 
 
 class FinetuneParams(Section):

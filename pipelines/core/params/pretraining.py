@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipelines.core.params.base import Section, only_with
-from pipelines.core.params.training import TrainParams
+from pipelines.core.params.training import ReplayParams, TrainParams
 
 
 class MemoryParams(Section):
@@ -176,6 +176,10 @@ class PretrainParams(Section):
     tokenizer, the packed rows of `tokenize`, the shared loop and `train:` here), so that what only
     the text holds reaches the base before sft (LLaMA-Factory's `stage: pt`, axolotl's completion
     data sets). False: the base is used as it is (`model:` is then not read either)."""
+    replay: Annotated[ReplayParams, only_with("continue_base", True)] = ReplayParams()
+    """With `continue_base`: the base's own answers to the general prompts' train third, rendered by
+    its chat template as text and packed into rows beside the text's (`fraction` of the trained
+    tokens), so that continued pretraining keeps the chat model it starts from."""
 
     @model_validator(mode="after")
     def _progressive_fits(self) -> PretrainParams:

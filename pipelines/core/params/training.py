@@ -163,3 +163,13 @@ class TrainParams(Section):
                 f"grad_accum_steps / nproc micro-batches of micro_batch_size per step, so the global batch stays the same"
             )
         return self
+
+
+class ReplayParams(Section):
+    """Self-distillation replay (`pipelines.core.data.replay`): the base model's own answers to the
+    train third of the general prompts (`base_answers`), mixed into the stage's training data so
+    that it keeps what the base could do. Needs a base model (`base_model.name`)."""
+
+    fraction: float = Field(0.0, ge=0, lt=1)
+    """Share of the trained tokens (those the loss is computed on) that replay makes up, on average
+    in every optimizer step. 0: no replay."""
