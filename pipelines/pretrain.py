@@ -133,7 +133,7 @@ def run(tokenized: Path, tokenizer_dir: Path, out: Path, params: PretrainParams,
         **counts,
         **estimates,
         "continued": base is not None,
-        **{f"data/{k}": v for k, v in replayed.items()},
+        **replayed,  # replay_rows, replay_tokens, replay_share
         "objective": params.objective,
         "vocab_size": len(tokenizer),
         "epochs": round(result["tokens"] / max(1, train_rows.size), 3),

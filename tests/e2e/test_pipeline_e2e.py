@@ -210,7 +210,7 @@ def test_mlflow_parent_run_with_one_child_per_stage(first, project):
     # Input datasets carry the DVC md5 as digest: MLflow and dvc.lock name the same bytes.
     outs = lock_outs(project)
     inputs = {d.dataset.name: d.dataset.digest for d in pretrain.inputs.dataset_inputs}
-    assert inputs == {d: outs[d] for d in ("data/base_model.json", "data/device.json", "data/tokenized", "data/tokenizer")}
+    assert inputs == {d: outs[d] for d in ("data/base_answers", "data/base_model.json", "data/device.json", "data/tokenized", "data/tokenizer")}
     pretrain_metrics = json.loads((project / "data/metrics/pretrain.json").read_text())
     assert pretrain_metrics["mlflow_run_id"] == pretrain.info.run_id
     # every stage records its time and peak memory, but the two that read the world on every run: their

@@ -74,6 +74,6 @@ def test_continued_pretraining_trains_on_the_text_and_the_replay_rows(tiny_base,
                             train={"max_steps": 2, "micro_batch_size": 2, "eval_every": 0, "checkpoint_every": 0, "warmup_steps": 0, "precision": "fp32"})  # fmt: skip
     metrics = pretrain.run(tmp_path / "tokenized", tiny_base / "model", tmp_path / "out", params, None, base=tiny_base / "model", replay_answers=answers)
     task = packed.load(tmp_path / "tokenized", "train").size
-    assert metrics["steps"] == 2 and metrics["data/replay_rows"] == math.ceil(0.25 / 0.75 * task / 32)
-    assert metrics["data/replay_share"] == round(metrics["data/replay_tokens"] / (metrics["data/replay_tokens"] + task), 4)
+    assert metrics["steps"] == 2 and metrics["replay_rows"] == math.ceil(0.25 / 0.75 * task / 32)
+    assert metrics["replay_share"] == round(metrics["replay_tokens"] / (metrics["replay_tokens"] + task), 4)
     assert (tmp_path / "out/config.json").exists()
