@@ -580,3 +580,22 @@ def draws_outside_construction() -> Iterator[list[str]]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+
+
+BASE_ANSWER = {"code": "```python\ndef f(x):\n    return x * x\n```", "lists": "- apples\n- pears\n- plums", "explanations": "Light scatters. Blue scatters most.",
+          "short_facts": "Paris.", "translation": "Bonjour.", "word_problems": "Tom has 7 apples."}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory):
+    """A `base_answers` output written by hand: one answer per family of the general prompts (`BASE_ANSWER`)."""
+    import json
+
+    from pipelines.core.data import replay
+    from pipelines.core.evaluation import retention
+
+    out = tmp_path_factory.mktemp("base_answers")
+    rows = [{**p, "answer": BASE_ANSWER[p["family"]], "form": None} for p in retention.load_prompts()]
+    (out / replay.ANSWERS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / replay.META).write_text(json.dumps({"base": "b", "max_new_tokens": 8, "nll": {}}))
+    return out

@@ -13,18 +13,7 @@ from pipelines.core.data import chat_template, packed, replay
 from pipelines.core.errors import QllmError
 from pipelines.core.evaluation import retention
 from pipelines.core.models.models import load_tokenizer
-
-ANSWER = {"code": "```python\ndef f(x):\n    return x * x\n```", "lists": "- apples\n- pears\n- plums", "explanations": "Light scatters. Blue scatters most.",
-          "short_facts": "Paris.", "translation": "Bonjour.", "word_problems": "Tom has 7 apples."}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def answers(tmp_path_factory):
-    out = tmp_path_factory.mktemp("base_answers")
-    rows = [{**p, "answer": ANSWER[p["family"]], "form": None} for p in retention.load_prompts()]
-    (out / replay.ANSWERS).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / replay.META).write_text(json.dumps({"base": "b", "max_new_tokens": 8, "nll": {}}))
-    return out
+from tests.conftest import BASE_ANSWER
 
 
 def test_the_train_third_reads_back_as_chats_without_a_system_message(answers):
@@ -33,7 +22,7 @@ def test_the_train_third_reads_back_as_chats_without_a_system_message(answers):
     train = retention.load_prompts("train")
     assert len(chats) == len(train) == 66 and meta["base"] == "b"
     assert [c[0] for c in chats] == [{"role": "user", "content": p["prompt"]} for p in train]
-    assert [c[1] for c in chats] == [{"role": "assistant", "content": ANSWER[p["family"]]} for p in train]
+    assert [c[1] for c in chats] == [{"role": "assistant", "content": BASE_ANSWER[p["family"]]} for p in train]
     assert replay.read(answers.parent / "nowhere") is None
 
 

@@ -3,30 +3,15 @@ the base's own answers to the general prompts' train third into the training row
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
-from pipelines.core.data import chat_examples, replay
+from pipelines.core.data import chat_examples
 from pipelines.core.errors import QllmError
 from pipelines.core.evaluation import retention
 from pipelines.core.models.models import load_tokenizer
 from pipelines.core.params.finetuning import SftParams
 from pipelines.core.training import finetune
-
-ANSWER = {"code": "```python\ndef f(x):\n    return x * x\n```", "lists": "- apples\n- pears\n- plums", "explanations": "Light scatters. Blue scatters most.",
-          "short_facts": "Paris.", "translation": "Bonjour.", "word_problems": "Tom has 7 apples."}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def answers(tmp_path_factory):
-    """A `base_answers` output written by hand: an answer per family."""
-    out = tmp_path_factory.mktemp("base_answers")
-    rows = [{**p, "answer": ANSWER[p["family"]], "form": None} for p in retention.load_prompts()]
-    (out / replay.ANSWERS).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / replay.META).write_text(json.dumps({"base": "b", "max_new_tokens": 8, "nll": {}}))
-    return out
 
 
 def trained(rows) -> int:
