@@ -508,8 +508,9 @@ def _log_failure(exc: BaseException) -> None:
 
 async def _until_disconnect(receive, cancelled: threading.Event) -> None:
     """Set `cancelled` when the client goes away (ASGI's `http.disconnect`; the request's body was read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    message = await receive()
+    while message["type"] != "http.disconnect":  # anything else the client sends is read and dropped
+        message = await receive()
     cancelled.set()
 
 
