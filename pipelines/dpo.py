@@ -17,6 +17,10 @@ gradients over their mismatched KL pairs). The reference log-probabilities come 
 - `orpo`: the chosen answers' NLL plus `reference_free_loss`'s odds-ratio term (weight `dpo.beta`).
 
 `dpo.sft_weight` adds that times the chosen answers' per-token NLL (dpo: RPO; simpo: CPO-SimPO).
+`dpo.replay` adds `replay.weight` times the per-token NLL of the base's own answers to the general
+prompts' train third (`base_answers`), `replay.fraction` of the trained tokens: each item of the
+training data carries its share of them, so a step's replay follows from its items and a resumed
+run replays what the uninterrupted one would (`replay_batches`; metric `replay/nll`).
 Logged per step and on validation (`val/...`) with the names TRL uses: `rewards/chosen`,
 `rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`
 (plus `kl/chosen` with a reference; `kl` for KTO; `nll_loss`, `log_odds_ratio`, `log_odds_chosen`
@@ -52,7 +56,8 @@ from pipelines.core.preference.losses import (
     reward_metrics,
 )
 from pipelines.core.run import stage
-from pipelines.core.training import loop
+from pipelines.core.data import chat_examples
+from pipelines.core.training import finetune, loop
 from pipelines.core.training.checkpoint import CheckpointManager
 
 NAME = "dpo"
@@ -106,6 +111,53 @@ def dpo_loss(params: DpoParams, reference: Reference | None = None):
         return loss, metrics
 
     return loss_fn
+
+
+def with_replay(loss_fn, weight: float):
+    """`loss_fn` plus `weight` times the per-token NLL of the batch's replay rows (`replay_batches`),
+    where it has any; logged as `replay/nll`."""
+
+    def replayed(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        rows = {k.removeprefix("replay_"): batch[k] for k in ("replay_input_ids", "replay_attention_mask", "replay_labels") if k in batch}
+        loss, metrics = loss_fn(model, {k: v for k, v in batch.items() if not k.startswith("replay_")})
+        if rows:
+            nll = model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"], labels=rows["labels"], use_cache=False).loss
+            metrics = {**metrics, "replay/nll": nll.item()}
+            loss = loss + weight * nll
+        return loss, metrics
+
+    return replayed
+
+
+def trained_tokens(item) -> int:
+    """The tokens a preference item's loss is computed on: both answers of a pair, a KTO example's completion."""
+    if isinstance(item, preference_data.Pair):
+        return len(item.chosen_ids) + len(item.rejected_ids) - 2 * item.prompt_length
+    return len(item.ids) - item.prompt_length
+
+
+def replay_batches(make: Callable[[np.ndarray], dict], items: list, replayed: list[chat_examples.Example], pad_id: int) -> Callable[[np.ndarray], dict]:
+    """`make` with the replay examples added: example j goes with item floor((j + 1/2) N / M) of
+    the N items (M examples, spread evenly), and a batch of items carries theirs as right-padded
+    `replay_input_ids`, `replay_attention_mask` and `replay_labels` rows (-100 where no loss)."""
+    owned: dict[int, list[int]] = {}
+    for j in range(len(replayed)):
+        owned.setdefault(int((j + 0.5) * len(items) / len(replayed)), []).append(j)
+
+    def batch(indices: np.ndarray) -> dict:
+        out = make(indices)
+        rows = [replayed[j] for i in np.sort(indices) for j in owned.get(int(i), [])]
+        if rows:
+            ids, attention, _ = preference_data.right_padded([r.input_ids for r in rows], [0] * len(rows), pad_id)
+            labels = torch.full_like(ids, chat_examples.IGNORE)
+            for k, r in enumerate(rows):
+                labels[k, : len(r.labels)] = torch.from_numpy(r.labels)
+            out |= {"replay_input_ids": ids, "replay_attention_mask": attention, "replay_labels": labels}
+            if "num_tokens" in out:  # what throughput counts
+                out["num_tokens"] += int(attention.sum())
+        return out
+
+    return batch
 
 
 def _kto_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +232,10 @@ def _data(ref_dir: Path, params: DpoParams, meta: dict) -> tuple[dict[str, list]
     return data, longest
 
 
-def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, checkpoint_dir: Path | None = None, log=None) -> dict:
+def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, checkpoint_dir: Path | None = None, log=None,
+        replay_answers: Path | None = None) -> dict:  # fmt: skip
+    """Train the policy (`params`) on `ref_dir`'s items; with `params.replay.fraction`, the base's
+    answers in `replay_answers` (a `base_answers` output) as the replay NLL term."""
     cfg = params.train
     meta = read_json(ref_dir / "meta.json")
     start = meta.get("start", meta["reference"])  # the model the policy starts from (and the reference pass used, if any)
@@ -211,6 +266,17 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
     loss_fn = dpo_loss(params)
     collate = preference_data.collate_examples if params.method == "kto" else preference_data.collate
     (train, make_train), (val, make_val), (heldout, make_heldout) = ((data[s], collate(data[s], tokenizer.pad_token_id)) for s in ("train", "validation", "test"))
+    replayed = {}
+    if params.replay.fraction:
+        if replay_answers is None:
+            raise QllmError(f"dpo.replay.fraction={params.replay.fraction}: this run has no base model answers to replay")
+        examples, replayed = finetune.replay_examples(tokenizer, replay_answers, params.replay.fraction, sum(map(trained_tokens, train)),
+                                                      model.config.max_position_embeddings, "dpo.replay.fraction")  # fmt: skip
+        make_train = replay_batches(make_train, train, examples, tokenizer.pad_token_id)
+        loss_fn = with_replay(loss_fn, params.replay.weight)
+        if log is not None:
+            log.info("dpo: replay: %d of the base's answers (%d trained tokens, %.1f%% of the trained tokens), weight %g", replayed["replay_examples"],
+                     replayed["replay_target_tokens"], 100 * replayed["replay_share"], params.replay.weight)  # fmt: skip
     batches = loop.Batches(len(train), cfg.micro_batch_size, cfg.seed, make_train)
     val_fn = None
     if val:
@@ -235,7 +301,7 @@ def run(root: Path, ref_dir: Path, out: Path, params: DpoParams, tracker=None, c
 
     result = loop.finish(result, out, save)
     sizes = {"train_examples": len(train)} if params.method == "kto" else {"train_pairs": len(train)}
-    return {**result, **counts, **heldout_metrics, "reference": meta["reference"], "start": start, **sizes, **estimates}
+    return {**result, **counts, **heldout_metrics, "reference": meta["reference"], "start": start, **sizes, **replayed, **estimates}
 
 
 def preference_config(params: DpoParams, reference: str | None) -> dict:
@@ -249,7 +315,7 @@ def preference_config(params: DpoParams, reference: str | None) -> dict:
 
 
 def body(ctx: stage.StageContext) -> dict:
-    metrics = run(ctx.root, ctx.input("ref_logprobs"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir, ctx.log)
+    metrics = run(ctx.root, ctx.input("ref_logprobs"), ctx.output(), ctx.params, ctx.tracker, ctx.checkpoint_dir, ctx.log, ctx.input("base_answers"))
     p = ctx.params
     what = {"dpo": f"dpo {p.dpo_loss_type}", "kto": "kto", "orpo": "orpo", "simpo": f"simpo gamma {p.simpo_gamma:g}"}[p.method]
     heldout = ", ".join(f"{k.removeprefix('heldout/')} {v:.3f}" for k, v in metrics.items() if k in HEADLINE) or "no held-out data"

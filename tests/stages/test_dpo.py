@@ -380,3 +380,117 @@ def test_settings_a_method_would_not_read_are_refused(settings, message):
         DpoParams(**settings)
     assert message in str(refused.value)
     assert DpoParams(method="simpo", label_smoothing=0.1, sft_weight=0.5).dpo_loss_type == "sigmoid"  # simpo reads both
+
+
+def _recording_replay(monkeypatch) -> list[tuple[float, dict]]:
+    """Every loss of the replay-wrapped loss function (`dpo.with_replay`): `(loss, metrics)`."""
+    seen: list[tuple[float, dict]] = []
+    real = dpo.with_replay
+
+    def recording(loss_fn, weight):
+        fn = real(loss_fn, weight)
+
+        def wrapped(model, batch):
+            loss, metrics = fn(model, batch)
+            seen.append((float(loss.detach()), metrics))
+            return loss, metrics
+
+        return wrapped
+
+    monkeypatch.setattr(dpo, "with_replay", recording)
+    return seen
+
+
+def _nll_by_hand(model_dir, examples) -> float:
+    """The per-token NLL of the examples' labelled tokens, one example at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in examples:
+            logits = model(input_ids=torch.from_numpy(example.input_ids)[None]).logits[0, :-1].double()
+            targets = torch.from_numpy(example.labels[1:])
+            kept = targets != -100
+            total += float(-torch.log_softmax(logits, -1)[kept].gather(1, targets[kept, None]).sum())
+            count += int(kept.sum())
+    return total / count
+
+
+@pytest.mark.parametrize("weight", [0.5, 2.0])
+def test_dpo_replay_adds_weight_times_the_nll_of_the_base_answers(workspace, answers, monkeypatch, weight):
+    """One step over all 6 pairs: every replay example is in the batch, so the term is their NLL
+    under the start model (computed here one example at a time), and the loss DPO's log 2 plus
+    `weight` times it."""
+    from pipelines.core.training import finetune
+
+    root, _ = workspace
+    seen = _recording_replay(monkeypatch)
+    one_step = TRAIN.model_copy(update={"max_steps": 1, "micro_batch_size": 6, "eval_every": 0})
+    params = DpoParams(beta=0.1, train=one_step, replay={"fraction": 0.3, "weight": weight})
+    metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params, replay_answers=answers)
+    tokenizer = load_for_inference(root / "data/models/sft", root)[1]
+    pairs = dpo.load_pairs(root / "data/ref_logprobs", "train")
+    task = sum(len(p.chosen_ids) + len(p.rejected_ids) - 2 * p.prompt_length for p in pairs)
+    examples, counts = finetune.replay_examples(tokenizer, answers, 0.3, task, 10_000)
+    assert {k: metrics[k] for k in counts} == counts and counts["replay_share"] >= 0.3
+    loss, step = seen[0]
+    nll = _nll_by_hand(root / "data/models/sft", examples)
+    # the batch's forward pads the rows to the longest and runs in fp32: its NLL is the hand-made
+    # one up to the tiny model's chain over those positions, averaged over the tokens
+    tol = numerics.tolerance(numerics.model_roundings(load_for_inference(root / "data/models/sft", root)[0].config, 256), magnitude=nll)
+    assert step["replay/nll"] == pytest.approx(nll, abs=tol)
+    log2_tol = 0.5 * 0.1 * 2 * logp_tolerance(root, cached_magnitude(root)) + numerics.tolerance(FORMULA, magnitude=math.log(2))
+    assert loss == pytest.approx(math.log(2) + weight * step["replay/nll"], abs=log2_tol + weight * tol)
+
+
+def test_dpo_replay_spreads_the_examples_over_the_items_and_a_batch_carries_its_own():
+    """Example j goes with item floor((j + 1/2) N / M): 3 examples over 6 items sit with items 1, 3
+    and 5; a batch's replay rows are its items' examples, whatever else was drawn before."""
+    from pipelines.core.data import chat_examples
+
+    examples = [chat_examples.Example(np.array([5, 6, 7][: j + 1]), np.array([-100, 6, 7][: j + 1])) for j in range(3)]
+    make = dpo.replay_batches(lambda indices: {"num_tokens": 10}, list(range(6)), examples, pad_id=0)
+    batch = make(np.array([3, 0, 1]))
+    assert batch["replay_input_ids"].tolist() == [[5, 0], [5, 6]]  # items 1 and 3, in item order; right-padded
+    assert batch["replay_labels"].tolist() == [[-100, -100], [-100, 6]] and batch["replay_attention_mask"].tolist() == [[1, 0], [1, 1]]
+    assert batch["num_tokens"] == 13
+    assert "replay_input_ids" not in make(np.array([0, 2, 4])) and make(np.array([5]))["replay_input_ids"].tolist() == [[5, 6, 7]]
+
+
+def test_dpo_replay_resumes_exactly(workspace, answers, monkeypatch):
+    """Stopped after step 2 of 4 and resumed, replay gives the weights the uninterrupted run saved."""
+    import signal
+
+    from pipelines.core.errors import request_stop
+    from pipelines.core.extensions import Extension
+    from pipelines.core.training import loop
+    from pipelines.core.training.loop import TrainingInterrupted
+    from safetensors.torch import load_file
+
+    class StopAt(Extension):
+        name = "stop_at"
+
+        def on_step_end(self, state, metrics) -> None:
+            if state.step == 2:
+                request_stop(signal.SIGTERM)
+
+    root, _ = workspace
+    params = DpoParams(beta=0.1, train=TRAIN.model_copy(update={"checkpoint_every": 2}), adapter={"enabled": False}, replay={"fraction": 0.3})
+    dpo.run(root, root / "data/ref_logprobs", root / "reference", params, checkpoint_dir=root / "ckpt-reference", replay_answers=answers)
+    real_train = loop.train
+    monkeypatch.setattr(loop, "train", lambda *a, **k: real_train(*a, **{**k, "extensions": [*k.get("extensions", []), StopAt()]}))
+    with pytest.raises(TrainingInterrupted):
+        dpo.run(root, root / "data/ref_logprobs", root / "resumed", params, checkpoint_dir=root / "ckpt", replay_answers=answers)
+    monkeypatch.setattr(loop, "train", real_train)
+    dpo.run(root, root / "data/ref_logprobs", root / "resumed", params, checkpoint_dir=root / "ckpt", replay_answers=answers)
+    reference, resumed = load_file(str(root / "reference/model.safetensors")), load_file(str(root / "resumed/model.safetensors"))
+    assert reference.keys() == resumed.keys() and all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+def test_dpo_replay_needs_the_base_answers_and_its_weight_needs_replay(workspace):
+    root, _ = workspace
+    with pytest.raises(QllmError, match=r"dpo.replay.fraction=0.2: this run has no base model answers to replay"):
+        dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", DpoParams(train=TRAIN, replay={"fraction": 0.2}))
+    with pytest.raises(ValueError, match=r"replay\n.*weight=2 does nothing with fraction 0 \(no replay\)"):
+        DpoParams(replay={"weight": 2.0})

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from pipelines.core.params.base import AppliesWhen, Section, only_with
 from pipelines.core.params.finetuning import FOUR_BIT, QUANTIZED, LoraAdapterParams, adapter_moved
-from pipelines.core.params.training import TrainParams
+from pipelines.core.params.training import PreferenceReplayParams, TrainParams
 
 
 class RefLogprobsParams(Section):
@@ -81,6 +81,10 @@ class DpoParams(Section):
     `rpo_alpha`, or CPO's `cpo_alpha` for simpo): keeps the policy generating what it is rewarded
     for, limiting drift. orpo's loss has the NLL itself (weight 1, its odds-ratio term weighted by
     `beta`) and kto none: with them it must be 0."""
+    replay: PreferenceReplayParams = PreferenceReplayParams()
+    """The base's own answers to the general prompts' train third (`base_answers`), an NLL term of
+    weight `replay.weight` beside the preference loss, `replay.fraction` of the trained tokens: so
+    that preference training keeps what the base could do. Needs a base model (`base_model.name`)."""
     adapter: LoraAdapterParams = LoraAdapterParams()
     """A LoRA adapter on the policy (`enabled: true`; the same block as `lora.adapter`), or all its
     weights trained (`enabled: false`)."""

@@ -173,3 +173,19 @@ class ReplayParams(Section):
     fraction: float = Field(0.0, ge=0, lt=1)
     """Share of the trained tokens (those the loss is computed on) that replay makes up, on average
     in every optimizer step. 0: no replay."""
+
+
+class PreferenceReplayParams(ReplayParams):
+    """Replay in preference optimisation (`dpo.replay`): the base's own answers as a separate
+    NLL term beside the preference loss, `weight` times their per-token NLL, with `fraction` of
+    the trained tokens (the pairs' answers and the replayed ones) in every step on average."""
+
+    weight: float = Field(1.0, gt=0)
+    """The replay NLL term's weight in the loss (the preference loss has weight 1)."""
+
+    @model_validator(mode="after")
+    def _weight_acts(self) -> PreferenceReplayParams:
+        if not self.fraction and self.weight != 1.0:
+            raise ValueError(f"weight={self.weight:g} does nothing with fraction 0 (no replay): set fraction > 0, or leave weight at 1")
+        return self
+
