@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipelines.core.data import chat_examples
 from pipelines.core.errors import QllmError
 from pipelines.core.models import adapters, footprint, quantize
 from pipelines.core.models.models import (
@@ -56,7 +57,6 @@ from pipelines.core.preference.losses import (
     reward_metrics,
 )
 from pipelines.core.run import stage
-from pipelines.core.data import chat_examples
 from pipelines.core.training import finetune, loop
 from pipelines.core.training.checkpoint import CheckpointManager
 

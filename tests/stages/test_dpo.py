@@ -462,11 +462,12 @@ def test_dpo_replay_resumes_exactly(workspace, answers, monkeypatch):
     """Stopped after step 2 of 4 and resumed, replay gives the weights the uninterrupted run saved."""
     import signal
 
+    from safetensors.torch import load_file
+
     from pipelines.core.errors import request_stop
     from pipelines.core.extensions import Extension
     from pipelines.core.training import loop
     from pipelines.core.training.loop import TrainingInterrupted
-    from safetensors.torch import load_file
 
     class StopAt(Extension):
         name = "stop_at"
