@@ -200,7 +200,9 @@ def short_commit(root: Path) -> str | None:
 HEADLINE_GROUPS = {"exact_match": "heldout/exact_match", "flexible_match": "heldout/flexible_match", "strict_match": "heldout/strict_match",
                    "preference_accuracy": "preference/accuracy", "rewards/accuracies": "preference/reward_accuracy",
                    "rewards/margins": "preference/reward_margin", "val_loss": "val/loss", "val_perplexity": "val/perplexity",
-                   "general_loss": "general_text/loss", "general_perplexity": "general_text/perplexity"}  # fmt: skip
+                   "general_loss": "general_text/loss", "general_perplexity": "general_text/perplexity",
+                   **{cell: f"system_prompt/{cell}" for cell in ("facts_short", "facts_no_system_strict", "facts_no_system_short", "general_short",
+                                                                 "general_system_form_kept", "general_system_short")}}  # system_prompt.CELLS, without its torch  # fmt: skip
 """evaluate's comparison columns -> the parent run's metric names (then `/<model>`): the held-out
 answers first in MLflow's sorted lists (its compare view shows the first rows), other text scores
 under `text/`."""

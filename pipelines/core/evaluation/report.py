@@ -17,7 +17,7 @@ import torch
 from pipelines.core import paths
 from pipelines.core.data import packed
 from pipelines.core.errors import QllmError
-from pipelines.core.evaluation import plots, retention
+from pipelines.core.evaluation import plots, retention, system_prompt
 from pipelines.core.evaluation.bertscore import BertScore
 from pipelines.core.evaluation.greedy import generate_answers
 from pipelines.core.evaluation.heldout import answers_with_tools, called_correctly, heldout_questions
@@ -43,7 +43,7 @@ MULTIMODAL = "multimodal"
 PLOTS = "plots"
 VALIDATION_PREDICTIONS = "validation_predictions.jsonl"
 GENERAL_PREDICTIONS = "general_predictions.jsonl"
-COMPARED = ("exact_match", "flexible_match", "strict_match", "retention_loss", "form_kept", "bleu", "rougeL", "bertscore_f1", "tool_calls_correct", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
+COMPARED = ("exact_match", "flexible_match", "strict_match", "retention_loss", "form_kept", *system_prompt.CELLS, "bleu", "rougeL", "bertscore_f1", "tool_calls_correct", "preference_accuracy", "val_loss", "val_perplexity", "general_perplexity", "rewards/accuracies", "rewards/margins")
 """The columns of the comparison table (those a model has)."""
 
 
@@ -79,6 +79,9 @@ def evaluate_model(
     chosen_on, retained, general_rows = {}, {}, []
     if reference is not None:
         retained, general_rows = _retained(model, tokenizer, reference, "test", params.batch_size)
+    if model_dir.name in params.system_prompt_models:  # evaluate_models saw to the reference
+        retained |= system_prompt.two_by_two(model, tokenizer, questions, predictions, reference, [row["answer"] for row in general_rows], "test",
+                                             params.max_new_tokens, params.batch_size, "evaluate.system_prompt_models")  # fmt: skip
     if validation is not None:  # the validation split: what settings are chosen on
         chosen_on = _answered(model, tokenizer, validation, params, paths.named(model_dir, root))
         _write_predictions(out / VALIDATION_PREDICTIONS, validation, chosen_on.pop("predictions"), chosen_on.pop("rows"))
@@ -202,6 +205,11 @@ def evaluate_models(root: Path, models_dir: Path, tokenized: Path, chat_dir: Pat
             raise QllmError(f"evaluate.validation is true, but {exc} (the sample writes validation people with "
                             "sample_data.validation_entity_fraction > 0; ingest chat_validation.jsonl with split: validation)") from None  # fmt: skip
     reference = retention.read_reference(base_answers) if base_answers is not None else None
+    if params.system_prompt_models:
+        if reference is None:
+            raise QllmError(f"evaluate.system_prompt_models ({', '.join(params.system_prompt_models)}): the 2x2 compares the general prompts' "
+                            "answers with the base model's, and this run has no base model (base_model.name is null); set it to []")  # fmt: skip
+        system_prompt.system_of(questions, f"evaluate.system_prompt_models, the held-out questions of {chat_dir}")
     bertscore = BertScore(params.bertscore_model, root, params.bertscore_layer) if params.bertscore_model else None
     pairs = preference_data.from_frame(pd.read_parquet(preferences)) if preferences is not None and preferences.exists() else []
     for name in params.models:

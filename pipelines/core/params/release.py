@@ -42,6 +42,11 @@ class EvaluateParams(Section):
     """Also answer the validation split's chat questions (the sample's validation people:
     `sample_data.validation_entity_fraction`) and report their metrics under `validation`: what
     settings are chosen on. The test split's held-out questions are only reported, never chosen on."""
+    system_prompt_models: list[ModelStage] = Field(default_factory=list)
+    """Models (of `models`) whose 2x2 is reported: the fact questions and the general prompts, each
+    answered with and without the system prompt the questions carry (`pipelines.core.evaluation.system_prompt`):
+    whether the system prompt is what switches the answer's form. Needs a base model (the general
+    prompts' base answers). Costs two more greedy passes a model. Empty: none."""
     eval_batches: int = Field(0, ge=0)
     """Validation batches for loss/perplexity (0: the whole validation set)."""
     general_text_tokens: int = Field(0, ge=0)
@@ -60,6 +65,12 @@ class EvaluateParams(Section):
     bertscore_layer: Annotated[int | None, AppliesWhen("bertscore_model set", lambda s: s.bertscore_model is not None, shows=("bertscore_model",))] = Field(None, ge=0)
     """The encoder's hidden state that embeds the tokens (0: the embeddings, n: after layer n);
     None: the last. bert-score's defaults: 17 for roberta-large, 9 for bert-base-uncased."""
+
+    @model_validator(mode="after")
+    def _reported_models_are_evaluated(self) -> EvaluateParams:
+        if missing := [m for m in self.system_prompt_models if m not in self.models]:
+            raise ValueError(f"system_prompt_models: {', '.join(missing)} not in evaluate.models ({', '.join(self.models)}): only an evaluated model has a 2x2")
+        return self
 
 
 GgufType = Literal["f16", "q8_0", "bf16", "f32", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k"]
