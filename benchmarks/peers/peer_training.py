@@ -1,11 +1,14 @@
 """Training tokens/s: the shared loop vs a bare PyTorch loop vs Hugging Face `Trainer`.
 
-    python -m benchmarks.peers.peer_training [--size default|30m] [--steps 30] [--trials 3] [--precision auto] [--optimizer adamw_fused] [--compile]
+    python -m benchmarks.peers.peer_training [--size default|30m|smollm2] [--steps 30] [--trials 3] [--precision auto] [--optimizer adamw_fused] [--compile]
 
 The same model (params.yaml `pretrain.model`, or about 34.6M parameters with `--size 30m`: hidden
-512, intermediate 2048, 8 layers), the same random token rows (vocabulary 2048, sequence length
-256), micro-batch, learning rate, clipping and precision (`auto`: what this machine trains in) for
-all three, in one process. Trials alternate (bare, shared, Trainer, bare, ...) so that machine noise
+512, intermediate 2048, 8 layers; or SmolLM2-135M's shape with `--size smollm2`: hidden 576,
+intermediate 1536, 30 layers, 9 heads over 3 key-value heads, its 49,152-token vocabulary, tied
+embeddings, randomly initialised, trained with the real-model profile's `pretrain.train`: 4 rows a
+micro-batch, the head over 256 tokens at a time), the same random token rows (vocabulary 2048, or
+the model's; sequence length 256), micro-batch, learning rate, clipping and precision (`auto`: what
+this machine trains in) for all three, in one process. Trials alternate (bare, shared, Trainer, bare, ...) so that machine noise
 hits all alike; the first steps of every trial are warm-up and not timed. Prints each trial, the
 medians and the ratios to `Trainer` (the goal: shared loop >= 1.0x) and to the bare loop, and the
 optimizer each one used. Model-FLOPs utilisation: 6 x parameters x tokens/s (forward and backward of
@@ -38,7 +41,12 @@ from pipelines.core.models.models import build_llama
 from pipelines.core.params import files as params_file
 from pipelines.core.training import loop, precision
 
-SIZES = {"default": {}, "30m": {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8}}
+SIZES = {"default": {}, "30m": {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8},
+         "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "rope_theta": 100000.0}}
+VOCAB = {"smollm2": 49152}
+"""A size's vocabulary where it is not the default's 2048."""
+PROFILES = {"smollm2": REPO / "params" / "smollm2.yaml"}
+"""A size's training settings: the profile whose `pretrain.train` it trains with (default: params.yaml's)."""
 
 
 def bare_loop(model, rows: np.ndarray, batch_size: int, steps: int, cfg) -> float:
@@ -102,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also time the shared loop with train.compile: true")
     args = parser.parse_args(argv)
 
-    params, _ = params_file.load(REPO)
-    vocab, seq_len = 2048, 256
+    params, _ = params_file.load(REPO, overlays=[PROFILES[args.size]] if args.size in PROFILES else [])
+    vocab, seq_len = VOCAB.get(args.size, 2048), 256
     model_params = params.pretrain.model.model_copy(update=SIZES[args.size])
     resolved = precision.resolve(args.precision)
     cfg = params.pretrain.train.model_copy(update={"max_steps": args.steps, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0,

@@ -6,6 +6,8 @@ on validation, its runs over seeds, and the base model as it comes.
     python -m benchmarks.quality.real_model base --run .qllm/runs/<hash>
     python -m benchmarks.quality.real_model grpo --run .qllm/runs/<hash> [--steps 20] [--seeds 0 1 2]
     python -m benchmarks.quality.real_model prompts --run .qllm/runs/<hash>
+    python -m benchmarks.quality.real_model recipe --run .qllm/runs/<hash> --answers <base_answers dir> --lrs 1e-4 [--epochs 1] [--seeds 0 1 2] [--cpt-replay F] [--sft-replay F]
+    python -m benchmarks.quality.real_model nf4
 
 `choose`: trains the stage (`sft` or `lora`, the profile's settings with each learning rate and
 seed) from the base a finished profile run (`--run`, its run workspace) gave it
@@ -29,6 +31,16 @@ model), after GRPO and after the extra SFT, by exact and flexible match, per see
 `prompts`: a few general prompts (`GENERAL_PROMPTS`, none about the sample's world) answered
 greedily by the base as it comes and by each model of the run: what fine-tuning did to what the
 model could do before, verbatim.
+
+`recipe`: continued pretraining from the base on a run workspace's tokenized text (`--run`: its
+sample written with validation people), then the profile's SFT, per learning rate, epochs and seed,
+in-process; each run's strict match of the validation people's questions per group and the
+retention log-loss on the validation third of the general prompts (against `--answers`, a
+`base_answers` output), after continued pretraining and after SFT: what the knowledge recipe is
+chosen on (never the held-out people).
+
+`nf4`: the CPython-documentation perplexity of the base as it comes (fp32), and of the same weights
+quantized again to nf4 and int8 with no adapter: what quantization costs before QLoRA trains.
 
 `base`: `evaluate`'s metrics of the base as it comes (the GGUF file converted, no training) on
 the same held-out questions as the run's models (`--run`): the row the profile's table starts with.
@@ -310,6 +322,89 @@ def grpo(args) -> int:
     return 0
 
 
+def recipe(args) -> int:
+    """Continued pretraining then SFT from the base, per setting and seed, scored on the validation
+    people (strict match per group) and the validation third of the general prompts (retention
+    log-loss): what the profile's knowledge recipe is chosen on."""
+    from pipelines import pretrain, sft
+    from pipelines.core.data import replay
+    from pipelines.core.evaluation import retention
+    from pipelines.core.evaluation.greedy import generate_answers
+    from pipelines.core.models.models import load_for_inference
+    from pipelines.core.outputs import read_json
+    from pipelines.core.params import files as params_file
+    from pipelines.core.run import stage
+
+    run = args.run.resolve()
+    params, _ = params_file.load(REPO, overlays=[PROFILE])
+    rows = read_json(run / "data/tokenized/meta.json")["sequences"]["train"]
+    questions = heldout.heldout_questions(run / "data/prepared/chat", splits=("validation",))
+    questions = questions[questions["id"].str.startswith("validation-")].reset_index(drop=True)
+    reference = replay.read(args.answers.resolve())
+    chosen = [row for row in reference[0] if row["split"] == "validation"]
+    print(f"{cpu()}; {rows} rows of text, {len(questions)} validation questions, {len(chosen)} validation prompts", flush=True)
+
+    def one(lr: float, epochs: float, seed: int, tmp: Path) -> dict:
+        steps = max(1, round(epochs * rows / params.pretrain.train.micro_batch_size))
+        train = params.pretrain.train.model_copy(update={"lr": lr, "seed": seed, "max_steps": steps, "warmup_steps": max(2, steps // 20)})
+        started = time.perf_counter()
+        cpt_params = params.pretrain.model_copy(update={"train": train, "replay": params.pretrain.replay.model_copy(update={"fraction": args.cpt_replay})})
+        cpt = pretrain.from_project(run, run / "data/tokenized", run / "data/tokenizer", tmp / "cpt", stage.resolve_precision("pretrain", cpt_params),
+                                    replay_answers=args.answers.resolve())  # fmt: skip
+        cpt_seconds = time.perf_counter() - started
+        cpt_model, cpt_tokenizer = load_for_inference(tmp / "cpt", run)
+        cpt_nll = retention.answer_nll(cpt_model, cpt_tokenizer, retention.messages_of(chosen), [r["answer"] for r in chosen], params.evaluate.batch_size)
+        del cpt_model
+        sft_train = params.sft.train.model_copy(update={"seed": seed, "extensions": [], "checkpoint_every": 0})
+        sft_params = params.sft.model_copy(update={"base_model": str(tmp / "cpt"), "train": sft_train,
+                                                   "replay": params.sft.replay.model_copy(update={"fraction": args.sft_replay})})  # fmt: skip
+        sft.run(run / "data/prepared/chat", tmp / "sft", stage.resolve_precision("sft", sft_params), replay_answers=args.answers.resolve())
+        model, tokenizer = load_for_inference(tmp / "sft", run)
+        predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.evaluate.max_new_tokens, params.evaluate.batch_size)
+        strict, by_group = scores.strict_match_report(questions, predictions)
+        nll = retention.answer_nll(model, tokenizer, retention.messages_of(chosen), [r["answer"] for r in chosen], params.evaluate.batch_size)
+        result = {"lr": lr, "epochs": epochs, "seed": seed, "cpt_replay": args.cpt_replay, "sft_replay": args.sft_replay, "steps": steps, "cpt_seconds": round(cpt_seconds), "cpt_val_loss": round(cpt["val/loss"], 4),
+                  "strict": round(sum(strict) / len(strict), 4), "by_group": by_group,
+                  "retention_loss": round(retention.retention_loss(nll, reference[1]["nll"]["validation"]), 4),
+                  "cpt_retention_loss": round(retention.retention_loss(cpt_nll, reference[1]["nll"]["validation"]), 4),
+                  "seconds": round(time.perf_counter() - started)}  # fmt: skip
+        return result
+
+    for lr in args.lrs:
+        for epochs in args.epochs:
+            per_seed(args.seeds, lambda seed, tmp, lr=lr, epochs=epochs: one(lr, epochs, seed, tmp), jsonl=args.out, extra={"run": run.name, "cpu": cpu()})
+    return 0
+
+
+def nf4(args) -> int:
+    """CPython-documentation perplexity (`evaluate.general_text_tokens` of the profile) of the base as
+    it comes (the GGUF Q4_1 file dequantized to fp32) and of the same weights quantized again to nf4
+    with no adapter (what QLoRA trains on): the quantization's own cost, apart from training."""
+    import math
+
+    from pipelines.core.models import gguf_import, quantize
+    from pipelines.core.models.models import load_for_inference, save_pretrained
+    from pipelines.core.params import files as params_file
+
+    params, _ = params_file.load(REPO, overlays=[PROFILE])
+    path = gguf_import.locate(params.base_model.name, REPO)
+    out = {"cpu": cpu()}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        save_pretrained(gguf_import.load_model(path), gguf_import.load_tokenizer(path), base)
+        for name, kind in (("fp32", "none"), ("nf4", "nf4"), ("int8", "int8")):
+            qparams = params.lora.adapter.base_quantization.model_copy(update={"quantization": kind})
+            qconfig = quantize.from_params(qparams, "fp32", "lora.adapter")
+            model, tokenizer = load_for_inference(base) if qconfig is None else quantize.load(base, qconfig, "lora.adapter")
+            rows = scores.general_text_rows(tokenizer, params.evaluate.general_text_tokens, 256)
+            loss = scores.causal_loss(model.eval(), rows, params.evaluate)
+            out[name] = {"general_loss": round(loss, 4), "general_perplexity": round(math.exp(loss), 2)}
+            print(name, out[name], flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -334,8 +429,19 @@ def main(argv: list[str] | None = None) -> int:
     q = commands.add_parser("prompts")
     q.add_argument("--run", type=Path, required=True)
     q.add_argument("--out", type=Path)
+    r = commands.add_parser("recipe")
+    r.add_argument("--run", type=Path, required=True, help="a run workspace with the sample's text tokenized")
+    r.add_argument("--answers", type=Path, required=True, help="a base_answers output (the reference)")
+    r.add_argument("--lrs", type=float, nargs="+", required=True)
+    r.add_argument("--epochs", type=float, nargs="+", default=[1.0])
+    r.add_argument("--seeds", type=int, nargs="+", default=[0])
+    r.add_argument("--cpt-replay", type=float, default=0.0, help="pretrain.replay.fraction")
+    r.add_argument("--sft-replay", type=float, default=0.0, help="sft.replay.fraction")
+    r.add_argument("--out", type=Path)
+    n = commands.add_parser("nf4")
+    n.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    return {"choose": choose, "profile": profile, "base": base, "grpo": grpo, "prompts": prompts}[args.command](args)
+    return {"nf4": nf4, "recipe": recipe, "choose": choose, "profile": profile, "base": base, "grpo": grpo, "prompts": prompts}[args.command](args)
 
 
 if __name__ == "__main__":
