@@ -444,7 +444,7 @@ def static(first, project) -> dict:
 
 def test_static_quantum_allocation_drives_lora(static):
     ran = [s["name"] for s in static["stages"] if s["status"] == "ran"]
-    assert ran == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "export", "evaluate", "register"]
+    assert ran == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "merge", "export", "evaluate", "register"]
     ws = Path(static["workspace"])
     allocation = json.loads((ws / "data/quantum_opt/allocation.json").read_text())
     metrics = json.loads((ws / "data/metrics/quantum_opt.json").read_text())
@@ -473,7 +473,7 @@ def test_changing_the_solver_reruns_from_quantum_opt(static, project):
     # bytes and all, and DVC finds evaluate and register up to date; otherwise they rerun.
     lock = lambda root: {o["path"]: o["md5"] for o in yaml.safe_load((root / "dvc.lock").read_text())["stages"]["lora"]["outs"]}  # noqa: E731
     same_adapter = lock(Path(summary["workspace"]))["data/models/lora"] == lock(Path(static["workspace"]))["data/models/lora"]
-    assert ran[4:] == ([] if same_adapter else ["export", "evaluate", "register"]), status
+    assert ran[4:] == ([] if same_adapter else ["merge", "export", "evaluate", "register"]), status
     assert status["probe_lora"] == ("cached", "run-cache")
     metrics = json.loads((Path(summary["workspace"]) / "data/metrics/quantum_opt.json").read_text())
     assert metrics["solver"] == "milp" and metrics["gap_to_milp"] == 0.0
@@ -489,7 +489,7 @@ def test_uniform_lora_rank_retrains_lora_and_downstream(static, project):
     summary = pipeline(overrides=["lora.allocation=uniform", "lora.adapter.r=2"], project_dir=str(project))
     status = {s["name"]: s["status"] for s in summary["stages"]}
     # probe_lora and quantum_opt list lora.allocation, so they rerun, writing the same placeholder: no static allocation either
-    assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "export", "evaluate", "register"]
+    assert [n for n, st in status.items() if st == "ran"] == ["base_model", "probe_device", "probe_lora", "quantum_opt", "lora", "merge", "export", "evaluate", "register"]
     ws, static_ws = Path(summary["workspace"]), Path(static["workspace"])
     assert lock_outs(ws)["data/quantum_opt"] == lock_outs(project)["data/quantum_opt"]
     trainable = json.loads((ws / "data/metrics/lora.json").read_text())["trainable_parameters"]
@@ -513,7 +513,7 @@ def test_qlora_in_the_sample_pipeline_retrains_lora_and_what_follows(first, proj
     summary = pipeline(overrides=["lora.allocation=uniform", "lora.adapter.quantization=nf4"], project_dir=str(project))
     status = {s["name"]: s["status"] for s in summary["stages"]}
     static = ("probe_lora", "quantum_opt")  # their placeholders: run for the changed lora.allocation, or from the run-cache
-    assert [n for n, st in status.items() if st == "ran" and n not in static] == ["base_model", "probe_device", "lora", "export", "evaluate", "register"], status
+    assert [n for n, st in status.items() if st == "ran" and n not in static] == ["base_model", "probe_device", "lora", "merge", "export", "evaluate", "register"], status
     ws = Path(summary["workspace"])
     assert all(lock_outs(ws)[f"data/{n}"] == lock_outs(project)[f"data/{n}"] for n in static)
     lora_metrics = json.loads((ws / "data/metrics/lora.json").read_text())
@@ -637,7 +637,7 @@ def test_sweep_runs_each_override_set_sharing_upstream_and_the_reference_pass(fi
     and what follows it, its reference pass (and everything before it) from DVC's run-cache."""
     from flows.sweep import shared_stages, sweep
 
-    assert shared_stages(project, [["dpo.beta=0.1"]]) == [n for n in STAGES if n not in ("dpo", "export", "evaluate", "register")]
+    assert shared_stages(project, [["dpo.beta=0.1"]]) == [n for n in STAGES if n not in ("dpo", "merge", "export", "evaluate", "register")]
     summaries = sweep(sweep=[["dpo.beta=0.11"], ["dpo.beta=0.12"]], project_dir=str(project))
     assert len(summaries) == 2 and summaries[0]["workspace"] != summaries[1]["workspace"]
     client, commit = mlflow_client(project), run(["git", "rev-parse", "--short", "HEAD"], project).stdout.strip()
@@ -655,7 +655,7 @@ def test_sweep_runs_each_override_set_sharing_upstream_and_the_reference_pass(fi
     assert all(client.get_run(s["mlflow_run_id"]).data.params["dpo.beta"] in ("0.11", "0.12") for s in summaries)
     for summary in summaries:
         status = {s["name"]: (s["status"], s["reason"]) for s in summary["stages"]}
-        assert [n for n, (st, _) in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "export", "evaluate", "register"], status
+        assert [n for n, (st, _) in status.items() if st == "ran"] == ["base_model", "probe_device", "dpo", "merge", "export", "evaluate", "register"], status
         assert status["ref_logprobs"] == status["sft"] == status["pretrain"] == ("cached", "run-cache")
         dpo_metrics = json.loads((Path(summary["workspace"]) / "data/metrics/dpo.json").read_text())
         assert dpo_metrics["steps"] == 4 and "heldout/rewards/accuracies" in dpo_metrics

@@ -55,7 +55,7 @@ def simpo_run(project) -> tuple[list[str], Path]:
 
 def test_simpo_encodes_without_a_reference_pass(simpo_run):
     ran, workspace = simpo_run
-    assert ran == [*ALWAYS, "ref_logprobs", "dpo", "export", "evaluate", "register"]
+    assert ran == [*ALWAYS, "ref_logprobs", "dpo", "merge", "export", "evaluate", "register"]
     ref = metrics(workspace, "ref_logprobs")
     assert ref["method"] == "simpo" and "tokens_per_second" not in ref  # no model ran
     assert json.loads((workspace / "data/ref_logprobs/meta.json").read_text())["reference"] is None
@@ -65,7 +65,7 @@ def test_simpo_encodes_without_a_reference_pass(simpo_run):
 
 def test_kto_runs_its_reference_pass_on_the_split_pairs(project):
     ran, workspace = method_run(project, "dpo.method=kto", "dpo.loss_type=null", "dpo.beta=0.1")
-    assert ran == [*ALWAYS, "ref_logprobs", "dpo", "export", "evaluate", "register"]
+    assert ran == [*ALWAYS, "ref_logprobs", "dpo", "merge", "export", "evaluate", "register"]
     ref = metrics(workspace, "ref_logprobs")
     assert ref["train"]["desirable"] == ref["train"]["undesirable"] == ref["train"]["pairs"] > 0
     dpo = metrics(workspace, "dpo")
@@ -75,7 +75,7 @@ def test_kto_runs_its_reference_pass_on_the_split_pairs(project):
 
 def test_orpo_from_the_base(project):
     ran, workspace = method_run(project, "dpo.method=orpo", "dpo.loss_type=null", "dpo.start=base", "dpo.adapter={enabled: false}")
-    assert ran == [*ALWAYS, "ref_logprobs", "dpo", "export", "evaluate", "register"]
+    assert ran == [*ALWAYS, "ref_logprobs", "dpo", "merge", "export", "evaluate", "register"]
     assert json.loads((workspace / "data/ref_logprobs/meta.json").read_text())["start"] == "data/models/pretrain"
     dpo = metrics(workspace, "dpo")
     assert dpo["start"] == "data/models/pretrain" and "heldout/nll_loss" in dpo and "heldout/log_odds_ratio" in dpo
@@ -83,7 +83,7 @@ def test_orpo_from_the_base(project):
 
 def test_a_loss_change_restores_the_reference_pass_from_the_run_cache(project):
     ran, workspace = method_run(project, "dpo.loss_type=bco_pair")
-    assert ran == [*ALWAYS, "dpo", "export", "evaluate", "register"]
+    assert ran == [*ALWAYS, "dpo", "merge", "export", "evaluate", "register"]
     assert "heldout/rewards/margins" in metrics(workspace, "dpo")
 
 
@@ -95,7 +95,7 @@ def test_dvc_exp_run_switches_the_method_rerunning_only_what_it_must(project, si
     result = run([sys.executable, "-m", "dvc", "exp", "run", "-S", "dpo.method=simpo", "-S", "dpo.loss_type=null", "-S", "dpo.beta=2.5"], project, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert [n for n in STAGES if f"Running stage '{n}'" in output] == [*ALWAYS, "dpo", "export", "evaluate", "register"], output
+    assert [n for n in STAGES if f"Running stage '{n}'" in output] == [*ALWAYS, "dpo", "merge", "export", "evaluate", "register"], output
     assert "Stage 'ref_logprobs' is cached - skipping run, checking out outputs" in output
     assert all(f"Stage '{n}' didn't change, skipping" in output for n in ("pretrain", "sft", "lora"))
     assert metrics(project, "ref_logprobs")["method"] == "simpo" and metrics(project, "dpo")["start"] == "data/models/sft"
@@ -114,7 +114,7 @@ def test_a_grpo_reward_or_beta_change_reruns_grpo_onward(project, tmp_path, monk
     (tmp_path / "team_rewards.py").write_text(REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
     ran, workspace = method_run(project, "grpo.beta=0.04", "grpo.rewards=[{function: exact_match}, {function: 'team_rewards:brevity', weight: 0.5}]")
-    assert ran == [*ALWAYS, "grpo", "export", "evaluate", "register"]
+    assert ran == [*ALWAYS, "grpo", "merge", "export", "evaluate", "register"]
     grpo = metrics(workspace, "grpo")
     assert {"rewards/exact_match/mean", "rewards/brevity/mean"} <= set(grpo) and grpo["steps"] == 4
     assert "grpo" in metrics(workspace, "evaluate")

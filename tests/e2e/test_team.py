@@ -35,7 +35,7 @@ from tests.conftest import REPO, assert_stopped_by_itself, make_project, run
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 SECOND = "worker-two"
-PER_SET = {"dpo", "export", "evaluate", "register"}
+PER_SET = {"dpo", "merge", "export", "evaluate", "register"}
 MACHINE = {"base_model", "probe_device"}  # read the machine: they run in every checkout (milliseconds)
 TEAM_NAME = "qllm-team.test"
 """A DNS name of the TLS certificate besides localhost: what a client on another machine would use."""

@@ -1,4 +1,5 @@
-"""PNG plots of a run: each training stage's loss curves, and the evaluation metrics per model.
+"""PNG plots of a run: each training stage's loss curves, the evaluation metrics per model, and the
+merge stage's candidates (facts against retention).
 
     plots.loss_curves({"pretrain": Path("data/models/pretrain"), ...}, Path("loss_curves.png"))
     plots.metric_bars(results, ["exact_match", "rougeL"], Path("metrics.png"))
@@ -81,6 +82,58 @@ def metric_bars(results: dict[str, dict], metrics: list[str], path: Path) -> Non
     ax.set_ylabel("held-out score")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, metadata=PNG_METADATA)
+    plt.close(fig)
+
+
+def tradeoff(points: list[dict], path: Path, max_retention_loss: float | None = None) -> None:
+    """The merge stage's choice as a picture: each point's validation strict match (y) against its
+    retention loss on the validation prompts (x, nats/token; lower keeps more of the base), the
+    candidates as numbered circles (their methods in the legend), the unmerged models as grey
+    squares with their names, the chosen candidate ringed in red, `max_retention_loss` a dashed
+    line. Points without a retention loss (no base model) are drawn as bars of their strict match.
+
+    Each point: `label`, `kind` (`candidate` or `model`), `strict_match`, `retention_loss` (None
+    without a base model), `chosen`; candidates numbered in the order given, from 1."""
+    with_retention = all(p.get("retention_loss") is not None for p in points)
+    plt, fig, (ax,) = _figure(1)
+    fig.set_size_inches(10.5, 4.4)
+    candidates = [p for p in points if p["kind"] == "candidate"]
+    number = {id(p): i for i, p in enumerate(candidates, start=1)}
+    if with_retention:
+        for p in points:
+            x, y = p["retention_loss"], p["strict_match"]
+            if p["kind"] == "model":
+                ax.scatter([x], [y], marker="s", s=40, color="0.55", zorder=3)
+                ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(6, -10), fontsize=8, color="0.35")
+            else:
+                ax.scatter([x], [y], marker="o", s=50, zorder=4, label=f"#{number[id(p)]} {p['label']}")
+                ax.annotate(f"#{number[id(p)]}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+            if p.get("chosen"):
+                ax.scatter([x], [y], marker="o", s=260, facecolors="none", edgecolors="red", linewidths=1.5, zorder=5, label="chosen")
+        if max_retention_loss is not None:
+            ax.axvline(max_retention_loss, color="red", linestyle="--", linewidth=0.8, label=f"max retention loss {max_retention_loss:g}")
+        low, high = ax.get_ylim()
+        ax.set_ylim(max(low, -0.02), min(high, 1.02))  # a share: no room below 0 or above 1
+        ax.set_xlabel("retention loss on the validation prompts (nats/token; lower keeps more of the base)")
+        ax.set_ylabel("validation strict match")
+        ax.set_title("merge candidates: facts against retention (grey: the models merged)")
+        ax.grid(alpha=0.3)
+    else:
+        names = [p["label"] if p["kind"] == "model" else f"#{number[id(p)]} {p['label']}" + (" (chosen)" if p.get("chosen") else "") for p in points]
+        colors = ["red" if p.get("chosen") else ("0.55" if p["kind"] == "model" else "C0") for p in points]
+        bars = ax.barh(range(len(points)), [p["strict_match"] for p in points], color=colors)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+        ax.set_yticks(range(len(points)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1.1)
+        ax.set_xlabel("validation strict match")
+        ax.set_title("merge candidates (red: chosen; grey: the models merged); no base model, so no retention measure")
+        ax.grid(axis="x", alpha=0.3)
+    if with_retention:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, metadata=PNG_METADATA)

@@ -8,6 +8,7 @@ test enforces it); the defaults here exist for users' own, shorter params files.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -31,7 +32,7 @@ from pipelines.core.params.finetuning import (
 )
 from pipelines.core.params.preference import DpoParams, RefLogprobsParams
 from pipelines.core.params.pretraining import PretrainParams
-from pipelines.core.params.release import BaseAnswersParams, EvaluateParams, ExportParams, RegisterParams
+from pipelines.core.params.release import BaseAnswersParams, EvaluateParams, ExportParams, MergeParams, RegisterParams
 from pipelines.core.params.rl import GrpoParams
 
 # `register` (the stage) shadows the ABC `register` classmethod pydantic models inherit; instance
@@ -61,6 +62,7 @@ class Params(Section):
     ref_logprobs: RefLogprobsParams = RefLogprobsParams()
     dpo: DpoParams = DpoParams()
     grpo: GrpoParams = GrpoParams()
+    merge: MergeParams = MergeParams()
     multimodal: MultimodalParams = MultimodalParams()
     export: ExportParams = ExportParams()
     base_answers: BaseAnswersParams = BaseAnswersParams()
@@ -114,6 +116,28 @@ class Params(Section):
                              "masked-diffusion model (pretrain.objective: masked_diffusion) does not give; set grpo.enabled: false")  # fmt: skip
         if not self.grpo.enabled and self.register.model == "grpo":
             raise ValueError("register.model is grpo but grpo.enabled is false: there is no GRPO model to register")
+        return self
+
+    @model_validator(mode="after")
+    def _merge_has_its_models(self) -> Params:
+        merge = self.merge
+        if not merge.enabled:
+            return self
+        pretrain_dir = LoraParams.model_fields["base_model"].default
+        for index, candidate in enumerate(merge.candidates):
+            key = f"merge.candidates.{index}.models"
+            if "grpo" in candidate.models and not self.grpo.enabled:
+                raise ValueError(f"{key}: grpo, but grpo.enabled is false: there is no GRPO model to merge (take grpo out of the "
+                                 "candidate, or switch merging off: merge.enabled: false)")  # fmt: skip
+            if "base" in candidate.models and self.base_model.name is None:
+                raise ValueError(f"{key}: base is the model base_model.name loads, and base_model.name is null (the model "
+                                 "pretrained here is pretrain)")  # fmt: skip
+            if "lora" in candidate.models and candidate.method != "linear" and os.path.normpath(self.lora.base_model) != os.path.normpath(pretrain_dir):
+                raise ValueError(f"{key}: lora's delta is taken from pretrain ({pretrain_dir}), but lora.base_model is "
+                                 f"{self.lora.base_model}; average it with method linear instead")  # fmt: skip
+        if self.base_model.name is None and merge.max_retention_loss != MergeParams.model_fields["max_retention_loss"].default:
+            raise ValueError("merge.max_retention_loss: applies only with a base model (base_model.name), whose answers the retention "
+                             "loss compares with; without one there is no retention measure and merge chooses on facts alone")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -1,8 +1,9 @@
-"""Params of what follows training: `evaluate`, `export` and `register`.
+"""Params of what follows training: `merge`, `evaluate`, `export` and `register`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -22,6 +23,119 @@ class BaseAnswersParams(Section):
     enough for a short function, a list of five or a few sentences."""
     batch_size: int = Field(16, ge=1)
     """Prompts decoded (and scored) together."""
+
+
+MergeModel = Literal["base", "pretrain", "sft", "lora", "dpo", "grpo"]
+"""What a merge candidate can name: a stage's model, or `base` (the model `base_model.name` loads,
+before continued pretraining)."""
+DELTA_MODELS = ("sft", "lora", "dpo", "grpo")
+"""The models with a delta (task vector) from the model they were trained from: τ_sft = θ_sft −
+θ_pretrain, τ_lora = θ_lora − θ_pretrain (the adapter merged), τ_dpo = θ_dpo − θ_sft (θ_pretrain with
+`dpo.start: base`), τ_grpo = θ_grpo − θ_sft."""
+MAX_CANDIDATES = 6
+"""Candidates `merge` tries at most: each is merged and scored on the validation split, and the more
+tried, the more the choice fits the validation people rather than what they stand for."""
+
+
+class MergeCandidate(Section):
+    """One merge `merge` tries (`pipelines/core/models/merging.py` has the formulas): a method, the
+    models it combines and the method's settings. Keys the method does not read stay at their
+    defaults (anything else is refused)."""
+
+    method: Literal["linear", "task_arithmetic", "ties", "dare", "dare_ties"] = "task_arithmetic"
+    """`linear`: the weighted average of the models' weights, Σ wᵢθᵢ / Σ wᵢ (WiSE-FT with two models:
+    θ = (1−α)·θ_pretrain + α·θ_sft for weights [1−α, α]); the others add the models' deltas to the
+    pretrained model: `task_arithmetic` θ_pretrain + Σ wᵢτᵢ (Ilharco et al. 2023); `ties` trims each
+    delta to its `density` largest magnitudes, elects each weight's sign by the summed mass and
+    averages the deltas that agree (Yadav et al. 2023); `dare` drops each delta's entries with
+    probability `drop_rate` and rescales the rest by 1/(1−drop_rate) before task arithmetic (Yu et
+    al. 2024); `dare_ties` DARE's drops, then TIES's sign election, summing the deltas that agree
+    (mergekit's `dare_ties`)."""
+    models: list[MergeModel] = Field(default_factory=lambda: ["sft", "dpo"], min_length=1)
+    """The models combined, each once: for `linear` at least two of base, pretrain, sft, lora, dpo,
+    grpo (`base` needs `base_model.name`); for the others the models whose deltas are merged: sft,
+    lora, dpo, grpo (see `DELTA_MODELS`)."""
+    weights: list[float] = Field(default_factory=list)
+    """One weight per model, in the order of `models` (`linear`: at least 0 and not all 0; the others:
+    each delta's λᵢ, negative subtracts it). Empty: 1.0 each."""
+    density: Annotated[float, only_with("method", "ties")] = Field(0.2, gt=0, le=1)
+    """The share of each delta's entries TIES keeps, per tensor: the round(density·n) largest in
+    magnitude (the paper keeps the top 20%)."""
+    scale: Annotated[float, only_with("method", "ties")] = Field(1.0, gt=0)
+    """TIES's λ: the merged delta (the mean of the deltas that agree in sign) is multiplied by it before
+    it is added to θ_pretrain. Below 1 moves the result back towards the pretrained model."""
+    drop_rate: Annotated[float, only_with("method", "dare", "dare_ties")] = Field(0.9, ge=0, lt=1)
+    """DARE's p: each delta entry is dropped with this probability (seeded by `merge.seed`), the rest
+    multiplied by 1/(1−p), so the delta is unchanged in expectation."""
+
+    @model_validator(mode="after")
+    def _models_fit_the_method(self) -> MergeCandidate:
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"models: each model once (got {self.models})")
+        if self.weights and len(self.weights) != len(self.models):
+            raise ValueError(f"weights: one per model ({len(self.models)} models {self.models}, {len(self.weights)} weights); or [] for 1.0 each")
+        if not all(math.isfinite(w) for w in self.weights):
+            raise ValueError(f"weights: finite numbers (got {self.weights})")
+        if self.method == "linear":
+            if len(self.models) < 2:
+                raise ValueError(f"models: linear averages at least two models (got {self.models}); to move part of the way from "
+                                 "pretrain to a model, list both: [pretrain, sft] with weights [0.5, 0.5]")  # fmt: skip
+            if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) == 0):
+                raise ValueError(f"weights: linear is a weighted average, each weight at least 0 and not all 0 (got {self.weights})")
+        elif other := [m for m in self.models if m not in DELTA_MODELS]:
+            raise ValueError(f"models: {', '.join(other)} has no delta to merge with {self.method}: its deltas are those of "
+                             f"{', '.join(DELTA_MODELS)}, added to pretrain (base and pretrain can be averaged with method linear)")  # fmt: skip
+        return self
+
+    def weight_list(self) -> list[float]:
+        """`weights`, or 1.0 per model where it is empty."""
+        return list(self.weights) if self.weights else [1.0] * len(self.models)
+
+    def label(self) -> str:
+        """A short name for tables and the picture: `ties(sft, dpo; density 0.2)`."""
+        weights = "" if not self.weights else " x " + ", ".join(f"{w:g}" for w in self.weights)
+        setting = {"ties": f"; density {self.density:g}" + (f", scale {self.scale:g}" if self.scale != 1 else ""),
+                   "dare": f"; drop {self.drop_rate:g}", "dare_ties": f"; drop {self.drop_rate:g}"}.get(self.method, "")  # fmt: skip
+        return f"{self.method}({', '.join(self.models)}{weights}{setting})"
+
+
+def _default_candidates() -> list[MergeCandidate]:
+    return [MergeCandidate(method="linear", models=["pretrain", "sft"], weights=[0.5, 0.5]),
+            MergeCandidate(method="dare", models=["sft", "dpo"])]  # fmt: skip
+
+
+class MergeParams(Section):
+    """Weight-space merging of the trained models (`pipelines/merge.py`, docs/fine-tuning.md
+    "Merging"): each candidate merged, scored on the validation split, one chosen."""
+
+    enabled: bool = True
+    """Merge. Off: the stage writes only a README (no cost), and evaluate skips it."""
+    candidates: list[MergeCandidate] = Field(default_factory=_default_candidates, min_length=1)
+    """The merges to try, at most 6 (`MAX_CANDIDATES`). Each is scored on the validation split: the
+    strict match of the validation questions' answers (facts and sums) and, with a base model, the
+    retention log-loss on the validation third of the general prompts. The unmerged models they name
+    are scored too, for the picture."""
+    max_retention_loss: float = Field(0.15, ge=0)
+    """The choice: of the candidates whose validation retention loss is at most this, the one with
+    the best validation strict match (ties: the lower retention loss, then the first listed); if none
+    is, the one with the lowest retention loss. Only with a base model (data/base_answers): without
+    one there is no retention measure and the best strict match is chosen."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Greedy decoding length of each validation answer (as `evaluate.max_new_tokens`; its own key, so
+    that an evaluate-only change does not rerun the merge)."""
+    batch_size: int = Field(32, ge=1)
+    """Questions decoded (and general prompts scored) together."""
+    seed: Annotated[int, AppliesWhen("a candidate of method dare or dare_ties", lambda s: any(c.method in ("dare", "dare_ties") for c in s.candidates))] = 0
+    """DARE's drops: each tensor's mask is drawn from a generator seeded by this seed, the model's
+    name and the tensor's name, so the same inputs give the same bytes, in any order."""
+
+    @field_validator("candidates")
+    @classmethod
+    def _few_candidates(cls, candidates: list[MergeCandidate]) -> list[MergeCandidate]:
+        if len(candidates) > MAX_CANDIDATES:
+            raise ValueError(f"at most {MAX_CANDIDATES} candidates (got {len(candidates)}): each is scored on the validation split, "
+                             "and the more are tried, the more the choice fits those few people rather than what they stand for")  # fmt: skip
+        return candidates
 
 
 class EvaluateParams(Section):
