@@ -309,7 +309,8 @@ def test_mlflow_models_serve_answers_chat_requests_as_qllm_generate(first, proje
 
 def test_evaluate_compares_every_model(first, project):
     evaluation = json.loads((project / "data/metrics/evaluate.json").read_text())
-    models = ["pretrain", "sft", "lora", "dpo", "grpo"]
+    models = ["pretrain", "sft", "lora", "dpo", "grpo", "merge"]
+    trained = models[:-1]  # merge trains nothing: no training log
     assert sorted(m for m in evaluation if m in models) == sorted(models)
     for name in models:
         entry = evaluation[name]
@@ -327,7 +328,7 @@ def test_evaluate_compares_every_model(first, project):
     rendered = json.loads(shown)["data"]
     assert {"train_loss", "val_loss", "data/evaluate/plots/loss_curves.png", "data/evaluate/plots/metrics.png"} <= set(rendered)
     curves = {point["filename"].split("/")[0] for point in rendered["train_loss"][0]["content"]["data"]["values"]}
-    assert curves == set(models)
+    assert curves == set(trained)
     client = mlflow_client(project)
     run_id = json.loads((project / "data/metrics/evaluate.json").read_text())["mlflow_run_id"]
     artifacts = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "plots")}
@@ -348,7 +349,7 @@ def test_prefect_artifacts_table_and_summary(first, project):
 
     table = asyncio.run(latest("qllm-evaluation"))
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
-    assert table.type == "table" and [r["model"] for r in rows] == ["pretrain", "sft", "lora", "dpo", "grpo"]
+    assert table.type == "table" and [r["model"] for r in rows] == ["pretrain", "sft", "lora", "dpo", "grpo", "merge"]
     summary = asyncio.run(latest("qllm-run-summary"))
     assert summary.type == "markdown" and "| pretrain | " in summary.data and "@champion" in summary.data
 

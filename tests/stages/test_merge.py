@@ -198,6 +198,7 @@ SEVEN = ",".join(["{method: linear, models: [pretrain, sft]}"] * 7)
         (["grpo.enabled=false", "merge.candidates=[{method: dare, models: [sft, grpo]}]"], "merge.candidates.0.models: grpo, but grpo.enabled is false"),
         (["merge.candidates=[{method: linear, models: [base, sft]}]"], "merge.candidates.0.models: base is the model base_model.name loads, and base_model.name is null"),
         (["merge.max_retention_loss=0.3"], "merge.max_retention_loss: applies only with a base model"),
+        (["merge.enabled=false", "register.model=merge"], "register.model is merge but merge.enabled is false"),
     ],
 )
 def test_nonsense_is_refused_naming_the_key(overrides, message):

@@ -122,6 +122,9 @@ class Params(Section):
     def _merge_has_its_models(self) -> Params:
         merge = self.merge
         if not merge.enabled:
+            for key, value in (("register.model", self.register.model), ("export.model", self.export.model)):
+                if value == "merge":
+                    raise ValueError(f"{key} is merge but merge.enabled is false: there is no merged model")
             return self
         pretrain_dir = LoraParams.model_fields["base_model"].default
         for index, candidate in enumerate(merge.candidates):

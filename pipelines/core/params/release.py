@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from pipelines.core.params.base import AppliesWhen, Section, only_with
 from pipelines.core.params.rl import ToolsParams
 
-ModelStage = Literal["pretrain", "sft", "lora", "dpo", "grpo"]
+ModelStage = Literal["pretrain", "sft", "lora", "dpo", "grpo", "merge"]
 
 
 class BaseAnswersParams(Section):
@@ -139,7 +139,7 @@ class MergeParams(Section):
 
 
 class EvaluateParams(Section):
-    models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora", "dpo", "grpo"], min_length=1)
+    models: list[ModelStage] = Field(default_factory=lambda: ["pretrain", "sft", "lora", "dpo", "grpo", "merge"], min_length=1)
     """Models to evaluate on the same held-out sets (outputs of these stages)."""
     tools: ToolsParams = ToolsParams()
     """The tools a held-out question that offers them (its chat's `tools`) is answered with: a greedy
