@@ -13,8 +13,11 @@ model (`register.model: multimodal`) is logged as a pyfunc over its directory
 
 The gate: the new version takes alias `register.alias` (champion) only if its `register.metric`
 in data/metrics/evaluate.json (default held-out exact match) is at least the champion's plus
-`register.margin` (`mode: min`: at most, minus the margin); otherwise it gets
-`register.challenger_alias` and the reason is logged and tagged. The first version is champion.
+`register.margin` (`mode: min`: at most, minus the margin) and its metrics meet every bound of
+`register.require` (e.g. `retention_loss` at most 0.15 beside the facts: several metrics at once);
+otherwise it gets `register.challenger_alias` and the reason is logged and tagged. The first version
+is champion if it meets `register.require`. `register.model: merge` registers the merge the `merge`
+stage chose on the validation split.
 
 Version tags: git commit, DVC md5 of every data set and of the model (as in dvc.lock), the params
 of every stage (`params.<stage>`), the evaluation metrics (`metric.<name>`), the gate's decision,
@@ -109,9 +112,28 @@ class Decision:
     champion_value: float | None = None
 
 
-def gate(client, params: RegisterParams, value: float) -> Decision:
+def unmet(params: RegisterParams, metrics: dict[str, float] | None) -> list[str]:
+    """The bounds of `params.require` that `metrics` do not meet, each as `retention_loss 0.2100 does not meet retention_loss <= 0.15`."""
+    if not params.require:
+        return []
+    if metrics is None:
+        raise ValueError("register.require is set: the gate needs the version's metrics")
+    return [f"{bound.metric} {metrics[bound.metric]:.4f} does not meet {bound.describe()}" for bound in params.require if not bound.met_by(metrics[bound.metric])]
+
+
+def gate(client, params: RegisterParams, value: float, metrics: dict[str, float] | None = None) -> Decision:
     """Champion or challenger for a new version whose `params.metric` is `value`, against the
-    version that holds `params.alias` now (its `metric.<name>` tag)."""
+    version that holds `params.alias` now (its `metric.<name>` tag); a version whose `metrics` miss
+    a bound of `params.require` is the challenger whatever the champion's value."""
+    decision = _against_champion(client, params, value)
+    missed = unmet(params, metrics)
+    if not missed:
+        return decision
+    return Decision(params.challenger_alias, False, f"register.require: {'; '.join(missed)} (against the champion: {decision.reason})",
+                    decision.champion_version, decision.champion_value)  # fmt: skip
+
+
+def _against_champion(client, params: RegisterParams, value: float) -> Decision:
     from mlflow.exceptions import MlflowException
 
     name, metric = params.model_name, params.metric
@@ -131,13 +153,13 @@ def gate(client, params: RegisterParams, value: float) -> Decision:
     return Decision(params.alias if passed else params.challenger_alias, passed, comparison, str(champion.version), current)
 
 
-def promote(client, params: RegisterParams, version: str, value: float) -> Decision:
+def promote(client, params: RegisterParams, version: str, value: float, metrics: dict[str, float] | None = None) -> Decision:
     """Gate `version` (its `metric.<name>` tag already set), record the decision on it, and set the
     aliases. Registrations on other machines may run at the same moment (a shared MLflow server):
     each tags the champion its gate compared against (`gate.champion`) before any alias moves, then
     `settle`s, so `@champion` ends on the best of the versions promoted against the same champion
     (or a better one that arrived since), never on a worse one that happened to write last."""
-    decision = gate(client, params, value)
+    decision = gate(client, params, value, metrics)
     for key, tag in (("gate.decision", decision.alias), ("gate.reason", decision.reason), ("gate.champion", decision.champion_version or "none")):
         client.set_model_version_tag(params.model_name, version, key, tag)
     if decision.promoted:
@@ -177,14 +199,17 @@ def _alias_version(client, name: str, alias: str) -> str | None:
 
 
 def model_metrics(evaluation: dict, params: RegisterParams, where: str) -> dict[str, float]:
-    """The numeric evaluation metrics of the registered stage's model; the gate's metric must be one."""
+    """The numeric evaluation metrics of the registered stage's model; the gate's metric and every
+    metric `register.require` bounds must be among them."""
     entry = evaluation.get(params.model)
     if entry is None:
         raise QllmError(f"{where}: no entry for model {params.model!r} (add it to evaluate.models to register it)")
     numeric = {k: float(v) for k, v in entry.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if params.metric not in numeric or not math.isfinite(numeric[params.metric]):
-        raise QllmError(f"register.metric: {params.metric!r} is not a finite number in {where}[{params.model!r}]; "
-                        f"available: {', '.join(sorted(numeric))}")  # fmt: skip
+    keys = [("register.metric", params.metric)] + [(f"register.require.{i}.metric", bound.metric) for i, bound in enumerate(params.require)]
+    for key, metric in keys:
+        if metric not in numeric or not math.isfinite(numeric[metric]):
+            raise QllmError(f"{key}: {metric!r} is not a finite number in {where}[{params.model!r}]; "
+                            f"available: {', '.join(sorted(numeric))}")  # fmt: skip
     return numeric
 
 
@@ -235,6 +260,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
         "qllm.stage": params.model,
         "qllm.lineage": lineage.ARTIFACT,
         "gate.metric": params.metric,
+        **({"gate.require": "; ".join(bound.describe() for bound in params.require)} if params.require else {}),
         **gguf_tags,
     }
     tracking.check_pins_directly()  # the pins below are this environment's: no scan of every installed file
@@ -263,7 +289,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
     # gate and alias as one step: two runs registering at once must not both beat the same champion
     # (the lock: runs of this project on this machine; `promote`'s settling: runs anywhere)
     with workspace.project_lock(root, f"registry-{params.model_name}", f"the registry entry {params.model_name!r}"):
-        decision = promote(client, params, model_version, value)
+        decision = promote(client, params, model_version, value, metrics)
     record = {
         "stage": params.model,
         "model_name": params.model_name,
@@ -273,6 +299,7 @@ def run(root: Path, model_dir: Path, out: Path, params: RegisterParams, run_id: 
         "reason": decision.reason,
         "metric": params.metric,
         "value": value,
+        "require": [{"bound": bound.describe(), "value": metrics[bound.metric], "met": bound.met_by(metrics[bound.metric])} for bound in params.require],
         "previous_champion": decision.champion_version,
         "model_uri": f"models:/{params.model_name}/{model_version}",
     }  # no MLflow run id: a DVC output holds no per-run identifier (the version knows its run)

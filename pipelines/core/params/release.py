@@ -220,6 +220,34 @@ class ExportParams(Section):
         return self
 
 
+class GateBound(Section):
+    """A bound the registered model's metric must meet to be promoted (`register.require`)."""
+
+    metric: str = Field(min_length=1)
+    """A key of the model's entry in data/metrics/evaluate.json (`retention_loss`, `strict_match`, ...)."""
+    at_least: float | None = None
+    """The metric must be at least this (null: no lower bound)."""
+    at_most: float | None = None
+    """The metric must be at most this (null: no upper bound)."""
+
+    @model_validator(mode="after")
+    def _a_bound(self) -> GateBound:
+        if self.at_least is None and self.at_most is None:
+            raise ValueError(f"{self.metric}: give at_least, at_most or both (a requirement with no bound requires nothing)")
+        if self.at_least is not None and self.at_most is not None and self.at_least > self.at_most:
+            raise ValueError(f"{self.metric}: at_least {self.at_least} is above at_most {self.at_most}: no value meets both")
+        return self
+
+    def met_by(self, value: float) -> bool:
+        return (self.at_least is None or value >= self.at_least) and (self.at_most is None or value <= self.at_most)
+
+    def describe(self) -> str:
+        """`retention_loss <= 0.15`, `strict_match >= 0.6`, `0.1 <= x <= 0.2`."""
+        if self.at_least is not None and self.at_most is not None:
+            return f"{self.at_least:g} <= {self.metric} <= {self.at_most:g}"
+        return f"{self.metric} >= {self.at_least:g}" if self.at_least is not None else f"{self.metric} <= {self.at_most:g}"
+
+
 class RegisterParams(Section):
     model: ModelStage | Literal["multimodal"] = "dpo"
     """Which stage's model to register (`multimodal`: the image-chat model, gated on its entry in
@@ -237,6 +265,10 @@ class RegisterParams(Section):
     """Whether a higher (`max`, e.g. exact_match) or lower (`min`, e.g. val_loss) metric is better."""
     margin: float = Field(0.0, ge=0)
     """How much better than the champion (in the metric's units) a new version must be."""
+    require: list[GateBound] = Field(default_factory=list)
+    """Bounds every one of which the new version's metrics must also meet to be promoted, whatever the
+    champion's (e.g. `{metric: retention_loss, at_most: 0.15}` beside the primary metric: facts and
+    retention at once); one unmet makes it the challenger, the reason naming it. Empty: only `metric`."""
 
     @field_validator("model_name")
     @classmethod
