@@ -459,7 +459,8 @@ def real(args, work: Path) -> list[dict]:
     base, what = _real_base(args, work)
     overrides = [f"base_model.name={base}"]
     if args.tiny:  # two steps of each: the code paths, not the times
-        overrides += [f"{stage}.train.max_steps=2" for stage in ("pretrain", *REAL_STAGES)]
+        overrides += [f"{stage}.train.{key}" for stage in ("pretrain", *REAL_STAGES) for key in ("max_steps=2", "warmup_steps=1")]
+        overrides += ["base_answers.max_new_tokens=4"]  # the replay's reference answers: what the stages read, not their length
     project = bare_project(work / "real", ["params/smollm2.yaml"], overrides)
     metrics = run_stages(project, REAL_STAGES)
     rows = []

@@ -343,6 +343,11 @@ def recipe(args) -> int:
     reference = replay.read(args.answers.resolve())
     chosen = [row for row in reference[0] if row["split"] == "validation"]
     print(f"{cpu()}; {rows} rows of text, {len(questions)} validation questions, {len(chosen)} validation prompts", flush=True)
+    base_state = {}
+    if args.wise:
+        from pipelines.core.models import gguf_import
+
+        base_state = gguf_import.load_model(gguf_import.locate(params.base_model.name, REPO)).state_dict()
 
     def one(lr: float, epochs: float, seed: int, tmp: Path) -> dict:
         steps = max(1, round(epochs * rows / params.pretrain.train.micro_batch_size))
@@ -360,13 +365,25 @@ def recipe(args) -> int:
                                                    "replay": params.sft.replay.model_copy(update={"fraction": args.sft_replay})})  # fmt: skip
         sft.run(run / "data/prepared/chat", tmp / "sft", stage.resolve_precision("sft", sft_params), replay_answers=args.answers.resolve())
         model, tokenizer = load_for_inference(tmp / "sft", run)
-        predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.evaluate.max_new_tokens, params.evaluate.batch_size)
-        strict, by_group = scores.strict_match_report(questions, predictions)
-        nll = retention.answer_nll(model, tokenizer, retention.messages_of(chosen), [r["answer"] for r in chosen], params.evaluate.batch_size)
+
+        def scored(model) -> tuple[float, dict, float]:
+            predictions = generate_answers(model, tokenizer, questions["prompt"].tolist(), params.evaluate.max_new_tokens, params.evaluate.batch_size)
+            strict, by_group = scores.strict_match_report(questions, predictions)
+            nll = retention.answer_nll(model, tokenizer, retention.messages_of(chosen), [r["answer"] for r in chosen], params.evaluate.batch_size)
+            return round(sum(strict) / len(strict), 4), by_group, round(retention.retention_loss(nll, reference[1]["nll"]["validation"]), 4)
+
+        wise = {}
+        if args.wise:  # linear interpolation with the base (WiSE-FT): base + alpha (sft - base)
+            tuned = {k: v.clone() for k, v in model.state_dict().items()}
+            for alpha in args.wise:
+                model.load_state_dict({k: base_state[k] + alpha * (v - base_state[k]) if v.is_floating_point() else v for k, v in tuned.items()})
+                facts, _, kept = scored(model)
+                wise[str(alpha)] = {"strict": facts, "retention_loss": kept}
+            model.load_state_dict(tuned)
+        facts, by_group, kept = scored(model)
         result = {"lr": lr, "epochs": epochs, "seed": seed, "cpt_replay": args.cpt_replay, "sft_replay": args.sft_replay, "steps": steps, "cpt_seconds": round(cpt_seconds), "cpt_val_loss": round(cpt["val/loss"], 4),
-                  "strict": round(sum(strict) / len(strict), 4), "by_group": by_group,
-                  "retention_loss": round(retention.retention_loss(nll, reference[1]["nll"]["validation"]), 4),
-                  "cpt_retention_loss": round(retention.retention_loss(cpt_nll, reference[1]["nll"]["validation"]), 4),
+                  "strict": facts, "by_group": by_group, "retention_loss": kept,
+                  "cpt_retention_loss": round(retention.retention_loss(cpt_nll, reference[1]["nll"]["validation"]), 4), "wise": wise,
                   "seconds": round(time.perf_counter() - started)}  # fmt: skip
         return result
 
@@ -437,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seeds", type=int, nargs="+", default=[0])
     r.add_argument("--cpt-replay", type=float, default=0.0, help="pretrain.replay.fraction")
     r.add_argument("--sft-replay", type=float, default=0.0, help="sft.replay.fraction")
+    r.add_argument("--wise", type=float, nargs="*", default=[], help="also score base + alpha (sft - base) for these alphas (WiSE-FT)")
     r.add_argument("--out", type=Path)
     n = commands.add_parser("nf4")
     n.add_argument("--out", type=Path)

