@@ -445,16 +445,17 @@ def toy(tmp_path):
     repro.close(root)
 
 
-def record_dpo_losses(monkeypatch) -> list[tuple[float, dict]]:
-    """Patch `pipelines.dpo.dpo_loss` so that every loss DPO computes (training steps,
-    validation, held-out) is appended, as `(loss, metrics)`, to the list returned."""
+def record_dpo_losses(monkeypatch, factory: str = "dpo_loss") -> list[tuple[float, dict]]:
+    """Patch `pipelines.dpo.<factory>` (a function returning a loss function: `dpo_loss`, or
+    `with_replay` for the loss with the replay term) so that every loss it computes (training
+    steps, validation, held-out) is appended, as `(loss, metrics)`, to the list returned."""
     from pipelines import dpo
 
     seen: list[tuple[float, dict]] = []
-    real = dpo.dpo_loss
+    real = getattr(dpo, factory)
 
-    def recording(params, reference=None):
-        fn = real(params, reference)
+    def recording(*args, **kwargs):
+        fn = real(*args, **kwargs)
 
         def loss_fn(model, batch):
             loss, metrics = fn(model, batch)
@@ -463,7 +464,7 @@ def record_dpo_losses(monkeypatch) -> list[tuple[float, dict]]:
 
         return loss_fn
 
-    monkeypatch.setattr(dpo, "dpo_loss", recording)
+    monkeypatch.setattr(dpo, factory, recording)
     return seen
 
 

@@ -382,25 +382,6 @@ def test_settings_a_method_would_not_read_are_refused(settings, message):
     assert DpoParams(method="simpo", label_smoothing=0.1, sft_weight=0.5).dpo_loss_type == "sigmoid"  # simpo reads both
 
 
-def _recording_replay(monkeypatch) -> list[tuple[float, dict]]:
-    """Every loss of the replay-wrapped loss function (`dpo.with_replay`): `(loss, metrics)`."""
-    seen: list[tuple[float, dict]] = []
-    real = dpo.with_replay
-
-    def recording(loss_fn, weight):
-        fn = real(loss_fn, weight)
-
-        def wrapped(model, batch):
-            loss, metrics = fn(model, batch)
-            seen.append((float(loss.detach()), metrics))
-            return loss, metrics
-
-        return wrapped
-
-    monkeypatch.setattr(dpo, "with_replay", recording)
-    return seen
-
-
 def _nll_by_hand(model_dir, examples) -> float:
     """The per-token NLL of the examples' labelled tokens, one example at a time."""
     from transformers import AutoModelForCausalLM
@@ -425,7 +406,7 @@ def test_dpo_replay_adds_weight_times_the_nll_of_the_base_answers(workspace, ans
     from pipelines.core.training import finetune
 
     root, _ = workspace
-    seen = _recording_replay(monkeypatch)
+    seen = record_dpo_losses(monkeypatch, "with_replay")
     one_step = TRAIN.model_copy(update={"max_steps": 1, "micro_batch_size": 6, "eval_every": 0})
     params = DpoParams(beta=0.1, train=one_step, replay={"fraction": 0.3, "weight": weight})
     metrics = dpo.run(root, root / "data/ref_logprobs", root / "data/models/dpo", params, replay_answers=answers)
