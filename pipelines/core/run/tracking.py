@@ -210,8 +210,8 @@ class Tracker:
                 # The store's get-or-create of a dataset row is not atomic: a stage in another
                 # process logging the same (name, digest) at the same moment wins the insert and
                 # ours fails, with none of the list linked (one transaction). The row exists now,
-                # so the second call links them all.
-                if "UNIQUE constraint failed" not in str(err):
+                # so the second call links them all. SQLite and PostgreSQL (a team's server) word it apart.
+                if not any(words in str(err) for words in ("UNIQUE constraint failed", "duplicate key value violates unique constraint")):
                     raise
                 self.client.log_inputs(self.run_id, datasets=entities)
 

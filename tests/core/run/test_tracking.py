@@ -119,10 +119,15 @@ def test_only_a_plain_pin_of_an_installed_version_skips_mlflows_check(requiremen
     assert tracking._pin_matches(requirement.format(torch=torch)) is matches
 
 
-def test_a_stages_data_sets_go_to_mlflow_in_one_request(tmp_path):
+@pytest.mark.parametrize("collision", [
+    "(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, datasets.name, datasets.digest",
+    'RestException: BAD_REQUEST: (psycopg.errors.UniqueViolation) duplicate key value violates unique constraint "dataset_pk"',
+])  # fmt: skip
+def test_a_stages_data_sets_go_to_mlflow_in_one_request(tmp_path, collision):
     """`log_datasets` sends every input of a stage in one `log_inputs` (one round trip to a tracking
     server instead of one per data set), each with its DVC md5 and context; a concurrent insert of
-    the same data set (SQLite's UNIQUE constraint) is retried once, for the whole list."""
+    the same data set (SQLite's UNIQUE constraint, PostgreSQL's unique violation behind a server)
+    is retried once, for the whole list."""
     calls = []
 
     class Client:
@@ -132,7 +137,7 @@ def test_a_stages_data_sets_go_to_mlflow_in_one_request(tmp_path):
             calls.append((run_id, datasets))
             if Client.fail_once:
                 Client.fail_once = False
-                raise RuntimeError("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, datasets.name, datasets.digest")
+                raise RuntimeError(collision)
 
     for name in ("a", "b", "c"):
         (tmp_path / name).mkdir()
